@@ -1,0 +1,22 @@
+"""racecpu: RACE attention in linear time on CPUs (NumPy in, NumPy out).
+
+RACE attention (Algorithms 1 and 2 of the paper) replaces softmax attention by
+the sharpened angular kernel ``(1 - theta/pi) ** P``, estimated with soft LSH
+bucket sketches over ``L`` hash tables of ``P`` hyperplanes each.
+"""
+
+from importlib.metadata import PackageNotFoundError, version as _version
+
+from . import reference
+from .attention import RaceAttention, Residuals, race_attention, race_attention_bwd, race_attention_fwd
+from .hashing import DEFAULT_BETA, DEN_FLOOR, corners, hyperplanes, soft_buckets
+
+try:
+    __version__ = _version("racecpu")
+except PackageNotFoundError:  # running from a source tree
+    __version__ = "0.1.0"
+
+__all__ = [
+    "hyperplanes", "corners", "soft_buckets", "race_attention", "race_attention_fwd", "race_attention_bwd",
+    "RaceAttention", "Residuals", "reference", "DEFAULT_BETA", "DEN_FLOOR", "__version__",
+]

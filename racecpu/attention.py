@@ -1,0 +1,367 @@
+"""RACE attention: the public NumPy API (argument checking, layout, residuals).
+
+The numerical work is in :mod:`racecpu._kernels`; this module turns user
+arrays into the kernels' layout, checks everything a user can get wrong, and
+packs the residuals the backward needs.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _kernels as K
+from .hashing import DEFAULT_BETA, MAX_PLANES, hyperplanes
+
+__all__ = ["race_attention", "race_attention_fwd", "race_attention_bwd", "RaceAttention", "Residuals"]
+
+#: Tokens per chunk: the unit of parallel work and the longest run summed in
+#: the compute dtype before the sum moves to float64.
+CHUNK = 1024
+# Cap on the float64 chunk partials (G * nc * F * (dv + 1) * 8 bytes); above
+# it chunks grow, which only matters for very large P.
+_PARTIAL_BUDGET = 256 * 2 ** 20
+
+
+# ---------------------------------------------------------------------------
+# argument checking
+# ---------------------------------------------------------------------------
+
+def _dtypes(*arrays):
+    """(compute dtype, output dtype) of float inputs: float16 computes in float32."""
+    dt = np.result_type(*arrays)
+    if dt == np.float16:
+        return np.dtype(np.float32), np.dtype(np.float16)
+    return dt, dt
+
+
+def _check_array(name, x, check_finite, min_ndim=2):
+    """Float array check; returns (array, output dtype, compute dtype)."""
+    try:
+        x = np.asarray(x)
+    except Exception as exc:  # ragged lists and the like
+        raise TypeError(f"{name} must be an array of floats: {exc}") from None
+    if x.dtype.kind != "f" or x.dtype.itemsize > 8:
+        raise TypeError(f"{name} must be a float16, float32 or float64 array, got dtype {x.dtype}; "
+                        f"pass {name}.astype(np.float32)")
+    if x.ndim < min_ndim:
+        raise ValueError(f"{name} must have at least {min_ndim} dims (..., N, d), got shape {x.shape}")
+    if check_finite and not np.isfinite(x).all():
+        raise ValueError(f"{name} contains NaN or Inf (pass check_finite=False to skip this check)")
+    cdt = np.dtype(np.float32) if x.dtype == np.float16 else x.dtype
+    return x, x.dtype, cdt
+
+
+def _check_planes(planes, d, cdt):
+    planes = np.asarray(planes)
+    if planes.dtype.kind not in "fiu" or planes.dtype.kind == "b":
+        raise TypeError(f"planes must be a float array (L, P, d), got dtype {planes.dtype}")
+    if planes.ndim != 3:
+        raise ValueError(f"planes must have shape (L, P, d), got shape {planes.shape}")
+    L, P, pd = planes.shape
+    if pd != d:
+        raise ValueError(f"planes have head dim {pd} but the inputs have head dim {d} "
+                         f"(planes shape {planes.shape})")
+    if L < 1 or not 1 <= P <= MAX_PLANES:
+        raise ValueError(f"planes need L >= 1 tables and 1 <= P <= {MAX_PLANES} planes, got shape {planes.shape}")
+    if d < 1:
+        raise ValueError(f"head dim must be >= 1, got planes shape {planes.shape}")
+    if not np.isfinite(planes).all():
+        raise ValueError("planes contain NaN or Inf")
+    return np.ascontiguousarray(planes, dtype=cdt)
+
+
+def _check_beta(beta):
+    if isinstance(beta, (bool, np.bool_)) or not isinstance(beta, (numbers.Real, np.ndarray, np.generic)):
+        raise TypeError(f"beta must be a positive finite float, got {type(beta).__name__} {beta!r}")
+    b = np.asarray(beta)
+    if b.ndim != 0 or b.dtype.kind not in "fiu":
+        raise TypeError(f"beta must be a scalar float, got {b.dtype} array of shape {b.shape}")
+    b = float(b)
+    if not np.isfinite(b) or b <= 0:
+        raise ValueError(f"beta must be finite and > 0, got {b}")
+    return b
+
+
+@dataclass(frozen=True)
+class _Args:
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    mask: np.ndarray
+    planes: np.ndarray
+    beta: float
+    lead: tuple
+    out_dtype: np.dtype
+    in_dtypes: tuple
+    causal: bool
+    check_finite: bool
+
+
+def _prepare(q, k, v, planes, beta, causal, key_mask, check_finite):
+    q, qdt, _ = _check_array("q", q, check_finite)
+    k, kdt, _ = _check_array("k", k, check_finite)
+    v, vdt, _ = _check_array("v", v, check_finite)
+    cdt, odt = _dtypes(q, k, v)
+    lead = q.shape[:-2]
+    if k.shape[:-2] != lead or v.shape[:-2] != lead:
+        raise ValueError(f"q, k, v must have the same leading dims, got shapes q {q.shape}, k {k.shape}, v {v.shape}")
+    nq, d = q.shape[-2:]
+    nk = k.shape[-2]
+    if k.shape[-1] != d:
+        raise ValueError(f"q and k must have the same head dim, got shapes q {q.shape} and k {k.shape}")
+    if v.shape[-2] != nk:
+        raise ValueError(f"k and v must have the same number of tokens, got shapes k {k.shape} and v {v.shape}")
+    if causal and nq != nk:
+        raise ValueError(f"causal attention needs as many queries as keys, got shapes q {q.shape} and k {k.shape}")
+    planes = _check_planes(planes, d, cdt)
+    beta = _check_beta(beta)
+    G = int(np.prod(lead, dtype=np.int64))
+    if key_mask is None:
+        mask = np.ones((G, nk), dtype=np.bool_)
+    else:
+        m = np.asarray(key_mask)
+        if m.dtype != np.bool_:
+            raise TypeError(f"key_mask must be a bool array, got dtype {m.dtype}")
+        if m.shape != lead + (nk,):
+            raise ValueError(f"key_mask must have shape {lead + (nk,)} (leading dims + (Nk,)), got {m.shape}")
+        mask = np.ascontiguousarray(m.reshape(G, nk))
+
+    def flat(x):
+        return np.ascontiguousarray(x.reshape((G,) + x.shape[-2:]), dtype=cdt)
+
+    return _Args(flat(q), flat(k), flat(v), mask, planes, beta, lead, odt, (qdt, kdt, vdt),
+                 bool(causal), bool(check_finite))
+
+
+def _chunk(n, G, F, dv):
+    """Chunk length: CHUNK tokens unless the float64 partials would outgrow their budget."""
+    per_chunk = G * F * (dv + 1) * 8
+    max_chunks = max(1, _PARTIAL_BUDGET // max(per_chunk, 1))
+    return max(CHUNK, -(-n // max_chunks), 1)
+
+
+# ---------------------------------------------------------------------------
+# forward / backward
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Residuals:
+    """What :func:`race_attention_bwd` needs from the forward (treat as opaque).
+
+    Holds O(N * L * R) numbers per head (soft buckets, tanh projections, the
+    denominators) plus the O(L * R * dv) sketch or, for causal attention, the
+    carried state at every chunk start.  ``v`` is kept by reference (in the
+    compute dtype): do not modify it between forward and backward.
+    """
+    planes: np.ndarray
+    beta: float
+    causal: bool
+    chunk: int
+    v: np.ndarray        # (G, Nk, dv)
+    phiq: np.ndarray     # (G, Nq, F)
+    tq: np.ndarray       # (G, Nq, L*P)
+    phik: np.ndarray     # (G, Nk, F)
+    tk: np.ndarray       # (G, Nk, L*P)
+    den: np.ndarray      # (G, Nq) float64
+    A: np.ndarray        # (G, F) total, or (G, nc, F) carries when causal; float64
+    B: np.ndarray        # (G, F, dv) total, or (G, nc, F, dv) carries when causal; float64
+    lead: tuple
+    in_dtypes: tuple
+    out_dtype: np.dtype
+    check_finite: bool
+
+    @property
+    def out_shape(self):
+        return self.lead + (self.phiq.shape[1], self.v.shape[2])
+
+
+def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None, check_finite=True):
+    """RACE attention forward; returns ``(out, residuals)`` for :func:`race_attention_bwd`.
+
+    Arguments are those of :func:`race_attention`.
+    """
+    a = _prepare(q, k, v, planes, beta, causal, key_mask, check_finite)
+    G, nq, _ = a.q.shape
+    nk, dv = a.v.shape[1:]
+    L, P, _ = a.planes.shape
+    F = L * 2 ** P
+    cdt = a.q.dtype
+    chunk = _chunk(max(nq, nk), G, F, dv)
+    nck = -(-nk // chunk)
+    phik = np.empty((G, nk, F), cdt)
+    tk = np.empty((G, nk, L * P), cdt)
+    partA = np.zeros((G, nck, F))
+    partB = np.zeros((G, nck, F, dv))
+    phiq = np.empty((G, nq, F), cdt)
+    tq = np.empty((G, nq, L * P), cdt)
+    den = np.zeros((G, nq))
+    out = np.zeros((G, nq, dv), cdt)
+    if G and nk:
+        K.sketch_chunks(a.k, a.v, a.mask, a.planes, a.beta, chunk, phik, tk, partA, partB)
+    if causal:
+        A, B = K.exclusive_scan(partA), K.exclusive_scan(partB)
+        if G and nq:
+            K.causal_fwd(a.q, a.v, phik, A, B, a.planes, a.beta, chunk, phiq, tq, den, out)
+    else:
+        A, B = partA.sum(1), partB.sum(1)
+        if G and nq:
+            K.queries_fwd(a.q, a.planes, a.beta, chunk, A, B.astype(cdt), phiq, tq, den, out)
+    res = Residuals(a.planes, a.beta, a.causal, chunk, a.v, phiq, tq, phik, tk, den, A, B,
+                    a.lead, a.in_dtypes, a.out_dtype, a.check_finite)
+    return out.reshape(res.out_shape).astype(a.out_dtype, copy=False), res
+
+
+def race_attention_bwd(residuals, grad_out):
+    """RACE attention backward.
+
+    Parameters
+    ----------
+    residuals : Residuals
+        From :func:`race_attention_fwd`.
+    grad_out : array_like, shape like the forward's output
+        Cotangent of the output.
+
+    Returns
+    -------
+    dq, dk, dv : ndarray
+        Gradients, each in the dtype of its input.
+    dbeta : float
+        Gradient w.r.t. beta, summed over every batch, head and token.
+    """
+    r = residuals
+    if not isinstance(r, Residuals):
+        raise TypeError(f"residuals must come from race_attention_fwd, got {type(r).__name__}")
+    g, _, _ = _check_array("grad_out", grad_out, r.check_finite)
+    if g.shape != r.out_shape:
+        raise ValueError(f"grad_out must have the output's shape {r.out_shape}, got {g.shape}")
+    G, nq, F = r.phiq.shape
+    nk, dv = r.v.shape[1:]
+    d = r.planes.shape[2]
+    cdt = r.phiq.dtype
+    g = np.ascontiguousarray(g.reshape(G, nq, dv), dtype=cdt)
+    chunk = r.chunk
+    ncq, nck = -(-nq // chunk), -(-nk // chunk)
+    dq = np.zeros((G, nq, d), cdt)
+    dk = np.zeros((G, nk, d), cdt)
+    dv_ = np.zeros((G, nk, dv), cdt)
+    dbeta = 0.0
+    if G and nq and nk:
+        partdA = np.zeros((G, ncq, F))
+        partdB = np.zeros((G, ncq, F, dv))
+        dbq = np.zeros((G, ncq))
+        dbk = np.zeros((G, nck))
+        if r.causal:
+            dden = np.zeros((G, nq))
+            K.causal_queries_bwd(g, r.v, r.phik, r.phiq, r.tq, r.den, r.A, r.B, r.planes, r.beta, chunk,
+                                 dq, dden, partdA, partdB, dbq)
+            cA, cB = K.exclusive_scan(partdA, reverse=True), K.exclusive_scan(partdB, reverse=True)
+            K.causal_keys_bwd(g, r.v, r.phik, r.tk, r.phiq, r.den, dden, cA, cB, r.planes, r.beta, chunk,
+                              dk, dv_, dbk)
+        else:
+            K.queries_bwd(g, r.phiq, r.tq, r.den, r.A, r.B.astype(cdt), r.planes, r.beta, chunk,
+                          dq, partdA, partdB, dbq)
+            K.keys_bwd(r.v, r.phik, r.tk, partdA.sum(1), partdB.sum(1).astype(cdt), r.planes, r.beta, chunk,
+                       dk, dv_, dbk)
+        dbeta = float(dbq.sum() + dbk.sum())
+    qdt, kdt, vdt = r.in_dtypes
+    lead = r.lead
+    return (dq.reshape(lead + (nq, d)).astype(qdt, copy=False),
+            dk.reshape(lead + (nk, d)).astype(kdt, copy=False),
+            dv_.reshape(lead + (nk, dv)).astype(vdt, copy=False),
+            dbeta)
+
+
+def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None, check_finite=True):
+    """RACE attention: linear-time soft-LSH estimate of sharpened angular attention.
+
+    Parameters
+    ----------
+    q : array_like, shape (..., Nq, d)
+    k : array_like, shape (..., Nk, d)
+    v : array_like, shape (..., Nk, dv)
+        Any number (>= 0) of leading batch/head dims, the same for q, k, v.
+    planes : array_like, shape (L, P, d)
+        Hyperplanes from :func:`racecpu.hyperplanes` (cast to the compute dtype).
+    beta : float, default ``DEFAULT_BETA``
+        Soft-hash temperature (> 0); larger is closer to hard SimHash buckets.
+    causal : bool, default False
+        Query i sees keys j <= i (needs Nq == Nk).
+    key_mask : bool array, shape (..., Nk), optional
+        False keys contribute nothing.
+    check_finite : bool, default True
+        Raise ValueError on NaN/Inf in q, k, v.
+
+    Returns
+    -------
+    out : ndarray, shape (..., Nq, dv)
+        float32/float64 follow the inputs; float16 computes in float32 and
+        returns float16.  A query whose buckets hold no key mass
+        (``den <= DEN_FLOOR``, e.g. every key masked) gets zeros.
+    """
+    if _is_cupy(q):
+        from . import cuda  # noqa: F401  (the CUDA path registers itself lazily)
+        return cuda.race_attention(q, k, v, planes, beta, causal=causal, key_mask=key_mask,
+                                   check_finite=check_finite)
+    return race_attention_fwd(q, k, v, planes, beta, causal=causal, key_mask=key_mask,
+                              check_finite=check_finite)[0]
+
+
+def _is_cupy(x):
+    return type(x).__module__.split(".")[0] == "cupy"
+
+
+class RaceAttention:
+    """A RACE attention layer holding its hyperplanes.
+
+    Parameters
+    ----------
+    head_dim : int
+    num_planes : int, default 3
+    num_tables : int, default 3
+    beta : float, default ``DEFAULT_BETA``
+    seed : int, default 0
+    dtype : dtype, default float32
+        dtype of the stored planes (cast to the inputs' compute dtype on use).
+
+    Examples
+    --------
+    >>> import numpy as np, racecpu
+    >>> att = racecpu.RaceAttention(64)
+    >>> x = np.random.default_rng(0).standard_normal((2, 128, 64), dtype=np.float32)
+    >>> att(x, x, x, causal=True).shape
+    (2, 128, 64)
+    """
+
+    def __init__(self, head_dim, num_planes=3, num_tables=3, beta=DEFAULT_BETA, seed=0, dtype=np.float32):
+        self.planes = hyperplanes(head_dim, num_planes, num_tables, seed=seed, dtype=dtype)
+        self.beta = _check_beta(beta)
+
+    @property
+    def head_dim(self):
+        return self.planes.shape[2]
+
+    @property
+    def num_planes(self):
+        return self.planes.shape[1]
+
+    @property
+    def num_tables(self):
+        return self.planes.shape[0]
+
+    def __repr__(self):
+        return (f"RaceAttention(head_dim={self.head_dim}, num_planes={self.num_planes}, "
+                f"num_tables={self.num_tables}, beta={self.beta})")
+
+    def __call__(self, q, k, v, *, causal=False, key_mask=None, check_finite=True):
+        return race_attention(q, k, v, self.planes, self.beta, causal=causal, key_mask=key_mask,
+                              check_finite=check_finite)
+
+    def fwd(self, q, k, v, *, causal=False, key_mask=None, check_finite=True):
+        return race_attention_fwd(q, k, v, self.planes, self.beta, causal=causal, key_mask=key_mask,
+                                  check_finite=check_finite)
+
+    def bwd(self, residuals, grad_out):
+        return race_attention_bwd(residuals, grad_out)

@@ -1,0 +1,116 @@
+"""Hyperplanes, hypercube corners and the soft LSH bucket map of RACE attention.
+
+The soft hash of the paper (Algorithm 1) maps a vector ``x`` and one hash table
+``W_l`` (P hyperplanes) to a probability vector over the ``R = 2**P`` corners of
+the hypercube {-1, +1}^P::
+
+    t = tanh(W_l x)                               (P,)
+    phi_l(x)_r = softmax_r(beta * t . v_r)        (R,)
+
+Corner ``r`` has ``v_{r,p} = +1`` iff bit ``P-1-p`` of ``r`` is set, i.e. the
+order of ``itertools.product([-1, 1], repeat=P)``.  This order is public.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+__all__ = ["hyperplanes", "corners", "soft_buckets", "DEFAULT_BETA", "DEN_FLOOR", "MAX_PLANES"]
+
+#: Default soft-hash temperature.  The bias of the estimator is O(P / beta)
+#: (Theorem 1) while its gradients vanish as beta grows; 8 keeps the bias term
+#: small for P <= 4 and the hash still trainable.  The paper trains beta.
+DEFAULT_BETA = 8.0
+
+#: Guard on the attention denominator.  ``den`` (the estimated kernel mass a
+#: query sees) is positive in exact arithmetic but can underflow to 0 when a
+#: query's buckets hold no key mass (large beta, masked keys).  Rows with
+#: ``den <= DEN_FLOOR`` output zeros and pass zero gradient, as a query that
+#: attends to nothing.
+DEN_FLOOR = 1e-30
+
+#: Largest number of hyperplanes per table (R = 2**16 buckets).
+MAX_PLANES = 16
+
+
+def hyperplanes(head_dim, num_planes=3, num_tables=3, *, seed=0, dtype=np.float32):
+    """Draw the random hyperplanes of ``num_tables`` hash tables.
+
+    Parameters
+    ----------
+    head_dim : int
+        Dimension ``d`` of queries and keys.
+    num_planes : int, default 3
+        Hyperplanes per table ``P`` (1..16); each table has ``R = 2**P`` buckets.
+    num_tables : int, default 3
+        Number of independent hash tables ``L`` (>= 1).
+    seed : int or numpy.random.Generator, default 0
+        Seed for ``numpy.random.default_rng``.
+    dtype : dtype, default float32
+
+    Returns
+    -------
+    planes : ndarray, shape (L, P, d)
+        i.i.d. N(0, 1) entries.
+    """
+    for name, val, lo, hi in (("head_dim", head_dim, 1, None), ("num_planes", num_planes, 1, MAX_PLANES),
+                              ("num_tables", num_tables, 1, None)):
+        if isinstance(val, (bool, np.bool_)) or not isinstance(val, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {type(val).__name__} {val!r}")
+        if val < lo or (hi is not None and val > hi):
+            rng_txt = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+            raise ValueError(f"{name} must be {rng_txt}, got {val}")
+    dtype = np.dtype(dtype)
+    if dtype.kind != "f":
+        raise TypeError(f"dtype must be a floating dtype, got {dtype}")
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((int(num_tables), int(num_planes), int(head_dim))).astype(dtype)
+
+
+def corners(num_planes):
+    """The ``(2**P, P)`` matrix of hypercube corners in the public order.
+
+    Row ``r`` has ``+1`` in column ``p`` iff bit ``P-1-p`` of ``r`` is set
+    (the order of ``itertools.product([-1, 1], repeat=P)``).
+    """
+    p = int(num_planes)
+    r = np.arange(2 ** p)[:, None]
+    bits = (r >> (p - 1 - np.arange(p))[None, :]) & 1
+    return (2 * bits - 1).astype(np.float64)
+
+
+def soft_buckets(x, planes, beta=DEFAULT_BETA):
+    """Soft bucket probabilities ``phi_l(x)`` of every vector and table.
+
+    Parameters
+    ----------
+    x : array_like, shape (..., N, d)
+        Queries or keys (at least 2 dims).
+    planes : array_like, shape (L, P, d)
+    beta : float, default ``DEFAULT_BETA``
+        Temperature (> 0).
+
+    Returns
+    -------
+    phi : ndarray, shape (..., N, L, 2**P)
+        Rows sum to 1 over the last axis; corner order as :func:`corners`.
+        float32/float64 follow ``x``; float16 is computed in float32 and
+        returned as float16.
+    """
+    from . import _kernels
+    from .attention import _check_array, _check_beta, _check_planes
+
+    x, out_dtype, cdt = _check_array("x", x, check_finite=True)
+    planes = _check_planes(planes, x.shape[-1], cdt)
+    beta = _check_beta(beta)
+    L, P, _ = planes.shape
+    R = 2 ** P
+    lead = x.shape[:-1]
+    flat = np.ascontiguousarray(x.reshape(-1, x.shape[-1]), dtype=cdt)
+    phi = np.empty((flat.shape[0], L * R), dtype=cdt)
+    t = np.empty((flat.shape[0], L * P), dtype=cdt)
+    if flat.shape[0]:
+        _kernels.soft_hash_rows(flat, planes, beta, t, phi)
+    return phi.reshape(lead + (L, R)).astype(out_dtype, copy=False)

@@ -1,0 +1,227 @@
+"""Plain NumPy O(N^2) statements of the attentions racecpu approximates.
+
+These are the oracles of the test-suite and the baselines of benchmarks and
+training.  They build the full (Nq, Nk) similarity matrix, so they are meant
+for small N.  Every function works on ``(..., N, d)`` arrays with any leading
+batch/head dims, computes in the inputs' float dtype (float32 or float64), and
+has a ``*_fwd`` returning ``(out, residuals)`` and a ``*_bwd(residuals, grad_out)``.
+
+All three are *normalised similarity attention* (the paper's Eq. for O_i)::
+
+    O_i = sum_j S_ij V_j / sum_j S_ij
+
+with ``S`` the softmax, the sharpened angular or the RACE kernel.  A row whose
+similarity mass is ``<= DEN_FLOOR`` (no visible key) outputs zeros.
+
+The RACE kernel here is written independently of the library's kernels: the
+soft hash is an explicit softmax over the 2**P corners (not the logistic
+factorisation) and the kernel matrix is materialised.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .hashing import DEN_FLOOR, corners
+
+__all__ = [
+    "softmax_attention", "softmax_attention_fwd", "softmax_attention_bwd",
+    "angular_attention", "angular_attention_fwd", "angular_attention_bwd",
+    "race_attention_dense", "race_attention_dense_fwd", "race_attention_dense_bwd",
+    "race_kernel_dense", "soft_buckets_dense",
+]
+
+# Derivative of arccos is singular at cos = +-1; clamp 1 - cos^2 there.
+_ACOS_EPS = 1e-12
+
+
+def _dtype(*arrays):
+    dt = np.result_type(*arrays)
+    if dt.kind != "f":
+        raise TypeError(f"reference attention needs float arrays, got {dt}")
+    return np.float32 if dt.itemsize <= 4 else np.float64
+
+
+def _visibility(nq, nk, causal, key_mask, lead, dt):
+    """(..., Nq, Nk) 0/1 matrix of which keys each query may see."""
+    vis = np.ones(lead + (nq, nk), dtype=dt)
+    if causal:
+        if nq != nk:
+            raise ValueError(f"causal attention needs Nq == Nk, got {nq} and {nk}")
+        vis = vis * np.tril(np.ones((nq, nk), dtype=dt))
+    if key_mask is not None:
+        vis = vis * np.asarray(key_mask, dtype=bool)[..., None, :].astype(dt)
+    return vis
+
+
+# --------------------------------------------------------------------------
+# normalised attention from a similarity matrix (shared by all three)
+# --------------------------------------------------------------------------
+
+def _normalized_fwd(S, v):
+    den = S.sum(-1)
+    valid = den > DEN_FLOOR
+    safe = np.where(valid, den, 1)
+    out = np.where(valid[..., None], (S @ v) / safe[..., None], 0).astype(v.dtype)
+    return out, (S, v, safe, valid, out)
+
+
+def _normalized_bwd(res, g):
+    """Gradients w.r.t. the similarity matrix S and the values V."""
+    S, v, safe, valid, out = res
+    dnum = np.where(valid[..., None], g / safe[..., None], 0)
+    dden = -np.where(valid, (g * out).sum(-1) / safe, 0)
+    dS = dnum @ np.swapaxes(v, -1, -2) + dden[..., None]
+    dv = np.swapaxes(S, -1, -2) @ dnum
+    return dS, dv
+
+
+# --------------------------------------------------------------------------
+# softmax attention
+# --------------------------------------------------------------------------
+
+def softmax_attention_fwd(q, k, v, *, causal=False, scale=None, key_mask=None):
+    """Softmax attention ``softmax(scale * q k^T) v``; returns ``(out, residuals)``."""
+    dt = _dtype(q, k, v)
+    q, k, v = (np.asarray(a, dtype=dt) for a in (q, k, v))
+    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else float(scale)
+    vis = _visibility(q.shape[-2], k.shape[-2], causal, key_mask, np.broadcast_shapes(q.shape[:-2], k.shape[:-2]), dt)
+    logits = scale * (q @ np.swapaxes(k, -1, -2))
+    logits = np.where(vis > 0, logits, -np.inf)
+    m = logits.max(-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0)
+    S = np.exp(logits - m)  # un-normalised, max entry 1: den >= 1 if any key is visible
+    out, nres = _normalized_fwd(S, v)
+    return out, (q, k, scale, nres)
+
+
+def softmax_attention_bwd(residuals, grad_out):
+    """Returns ``(dq, dk, dv)``."""
+    q, k, scale, nres = residuals
+    S, _, safe, valid, _ = nres
+    dS, dv = _normalized_bwd(nres, np.asarray(grad_out, dtype=q.dtype))
+    # d logits = S * dS (S = exp(logits - m); the shift m cancels in the ratio).
+    dlog = S * dS
+    dq = scale * (dlog @ k)
+    dk = scale * (np.swapaxes(dlog, -1, -2) @ q)
+    return dq.astype(q.dtype), dk.astype(q.dtype), dv.astype(q.dtype)
+
+
+def softmax_attention(q, k, v, *, causal=False, scale=None, key_mask=None):
+    """Exact softmax attention; ``scale`` defaults to ``1/sqrt(d)``."""
+    return softmax_attention_fwd(q, k, v, causal=causal, scale=scale, key_mask=key_mask)[0]
+
+
+# --------------------------------------------------------------------------
+# sharpened angular attention
+# --------------------------------------------------------------------------
+
+def _unit(x):
+    n = np.linalg.norm(x, axis=-1, keepdims=True)
+    safe = np.where(n > 0, n, 1)
+    return x / safe, safe, n > 0
+
+
+def angular_attention_fwd(q, k, v, gamma, *, causal=False, key_mask=None):
+    """Angular attention with ``S_ij = (1 - arccos(cos(q_i, k_j)) / pi) ** gamma``.
+
+    Zero vectors have cosine 0 with everything.  Returns ``(out, residuals)``.
+    """
+    dt = _dtype(q, k, v)
+    q, k, v = (np.asarray(a, dtype=dt) for a in (q, k, v))
+    gamma = float(gamma)
+    qh, qn, _ = _unit(q)
+    kh, kn, _ = _unit(k)
+    C = np.clip(qh @ np.swapaxes(kh, -1, -2), -1.0, 1.0)
+    base = 1.0 - np.arccos(C) / np.pi
+    vis = _visibility(q.shape[-2], k.shape[-2], causal, key_mask, np.broadcast_shapes(q.shape[:-2], k.shape[:-2]), dt)
+    S = (base ** gamma) * vis
+    out, nres = _normalized_fwd(S, v)
+    return out, (qh, qn, kh, kn, C, base, vis, gamma, nres)
+
+
+def angular_attention_bwd(residuals, grad_out):
+    """Returns ``(dq, dk, dv)``; d arccos is clamped where |cos| -> 1."""
+    qh, qn, kh, kn, C, base, vis, gamma, nres = residuals
+    dS, dv = _normalized_bwd(nres, np.asarray(grad_out, dtype=qh.dtype))
+    dbase = gamma * base ** (gamma - 1) if gamma != 0 else np.zeros_like(base)
+    dC = dS * vis * dbase / (np.pi * np.sqrt(np.maximum(1.0 - C * C, _ACOS_EPS)))
+    # C = qh . kh with qh = q/|q|:  dq = (dC kh - (sum_j dC C) qh) / |q|
+    dq = (dC @ kh - (dC * C).sum(-1, keepdims=True) * qh) / qn
+    dCt = np.swapaxes(dC, -1, -2)
+    dk = (dCt @ qh - (dCt * np.swapaxes(C, -1, -2)).sum(-1, keepdims=True) * kh) / kn
+    dt = qh.dtype
+    return dq.astype(dt), dk.astype(dt), dv.astype(dt)
+
+
+def angular_attention(q, k, v, gamma, *, causal=False, key_mask=None):
+    """Exact sharpened angular attention (the kernel RACE estimates with gamma = P)."""
+    return angular_attention_fwd(q, k, v, gamma, causal=causal, key_mask=key_mask)[0]
+
+
+# --------------------------------------------------------------------------
+# RACE attention, dense
+# --------------------------------------------------------------------------
+
+def soft_buckets_dense(x, planes, beta):
+    """Soft hash as an explicit softmax over corners: ``(..., N, L, R)`` and ``t``."""
+    planes = np.asarray(planes, dtype=x.dtype)
+    C = corners(planes.shape[1]).astype(x.dtype)
+    t = np.tanh(np.einsum("...nd,lpd->...nlp", x, planes))
+    z = beta * (t @ C.T)
+    z = z - z.max(-1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(-1, keepdims=True), t
+
+
+def race_kernel_dense(q, k, planes, beta):
+    """The RACE kernel matrix ``(1/L) sum_l phi_l(q_i) . phi_l(k_j)``, shape (..., Nq, Nk)."""
+    dt = _dtype(q, k)
+    q, k = np.asarray(q, dtype=dt), np.asarray(k, dtype=dt)
+    pq, _ = soft_buckets_dense(q, planes, beta)
+    pk, _ = soft_buckets_dense(k, planes, beta)
+    return np.einsum("...ilr,...jlr->...ij", pq, pk) / pq.shape[-2]
+
+
+def race_attention_dense_fwd(q, k, v, planes, beta, *, causal=False, key_mask=None):
+    """Dense RACE attention; returns ``(out, residuals)``."""
+    dt = _dtype(q, k, v)
+    q, k, v = (np.asarray(a, dtype=dt) for a in (q, k, v))
+    beta = float(beta)
+    planes = np.asarray(planes, dtype=dt)
+    pq, tq = soft_buckets_dense(q, planes, beta)
+    pk, tk = soft_buckets_dense(k, planes, beta)
+    L = planes.shape[0]
+    vis = _visibility(q.shape[-2], k.shape[-2], causal, key_mask, np.broadcast_shapes(q.shape[:-2], k.shape[:-2]), dt)
+    S = np.einsum("...ilr,...jlr->...ij", pq, pk) / L * vis
+    out, nres = _normalized_fwd(S, v)
+    return out, (planes, beta, pq, tq, pk, tk, vis, nres)
+
+
+def _soft_buckets_dense_bwd(dphi, phi, t, planes, beta):
+    """Back through softmax over corners, tanh and the projection: (dx, dbeta)."""
+    C = corners(planes.shape[1]).astype(phi.dtype)
+    dz = phi * (dphi - (phi * dphi).sum(-1, keepdims=True))
+    s = dz @ C  # (..., N, L, P)
+    du = beta * s * (1 - t * t)
+    dx = np.einsum("...nlp,lpd->...nd", du, planes)
+    return dx, float((s * t).sum())
+
+
+def race_attention_dense_bwd(residuals, grad_out):
+    """Returns ``(dq, dk, dv, dbeta)`` with ``dbeta`` summed over everything."""
+    planes, beta, pq, tq, pk, tk, vis, nres = residuals
+    L = planes.shape[0]
+    dS, dv = _normalized_bwd(nres, np.asarray(grad_out, dtype=pq.dtype))
+    dS = dS * vis / L
+    dpq = np.einsum("...ij,...jlr->...ilr", dS, pk)
+    dpk = np.einsum("...ij,...ilr->...jlr", dS, pq)
+    dq, db_q = _soft_buckets_dense_bwd(dpq, pq, tq, planes, beta)
+    dk, db_k = _soft_buckets_dense_bwd(dpk, pk, tk, planes, beta)
+    dt = pq.dtype
+    return dq.astype(dt), dk.astype(dt), dv.astype(dt), db_q + db_k
+
+
+def race_attention_dense(q, k, v, planes, beta, *, causal=False, key_mask=None):
+    """Dense O(N^2) RACE attention: the oracle of the fast kernels."""
+    return race_attention_dense_fwd(q, k, v, planes, beta, causal=causal, key_mask=key_mask)[0]
