@@ -174,7 +174,7 @@ def readout_row_bwd(phiq, A, S, g, den, L, dphi, wq):
     inv = 1.0 / (L * den)
     phiy = 0.0
     for f in range(F):
-        y = S[f, 0] * 0.0
+        y = 0.0
         for c in range(dv):
             y += S[f, c] * g[c]
         dphi[f] = y  # stash y
@@ -197,7 +197,7 @@ def key_row_bwd(phik, tk, vrow, dB, dA, W, beta, dphi, dk, dvrow):
     for c in range(dv):
         dvrow[c] = 0.0
     for f in range(F):
-        y = dB[f, 0] * 0.0 if dv > 0 else 0.0
+        y = 0.0
         w = phik[f]
         for c in range(dv):
             y += dB[f, c] * vrow[c]

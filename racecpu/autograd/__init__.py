@@ -1,0 +1,22 @@
+"""racecpu.autograd: a tiny reverse-mode autograd over NumPy, with RACE attention.
+
+Enough to train small Transformers in pure NumPy and to embed RACE attention
+in pipelines without PyTorch::
+
+    from racecpu.autograd import Tensor, functional as F
+    q = Tensor(np.random.randn(2, 64, 16), requires_grad=True)
+    out = F.race_attention(q, q, q, racecpu.hyperplanes(16), beta=8.0, causal=True)
+    out.sum().backward()          # q.grad via racecpu.race_attention_bwd
+
+Modules: :mod:`.tensor` (Tensor and its elementwise/shape ops),
+:mod:`.functional` (losses, normalisations, attention ops, ``check_grad``),
+:mod:`.nn` (modules and Transformers), :mod:`.optim` (AdamW, schedule,
+clipping), :mod:`.tasks` (MQAR and stdlib-docstring characters),
+:mod:`.train` (the ``racecpu train`` command).
+"""
+
+from . import functional, nn, optim
+from .functional import check_grad
+from .tensor import Tensor, as_tensor, is_grad_enabled, no_grad
+
+__all__ = ["Tensor", "as_tensor", "no_grad", "is_grad_enabled", "check_grad", "functional", "nn", "optim"]

@@ -1,0 +1,327 @@
+"""``racecpu train``: train small Transformers in pure NumPy with RACE or baseline attention.
+
+Examples
+--------
+racecpu train --task mqar --attention race
+racecpu train --task chars --attention softmax --steps 500 --json
+racecpu train --task mqar --compare            # all four attentions, table + learning curves
+racecpu train --timing                         # step time vs sequence length, RACE vs softmax
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+from ..hashing import DEFAULT_BETA
+from . import functional as F
+from .nn import ATTENTIONS, TransformerLM
+from .optim import AdamW, clip_grad_norm, warmup_linear_decay
+from .tasks import IGNORE, char_batch, char_corpus, char_eval_windows, mqar_batch, CHARS
+from .tensor import no_grad
+
+#: Per-task defaults (chosen so one run takes a few minutes on a 2-core machine).
+TASK_DEFAULTS = {
+    "mqar": dict(steps=1500, batch_size=32, seq_len=64, d_model=64, n_heads=2, n_layers=2, lr=3e-3,
+                 warmup=0.05, vocab_size=32, num_pairs=8, eval_every=100, eval_size=256),
+    "chars": dict(steps=1500, batch_size=16, seq_len=128, d_model=64, n_heads=2, n_layers=2, lr=3e-3,
+                  warmup=0.05, vocab_size=len(CHARS), num_pairs=None, eval_every=100, eval_size=64),
+}
+
+DEFAULT_OUT = os.path.join("benchmarks", "results", "train")
+
+
+def add_arguments(p):
+    p.add_argument("--task", choices=sorted(TASK_DEFAULTS), default="mqar",
+                   help="mqar: multi-query associative recall; chars: character LM on stdlib docstrings/comments")
+    p.add_argument("--attention", choices=ATTENTIONS, default="race")
+    p.add_argument("--compare", action="store_true",
+                   help="train all four attentions on the same budget; write a table and learning-curve PNG")
+    p.add_argument("--timing", action="store_true",
+                   help="time one training step at several sequence lengths (RACE vs softmax vs linear)")
+    g = p.add_argument_group("model and budget (defaults depend on --task)")
+    for name, typ in (("steps", int), ("batch-size", int), ("seq-len", int), ("d-model", int), ("n-heads", int),
+                      ("n-layers", int), ("lr", float), ("warmup", float), ("vocab-size", int), ("num-pairs", int),
+                      ("eval-every", int), ("eval-size", int)):
+        g.add_argument(f"--{name}", type=typ, default=None)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
+    g.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    g.add_argument("--seed", type=int, default=0)
+    r = p.add_argument_group("RACE")
+    r.add_argument("--num-planes", type=int, default=3, help="P (angular attention uses gamma = P)")
+    r.add_argument("--num-tables", type=int, default=3, help="L")
+    r.add_argument("--beta", type=float, default=DEFAULT_BETA, help="initial temperature")
+    r.add_argument("--fixed-beta", action="store_true", help="do not train beta")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", default=DEFAULT_OUT, help="folder for --compare / --timing outputs")
+    o.add_argument("--timing-lengths", default="256,512,1024,2048,4096")
+    o.add_argument("--json", action="store_true", help="print the metrics as JSON on the last line")
+    o.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def config_from_args(args, attention=None):
+    """A plain dict of every training setting (task defaults filled in)."""
+    cfg = dict(TASK_DEFAULTS[args.task])
+    for key in cfg:
+        val = getattr(args, key, None)
+        if val is not None:
+            cfg[key] = val
+    cfg.update(task=args.task, attention=attention or args.attention, weight_decay=args.weight_decay,
+               clip=args.clip, dtype=args.dtype, seed=args.seed, num_planes=args.num_planes,
+               num_tables=args.num_tables, beta=args.beta, train_beta=not args.fixed_beta)
+    if cfg["task"] == "chars":
+        cfg["vocab_size"] = len(CHARS)
+    return cfg
+
+
+def build_model(cfg):
+    return TransformerLM(cfg["vocab_size"], cfg["d_model"], cfg["n_heads"], cfg["n_layers"],
+                         attention=cfg["attention"], num_planes=cfg["num_planes"], num_tables=cfg["num_tables"],
+                         beta=cfg["beta"], train_beta=cfg["train_beta"], max_len=cfg["seq_len"],
+                         seed=cfg["seed"], dtype=np.dtype(cfg["dtype"]))
+
+
+class _Data:
+    """Training batches and the fixed evaluation set of a task."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.rng = np.random.default_rng([cfg["seed"], 1])
+        n = cfg["seq_len"]
+        if cfg["task"] == "mqar":
+            self.eval = mqar_batch(np.random.default_rng([cfg["seed"], 2]), cfg["eval_size"], n,
+                                   cfg["vocab_size"], cfg["num_pairs"])
+        else:
+            self.train_ids, val_ids = char_corpus()
+            self.eval = char_eval_windows(val_ids, cfg["eval_size"], n)
+
+    def batch(self):
+        c = self.cfg
+        if c["task"] == "mqar":
+            return mqar_batch(self.rng, c["batch_size"], c["seq_len"], c["vocab_size"], c["num_pairs"])
+        return char_batch(self.rng, self.train_ids, c["batch_size"], c["seq_len"])
+
+
+def evaluate(model, cfg, data, batch=64):
+    """Validation metrics: MQAR accuracy at query positions, or bits per character."""
+    x, y = data.eval
+    model.eval()
+    nll, n_tok, correct = 0.0, 0, 0
+    with no_grad():
+        for s in range(0, len(x), batch):
+            logits = model(x[s:s + batch]).data.astype(np.float64)
+            t = y[s:s + batch]
+            valid = t != IGNORE
+            tt = np.where(valid, t, 0)
+            m = logits.max(-1, keepdims=True)
+            lse = (m + np.log(np.exp(logits - m).sum(-1, keepdims=True)))[..., 0]
+            nll += float(((lse - np.take_along_axis(logits, tt[..., None], -1)[..., 0]) * valid).sum())
+            correct += int(((logits.argmax(-1) == t) & valid).sum())
+            n_tok += int(valid.sum())
+    model.train()
+    loss = nll / max(n_tok, 1)
+    if cfg["task"] == "mqar":
+        return {"val_loss": loss, "val_accuracy": correct / max(n_tok, 1)}
+    return {"val_loss": loss, "val_bpc": loss / math.log(2)}
+
+
+def train_step(model, opt, x, y, clip):
+    """Forward, backward, clip, update; returns the loss."""
+    loss = F.cross_entropy(model(x), y, ignore_index=IGNORE)
+    opt.zero_grad()
+    loss.backward()
+    clip_grad_norm(opt.params, clip)
+    opt.step()
+    return float(loss.data)
+
+
+def train(cfg, progress=True, desc=None):
+    """Train one model from ``cfg`` (see :func:`config_from_args`); returns the metrics dict.
+
+    The dict holds the final validation metrics, ``time_per_step_ms`` (median
+    over steps), ``train_seconds`` and ``history`` (per-step losses and the
+    periodic validation metrics, for learning curves).
+    """
+    from tqdm import tqdm
+
+    data = _Data(cfg)
+    model = build_model(cfg)
+    opt = AdamW(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
+    steps = cfg["steps"]
+    history = {"step": [], "loss": [], "eval_step": [], "eval": []}
+    times = []
+    ema = None
+    bar = tqdm(range(steps), desc=desc or f"{cfg['task']}/{cfg['attention']}", disable=not progress,
+               file=sys.stderr, dynamic_ncols=True)
+    t_start = time.perf_counter()
+    for step in bar:
+        opt.lr = warmup_linear_decay(step, steps, cfg["lr"], cfg["warmup"])
+        x, y = data.batch()
+        t0 = time.perf_counter()
+        loss = train_step(model, opt, x, y, cfg["clip"])
+        times.append(time.perf_counter() - t0)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"training diverged at step {step} (loss {loss})")
+        ema = loss if ema is None else 0.95 * ema + 0.05 * loss
+        history["step"].append(step)
+        history["loss"].append(loss)
+        if (step + 1) % cfg["eval_every"] == 0 or step + 1 == steps:
+            ev = evaluate(model, cfg, data)
+            history["eval_step"].append(step + 1)
+            history["eval"].append(ev)
+            bar.set_postfix(loss=f"{ema:.3f}", **{k: f"{v:.3f}" for k, v in ev.items() if k != "val_loss"})
+        elif step % 10 == 0:
+            bar.set_postfix(loss=f"{ema:.3f}")
+    bar.close()
+    total = time.perf_counter() - t_start
+    final = history["eval"][-1] if history["eval"] else evaluate(model, cfg, data)
+    betas = [b.attn.current_beta() for b in model.blocks] if cfg["attention"] == "race" else None
+    return {"task": cfg["task"], "attention": cfg["attention"], "steps": steps, **final,
+            "train_loss": float(np.mean(history["loss"][-max(1, steps // 20):])),
+            "time_per_step_ms": 1e3 * float(np.median(times)), "train_seconds": total,
+            "num_parameters": model.num_parameters(), "beta": betas,
+            "numba_threads": _numba_threads(), "config": cfg, "history": history}
+
+
+def _numba_threads():
+    try:
+        import numba
+        return int(numba.get_num_threads())
+    except Exception:  # pragma: no cover
+        return None
+
+
+# ---------------------------------------------------------------------------
+# --compare and --timing
+# ---------------------------------------------------------------------------
+
+def _metric(task):
+    return ("val_accuracy", "accuracy") if task == "mqar" else ("val_bpc", "bits/char")
+
+
+def compare(args):
+    task = args.task
+    results = [train(config_from_args(args, att), progress=not args.quiet) for att in ATTENTIONS]
+    key, label = _metric(task)
+    os.makedirs(args.out, exist_ok=True)
+    base = os.path.join(args.out, f"{task}_compare")
+    rows = [{"attention": r["attention"], label: round(r[key], 4), "val_loss": round(r["val_loss"], 4),
+             "ms_per_step": round(r["time_per_step_ms"], 2), "train_s": round(r["train_seconds"], 1),
+             "steps": r["steps"], "params": r["num_parameters"],
+             "beta": "" if r["beta"] is None else " ".join(f"{b:.2f}" for b in r["beta"])} for r in results]
+    with open(base + ".csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    cfg = results[0]["config"]
+    settings = ", ".join(f"{k}={cfg[k]}" for k in ("steps", "batch_size", "seq_len", "d_model", "n_heads",
+                                                   "n_layers", "lr", "num_planes", "num_tables", "dtype")
+                         if cfg.get(k) is not None)
+    md = [f"**{task}** ({settings}; numba threads {results[0]['numba_threads']})", "",
+          "| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    md += ["| " + " | ".join(str(v) for v in r.values()) + " |" for r in rows]
+    with open(base + ".md", "w") as f:
+        f.write("\n".join(md) + "\n")
+    with open(base + ".json", "w") as f:
+        json.dump(results, f)
+    _plot_curves(results, key, label, base + ".png")
+    print("\n".join(md))
+    print(f"wrote {base}.csv, .md, .json, .png")
+    if args.json:
+        print(json.dumps({"task": task, "results": [{k: v for k, v in r.items() if k not in ("history", "config")}
+                                                    for r in results]}))
+    return 0
+
+
+def _plot_curves(results, key, label, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    for r in results:
+        h = r["history"]
+        loss = np.asarray(h["loss"])
+        k = max(1, len(loss) // 50)
+        smooth = np.convolve(loss, np.ones(k) / k, mode="valid")
+        a1.plot(np.arange(len(smooth)) + k, smooth, label=r["attention"])
+        a2.plot(h["eval_step"], [e[key] for e in h["eval"]], marker=".", label=r["attention"])
+    a1.set(xlabel="step", ylabel="training loss (nats/token)", title=f"{results[0]['task']}: training loss")
+    a2.set(xlabel="step", ylabel=f"validation {label}", title=f"{results[0]['task']}: validation {label}")
+    for a in (a1, a2):
+        a.grid(alpha=0.3)
+        a.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def timing(args, repeats=5):
+    """Median seconds of one training step vs sequence length for race, softmax, linear."""
+    lengths = [int(s) for s in args.timing_lengths.split(",")]
+    rows = []
+    for n in lengths:
+        row = {"seq_len": n}
+        for att in ("race", "softmax", "linear"):
+            cfg = config_from_args(args, att)
+            cfg.update(seq_len=n, batch_size=1, task="chars", vocab_size=len(CHARS))
+            model = build_model(cfg)
+            opt = AdamW(model.parameters(), lr=1e-4)
+            rng = np.random.default_rng(0)
+            x = rng.integers(0, cfg["vocab_size"], (1, n))
+            y = rng.integers(0, cfg["vocab_size"], (1, n))
+            train_step(model, opt, x, y, 1.0)  # warm-up (Numba compile, caches)
+            ts = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                train_step(model, opt, x, y, 1.0)
+                ts.append(time.perf_counter() - t0)
+            row[f"{att}_ms"] = round(1e3 * float(np.median(ts)), 2)
+        row["softmax/race"] = round(row["softmax_ms"] / row["race_ms"], 2)
+        rows.append(row)
+        print(row, file=sys.stderr)
+    cfg = config_from_args(args, "race")
+    head = (f"training step (forward+backward+AdamW), batch 1, d_model={cfg['d_model']}, n_heads={cfg['n_heads']}, "
+            f"n_layers={cfg['n_layers']}, {cfg['dtype']}, median of {repeats}; numba threads {_numba_threads()}")
+    md = [head, "", "| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    md += ["| " + " | ".join(str(v) for v in r.values()) + " |" for r in rows]
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "step_timing.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    print("\n".join(md))
+    if args.json:
+        print(json.dumps({"timing": rows}))
+    return 0
+
+
+def run(args):
+    if args.timing:
+        return timing(args)
+    if args.compare:
+        return compare(args)
+    res = train(config_from_args(args), progress=not args.quiet)
+    key, label = _metric(args.task)
+    print(f"{res['task']} / {res['attention']}: validation {label} {res[key]:.4f}, val loss {res['val_loss']:.4f}, "
+          f"{res['time_per_step_ms']:.1f} ms/step, {res['train_seconds']:.0f} s"
+          + (f", beta {', '.join(f'{b:.2f}' for b in res['beta'])}" if res["beta"] else ""))
+    if args.json:
+        print(json.dumps({k: v for k, v in res.items() if k != "history"}))
+    return 0
+
+
+def main(argv=None):  # pragma: no cover - convenience for python -m
+    p = argparse.ArgumentParser(prog="racecpu train")
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,387 @@
+"""Streaming (decode) RACE attention: a causal state of constant size.
+
+Causal RACE attention reads, for query ``i``, the sketch of every key ``j <= i``:
+``A = sum_j phi(K_j)`` (F,) and ``B = sum_j phi(K_j) V_j^T`` (F, dv), with
+``F = L * 2**P``.  That pair is the whole memory of the past, so a decoder only
+keeps ``(A, B)`` per (batch, head) -- ``L * R * (dv + 1)`` numbers whatever
+the context length -- and each new token costs ``O(L * R * dv + L * P * d)``.
+
+Precision.  The state ``(A, B)`` is always float64, whatever the compute
+dtype, so it does not drift over millions of tokens.  Within one call the new
+tokens are hashed and summed in the compute dtype in chunks of at most
+:data:`racecpu.attention.CHUNK` tokens, each chunk starting from the float64
+state cast to the compute dtype -- exactly as :func:`racecpu.race_attention`
+does -- and chunk totals are added to the state in float64.  Any split of a
+sequence into ``extend``/``step`` calls therefore equals one causal
+``race_attention`` over the whole sequence up to rounding (float64: ~1e-15;
+float32: ~1e-6 relative), and saving then resuming a stream is bit for bit the
+same as never stopping (the float64 state is stored exactly).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import zipfile
+
+import numpy as np
+from numba import njit
+
+from . import _kernels as K
+from .attention import _check_beta, _check_planes, _chunk, _prepare
+
+__all__ = ["RaceState", "FORMAT", "FORMAT_VERSION"]
+
+#: Tag and version stored in every saved state; :meth:`RaceState.load`
+#: refuses anything else.
+FORMAT = "racecpu.RaceState"
+FORMAT_VERSION = 1
+
+_KEYS = ("format", "version", "planes", "beta", "dtype", "batch_shape", "count", "A", "B")
+
+
+class RaceState:
+    """Causal RACE attention state for streaming and autoregressive decoding.
+
+    Parameters
+    ----------
+    planes : array_like, shape (L, P, d)
+        Hyperplanes (e.g. from :func:`racecpu.hyperplanes`), cast to ``dtype``.
+    beta : float
+        Soft-hash temperature (> 0).
+    batch_shape : tuple of int, default ()
+        Leading (batch, head) dims of every input.
+    dv : int
+        Value dimension.
+    dtype : {float32, float64}, default float32
+        Compute dtype: inputs are cast to it and outputs returned in it.  The
+        carried state is float64 regardless (see the module docstring).
+
+    Attributes
+    ----------
+    A : ndarray, shape batch_shape + (F,), float64
+        Sum of the soft buckets of every key seen so far (read-only view).
+    B : ndarray, shape batch_shape + (F, dv), float64
+        Sum of ``phi(k) v^T`` over every key seen so far (read-only view).
+    count : int
+        Number of tokens seen so far (the same for every batch element).
+
+    Examples
+    --------
+    >>> import numpy as np, racecpu
+    >>> from racecpu.streaming import RaceState
+    >>> W = racecpu.hyperplanes(16)
+    >>> x = np.random.default_rng(0).standard_normal((2, 10, 16), dtype=np.float32)
+    >>> st = RaceState(W, 8.0, batch_shape=(2,), dv=16)
+    >>> o1 = st.extend(x[:, :7], x[:, :7], x[:, :7])
+    >>> o2 = st.step(x[:, 7], x[:, 7], x[:, 7])          # one token: shape (2, 16)
+    >>> full = racecpu.race_attention(x[:, :8], x[:, :8], x[:, :8], W, 8.0, causal=True)
+    >>> bool(np.allclose(o2, full[:, 7], atol=1e-5)), st.count
+    (True, 8)
+    """
+
+    def __init__(self, planes, beta, *, batch_shape=(), dv, dtype=np.float32):
+        dtype = np.dtype(dtype)
+        if dtype not in (np.float32, np.float64):
+            raise TypeError(f"dtype must be float32 or float64, got {dtype}")
+        p = np.asarray(planes)
+        if p.ndim != 3:
+            raise ValueError(f"planes must have shape (L, P, d), got shape {p.shape}")
+        self._planes = _check_planes(p, p.shape[2], dtype)
+        self._planes.flags.writeable = False
+        self._beta = _check_beta(beta)
+        self._batch_shape = _check_shape("batch_shape", batch_shape)
+        if isinstance(dv, (bool, np.bool_)) or not isinstance(dv, (int, np.integer)) or dv < 1:
+            raise ValueError(f"dv must be an int >= 1, got {dv!r}")
+        self._dtype = dtype
+        L, P, _ = self._planes.shape
+        G = int(np.prod(self._batch_shape, dtype=np.int64))
+        self._A = np.zeros((G, L * 2 ** P))
+        self._B = np.zeros((G, L * 2 ** P, int(dv)))
+        self._count = 0
+
+    # -- read-only properties -------------------------------------------------
+    planes = property(lambda self: self._planes, doc="Hyperplanes (L, P, d) in the compute dtype.")
+    beta = property(lambda self: self._beta, doc="Soft-hash temperature.")
+    batch_shape = property(lambda self: self._batch_shape, doc="Leading dims of the inputs.")
+    dtype = property(lambda self: self._dtype, doc="Compute dtype.")
+    count = property(lambda self: self._count, doc="Tokens seen so far.")
+
+    @property
+    def dv(self):
+        return self._B.shape[2]
+
+    @property
+    def head_dim(self):
+        return self._planes.shape[2]
+
+    @property
+    def A(self):
+        a = self._A.reshape(self._batch_shape + self._A.shape[1:]).view()
+        a.flags.writeable = False
+        return a
+
+    @property
+    def B(self):
+        b = self._B.reshape(self._batch_shape + self._B.shape[1:]).view()
+        b.flags.writeable = False
+        return b
+
+    @property
+    def nbytes(self):
+        """Bytes of the carried state (independent of the context length)."""
+        return self._A.nbytes + self._B.nbytes
+
+    def __repr__(self):
+        L, P, d = self._planes.shape
+        return (f"RaceState(L={L}, P={P}, d={d}, dv={self.dv}, beta={self._beta}, "
+                f"batch_shape={self._batch_shape}, dtype={self._dtype.name}, count={self._count})")
+
+    def copy(self):
+        """An independent copy (same planes, beta, state and count)."""
+        new = object.__new__(RaceState)
+        new.__dict__.update(self.__dict__)
+        new._A, new._B = self._A.copy(), self._B.copy()
+        return new
+
+    # -- streaming --------------------------------------------------------------
+    def extend(self, q, k, v, *, check_finite=True):
+        """Causal RACE attention of a block of new tokens given everything before.
+
+        Parameters
+        ----------
+        q, k : array_like, shape batch_shape + (n, d)
+        v : array_like, shape batch_shape + (n, dv)
+        check_finite : bool, default True
+            Raise ValueError on NaN/Inf (a NaN would poison the state forever).
+
+        Returns
+        -------
+        out : ndarray, shape batch_shape + (n, dv), in the compute dtype
+            Row ``i`` attends to every earlier token and to new tokens ``<= i``.
+            The state then includes the n new keys.
+        """
+        q, k, v = (self._cast(name, x) for name, x in (("q", q), ("k", k), ("v", v)))
+        a = _prepare(q, k, v, self._planes, self._beta, True, None, check_finite)
+        if a.lead != self._batch_shape:
+            raise ValueError(f"inputs have leading dims {a.lead} but the state has batch_shape "
+                             f"{self._batch_shape}")
+        if a.v.shape[2] != self.dv:
+            raise ValueError(f"v has value dim {a.v.shape[2]} but the state has dv={self.dv}")
+        G, n, _ = a.q.shape
+        out = np.zeros((G, n, self.dv), self._dtype)
+        if G and n:
+            A1, B1 = advance(a.q, a.k, a.v, self._planes, self._beta, self._A, self._B, out)
+            self._A, self._B = A1, B1
+        self._count += n
+        return out.reshape(self._batch_shape + (n, self.dv))
+
+    def step(self, q, k, v, *, check_finite=True):
+        """One new token: ``q, k`` of shape batch_shape + (d,), ``v`` batch_shape + (dv,).
+
+        Returns the attention output, shape batch_shape + (dv,).  Same as
+        ``extend`` with a block of one token.
+        """
+        q, k, v = (self._cast(name, x) for name, x in (("q", q), ("k", k), ("v", v)))
+        want = {"q": self._batch_shape + (self.head_dim,), "k": self._batch_shape + (self.head_dim,),
+                "v": self._batch_shape + (self.dv,)}
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if x.shape != want[name]:
+                raise ValueError(f"{name} must have shape batch_shape + ({'dv' if name == 'v' else 'd'},) = "
+                                 f"{want[name]}, got {x.shape}")
+            if check_finite and not np.isfinite(x).all():
+                raise ValueError(f"{name} contains NaN or Inf (pass check_finite=False to skip this check)")
+        G = self._A.shape[0]
+        out = np.empty((G, self.dv), self._dtype)
+        if G:
+            A, B = self._A.copy(), self._B.copy()  # the state changes only if the kernel returns
+            _step_kernel(q.reshape(G, -1), k.reshape(G, -1), v.reshape(G, -1), self._planes, self._beta,
+                         A, B, out)
+            self._A, self._B = A, B
+        self._count += 1
+        return out.reshape(self._batch_shape + (self.dv,))
+
+    def _cast(self, name, x):
+        x = np.asarray(x)
+        if x.dtype.kind != "f":
+            raise TypeError(f"{name} must be a float array, got dtype {x.dtype}")
+        return x.astype(self._dtype, copy=False)
+
+    # -- persistence ------------------------------------------------------------
+    def save(self, path):
+        """Write the state to ``path`` (npz; written atomically via a temporary file).
+
+        The file holds a format tag and version, the planes, beta, dtype,
+        batch_shape, the token count and the float64 state, so a loaded state
+        resumes the stream bit for bit.
+        """
+        path = os.fspath(path)
+        data = dict(format=np.array(FORMAT), version=np.array(FORMAT_VERSION), planes=self._planes,
+                    beta=np.array(self._beta), dtype=np.array(self._dtype.name),
+                    batch_shape=np.array(self._batch_shape, dtype=np.int64), count=np.array(self._count),
+                    A=self._A, B=self._B)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        try:
+            with open(tmp, "wb") as fh:
+                np.savez(fh, **data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+    @classmethod
+    def load(cls, path, *, planes=None, beta=None):
+        """Read a state written by :meth:`save`.
+
+        Parameters
+        ----------
+        path : str or path-like
+        planes, beta : optional
+            The hyperplanes and temperature the caller will use; if given they
+            must equal the stored ones exactly (after casting to the stored
+            dtype), since a state built with other planes would give silently
+            wrong outputs.
+
+        Raises
+        ------
+        ValueError
+            If the file is truncated or corrupt, of another format or version,
+            inconsistent, or made with other planes/beta than those passed.
+        """
+        path = os.fspath(path)
+        try:
+            with open(path, "rb") as fh:
+                raw = fh.read()
+        except OSError as exc:
+            raise ValueError(f"cannot read RaceState file {path!r}: {exc}") from None
+        try:
+            with np.load(io.BytesIO(raw), allow_pickle=False) as z:
+                missing = [key for key in _KEYS if key not in z.files]
+                if "format" in z.files and str(z["format"]) != FORMAT:
+                    raise _Invalid(f"not a RaceState file (format tag {str(z['format'])!r})")
+                if missing:
+                    raise _Invalid(f"missing entries {missing}")
+                version = int(z["version"])
+                if version != FORMAT_VERSION:
+                    raise _Invalid(f"format version {version}, but this racecpu reads version "
+                                   f"{FORMAT_VERSION} only")
+                d = {key: z[key] for key in _KEYS}  # reading checks every member's CRC-32
+        except _Invalid as exc:
+            raise ValueError(f"{path!r}: {exc}") from None
+        except (zipfile.BadZipFile, EOFError, OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path!r} is not a valid RaceState file (truncated or corrupt?): "
+                             f"{type(exc).__name__}: {exc}") from None
+
+        try:
+            dtype = np.dtype(str(d["dtype"]))
+            batch_shape = tuple(int(s) for s in d["batch_shape"])
+            st = cls(d["planes"], float(d["beta"]), batch_shape=batch_shape, dv=int(d["B"].shape[-1]),
+                     dtype=dtype)
+            G, F = st._A.shape
+            if d["A"].shape != (G, F) or d["B"].shape != (G, F, st.dv) or d["A"].dtype != np.float64 \
+                    or d["B"].dtype != np.float64 or d["planes"].dtype != dtype:
+                raise ValueError("state arrays do not match planes/batch_shape")
+            count = int(d["count"])
+            if count < 0:
+                raise ValueError(f"negative token count {count}")
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{path!r}: inconsistent RaceState file: {exc}") from None
+        if planes is not None:
+            p = np.asarray(planes)
+            if p.shape != st._planes.shape or not np.array_equal(p.astype(dtype), st._planes):
+                raise ValueError(f"{path!r} was saved with different planes than those passed "
+                                 f"(stored shape {st._planes.shape}, passed {p.shape})")
+        if beta is not None and _check_beta(beta) != st._beta:
+            raise ValueError(f"{path!r} was saved with beta={st._beta}, but beta={beta} was passed")
+        st._A = np.ascontiguousarray(d["A"])
+        st._B = np.ascontiguousarray(d["B"])
+        st._count = count
+        return st
+
+
+class _Invalid(Exception):
+    pass
+
+
+def _check_shape(name, shape):
+    try:
+        shape = tuple(int(s) for s in shape)
+    except TypeError:
+        raise TypeError(f"{name} must be a tuple of ints, got {shape!r}") from None
+    if any(s < 0 for s in shape):
+        raise ValueError(f"{name} must have non-negative entries, got {shape}")
+    return shape
+
+
+@njit(cache=True, fastmath=K._FM, nogil=True)
+def _step_kernel(q, k, v, W, beta, A, B, out):
+    """One token per group, in place on the float64 state; the arithmetic of
+    :func:`advance` with a block of one token (one chunk: the state cast to
+    the compute dtype, plus this key, then the readout)."""
+    G, d = q.shape
+    dv = v.shape[1]
+    L, P, _ = W.shape
+    F = A.shape[1]
+    phik = np.empty(F, q.dtype)
+    tk = np.empty(L * P, q.dtype)
+    phiq = np.empty(F, q.dtype)
+    tq = np.empty(L * P, q.dtype)
+    S = np.empty((F, dv), q.dtype)
+    for g in range(G):
+        K.hash_row(k[g], W, beta, tk, phik, True)
+        for f in range(F):
+            w = phik[f]
+            A[g, f] += w
+            for c in range(dv):
+                wv = w * v[g, c]
+                S[f, c] = B[g, f, c]  # cast to the compute dtype first, as in advance
+                S[f, c] += wv
+                B[g, f, c] += wv
+        K.hash_row(q[g], W, beta, tq, phiq, True)
+        K.readout_row(phiq, A[g], S, L, out[g])
+
+
+def advance(q, k, v, planes, beta, A0, B0, out, *, phik=None, tk=None, phiq=None, tq=None, den=None,
+            return_carries=False):
+    """Causal RACE over a block of tokens from a carried state; the kernel-level step.
+
+    ``q, k (G, n, d)``, ``v (G, n, dv)`` C-contiguous in the compute dtype
+    (checked by the caller), ``A0 (G, F)``, ``B0 (G, F, dv)`` float64: the state
+    before the block.  Writes the outputs to ``out (G, n, dv)`` and returns the
+    state after the block ``(A1, B1)`` (new arrays).  The optional arrays
+    receive the soft buckets, tanh projections and denominators (the
+    residuals a backward needs); they are allocated when not given.
+
+    The chunk grid and float64 carries are those of
+    :func:`racecpu.race_attention_fwd`, with ``(A0, B0)`` added to every
+    chunk's carried-in state.  With ``return_carries`` the result also has the
+    chunk length and the carried-in states ``(chunk, carryA, carryB)`` that a
+    backward needs.
+    """
+    G, n, _ = q.shape
+    dv = v.shape[2]
+    L, P, _ = planes.shape
+    F = L * 2 ** P
+    cdt = q.dtype
+    chunk = _chunk(n, G, F, dv)
+    nc = -(-n // chunk)
+    phik = np.empty((G, n, F), cdt) if phik is None else phik
+    tk = np.empty((G, n, L * P), cdt) if tk is None else tk
+    phiq = np.empty((G, n, F), cdt) if phiq is None else phiq
+    tq = np.empty((G, n, L * P), cdt) if tq is None else tq
+    den = np.empty((G, n)) if den is None else den
+    partA = np.zeros((G, nc, F))
+    partB = np.zeros((G, nc, F, dv))
+    mask = np.ones((G, n), np.bool_)
+    K.sketch_chunks(k, v, mask, planes, beta, chunk, phik, tk, partA, partB)
+    carryA = K.exclusive_scan(partA)
+    carryB = K.exclusive_scan(partB)
+    carryA += A0[:, None]
+    carryB += B0[:, None]
+    K.causal_fwd(q, v, phik, carryA, carryB, planes, beta, chunk, phiq, tq, den, out)
+    A1, B1 = A0 + partA.sum(1), B0 + partB.sum(1)
+    if return_carries:
+        return A1, B1, chunk, carryA, carryB
+    return A1, B1

@@ -1,0 +1,15 @@
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+
+# Numba compiles on first use: no per-example deadline; few examples keep the suite fast.
+settings.register_profile("racecpu", deadline=None, max_examples=15, derandomize=True,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "racecpu"))
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(12345)

@@ -1,0 +1,396 @@
+"""RACE attention kernels against the dense O(N^2) reference, finite differences and properties."""
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import racecpu
+from racecpu import reference as ref
+
+from .util import fd_check, rel_err
+
+
+def make(rng, lead=(2,), nq=9, nk=None, d=6, dv=5, P=3, L=3, dtype=np.float64, seed=0):
+    nk = nq if nk is None else nk
+    q = rng.standard_normal(lead + (nq, d)).astype(dtype)
+    k = rng.standard_normal(lead + (nk, d)).astype(dtype)
+    v = rng.standard_normal(lead + (nk, dv)).astype(dtype)
+    W = racecpu.hyperplanes(d, P, L, seed=seed, dtype=dtype)
+    return q, k, v, W
+
+
+def f64(*xs):
+    return [np.asarray(x, dtype=np.float64) for x in xs]
+
+
+# ---------------------------------------------------------------------------
+# forward and backward against the dense reference
+# ---------------------------------------------------------------------------
+
+SHAPES = [  # lead, nq, nk, d, dv, P, L
+    ((), 1, 1, 3, 2, 1, 1),
+    ((2,), 9, 9, 6, 5, 3, 3),
+    ((2, 3), 7, 7, 4, 8, 2, 5),
+    ((1,), 13, 13, 5, 5, 6, 2),
+    ((3,), 5, 5, 8, 3, 4, 8),
+]
+CROSS = [((2,), 4, 11, 6, 7, 3, 3), ((1, 2), 12, 3, 4, 2, 5, 1)]
+
+
+CASES = [(s, c) for s in SHAPES + CROSS for c in (False, True) if not (c and s[1] != s[2])]  # causal: Nq == Nk
+
+
+@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-10), (np.float32, 1e-5)])
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("shape,causal", CASES)
+def test_forward_and_backward_match_dense_reference(rng, shape, causal, masked, dtype, tol):
+    lead, nq, nk, d, dv, P, L = shape
+    q, k, v, W = make(rng, lead, nq, nk, d, dv, P, L, dtype)
+    mask = rng.random(lead + (nk,)) > 0.3 if masked else None
+    beta = 1.7
+    out, res = racecpu.race_attention_fwd(q, k, v, W, beta, causal=causal, key_mask=mask)
+    assert out.dtype == dtype and out.shape == lead + (nq, dv)
+    want, wres = ref.race_attention_dense_fwd(*f64(q, k, v, W), beta, causal=causal, key_mask=mask)
+    assert rel_err(out, want) < tol
+    g = rng.standard_normal(out.shape).astype(dtype)
+    got = racecpu.race_attention_bwd(res, g)
+    expect = ref.race_attention_dense_bwd(wres, f64(g)[0])
+    for name, a, b in zip(("dq", "dk", "dv", "dbeta"), got, expect):
+        if name != "dbeta":
+            assert a.dtype == dtype and a.shape == np.shape(b)
+        # gradients that are exactly 0 (N = 1: the output is v whatever q is) leave only noise
+        assert rel_err(a, b, floor=1e-3) < 10 * tol, name
+
+
+@given(lead=st.lists(st.integers(1, 3), min_size=0, max_size=2), nq=st.integers(1, 20), nk=st.integers(1, 20),
+       d=st.integers(1, 9), dv=st.integers(1, 9), P=st.integers(1, 6), L=st.integers(1, 8),
+       beta=st.floats(0.05, 30.0), causal=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_forward_matches_dense_reference_hypothesis(lead, nq, nk, d, dv, P, L, beta, causal, seed):
+    rng = np.random.default_rng(seed)
+    if causal:
+        nk = nq
+    q, k, v, W = make(rng, tuple(lead), nq, nk, d, dv, P, L, np.float64, seed)
+    out = racecpu.race_attention(q, k, v, W, beta, causal=causal)
+    want = ref.race_attention_dense(q, k, v, W, beta, causal=causal)
+    assert rel_err(out, want) < 1e-10
+
+
+def test_chunked_work_matches_reference(rng, monkeypatch):
+    # Several chunks per head exercise the float64 carries and the chunk scans.
+    from racecpu import attention
+    monkeypatch.setattr(attention, "CHUNK", 7)
+    for causal in (False, True):
+        q, k, v, W = make(rng, (2,), 40, 40, 5, 4, 3, 2)
+        mask = rng.random((2, 40)) > 0.2
+        out, res = racecpu.race_attention_fwd(q, k, v, W, 2.0, causal=causal, key_mask=mask)
+        assert res.chunk == 7
+        want, wres = ref.race_attention_dense_fwd(q, k, v, W, 2.0, causal=causal, key_mask=mask)
+        assert rel_err(out, want) < 1e-10
+        g = rng.standard_normal(out.shape)
+        for a, b in zip(racecpu.race_attention_bwd(res, g), ref.race_attention_dense_bwd(wres, g)):
+            assert rel_err(a, b) < 1e-10
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradients_match_finite_differences(rng, causal):
+    q, k, v, W = make(rng, (2,), 5, 5, 4, 3, 2, 2)
+    mask = np.array([[True, True, False, True, True], [False, True, True, True, True]])
+
+    def f(q, k, v, beta):
+        return racecpu.race_attention(q, k, v, W, beta, causal=causal, key_mask=mask)
+
+    out, res = racecpu.race_attention_fwd(q, k, v, W, 1.3, causal=causal, key_mask=mask)
+    g = rng.standard_normal(out.shape)
+    fd_check(f, (q, k, v, 1.3), g, racecpu.race_attention_bwd(res, g))
+
+
+def test_dbeta_sums_over_heads(rng):
+    q, k, v, W = make(rng, (3,), 6, 6, 4, 3)
+    out, res = racecpu.race_attention_fwd(q, k, v, W, 2.0)
+    g = rng.standard_normal(out.shape)
+    total = racecpu.race_attention_bwd(res, g)[3]
+    per_head = sum(racecpu.race_attention_bwd(racecpu.race_attention_fwd(q[h], k[h], v[h], W, 2.0)[1], g[h])[3]
+                   for h in range(3))
+    assert total == pytest.approx(per_head, rel=1e-12)
+
+
+# ---------------------------------------------------------------------------
+# soft buckets
+# ---------------------------------------------------------------------------
+
+def test_soft_buckets_match_softmax_over_corners(rng):
+    x = rng.standard_normal((2, 7, 5))
+    W = racecpu.hyperplanes(5, 4, 3, seed=2, dtype=np.float64)
+    phi = racecpu.soft_buckets(x, W, 1.9)
+    assert phi.shape == (2, 7, 3, 16)
+    np.testing.assert_allclose(phi, ref.soft_buckets_dense(x, W, 1.9)[0], rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(phi.sum(-1), 1.0, rtol=1e-12)
+
+
+def test_corner_order_is_itertools_product(rng):
+    P = 4
+    assert np.array_equal(racecpu.corners(P), np.array(list(itertools.product([-1, 1], repeat=P))))
+    # At large beta, all mass sits on the corner sign(W x), indexed in that order.
+    x = rng.standard_normal((20, 6))
+    W = racecpu.hyperplanes(6, P, 2, seed=5, dtype=np.float64)
+    phi = racecpu.soft_buckets(x, W, 1e4)
+    corners = [tuple(c) for c in itertools.product([-1, 1], repeat=P)]
+    for i in range(20):
+        for l in range(2):
+            r = corners.index(tuple(np.sign(W[l] @ x[i]).astype(int)))
+            assert phi[i, l, r] > 0.999
+
+
+def test_soft_buckets_dtypes(rng):
+    W = racecpu.hyperplanes(4, 2, 2)
+    x = rng.standard_normal((3, 4))
+    assert racecpu.soft_buckets(x.astype(np.float32), W).dtype == np.float32
+    assert racecpu.soft_buckets(x.astype(np.float16), W).dtype == np.float16
+    with pytest.raises(TypeError, match="x must be a float"):
+        racecpu.soft_buckets(np.ones((3, 4), dtype=int), W)
+
+
+# ---------------------------------------------------------------------------
+# properties
+# ---------------------------------------------------------------------------
+
+def test_causal_output_ignores_the_future(rng):
+    q, k, v, W = make(rng, (2,), 30, 30, 6, 4)
+    out = racecpu.race_attention(q, k, v, W, causal=True)
+    t = 17
+    q2, k2, v2 = q.copy(), k.copy(), v.copy()
+    q2[:, t + 1:] = rng.standard_normal(q2[:, t + 1:].shape)
+    k2[:, t + 1:] *= -3
+    v2[:, t + 1:] += 100
+    out2 = racecpu.race_attention(q2, k2, v2, W, causal=True)
+    np.testing.assert_array_equal(out[:, :t + 1], out2[:, :t + 1])
+    assert not np.allclose(out[:, t + 1:], out2[:, t + 1:])
+
+
+def test_noncausal_permutation_symmetry(rng):
+    q, k, v, W = make(rng, (), 12, 15, 5, 3)
+    out = racecpu.race_attention(q, k, v, W)
+    pq, pk = rng.permutation(12), rng.permutation(15)
+    np.testing.assert_allclose(racecpu.race_attention(q[pq], k, v, W), out[pq], rtol=1e-13)
+    np.testing.assert_allclose(racecpu.race_attention(q, k[pk], v[pk], W), out, rtol=1e-11)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("beta", [1e-3, 1.0, 8.0, 200.0])
+def test_outputs_are_convex_combinations_of_values(rng, causal, beta):
+    q, k, v, W = make(rng, (2,), 40, 40, 8, 6)
+    out, res = racecpu.race_attention_fwd(q, k, v, W, beta, causal=causal)
+    for h in range(2):
+        for i in range(40):
+            if res.den[h, i] <= racecpu.DEN_FLOOR:  # no key shares a bucket: the documented zero row
+                assert beta > 100 and np.all(out[h, i] == 0)
+                continue
+            vis = v[h, : i + 1] if causal else v[h]
+            assert np.all(out[h, i] >= vis.min(0) - 1e-12) and np.all(out[h, i] <= vis.max(0) + 1e-12)
+    assert (res.den > racecpu.DEN_FLOOR).mean() > 0.5
+
+
+def test_masking_the_tail_equals_dropping_it(rng):
+    q, k, v, W = make(rng, (2,), 6, 14, 5, 4)
+    mask = np.zeros((2, 14), bool)
+    mask[:, :9] = True
+    a = racecpu.race_attention(q, k, v, W, key_mask=mask)
+    b = racecpu.race_attention(q, k[:, :9], v[:, :9], W)
+    np.testing.assert_allclose(a, b, rtol=1e-12)
+
+
+def test_converges_to_angular_attention_as_beta_and_L_grow(rng):
+    # Theorem 1: error = O(P / beta) + O(sqrt(log N / L)) against angular attention with gamma = P.
+    P = 2
+    q = rng.standard_normal((1, 24, 8))
+    k = rng.standard_normal((1, 24, 8))
+    v = rng.standard_normal((1, 24, 4))
+    want = ref.angular_attention(q, k, v, gamma=P)
+    errs = []
+    for L, beta in [(16, 8.0), (128, 40.0), (1024, 200.0)]:
+        W = racecpu.hyperplanes(8, P, L, seed=7, dtype=np.float64)
+        errs.append(np.sqrt(np.mean((racecpu.race_attention(q, k, v, W, beta) - want) ** 2)))
+    # each 8x more tables (and sharper buckets) cuts the error by about sqrt(8)
+    assert errs[2] < errs[1] / 2 < errs[0] / 4
+    assert errs[2] < 0.02
+
+
+# ---------------------------------------------------------------------------
+# robustness: extreme beta, zero vectors, empty inputs, dtypes, layouts
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("beta", [1e-8, 1e-3, 1e3, 1e6])
+@pytest.mark.parametrize("causal", [False, True])
+def test_finite_for_extreme_beta_and_zero_vectors(rng, dtype, beta, causal):
+    q, k, v, W = make(rng, (2,), 16, 16, 6, 4, dtype=dtype)
+    q[0, :4] = 0
+    k[1, 3:9] = 0
+    out, res = racecpu.race_attention_fwd(q, k, v, W, beta, causal=causal)
+    grads = racecpu.race_attention_bwd(res, np.ones_like(out))
+    assert np.isfinite(out).all()
+    for gr in grads:
+        assert np.isfinite(gr).all()
+
+
+def test_zero_vectors_hash_uniformly():
+    W = racecpu.hyperplanes(5, 3, 2, dtype=np.float64)
+    np.testing.assert_allclose(racecpu.soft_buckets(np.zeros((1, 5)), W, 4.0), 1 / 8)
+
+
+def test_query_without_key_mass_outputs_zeros(rng):
+    q, k, v, W = make(rng, (2,), 4, 6, 5, 3)
+    mask = np.ones((2, 6), bool)
+    mask[1] = False
+    out, res = racecpu.race_attention_fwd(q, k, v, W, key_mask=mask)
+    assert np.all(out[1] == 0) and np.all(res.den[1] == 0)
+    dq, dk, dv, _ = racecpu.race_attention_bwd(res, np.ones_like(out))
+    assert np.all(dq[1] == 0) and np.all(dk[1] == 0) and np.all(dv[1] == 0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_empty_sequences(rng, causal):
+    W = racecpu.hyperplanes(4)
+    z = np.zeros((2, 0, 4), np.float32)
+    out, res = racecpu.race_attention_fwd(z, z, np.zeros((2, 0, 3), np.float32), W, causal=causal)
+    assert out.shape == (2, 0, 3) and out.dtype == np.float32
+    dq, dk, dv, db = racecpu.race_attention_bwd(res, out)
+    assert dq.shape == (2, 0, 4) and dk.shape == (2, 0, 4) and dv.shape == (2, 0, 3) and db == 0.0
+    # queries but no keys: nothing to attend to
+    out = racecpu.race_attention(np.ones((3, 4)), np.zeros((0, 4)), np.zeros((0, 2)), W)
+    assert out.shape == (3, 2) and np.all(out == 0)
+
+
+def test_dtype_rules(rng):
+    q, k, v, W = make(rng, (1,), 5, 5, 4, 3, dtype=np.float32)
+    assert racecpu.race_attention(q, k, v, W).dtype == np.float32
+    h = racecpu.race_attention(q.astype(np.float16), k.astype(np.float16), v.astype(np.float16), W)
+    assert h.dtype == np.float16
+    np.testing.assert_allclose(h, racecpu.race_attention(*(x.astype(np.float16).astype(np.float32)
+                                                           for x in (q, k, v)), W), rtol=2e-3, atol=2e-3)
+    mixed, res = racecpu.race_attention_fwd(q, k, v.astype(np.float64), W)
+    assert mixed.dtype == np.float64
+    dq, dk, dv, _ = racecpu.race_attention_bwd(res, np.ones_like(mixed))
+    assert dq.dtype == np.float32 and dv.dtype == np.float64
+
+
+@pytest.mark.parametrize("bad", [np.int64, np.bool_, np.complex128])
+def test_non_float_inputs_are_type_errors(rng, bad):
+    q, k, v, W = make(rng, (1,), 5, 5, 4, 3)
+    with pytest.raises(TypeError, match="k must be a float16, float32 or float64 array.*astype"):
+        racecpu.race_attention(q, k.astype(bad), v, W)
+
+
+def test_inputs_not_modified_and_any_layout_works(rng):
+    q, k, v, W = make(rng, (2,), 10, 10, 6, 4)
+    want = racecpu.race_attention(q, k, v, W, causal=True)
+    qf = np.asfortranarray(q)
+    kbig = np.zeros((2, 20, 12))
+    kbig[:, ::2, ::2] = k
+    ks = kbig[:, ::2, ::2]
+    vr = v.copy()
+    vr.flags.writeable = False
+    copies = [qf.copy(), ks.copy(), vr.copy(), W.copy()]
+    got = racecpu.race_attention(qf, ks, vr, W, causal=True)
+    np.testing.assert_allclose(got, want, rtol=1e-13)
+    for before, after in zip(copies, [qf, ks, vr, W]):
+        np.testing.assert_array_equal(before, after)
+
+
+def test_residuals_are_linear_in_N(rng):
+    # No (N, L, R, dv) array and no N x N array is kept for the backward.
+    N, dv, P, L = 64, 16, 3, 3
+    q, k, v, W = make(rng, (1,), N, N, 8, dv, P, L)
+    F = L * 2 ** P
+    for causal in (False, True):
+        _, res = racecpu.race_attention_fwd(q, k, v, W, causal=causal)
+        arrays = [a for a in vars(res).values() if isinstance(a, np.ndarray)]
+        assert max(a.size for a in arrays if a is not res.v) <= N * F
+
+
+# ---------------------------------------------------------------------------
+# bad input
+# ---------------------------------------------------------------------------
+
+def test_bad_inputs(rng):
+    q, k, v, W = make(rng, (2,), 5, 5, 4, 3)
+    ra = racecpu.race_attention
+    with pytest.raises(ValueError, match=r"same leading dims.*\(3, 5, 4\)"):
+        ra(q, k[:1].repeat(3, 0), v, W)
+    with pytest.raises(ValueError, match="same head dim"):
+        ra(q, k[..., :3], v, W)
+    with pytest.raises(ValueError, match="same number of tokens"):
+        ra(q, k, v[:, :4], W)
+    with pytest.raises(ValueError, match="planes have head dim 3"):
+        ra(q, k, v, W[..., :3])
+    with pytest.raises(ValueError, match="at least 2 dims"):
+        ra(q[0, 0], k, v, W)
+    with pytest.raises(ValueError, match="causal attention needs as many queries as keys"):
+        ra(q[:, :3], k, v, W, causal=True)
+    for bad in (np.nan, np.inf):
+        q2 = q.copy()
+        q2[1, 2, 3] = bad
+        with pytest.raises(ValueError, match="q contains NaN or Inf"):
+            ra(q2, k, v, W)
+    v2 = v.copy()
+    v2[0, 0, 0] = np.nan
+    assert np.isnan(ra(q, k, v2, W, check_finite=False)).any()  # the check is what catches it
+    for beta in (0.0, -1.0, np.nan, np.inf):
+        with pytest.raises(ValueError, match="beta must be finite and > 0"):
+            ra(q, k, v, W, beta)
+    with pytest.raises(TypeError, match="beta"):
+        ra(q, k, v, W, "2")
+    with pytest.raises(TypeError, match="key_mask must be a bool"):
+        ra(q, k, v, W, key_mask=np.ones((2, 5)))
+    with pytest.raises(ValueError, match=r"key_mask must have shape \(2, 5\)"):
+        ra(q, k, v, W, key_mask=np.ones((2, 4), bool))
+    with pytest.raises(ValueError, match="planes must have shape"):
+        ra(q, k, v, W[0])
+    out, res = racecpu.race_attention_fwd(q, k, v, W)
+    with pytest.raises(ValueError, match=r"grad_out must have the output's shape \(2, 5, 3\)"):
+        racecpu.race_attention_bwd(res, out[:, :4])
+    g = np.ones_like(out)
+    g[0, 0, 0] = np.inf
+    with pytest.raises(ValueError, match="grad_out contains NaN"):
+        racecpu.race_attention_bwd(res, g)
+    with pytest.raises(TypeError, match="residuals must come from race_attention_fwd"):
+        racecpu.race_attention_bwd((1, 2), out)
+
+
+def test_hyperplanes():
+    W = racecpu.hyperplanes(16, 4, 5, seed=3)
+    assert W.shape == (5, 4, 16) and W.dtype == np.float32
+    np.testing.assert_array_equal(W, np.random.default_rng(3).standard_normal((5, 4, 16)).astype(np.float32))
+    np.testing.assert_array_equal(W, racecpu.hyperplanes(16, 4, 5, seed=3))
+    assert racecpu.hyperplanes(4, dtype=np.float64).dtype == np.float64
+    for kwargs in ({"num_planes": 0}, {"num_planes": 17}, {"num_tables": 0}):
+        with pytest.raises(ValueError):
+            racecpu.hyperplanes(8, **kwargs)
+    with pytest.raises(ValueError, match="head_dim"):
+        racecpu.hyperplanes(0)
+    with pytest.raises(TypeError, match="num_planes must be an int"):
+        racecpu.hyperplanes(8, 2.5)
+
+
+def test_race_attention_layer(rng):
+    att = racecpu.RaceAttention(6, num_planes=2, num_tables=4, beta=3.0, seed=9)
+    assert att.planes.shape == (4, 2, 6) and "num_tables=4" in repr(att)
+    q, k, v, _ = make(rng, (2,), 8, 8, 6, 5)
+    out, res = att.fwd(q, k, v, causal=True)
+    np.testing.assert_array_equal(out, att(q, k, v, causal=True))
+    np.testing.assert_allclose(out, ref.race_attention_dense(q, k, v, att.planes.astype(np.float64), 3.0,
+                                                             causal=True), rtol=1e-6)
+    assert len(att.bwd(res, np.ones_like(out))) == 4
+    with pytest.raises(ValueError, match="beta"):
+        racecpu.RaceAttention(6, beta=0)
+
+
+def test_cli_version(capsys):
+    from racecpu.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert racecpu.__version__ in capsys.readouterr().out
