@@ -608,3 +608,208 @@ def race_attention_bwd_ooc(res, grad_out, *, dq, dk, dv, checkpoint=None, progre
     scan2 = _Scan(ckdir, "bwd_keys", dict(key, queries=scan.key), -(-nk // block), [])
     _, dbeta_k = _run(scan2, _blocks(nk, block), keys, progress, "backward: keys", [dk, dv], [r.k, r.v])
     return dbeta_q + dbeta_k
+
+
+# ---------------------------------------------------------------------------
+# the 8M-token demo (racecpu demo --out-of-core DIR)
+# ---------------------------------------------------------------------------
+
+_DEMO_OUTPUTS = ("out", "dq", "dk", "dv")
+
+
+def _peak_rss():
+    """Peak resident set size of this process in bytes (VmHWM, else ru_maxrss)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _reset_peak_rss():
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False if not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _disk_used(directory):
+    total = 0
+    for root, _, files in os.walk(directory):
+        for f in files:
+            try:
+                total += os.stat(os.path.join(root, f)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+def demo(tokens=8388608, heads=4, dim=128, directory="racecpu-ooc", causal=True, *, seed=0, num_planes=3,
+         num_tables=3, beta=DEFAULT_BETA, block=BLOCK, store_dtype=np.float32, check=True, progress=True,
+         disk_margin=4 * 2 ** 30):
+    """One out-of-core RACE forward + backward over ``tokens`` tokens; returns metrics.
+
+    The inputs ``q, k, v`` and the cotangent ``grad_out`` (each heads x tokens
+    x dim, float32) are :class:`SeededArray` streams -- generated per block
+    from ``seed``, never stored -- while the four results ``out, dq, dk, dv``
+    are written to ``.npy`` memmaps in ``directory`` (4 x heads x tokens x dim
+    x 4 bytes: 64 GiB at 8M tokens, 4 heads, d = 128).  Progress is
+    checkpointed in ``directory/checkpoint``: rerunning with the same
+    arguments resumes; with other arguments the directory's demo files are
+    discarded and the run restarts.
+
+    Parameters
+    ----------
+    tokens, heads, dim : int
+    directory : path
+    causal : bool, default True
+    seed, num_planes, num_tables, beta, block :
+        Input seed, hash shape, temperature and tokens per block.
+    store_dtype : dtype, default float32
+        dtype of the result files (computation is float32 regardless).
+    check : bool, default True
+        Compare the first ``min(tokens, 4096)`` tokens of ``out`` (and, when
+        causal, ``dq``, which for those tokens depends on nothing later)
+        with the in-memory :func:`racecpu.race_attention_fwd`/``_bwd``.
+    progress : bool, default True
+        One tqdm bar (with ETA) over every block of every pass.
+    disk_margin : int, default 4 GiB
+        Refuse to start unless this much disk stays free after the results.
+
+    Returns
+    -------
+    dict
+        tokens, heads, dim, causal, block, seconds_forward, seconds_backward,
+        seconds_total, ns_per_token_head, blocks_computed, blocks_total,
+        peak_rss_bytes, disk_bytes, output_bytes, dbeta, check_max_abs_err,
+        directory, files.
+    """
+    from . import race_attention_bwd, race_attention_fwd
+
+    for name, val in (("tokens", tokens), ("heads", heads), ("dim", dim)):
+        if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {val!r}")
+    block = _check_block(block)
+    store_dtype = np.dtype(store_dtype)
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    config = dict(version=_VERSION, tokens=int(tokens), heads=int(heads), dim=int(dim), causal=bool(causal),
+                  seed=int(seed), num_planes=int(num_planes), num_tables=int(num_tables), beta=float(beta),
+                  block=block, store_dtype=store_dtype.name)
+    cfg_path = os.path.join(directory, "demo.json")
+    ckpt = os.path.join(directory, "checkpoint")
+    paths = {n: os.path.join(directory, f"{n}.npy") for n in _DEMO_OUTPUTS}
+    try:
+        with open(cfg_path) as fh:
+            old = json.load(fh).get("config")
+    except (OSError, ValueError):
+        old = None
+    if old != config:  # another demo (or none) lived here: restart cleanly
+        for p in list(paths.values()) + [cfg_path]:
+            if os.path.exists(p):
+                os.remove(p)
+        shutil.rmtree(ckpt, ignore_errors=True)
+
+    shape = (heads, tokens, dim)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * store_dtype.itemsize
+    missing = sum(nbytes - (os.stat(p).st_blocks * 512 if os.path.exists(p) else 0) for p in paths.values())
+    free = shutil.disk_usage(directory).free
+    if free < max(missing, 0) + disk_margin:
+        raise RuntimeError(f"not enough disk in {directory!r}: the results need {missing / 2 ** 30:.1f} GiB "
+                           f"more, plus a {disk_margin / 2 ** 30:.1f} GiB margin, but {free / 2 ** 30:.1f} GiB "
+                           f"are free (try fewer tokens or store_dtype=float16)")
+
+    outs = {}
+    for n, p in paths.items():
+        try:
+            outs[n] = np.lib.format.open_memmap(p, mode="r+")
+            if outs[n].shape != shape or outs[n].dtype != store_dtype:
+                raise ValueError
+        except (OSError, ValueError):
+            outs[n] = np.lib.format.open_memmap(p, mode="w+", dtype=store_dtype, shape=shape)
+    tmp = cfg_path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(dict(config=config, complete=False), fh)
+    os.replace(tmp, cfg_path)
+
+    q, k, v, g = (SeededArray(shape, np.float32, seed=[seed, i] if False else seed * 4 + i) for i in range(4))
+    planes = hyperplanes(dim, num_planes, num_tables, seed=seed)
+    nb = -(-tokens // block)
+    total = (2 if causal else 4) * nb
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=total, desc=f"out-of-core fwd+bwd, {tokens} tokens x {heads} heads", unit="block",
+                   smoothing=0.05)
+
+    counter = _Counter(bar)
+    reset = _reset_peak_rss()
+    rss0 = _peak_rss()
+    t0 = time.perf_counter()
+    try:
+        res = race_attention_fwd_ooc(q, k, v, planes, beta, causal=causal, out=outs["out"], block=block,
+                                     checkpoint=ckpt, check_finite=False, progress=counter)
+        t1 = time.perf_counter()
+        dbeta = race_attention_bwd_ooc(res, g, dq=outs["dq"], dk=outs["dk"], dv=outs["dv"], checkpoint=ckpt,
+                                       progress=counter)
+        t2 = time.perf_counter()
+    finally:
+        if bar is not None:
+            bar.close()
+    peak = _peak_rss()
+
+    err = None
+    if check:
+        n0 = min(tokens, 4096)
+        qs, ks, vs, gs = (np.asarray(x.rows(0, 0, n0))[None] for x in (q, k, v, g))
+        if causal:
+            o_ref, r_ref = race_attention_fwd(qs, ks, vs, planes, beta, causal=True)
+            dq_ref = race_attention_bwd(r_ref, gs)[0]
+            err = max(float(np.abs(outs["out"][0, :n0] - o_ref[0]).max()),
+                      float(np.abs(outs["dq"][0, :n0] - dq_ref[0]).max()))
+        else:  # every query sees every key: check the first queries against the full key sketch
+            err = float(np.abs(outs["out"][0, :n0].astype(np.float64)
+                               - _noncausal_rows(qs[0], res.A[0], res.B[0], planes, beta)).max())
+        _release(*outs.values())
+
+    for x in outs.values():
+        x.flush()
+    with open(tmp, "w") as fh:
+        json.dump(dict(config=config, complete=True, dbeta=dbeta), fh)
+    os.replace(tmp, cfg_path)
+    secs = t2 - t0
+    return dict(tokens=int(tokens), heads=int(heads), dim=int(dim), causal=bool(causal), block=block,
+                seconds_forward=t1 - t0, seconds_backward=t2 - t1, seconds_total=secs,
+                ns_per_token_head=secs / (tokens * heads) * 1e9,
+                blocks_computed=counter.computed, blocks_total=total,
+                peak_rss_bytes=peak, peak_rss_reset=reset, rss_before_bytes=rss0,
+                disk_bytes=_disk_used(directory), output_bytes=4 * nbytes, dbeta=dbeta,
+                check_max_abs_err=err, directory=directory, files=sorted(paths.values()))
+
+
+class _Counter:
+    """Counts blocks actually computed (resumed ones are skipped) and feeds a bar."""
+
+    def __init__(self, bar):
+        self.bar, self.computed, self._skip = bar, 0, True
+
+    def update(self, n=1):
+        if self.bar is not None:
+            self.bar.update(n)
+        if n == 1:
+            self.computed += 1
+
+
+def _noncausal_rows(q, A, B, planes, beta):
+    """Reference readout of rows ``q (n, d)`` from a summed sketch, via soft_buckets."""
+    from .hashing import soft_buckets
+    L = planes.shape[0]
+    phi = soft_buckets(q, planes, beta).reshape(len(q), -1).astype(np.float64)
+    den = phi @ A / L
+    return (phi @ B / L) / den[:, None]
