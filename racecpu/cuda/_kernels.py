@@ -1,0 +1,632 @@
+"""numba.cuda kernels of RACE attention (no argument checking here: see ``racecpu.cuda``).
+
+Same layout and math as the CPU kernels in :mod:`racecpu._kernels`, step for
+step: every (batch, head) pair is a group ``g``; arrays are C-contiguous
+``x (G, N, d)``, ``v (G, N, dv)``, planes ``W (L, P, d)``; the soft hash of one
+token is a row ``phi (F,)``, ``F = L * R``, with tanh projections ``t (L*P,)``.
+The per-token helpers (:func:`hash_row`, :func:`hash_row_bwd`,
+:func:`readout_row`, :func:`readout_row_bwd`, :func:`key_row_bwd`) are the CPU
+helpers with loops reordered so a thread keeps its sums in registers.
+
+GPU work split.  A *block* owns one (group, chunk) task, as one ``prange``
+task does on the CPU, and walks its chunk in *tiles* of ``T`` tokens
+(``T`` = threads per block).  Each tile has two phases separated by
+``syncthreads``:
+
+* token phase: thread ``t`` handles token ``t`` of the tile (soft hash fused
+  with the readout or its backward);
+* column phase: thread ``t`` handles columns ``t, t + T, ...`` of the
+  augmented value matrix ``[v, 1]`` (``dv + 1`` columns; the last one is the
+  key mass ``A``) and adds the tile to the block's sketch or running state.
+
+Sketches and states are stored as ``(F, dv + 1)``: columns ``< dv`` are ``B``
+and column ``dv`` is ``A``.  The non-causal sketch is a two-level reduction:
+per-block partials (float64, :func:`make_kernels` ``sketch_chunks``) then a sum
+over blocks (:func:`sum_chunks`); no global atomics.  The causal scan is
+chunk totals -> exclusive scan of the totals in float64 (:func:`scan_chunks`)
+-> every chunk rescanned from its carried-in state.  Inside a tile the causal
+readout uses the tile-start state plus the tile's own pairs (``j <= i`` within
+the tile, a T x T triangle, never N x N), so no per-token barrier is needed.
+The backward is exact: pass 1 rebuilds prefix states by the same rescan,
+pass 2 carries suffix sums of (dA, dB) by a reverse rescan; nothing is
+obtained by subtracting from a total.
+
+Running states live in a per-block scratch in the compute dtype and sum at
+most one chunk on top of their float64 carry; carries, block partials and
+totals are float64 (as on the CPU, no long sum runs in float32).  Kernels depend on (F, T, dtype) through local-array
+sizes and are built once per combination by :func:`make_kernels`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda
+
+from ..hashing import DEN_FLOOR
+
+# ---------------------------------------------------------------------------
+# soft hash of one token: forward and backward (as racecpu._kernels)
+# ---------------------------------------------------------------------------
+
+
+@cuda.jit(device=True)
+def _sigmoid(z):
+    # Stable for any z: exp never sees a positive argument.
+    if z >= 0.0:
+        return 1.0 / (1.0 + math.exp(-z))
+    e = math.exp(z)
+    return e / (1.0 + e)
+
+
+@cuda.jit(device=True)
+def hash_row(x, W, beta, t, phi, keep):
+    """phi_l(x) of every table by the logistic factorisation (see the CPU kernel)."""
+    L, P, d = W.shape
+    R = 1 << P
+    zero = W[0, 0, 0] - W[0, 0, 0]
+    for l in range(L):
+        base = l * R
+        phi[base] = 1.0
+        n = 1
+        for p in range(P):
+            u = zero
+            for i in range(d):
+                u += x[i] * W[l, p, i]
+            th = math.tanh(u)
+            t[l * P + p] = th
+            a = _sigmoid(2.0 * beta * th)
+            b = _sigmoid(-2.0 * beta * th)
+            for i in range(n - 1, -1, -1):
+                val = phi[base + i]
+                phi[base + 2 * i + 1] = val * a
+                phi[base + 2 * i] = val * b
+            n *= 2
+        if not keep:
+            for r in range(R):
+                phi[base + r] = 0.0
+
+
+@cuda.jit(device=True)
+def hash_row_bwd(dphi, phi, t, W, beta, dx):
+    """Back through softmax over corners, tanh and W x; returns the dbeta term."""
+    L, P, d = W.shape
+    R = 1 << P
+    for i in range(d):
+        dx[i] = 0.0
+    dbeta = 0.0
+    for l in range(L):
+        base = l * R
+        dot = 0.0
+        for r in range(R):
+            dot += phi[base + r] * dphi[base + r]
+        for p in range(P):
+            shift = P - 1 - p
+            s = 0.0
+            for r in range(R):
+                dz = phi[base + r] * (dphi[base + r] - dot)
+                if (r >> shift) & 1:
+                    s += dz
+                else:
+                    s -= dz
+            th = t[l * P + p]
+            dbeta += s * th
+            du = beta * s * (1.0 - th * th)
+            for i in range(d):
+                dx[i] += du * W[l, p, i]
+    return dbeta
+
+
+# ---------------------------------------------------------------------------
+# per-token readout of a sketch: forward and backward
+# ---------------------------------------------------------------------------
+
+
+@cuda.jit(device=True)
+def readout_row(phiq, S, L, out):
+    """out = (phiq B) / (L den), den = phiq . A / L; returns den (DEN_FLOOR rows: zeros).
+
+    ``S (F, dv + 1)``: B in columns < dv, A (float64 mass) in column dv.
+    """
+    F = S.shape[0]
+    dv = S.shape[1] - 1
+    zero = phiq[0] - phiq[0]
+    den = 0.0
+    for f in range(F):
+        den += phiq[f] * S[f, dv]
+    den /= L
+    if den <= DEN_FLOOR:
+        for c in range(dv):
+            out[c] = 0.0
+        return den
+    inv = 1.0 / (L * den)
+    for c in range(dv):
+        acc = zero
+        for f in range(F):
+            acc += phiq[f] * S[f, c]
+        out[c] = acc * inv
+    return den
+
+
+@cuda.jit(device=True)
+def readout_row_bwd(phiq, S, g, den, L, dphi):
+    """Cotangent of :func:`readout_row` w.r.t. phiq (to ``dphi``); returns (dden, 1/(L den)).
+
+    y = B g;  dden = -(phiq . y) / (L den^2);  dphi = y / (L den) + A dden / L.
+    Rows at or below DEN_FLOOR pass nothing back: (0, 0) and dphi = 0.
+    """
+    F = S.shape[0]
+    dv = S.shape[1] - 1
+    if den <= DEN_FLOOR:
+        for f in range(F):
+            dphi[f] = 0.0
+        return 0.0, 0.0
+    zero = phiq[0] - phiq[0]
+    inv = 1.0 / (L * den)
+    phiy = 0.0
+    for f in range(F):
+        y = zero
+        for c in range(dv):
+            y += S[f, c] * g[c]
+        dphi[f] = y
+        phiy += phiq[f] * y
+    dden = -phiy * inv / den
+    for f in range(F):
+        dphi[f] = dphi[f] * inv + S[f, dv] * dden / L
+    return dden, inv
+
+
+@cuda.jit(device=True)
+def key_row_bwd(phik, tk, vrow, dS, W, beta, dphi, dk, dvrow):
+    """Cotangents of one key from the summed (dA, dB) in ``dS (F, dv + 1)``.
+
+    dphik = dB v + dA, dv = dB^T phik, then dk through the hash; returns the
+    dbeta term.  A masked key has phik = 0, so everything comes out 0.
+    """
+    F = dS.shape[0]
+    dv = dS.shape[1] - 1
+    zero = phik[0] - phik[0]
+    for f in range(F):
+        y = zero
+        for c in range(dv):
+            y += dS[f, c] * vrow[c]
+        dphi[f] = y + dS[f, dv]
+    for c in range(dv):
+        s = zero
+        for f in range(F):
+            s += phik[f] * dS[f, c]
+        dvrow[c] = s
+    return hash_row_bwd(dphi, phik, tk, W, beta, dk)
+
+
+# ---------------------------------------------------------------------------
+# column phase: add one tile to a sketch / state (thread owns column col)
+# ---------------------------------------------------------------------------
+
+
+@cuda.jit(device=True)
+def tile_sketch(phi, v, t0, t1, col, S):
+    """S[:, col] += sum_{t0 <= j < t1} phi_j v_j[col]  (col == dv: the mass, v = 1)."""
+    F = phi.shape[1]
+    dv = v.shape[1]
+    if col < dv:
+        for f in range(F):
+            s = phi[t0, f] - phi[t0, f]
+            for j in range(t0, t1):
+                s += phi[j, f] * v[j, col]
+            S[f, col] += s
+    else:
+        for f in range(F):
+            s = 0.0
+            for j in range(t0, t1):
+                s += phi[j, f]
+            S[f, col] += s
+
+
+@cuda.jit(device=True)
+def tile_dsketch(phiq, winv, dden, g, t0, t1, L, col, dS):
+    """dS[:, col] += the tile's (dB, dA): dB += phiq_i g_i^T / (L den_i), dA += phiq_i dden_i / L."""
+    F = phiq.shape[1]
+    dv = g.shape[1]
+    if col < dv:
+        for f in range(F):
+            s = 0.0
+            for i in range(t0, t1):
+                s += phiq[i, f] * winv[i] * g[i, col]
+            dS[f, col] += s
+    else:
+        for f in range(F):
+            s = 0.0
+            for i in range(t0, t1):
+                s += phiq[i, f] * dden[i]
+            dS[f, col] += s / L
+
+
+@cuda.jit(device=True)
+def copy_cols(src, dst, col):
+    for f in range(src.shape[0]):
+        dst[f, col] = src[f, col]
+
+
+# ---------------------------------------------------------------------------
+# reductions over chunks (second level of the sketch), scans, casts
+# ---------------------------------------------------------------------------
+
+
+@cuda.jit
+def sum_chunks(part, out):
+    """out[g, e] = sum_c part[g, c, e] in float64 (part (G, nc, E))."""
+    G, nc, E = part.shape
+    for x in range(cuda.grid(1), G * E, cuda.gridsize(1)):
+        g = x // E
+        e = x - g * E
+        s = 0.0
+        for c in range(nc):
+            s += part[g, c, e]
+        out[g, e] = s
+
+
+@cuda.jit
+def scan_chunks(part, out, reverse):
+    """Exclusive prefix (or suffix, ``reverse``) sums over axis 1 in float64."""
+    G, nc, E = part.shape
+    for x in range(cuda.grid(1), G * E, cuda.gridsize(1)):
+        g = x // E
+        e = x - g * E
+        s = 0.0
+        for m in range(nc):
+            c = nc - 1 - m if reverse else m
+            out[g, c, e] = s
+            s += part[g, c, e]
+
+
+@cuda.jit
+def cast_copy(src, dst):
+    """dst[i] = src[i] (1-d, any float dtypes)."""
+    for x in range(cuda.grid(1), src.shape[0], cuda.gridsize(1)):
+        dst[x] = src[x]
+
+
+@cuda.jit
+def flag_nonfinite(x, flag):
+    """flag[0] = 1 if any entry of the 1-d array x is NaN or +-Inf."""
+    for i in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
+        if not math.isfinite(x[i]):
+            flag[0] = 1
+
+
+# ---------------------------------------------------------------------------
+# kernels specialised on (F, T, dtype)
+# ---------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def make_kernels(F, T, dtype):
+    """Kernels for ``F = L * 2**P`` buckets, ``T`` threads per block, compute ``dtype``.
+
+    ``F``, ``T`` and ``dtype`` size the per-thread scratch (``cuda.local.array``)
+    and the block reduction; every launch must use ``T`` threads per block.
+    """
+    DT = np.dtype(dtype).type
+    F = int(F)
+    T = int(T)
+
+    @cuda.jit(device=True)
+    def block_sum(acc, out, idx):
+        """out[idx] = sum of ``acc`` over the block (deterministic order)."""
+        red = cuda.shared.array(T, np.float64)
+        red[cuda.threadIdx.x] = acc
+        cuda.syncthreads()
+        if cuda.threadIdx.x == 0:
+            s = 0.0
+            for m in range(T):
+                s += red[m]
+            out[idx] = s
+
+    @cuda.jit
+    def soft_hash_rows(x, W, beta, t, phi):
+        """phi and t of every row of ``x (M, d)`` (the public ``soft_buckets``)."""
+        i = cuda.grid(1)
+        if i < x.shape[0]:
+            hash_row(x[i], W, beta, t[i], phi[i], True)
+
+    # -- sketch of keys: block partials (both attentions) ------------------
+
+    @cuda.jit
+    def sketch_chunks(k, v, mask, W, beta, chunk, phik, tk, part):
+        """Hash every key (phik, tk; masked keys phi = 0) and sum its sketch per chunk.
+
+        ``part (G, nc, F, dv + 1)`` float64, zero on entry.
+        """
+        n = k.shape[1]
+        nc = part.shape[1]
+        dv = v.shape[2]
+        tid = cuda.threadIdx.x
+        g = cuda.blockIdx.x // nc
+        c = cuda.blockIdx.x - g * nc
+        lo = c * chunk
+        hi = min(lo + chunk, n)
+        for t0 in range(lo, hi, T):
+            t1 = min(t0 + T, hi)
+            j = t0 + tid
+            if j < t1:
+                hash_row(k[g, j], W, beta, tk[g, j], phik[g, j], mask[g, j])
+            cuda.syncthreads()
+            for col in range(tid, dv + 1, T):
+                tile_sketch(phik[g], v[g], t0, t1, col, part[g, c])
+            # no second barrier: the next token phase writes other rows
+        # (part columns are owned by one thread each)
+
+    # -- non-causal readout: forward and backward --------------------------
+
+    @cuda.jit
+    def queries_fwd(q, W, beta, S, phiq, tq, den, out):
+        """Hash every query and read the summed sketch ``S (G, F, dv + 1)`` (compute dtype)."""
+        n = q.shape[1]
+        L = W.shape[0]
+        nb = (n + T - 1) // T
+        g = cuda.blockIdx.x // nb
+        i = (cuda.blockIdx.x - g * nb) * T + cuda.threadIdx.x
+        if i < n:
+            hash_row(q[g, i], W, beta, tq[g, i], phiq[g, i], True)
+            den[g, i] = readout_row(phiq[g, i], S[g], L, out[g, i])
+
+    @cuda.jit
+    def queries_bwd(grad, phiq, tq, den, S, W, beta, chunk, dq, dden, winv, part, dbeta_part):
+        """Non-causal cotangents of every query; chunk sums of (dB, dA) into ``part``."""
+        n = grad.shape[1]
+        dv = grad.shape[2]
+        L = W.shape[0]
+        nc = part.shape[1]
+        tid = cuda.threadIdx.x
+        g = cuda.blockIdx.x // nc
+        c = cuda.blockIdx.x - g * nc
+        lo = c * chunk
+        hi = min(lo + chunk, n)
+        dphi = cuda.local.array(F, np.float64)
+        acc = 0.0
+        for t0 in range(lo, hi, T):
+            t1 = min(t0 + T, hi)
+            i = t0 + tid
+            if i < t1:
+                dd, wi = readout_row_bwd(phiq[g, i], S[g], grad[g, i], den[g, i], L, dphi)
+                dden[g, i] = dd
+                winv[g, i] = wi
+                acc += hash_row_bwd(dphi, phiq[g, i], tq[g, i], W, beta, dq[g, i])
+            cuda.syncthreads()
+            for col in range(tid, dv + 1, T):
+                tile_dsketch(phiq[g], winv[g], dden[g], grad[g], t0, t1, L, col, part[g, c])
+        block_sum(acc, dbeta_part, cuda.blockIdx.x)
+
+    @cuda.jit
+    def keys_bwd(v, phik, tk, dS, W, beta, dk, dv_out, dbeta_part):
+        """Non-causal cotangents of every key from the summed ``dS (G, F, dv + 1)``."""
+        n = v.shape[1]
+        nb = (n + T - 1) // T
+        g = cuda.blockIdx.x // nb
+        j = (cuda.blockIdx.x - g * nb) * T + cuda.threadIdx.x
+        dphi = cuda.local.array(F, np.float64)
+        acc = 0.0
+        if j < n:
+            acc = key_row_bwd(phik[g, j], tk[g, j], v[g, j], dS[g], W, beta, dphi, dk[g, j], dv_out[g, j])
+        block_sum(acc, dbeta_part, cuda.blockIdx.x)
+
+    # -- causal scan: forward and backward ---------------------------------
+
+    @cuda.jit(device=True)
+    def load_state(carry, g, c, state):
+        for col in range(cuda.threadIdx.x, carry.shape[3], T):
+            copy_cols(carry[g, c], state, col)
+        cuda.syncthreads()
+
+    @cuda.jit(device=True)
+    def causal_readout_row(phiq, S, phik, v, t0, i, L, out):
+        """:func:`readout_row` at prefix i: tile-start state ``S`` plus keys t0..i."""
+        F_ = S.shape[0]
+        dv = v.shape[1]
+        zero = phiq[0] - phiq[0]
+        kap = cuda.local.array(T, DT)
+        den = 0.0
+        for f in range(F_):
+            den += phiq[f] * S[f, dv]
+        for j in range(t0, i + 1):
+            kp = zero
+            for f in range(F_):
+                kp += phiq[f] * phik[j, f]
+            kap[j - t0] = kp
+            den += kp
+        den /= L
+        if den <= DEN_FLOOR:
+            for c in range(dv):
+                out[c] = 0.0
+            return den
+        inv = 1.0 / (L * den)
+        for c in range(dv):
+            acc = zero
+            for f in range(F_):
+                acc += phiq[f] * S[f, c]
+            for j in range(t0, i + 1):
+                acc += kap[j - t0] * v[j, c]
+            out[c] = acc * inv
+        return den
+
+    @cuda.jit
+    def causal_fwd(q, v, phik, carry, W, beta, chunk, state, phiq, tq, den, out):
+        """Rescan every chunk from its carried-in state ``carry (G, nc, F, dv + 1)``.
+
+        ``state (G * nc, F, dv + 1)`` (compute dtype) is each block's running
+        state; it sums at most one chunk on top of the float64 carry.
+        """
+        n = q.shape[1]
+        dv = v.shape[2]
+        L = W.shape[0]
+        nc = carry.shape[1]
+        tid = cuda.threadIdx.x
+        b = cuda.blockIdx.x
+        g = b // nc
+        c = b - g * nc
+        lo = c * chunk
+        hi = min(lo + chunk, n)
+        S = state[b]
+        load_state(carry, g, c, S)
+        for t0 in range(lo, hi, T):
+            t1 = min(t0 + T, hi)
+            i = t0 + tid
+            if i < t1:
+                hash_row(q[g, i], W, beta, tq[g, i], phiq[g, i], True)
+                den[g, i] = causal_readout_row(phiq[g, i], S, phik[g], v[g], t0, i, L, out[g, i])
+            cuda.syncthreads()
+            for col in range(tid, dv + 1, T):
+                tile_sketch(phik[g], v[g], t0, t1, col, S)
+            cuda.syncthreads()
+
+    @cuda.jit(device=True)
+    def causal_readout_row_bwd(phiq, S, phik, v, g, t0, i, den, L, dphi):
+        """:func:`readout_row_bwd` at prefix i (tile-start state plus keys t0..i)."""
+        F_ = S.shape[0]
+        dv = v.shape[1]
+        if den <= DEN_FLOOR:
+            for f in range(F_):
+                dphi[f] = 0.0
+            return 0.0, 0.0
+        zero = phiq[0] - phiq[0]
+        gv = cuda.local.array(T, DT)
+        for j in range(t0, i + 1):
+            s = zero
+            for c in range(dv):
+                s += v[j, c] * g[c]
+            gv[j - t0] = s
+        inv = 1.0 / (L * den)
+        phiy = 0.0
+        for f in range(F_):
+            y = zero
+            for c in range(dv):
+                y += S[f, c] * g[c]
+            for j in range(t0, i + 1):
+                y += phik[j, f] * gv[j - t0]
+            dphi[f] = y
+            phiy += phiq[f] * y
+        dden = -phiy * inv / den
+        for f in range(F_):
+            a = S[f, dv]
+            for j in range(t0, i + 1):
+                a += phik[j, f]
+            dphi[f] = dphi[f] * inv + a * dden / L
+        return dden, inv
+
+    @cuda.jit
+    def causal_queries_bwd(grad, v, phik, phiq, tq, den, carry, W, beta, chunk, state,
+                           dq, dden, winv, part, dbeta_part):
+        """Backward pass 1: rebuild prefix states by rescanning; cotangents of queries.
+
+        Writes dden and 1/(L den) per query and the chunk totals of (dB, dA)
+        into ``part`` for the reverse scan.
+        """
+        n = grad.shape[1]
+        dv = grad.shape[2]
+        L = W.shape[0]
+        nc = carry.shape[1]
+        tid = cuda.threadIdx.x
+        b = cuda.blockIdx.x
+        g = b // nc
+        c = b - g * nc
+        lo = c * chunk
+        hi = min(lo + chunk, n)
+        S = state[b]
+        load_state(carry, g, c, S)
+        dphi = cuda.local.array(F, np.float64)
+        acc = 0.0
+        for t0 in range(lo, hi, T):
+            t1 = min(t0 + T, hi)
+            i = t0 + tid
+            if i < t1:
+                dd, wi = causal_readout_row_bwd(phiq[g, i], S, phik[g], v[g], grad[g, i], t0, i,
+                                                den[g, i], L, dphi)
+                dden[g, i] = dd
+                winv[g, i] = wi
+                acc += hash_row_bwd(dphi, phiq[g, i], tq[g, i], W, beta, dq[g, i])
+            cuda.syncthreads()
+            for col in range(tid, dv + 1, T):
+                tile_dsketch(phiq[g], winv[g], dden[g], grad[g], t0, t1, L, col, part[g, c])
+                tile_sketch(phik[g], v[g], t0, t1, col, S)
+            cuda.syncthreads()
+        block_sum(acc, dbeta_part, b)
+
+    @cuda.jit(device=True)
+    def causal_key_row_bwd(phik, tk, vrow, dS, phiq, g, dden, winv, j, t1, L, W, beta, dphi, dk, dvrow):
+        """:func:`key_row_bwd` at suffix j: tile-end state ``dS`` plus queries j..t1-1."""
+        F_ = dS.shape[0]
+        dv = vrow.shape[0]
+        zero = phik[0] - phik[0]
+        gv = cuda.local.array(T, DT)
+        pw = cuda.local.array(T, DT)
+        for i in range(j, t1):
+            s = zero
+            for c in range(dv):
+                s += g[i, c] * vrow[c]
+            gv[i - j] = s
+            p = zero
+            for f in range(F_):
+                p += phik[f] * phiq[i, f]
+            pw[i - j] = p * winv[i]
+        for f in range(F_):
+            y = zero
+            for c in range(dv):
+                y += dS[f, c] * vrow[c]
+            e = 0.0
+            for i in range(j, t1):
+                e += phiq[i, f] * (winv[i] * gv[i - j] + dden[i] / L)
+            dphi[f] = y + dS[f, dv] + e
+        for c in range(dv):
+            s = zero
+            for f in range(F_):
+                s += phik[f] * dS[f, c]
+            for i in range(j, t1):
+                s += pw[i - j] * g[i, c]
+            dvrow[c] = s
+        return hash_row_bwd(dphi, phik, tk, W, beta, dk)
+
+    @cuda.jit
+    def causal_keys_bwd(grad, v, phik, tk, phiq, dden, winv, carry, W, beta, chunk, state,
+                        dk, dv_out, dbeta_part):
+        """Backward pass 2: suffix sums of (dB, dA) over queries i >= j by a reverse rescan."""
+        n = grad.shape[1]
+        dv = grad.shape[2]
+        L = W.shape[0]
+        nc = carry.shape[1]
+        tid = cuda.threadIdx.x
+        b = cuda.blockIdx.x
+        g = b // nc
+        c = b - g * nc
+        lo = c * chunk
+        hi = min(lo + chunk, n)
+        S = state[b]
+        load_state(carry, g, c, S)
+        dphi = cuda.local.array(F, np.float64)
+        acc = 0.0
+        ntiles = (hi - lo + T - 1) // T
+        for m in range(ntiles - 1, -1, -1):
+            t0 = lo + m * T
+            t1 = min(t0 + T, hi)
+            j = t0 + tid
+            if j < t1:
+                acc += causal_key_row_bwd(phik[g, j], tk[g, j], v[g, j], S, phiq[g], grad[g], dden[g],
+                                          winv[g], j, t1, L, W, beta, dphi, dk[g, j], dv_out[g, j])
+            cuda.syncthreads()
+            for col in range(tid, dv + 1, T):
+                tile_dsketch(phiq[g], winv[g], dden[g], grad[g], t0, t1, L, col, S)
+            cuda.syncthreads()
+        block_sum(acc, dbeta_part, b)
+
+    return dict(soft_hash_rows=soft_hash_rows, sketch_chunks=sketch_chunks, queries_fwd=queries_fwd,
+                queries_bwd=queries_bwd, keys_bwd=keys_bwd, causal_fwd=causal_fwd,
+                causal_queries_bwd=causal_queries_bwd, causal_keys_bwd=causal_keys_bwd)
+
+
+@cuda.jit
+def fill(x, val):
+    """x[:] = val (1-d)."""
+    for i in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
+        x[i] = val
