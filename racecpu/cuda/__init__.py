@@ -39,7 +39,7 @@ from ..hashing import DEFAULT_BETA
 from . import _kernels as K
 
 __all__ = ["soft_buckets", "race_attention", "race_attention_fwd", "race_attention_bwd", "Residuals",
-           "THREADS", "CHUNK"]
+           "is_available", "THREADS", "CHUNK"]
 
 #: Threads per block, which is also the tile length in tokens (a multiple of 32 on a GPU).
 THREADS = 128
@@ -77,12 +77,12 @@ def _proxy(x):
     return np.lib.stride_tricks.as_strided(np.zeros((), dtype), shape=shape, strides=(0,) * len(shape))
 
 
-def _check_array(name, x, check_finite, min_ndim=2):
+def _check_array(name, x, check_finite, dev, min_ndim=2):
     """:func:`racecpu.attention._check_array` for host or device arrays (same errors, same order)."""
     if not _on_device(x):
         return _cpu._check_array(name, x, check_finite, min_ndim)
     _, dt, cdt = _cpu._check_array(name, _proxy(x), False, min_ndim)
-    if check_finite and not _all_finite(x):
+    if check_finite and not _all_finite(x, dev):
         raise ValueError(f"{name} contains NaN or Inf (pass check_finite=False to skip this check)")
     return x, dt, cdt
 
@@ -92,7 +92,61 @@ def _launch(n):
     return max(1, min(_MAX_BLOCKS, -(-n // t))), t
 
 
-def _all_finite(x):
+class _Device:
+    """Where one call allocates and launches.
+
+    CuPy callers get CuPy's memory pool and CuPy's current stream (so results
+    are ordered with their other CuPy work and ``cupy`` memory statistics see
+    everything); other callers get numba allocations on the default stream.
+    """
+
+    def __init__(self, use_cupy):
+        self.cupy = bool(use_cupy)
+        if self.cupy:
+            import cupy
+            self._cp = cupy
+            ptr = cupy.cuda.get_current_stream().ptr
+            self.stream = cuda.external_stream(ptr) if ptr else cuda.default_stream()
+        else:
+            self.stream = cuda.default_stream()
+
+    def empty(self, shape, dtype):
+        if self.cupy:
+            return cuda.as_cuda_array(self._cp.empty(shape, dtype))
+        return cuda.device_array(shape, dtype, stream=self.stream)
+
+    def full(self, shape, dtype, value):
+        a = self.empty(shape, dtype)
+        if a.size:
+            self.grid(K.fill, a.size)(a.reshape(a.size), value)
+        return a
+
+    def to_device(self, host):
+        host = np.ascontiguousarray(host)
+        if self.cupy:
+            return cuda.as_cuda_array(self._cp.asarray(host))
+        return cuda.to_device(host, stream=self.stream)
+
+    def launch(self, kernel, blocks, threads):
+        return kernel[blocks, threads, self.stream]
+
+    def grid(self, kernel, n):
+        """A grid-stride kernel over n items."""
+        b, t = _launch(n)
+        return kernel[b, t, self.stream]
+
+    def cast(self, a, dtype, shape):
+        """``a`` (contiguous device array) as a new contiguous array of ``dtype`` and ``shape``."""
+        out = self.empty(shape, dtype)
+        if a.size:
+            self.grid(K.cast_copy, a.size)(a.reshape(a.size), out.reshape(a.size))
+        return out
+
+    def to_host(self, a):
+        return a.copy_to_host(stream=self.stream)
+
+
+def _all_finite(x, dev):
     if _is_cupy(x):
         import cupy
         return bool(cupy.isfinite(x).all())
@@ -100,34 +154,29 @@ def _all_finite(x):
     if a.size == 0:
         return True
     if not (a.is_c_contiguous() and a.dtype in (np.float32, np.float64)):
-        a = _to_device(a, np.float64 if a.dtype == np.float64 else np.float32, (a.size,))
-    flag = cuda.to_device(np.zeros(1, np.int32))
-    K.flag_nonfinite[_launch(a.size)](a.reshape(a.size), flag)
-    return not flag.copy_to_host()[0]
+        a = _to_device(a, np.float64 if a.dtype == np.float64 else np.float32, (a.size,), dev)
+    flag = dev.to_device(np.zeros(1, np.int32))
+    dev.grid(K.flag_nonfinite, a.size)(a.reshape(a.size), flag)
+    return not dev.to_host(flag)[0]
 
 
-def _to_device(x, dtype, shape):
+def _to_device(x, dtype, shape, dev):
     """C-contiguous numba device array of ``dtype`` and ``shape`` holding ``x`` (a copy unless it fits)."""
     dtype = np.dtype(dtype)
     if not _on_device(x):
-        return cuda.to_device(np.ascontiguousarray(np.asarray(x).reshape(shape), dtype=dtype))
+        return dev.to_device(np.asarray(x).reshape(shape).astype(dtype, copy=False))
     if _is_cupy(x):
         import cupy
         return cuda.as_cuda_array(cupy.ascontiguousarray(x, dtype=dtype).reshape(shape))
     a = _as_numba(x)
     if not a.is_c_contiguous():  # rare: strided numba/torch views go through the host
-        return cuda.to_device(np.ascontiguousarray(a.copy_to_host().reshape(shape), dtype=dtype))
+        return dev.to_device(dev.to_host(a).reshape(shape).astype(dtype, copy=False))
     a = a.reshape(shape)
-    if a.dtype == dtype:
-        return a
-    out = cuda.device_array(shape, dtype)
-    if a.size:
-        K.cast_copy[_launch(a.size)](a.reshape(a.size), out.reshape(a.size))
-    return out
+    return a if a.dtype == dtype else dev.cast(a, dtype, shape)
 
 
 def _host(x):
-    """Small arrays (planes, masks) as NumPy."""
+    """Small arrays (planes) as NumPy."""
     if _is_cupy(x):
         return x.get()
     if _on_device(x):
@@ -135,24 +184,13 @@ def _host(x):
     return x
 
 
-def _zeros(shape, dtype=np.float64):
-    a = cuda.device_array(shape, dtype)
-    if a.size:
-        K.fill[_launch(a.size)](a.reshape(a.size), 0)
-    return a
-
-
-def _output(a, dtype, shape, cupy_out):
+def _output(a, dtype, shape, dev):
     """Reshape/cast a device result to the caller's dtype and kind."""
     if a.dtype != dtype:
-        b = cuda.device_array(a.shape, dtype)
-        if a.size:
-            K.cast_copy[_launch(a.size)](a.reshape(a.size), b.reshape(a.size))
-        a = b
+        a = dev.cast(a, dtype, a.shape)
     a = a.reshape(shape)
-    if cupy_out:
-        import cupy
-        return cupy.asarray(a)
+    if dev.cupy:
+        return dev._cp.asarray(a)
     return a
 
 
@@ -165,24 +203,21 @@ class _Args:
     planes: object      # device (L, P, d), compute dtype
     beta: float
     lead: tuple
-    G: int
     cdt: np.dtype
     out_dtype: np.dtype
     in_dtypes: tuple
-    cupy_out: bool
 
 
-def _prepare(q, k, v, planes, beta, causal, key_mask, check_finite):
+def _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, dev):
     """:func:`racecpu.attention._prepare` for host or device arrays.
 
     Runs the CPU checks (the per-array ones directly, on zero-stride stand-ins
     of device arrays) and the same cross-shape checks in the same order, then
     moves q, k, v, the mask and the planes to the device in the kernel layout.
     """
-    cupy_out = _is_cupy(q)
-    q, qdt, _ = _check_array("q", q, check_finite)
-    k, kdt, _ = _check_array("k", k, check_finite)
-    v, vdt, _ = _check_array("v", v, check_finite)
+    q, qdt, _ = _check_array("q", q, check_finite, dev)
+    k, kdt, _ = _check_array("k", k, check_finite, dev)
+    v, vdt, _ = _check_array("v", v, check_finite, dev)
     pq, pk, pv = (_proxy(x) if _on_device(x) else x for x in (q, k, v))
     cdt, odt = _cpu._dtypes(pq, pk, pv)
     lead = pq.shape[:-2]
@@ -209,15 +244,13 @@ def _prepare(q, k, v, planes, beta, causal, key_mask, check_finite):
             raise ValueError(f"key_mask must have shape {lead + (nk,)} (leading dims + (Nk,)), got {m.shape}")
     # --- to the device, kernel layout ---
     if key_mask is None:
-        mask = cuda.device_array((G, nk), np.bool_)
-        if mask.size:
-            K.fill[_launch(mask.size)](mask.reshape(mask.size), True)
+        mask = dev.full((G, nk), np.bool_, True)
     else:
-        mask = _to_device(key_mask, np.bool_, (G, nk))
+        mask = _to_device(key_mask, np.bool_, (G, nk), dev)
     dv = pv.shape[-1]
-    return _Args(_to_device(q, cdt, (G, nq, d)), _to_device(k, cdt, (G, nk, d)), _to_device(v, cdt, (G, nk, dv)),
-                 mask, cuda.to_device(planes), beta, lead, G, np.dtype(cdt), np.dtype(odt), (qdt, kdt, vdt),
-                 cupy_out)
+    return _Args(_to_device(q, cdt, (G, nq, d), dev), _to_device(k, cdt, (G, nk, d), dev),
+                 _to_device(v, cdt, (G, nk, dv), dev), mask, dev.to_device(planes), beta, lead,
+                 np.dtype(cdt), np.dtype(odt), (qdt, kdt, vdt))
 
 
 def _chunk(n, G, F, dv):
@@ -229,17 +262,41 @@ def _chunk(n, G, F, dv):
     return -(-c // t) * t
 
 
+def _sum_chunks(part, dev):
+    """Second level of the sketch reduction: float64 sum of the block partials."""
+    G, nc, F, dv1 = part.shape
+    S = dev.empty((G, F, dv1), np.float64)
+    if S.size:
+        dev.grid(K.sum_chunks, S.size)(part.reshape(G, nc, F * dv1), S.reshape(G, F * dv1))
+    return S
+
+
+def _scan_chunks(part, dev, reverse):
+    """Exclusive float64 scan of the block totals over chunks (the carries)."""
+    G, nc, F, dv1 = part.shape
+    out = dev.empty(part.shape, np.float64)
+    if out.size:
+        E = F * dv1
+        dev.grid(K.scan_chunks, G * E)(part.reshape(G, nc, E), out.reshape(G, nc, E), reverse)
+    return out
+
+
 # ---------------------------------------------------------------------------
 # public API
 # ---------------------------------------------------------------------------
+
+def is_available():
+    """True if numba.cuda sees a usable GPU (or runs under the CUDA simulator)."""
+    return bool(cuda.is_available())
+
 
 def soft_buckets(x, planes, beta=DEFAULT_BETA):
     """Soft bucket probabilities on the GPU; see :func:`racecpu.soft_buckets`.
 
     Returns a device array (CuPy if ``x`` is CuPy) of shape ``(..., N, L, 2**P)``.
     """
-    cupy_out = _is_cupy(x)
-    x, out_dtype, cdt = _check_array("x", x, check_finite=True)
+    dev = _Device(_is_cupy(x))
+    x, out_dtype, cdt = _check_array("x", x, True, dev)
     px = _proxy(x) if _on_device(x) else x
     planes = _cpu._check_planes(_host(planes), px.shape[-1], cdt)
     beta = _cpu._check_beta(beta)
@@ -247,13 +304,13 @@ def soft_buckets(x, planes, beta=DEFAULT_BETA):
     R = 2 ** P
     lead = px.shape[:-1]
     M = int(np.prod(lead, dtype=np.int64))
-    flat = _to_device(x, cdt, (M, d))
-    phi = cuda.device_array((M, L * R), cdt)
-    t = cuda.device_array((M, L * P), cdt)
+    phi = dev.empty((M, L * R), cdt)
+    t = dev.empty((M, L * P), cdt)
     if M:
-        kern = K.make_kernels(L * R, int(THREADS), np.dtype(cdt))["soft_hash_rows"]
-        kern[-(-M // int(THREADS)), int(THREADS)](flat, cuda.to_device(planes), beta, t, phi)
-    return _output(phi, out_dtype, lead + (L, R), cupy_out)
+        T = int(THREADS)
+        kern = K.make_kernels(L * R, T, np.dtype(cdt))["soft_hash_rows"]
+        dev.launch(kern, -(-M // T), T)(_to_device(x, cdt, (M, d), dev), dev.to_device(planes), beta, t, phi)
+    return _output(phi, out_dtype, lead + (L, R), dev)
 
 
 @dataclass(frozen=True)
@@ -261,11 +318,11 @@ class Residuals:
     """What :func:`race_attention_bwd` needs from the forward (device arrays; treat as opaque).
 
     O(N * L * R) per head (soft buckets, tanh projections, denominators) plus
-    the O(L * R * dv) sketch ``S (G, F, dv + 1)`` (B, then A in the last
-    column) or, for causal attention, the float64 carried state at every chunk
-    start ``(G, nc, F, dv + 1)``.  ``v`` is kept by reference when it already
-    is a contiguous device array of the compute dtype: do not modify it
-    between forward and backward.
+    the float64 sketch ``S (G, F, dv + 1)`` (B, then A in the last column)
+    or, for causal attention, the float64 carried state at every chunk start
+    ``(G, nc, F, dv + 1)``.  ``v`` is kept by reference when it already is a
+    contiguous device array of the compute dtype: do not modify it between
+    forward and backward.
     """
     planes: object
     beta: float
@@ -296,7 +353,8 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
     Arguments and results as :func:`racecpu.race_attention_fwd`; arrays are
     on the device (see the module docstring).
     """
-    a = _prepare(q, k, v, planes, beta, causal, key_mask, check_finite)
+    dev = _Device(_is_cupy(q))
+    a = _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, dev)
     G, nq, _ = a.q.shape
     nk, dv = a.v.shape[1:]
     L, P, _ = a.planes.shape
@@ -306,39 +364,29 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
     kern = K.make_kernels(F, T, cdt)
     chunk = _chunk(max(nq, nk), G, F, dv)
     nck = -(-nk // chunk)
-    phik = cuda.device_array((G, nk, F), cdt)
-    tk = cuda.device_array((G, nk, L * P), cdt)
-    part = _zeros((G, nck, F, dv + 1))
-    phiq = cuda.device_array((G, nq, F), cdt)
-    tq = cuda.device_array((G, nq, L * P), cdt)
-    den = cuda.device_array((G, nq), np.float64)
-    out = cuda.device_array((G, nq, dv), cdt)
+    phik = dev.empty((G, nk, F), cdt)
+    tk = dev.empty((G, nk, L * P), cdt)
+    part = dev.full((G, nck, F, dv + 1), np.float64, 0)
+    phiq = dev.empty((G, nq, F), cdt)
+    tq = dev.empty((G, nq, L * P), cdt)
+    den = dev.empty((G, nq), np.float64)
+    out = dev.empty((G, nq, dv), cdt)
     if G and nk:
-        kern["sketch_chunks"][G * nck, T](a.k, a.v, a.mask, a.planes, a.beta, chunk, phik, tk, part)
-    E = F * (dv + 1)
+        dev.launch(kern["sketch_chunks"], G * nck, T)(a.k, a.v, a.mask, a.planes, a.beta, chunk, phik, tk, part)
     if causal:
-        S = cuda.device_array(part.shape, np.float64)
-        if S.size:
-            K.scan_chunks[_launch(G * E)](part.reshape(G, nck, E), S.reshape(G, nck, E), False)
+        S = _scan_chunks(part, dev, False)
         if G and nq:
-            state = cuda.device_array((G * nck, F, dv + 1), cdt)
-            kern["causal_fwd"][G * nck, T](a.q, a.v, phik, S, a.planes, a.beta, chunk, state, phiq, tq, den, out)
+            state = dev.empty((G * nck, F, dv + 1), cdt)
+            dev.launch(kern["causal_fwd"], G * nck, T)(a.q, a.v, phik, S, a.planes, a.beta, chunk, state,
+                                                       phiq, tq, den, out)
     else:
-        S = _sum_chunks(part)
+        S = _sum_chunks(part, dev)
         if G and nq:
-            Sc = _to_device(S, cdt, S.shape)
-            kern["queries_fwd"][G * -(-nq // T), T](a.q, a.planes, a.beta, Sc, phiq, tq, den, out)
+            dev.launch(kern["queries_fwd"], G * -(-nq // T), T)(a.q, a.planes, a.beta, dev.cast(S, cdt, S.shape),
+                                                                phiq, tq, den, out)
     res = Residuals(a.planes, a.beta, bool(causal), chunk, T, a.v, phiq, tq, phik, tk, den, S,
-                    a.lead, a.in_dtypes, a.out_dtype, bool(check_finite), a.cupy_out)
-    return _output(out, a.out_dtype, res.out_shape, a.cupy_out), res
-
-
-def _sum_chunks(part):
-    G, nc, F, dv1 = part.shape
-    S = cuda.device_array((G, F, dv1), np.float64)
-    if S.size:
-        K.sum_chunks[_launch(S.size)](part.reshape(G, nc, F * dv1), S.reshape(G, F * dv1))
-    return S
+                    a.lead, a.in_dtypes, a.out_dtype, bool(check_finite), dev.cupy)
+    return _output(out, a.out_dtype, res.out_shape, dev), res
 
 
 def race_attention_bwd(residuals, grad_out):
@@ -353,7 +401,8 @@ def race_attention_bwd(residuals, grad_out):
     r = residuals
     if not isinstance(r, Residuals):
         raise TypeError(f"residuals must come from racecpu.cuda.race_attention_fwd, got {type(r).__name__}")
-    g, _, _ = _check_array("grad_out", grad_out, r.check_finite)
+    dev = _Device(r.cupy_out)
+    g, _, _ = _check_array("grad_out", grad_out, r.check_finite, dev)
     gshape = tuple(int(s) for s in g.shape)
     if gshape != r.out_shape:
         raise ValueError(f"grad_out must have the output's shape {r.out_shape}, got {gshape}")
@@ -361,50 +410,46 @@ def race_attention_bwd(residuals, grad_out):
     nk, dv = r.v.shape[1:]
     L, P, d = r.planes.shape
     cdt = np.dtype(r.phiq.dtype)
-    if r.threads != int(THREADS):
-        raise RuntimeError(f"racecpu.cuda.THREADS changed between forward ({r.threads}) and backward ({THREADS})")
-    T = r.threads
+    T = r.threads  # the kernels must run with the forward's tile length
     kern = K.make_kernels(F, T, cdt)
-    g = _to_device(g, cdt, (G, nq, dv))
+    g = _to_device(g, cdt, (G, nq, dv), dev)
     chunk = r.chunk
     ncq, nck = -(-nq // chunk), -(-nk // chunk)
-    dq = cuda.device_array((G, nq, d), cdt)
-    dk = cuda.device_array((G, nk, d), cdt)
-    dv_ = cuda.device_array((G, nk, dv), cdt)
+    dq = dev.empty((G, nq, d), cdt)
+    dk = dev.empty((G, nk, d), cdt)
+    dv_ = dev.empty((G, nk, dv), cdt)
     dbeta = 0.0
     if G and nq and nk:
-        part = _zeros((G, ncq, F, dv + 1))
-        dden = cuda.device_array((G, nq), np.float64)
-        winv = cuda.device_array((G, nq), np.float64)
-        dbq = cuda.device_array(G * ncq, np.float64)
-        E = F * (dv + 1)
+        part = dev.full((G, ncq, F, dv + 1), np.float64, 0)
+        dden = dev.empty((G, nq), np.float64)
+        winv = dev.empty((G, nq), np.float64)
+        dbq = dev.empty(G * ncq, np.float64)
         if r.causal:
-            state = cuda.device_array((G * ncq, F, dv + 1), cdt)
-            kern["causal_queries_bwd"][G * ncq, T](g, r.v, r.phik, r.phiq, r.tq, r.den, r.S, r.planes, r.beta,
-                                                   chunk, state, dq, dden, winv, part, dbq)
-            carry = cuda.device_array(part.shape, np.float64)
-            K.scan_chunks[_launch(G * E)](part.reshape(G, ncq, E), carry.reshape(G, ncq, E), True)
-            dbk = cuda.device_array(G * nck, np.float64)
-            kern["causal_keys_bwd"][G * nck, T](g, r.v, r.phik, r.tk, r.phiq, dden, winv, carry, r.planes, r.beta,
-                                                chunk, state, dk, dv_, dbk)
+            state = dev.empty((G * ncq, F, dv + 1), cdt)
+            dev.launch(kern["causal_queries_bwd"], G * ncq, T)(
+                g, r.v, r.phik, r.phiq, r.tq, r.den, r.S, r.planes, r.beta, chunk, state, dq, dden, winv, part, dbq)
+            carry = _scan_chunks(part, dev, True)
+            dbk = dev.empty(G * nck, np.float64)
+            dev.launch(kern["causal_keys_bwd"], G * nck, T)(
+                g, r.v, r.phik, r.tk, r.phiq, dden, winv, carry, r.planes, r.beta, chunk, state, dk, dv_, dbk)
         else:
-            Sc = _to_device(r.S, cdt, r.S.shape)
-            kern["queries_bwd"][G * ncq, T](g, r.phiq, r.tq, r.den, Sc, r.planes, r.beta, chunk,
-                                            dq, dden, winv, part, dbq)
-            dS = _to_device(_sum_chunks(part), cdt, (G, F, dv + 1))
+            dev.launch(kern["queries_bwd"], G * ncq, T)(
+                g, r.phiq, r.tq, r.den, dev.cast(r.S, cdt, r.S.shape), r.planes, r.beta, chunk,
+                dq, dden, winv, part, dbq)
+            dS = dev.cast(_sum_chunks(part, dev), cdt, (G, F, dv + 1))
             nbk = G * -(-nk // T)
-            dbk = cuda.device_array(nbk, np.float64)
-            kern["keys_bwd"][nbk, T](r.v, r.phik, r.tk, dS, r.planes, r.beta, dk, dv_, dbk)
-        dbeta = float(dbq.copy_to_host().sum() + dbk.copy_to_host().sum())
+            dbk = dev.empty(nbk, np.float64)
+            dev.launch(kern["keys_bwd"], nbk, T)(r.v, r.phik, r.tk, dS, r.planes, r.beta, dk, dv_, dbk)
+        dbeta = float(dev.to_host(dbq).sum() + dev.to_host(dbk).sum())
     else:  # no queries or no keys: nothing flows back
         for x in (dq, dk, dv_):
             if x.size:
-                K.fill[_launch(x.size)](x.reshape(x.size), 0)
+                dev.grid(K.fill, x.size)(x.reshape(x.size), 0)
     qdt, kdt, vdt = r.in_dtypes
     lead = r.lead
-    return (_output(dq, qdt, lead + (nq, d), r.cupy_out),
-            _output(dk, kdt, lead + (nk, d), r.cupy_out),
-            _output(dv_, vdt, lead + (nk, dv), r.cupy_out),
+    return (_output(dq, qdt, lead + (nq, d), dev),
+            _output(dk, kdt, lead + (nk, d), dev),
+            _output(dv_, vdt, lead + (nk, dv), dev),
             dbeta)
 
 
