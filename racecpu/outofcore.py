@@ -289,8 +289,8 @@ def _run(scan, blocks, body, progress, desc, outputs, inputs):
     """Run ``body(lo, hi, state) -> (new_state, dscalar)`` over blocks not yet done."""
     bar, owned = _bar(progress, scan.nb, desc)
     try:
-        if bar is not None and scan.done:
-            bar.update(scan.done)
+        if bar is not None and scan.done:  # blocks done by an earlier, interrupted run
+            getattr(bar, "resumed", bar.update)(scan.done)
         while not scan.complete:
             lo, hi = blocks[scan.done]
             new_state, ds = body(lo, hi, scan.state(scan.done))
@@ -794,16 +794,19 @@ def demo(tokens=8388608, heads=4, dim=128, directory="racecpu-ooc", causal=True,
 
 
 class _Counter:
-    """Counts blocks actually computed (resumed ones are skipped) and feeds a bar."""
+    """Feeds one bar from every pass and counts the blocks actually computed."""
 
     def __init__(self, bar):
-        self.bar, self.computed, self._skip = bar, 0, True
+        self.bar, self.computed = bar, 0
 
-    def update(self, n=1):
+    def update(self, n=1):  # a block computed now
+        self.computed += n
         if self.bar is not None:
             self.bar.update(n)
-        if n == 1:
-            self.computed += 1
+
+    def resumed(self, n):  # blocks recorded by an earlier run
+        if self.bar is not None:
+            self.bar.update(n)
 
 
 def _noncausal_rows(q, A, B, planes, beta):
