@@ -1,0 +1,318 @@
+"""racecpu.cuda against the CPU path, under Numba's CUDA simulator when there is no GPU.
+
+The simulator must be switched on before ``numba.cuda`` is first imported, so
+this module sets ``numba.core.config.ENABLE_CUDASIM`` at import (what
+``NUMBA_ENABLE_CUDASIM=1`` does) unless ``RACECPU_TEST_GPU=1`` asks for the
+real device.  The simulator runs every
+CUDA thread as a Python thread: sizes here are tiny, with 4 threads per block
+and 8-token chunks so that every kernel crosses tiles and chunks.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import racecpu
+from racecpu import reference
+
+if importlib.util.find_spec("numba_cuda") is None:
+    pytest.skip("numba-cuda is not installed (pip install 'racecpu[test]' or 'numba-cuda>=0.30')",
+                allow_module_level=True)
+
+_GPU = os.environ.get("RACECPU_TEST_GPU") == "1"
+if not _GPU and "numba.cuda" not in sys.modules:
+    # numba.cuda reads the flag from numba.core.config, which other test modules have
+    # loaded already.  Set the attribute, not the environment: numba re-reads its
+    # config when NUMBA_* variables change, and a change after import breaks the
+    # CPU dispatchers of this same process (numba 0.68).
+    import numba.core.config
+
+    numba.core.config.ENABLE_CUDASIM = 1
+
+from numba import cuda  # noqa: E402
+
+if not cuda.is_available():
+    pytest.skip("numba.cuda sees no GPU and the simulator is off (numba.cuda was imported before "
+                "tests/test_cuda.py could enable it): run NUMBA_ENABLE_CUDASIM=1 pytest tests/test_cuda.py",
+                allow_module_level=True)
+
+import racecpu.cuda as rc  # noqa: E402
+
+TOL = {np.float32: 1e-5, np.float64: 1e-10}
+
+
+@pytest.fixture(autouse=True)
+def small_tiles(monkeypatch):
+    """4 threads per block and 8-token chunks: several tiles per chunk, several chunks per head."""
+    monkeypatch.setattr(rc, "THREADS", 4)
+    monkeypatch.setattr(rc, "CHUNK", 8)
+
+
+def host(x):
+    return x if isinstance(x, np.ndarray) else x.copy_to_host()
+
+
+def assert_close(got, want, rtol, what=""):
+    """Max-norm relative error: max |got - want| <= rtol * max |want|."""
+    got, want = np.asarray(host(got), np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, what
+    scale = max(np.max(np.abs(want), initial=0.0), 1e-30)
+    err = np.max(np.abs(got - want), initial=0.0) / scale
+    assert err <= rtol, f"{what}: relative error {err:.3g} > {rtol:g}"
+
+
+def problem(rng, lead, nq, nk, d, dv, dtype, masked=True):
+    q = rng.standard_normal(lead + (nq, d)).astype(dtype)
+    k = rng.standard_normal(lead + (nk, d)).astype(dtype)
+    v = rng.standard_normal(lead + (nk, dv)).astype(dtype)
+    mask = rng.random(lead + (nk,)) > 0.25 if masked else None
+    return q, k, v, mask
+
+
+def compare(q, k, v, planes, beta, causal, mask, rtol, g=None):
+    out, res = rc.race_attention_fwd(q, k, v, planes, beta, causal=causal, key_mask=mask)
+    ref, rres = racecpu.race_attention_fwd(q, k, v, planes, beta, causal=causal, key_mask=mask)
+    assert out.dtype == ref.dtype
+    assert_close(out, ref, rtol, "out")
+    if g is None:
+        g = np.random.default_rng(7).standard_normal(ref.shape).astype(ref.dtype)
+    grads = rc.race_attention_bwd(res, g)
+    want = racecpu.race_attention_bwd(rres, g)
+    for name, a, b in zip(("dq", "dk", "dv"), grads[:3], want[:3]):
+        assert a.dtype == b.dtype, name
+        assert_close(a, b, rtol, name)
+    assert isinstance(grads[3], float)
+    assert abs(grads[3] - want[3]) <= rtol * max(abs(want[3]), 1e-3), (grads[3], want[3])
+    return out, grads
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_matches_cpu_with_key_mask(rng, dtype, causal):
+    # 21 tokens = 3 chunks of 8 (the last partial), each 2 tiles of 4; 2 x 2 heads
+    q, k, v, mask = problem(rng, (2, 2), 21, 21, 5, 3, dtype)
+    planes = racecpu.hyperplanes(5, 2, 3, seed=1)
+    compare(q, k, v, planes, 1.5, causal, mask, TOL[dtype])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_matches_cpu_wide_values_default_beta(rng, causal):
+    # dv + 1 > threads per block: the column phase loops; default beta (8) and P = 3
+    q, k, v, _ = problem(rng, (1,), 13, 13, 6, 9, np.float64)
+    planes = racecpu.hyperplanes(6, 3, 2, seed=2)
+    compare(q, k, v, planes, racecpu.DEFAULT_BETA, causal, None, TOL[np.float64])
+
+
+def test_noncausal_more_keys_than_queries(rng):
+    q, k, v, mask = problem(rng, (2,), 7, 26, 4, 3, np.float32)
+    planes = racecpu.hyperplanes(4, 3, 2, seed=3)
+    compare(q, k, v, planes, 4.0, False, mask, TOL[np.float32])
+
+
+def test_matches_dense_oracle(rng):
+    """Independent of the CPU kernels: the O(N^2) dense statement of the same estimator."""
+    q, k, v, _ = problem(rng, (2,), 11, 11, 4, 3, np.float64, masked=False)
+    planes = racecpu.hyperplanes(4, 2, 3, seed=4)
+    for causal in (False, True):
+        out = rc.race_attention(q, k, v, planes, 2.0, causal=causal)
+        want = reference.race_attention_dense(q, k, v, planes, 2.0, causal=causal)
+        assert_close(out, want, 1e-10, f"causal={causal}")
+
+
+def test_float16_in_float16_out(rng):
+    q, k, v, mask = problem(rng, (2,), 10, 10, 4, 3, np.float16)
+    planes = racecpu.hyperplanes(4, 2, 2, seed=5)
+    out, grads = compare(q, k, v, planes, 2.0, True, mask, 1e-3)
+    assert out.dtype == np.float16 and all(x.dtype == np.float16 for x in grads[:3])
+
+
+def test_soft_buckets_match_cpu(rng):
+    x = rng.standard_normal((2, 9, 5))
+    planes = racecpu.hyperplanes(5, 3, 2, seed=6)
+    for dtype in (np.float32, np.float64):
+        got = rc.soft_buckets(x.astype(dtype), planes, 3.0)
+        want = racecpu.soft_buckets(x.astype(dtype), planes, 3.0)
+        assert got.shape == want.shape == (2, 9, 2, 8) and got.dtype == want.dtype
+        assert_close(got, want, TOL[dtype], str(dtype))
+        assert_close(host(got).sum(-1), np.ones((2, 9, 2)), TOL[dtype], "rows sum to 1")
+
+
+def test_fully_masked_and_underflowing_rows_follow_the_den_guard(rng):
+    """Rows with den <= DEN_FLOOR give zeros and pass zero gradient, as on the CPU; never NaN."""
+    q, k, v, mask = problem(rng, (2,), 9, 9, 4, 3, np.float32)
+    mask[0] = False                      # head 0: every key masked
+    mask[1, :5] = False                  # head 1: causal prefixes with no key at all
+    planes = racecpu.hyperplanes(4, 3, 2, seed=7)
+    for causal in (False, True):
+        out, grads = compare(q, k, v, planes, 1e4, causal, mask, TOL[np.float32])
+        assert np.all(host(out)[0] == 0)
+        assert all(np.isfinite(host(x)).all() for x in (out,) + tuple(grads[:3]))
+
+
+def test_device_inputs_give_device_outputs_and_are_not_mutated(rng):
+    q, k, v, mask = problem(rng, (2,), 10, 10, 4, 3, np.float32)
+    planes = racecpu.hyperplanes(4, 2, 2, seed=8)
+    dq, dk, dv, dm, dp = (cuda.to_device(x) for x in (q, k, v, mask, planes))
+    out, res = rc.race_attention_fwd(dq, dk, dv, dp, 2.0, causal=True, key_mask=dm)
+    assert cuda.devicearray.is_cuda_ndarray(out)
+    g = cuda.to_device(np.ones(out.shape, np.float32))
+    grads = rc.race_attention_bwd(res, g)
+    assert all(cuda.devicearray.is_cuda_ndarray(x) for x in grads[:3])
+    ref = racecpu.race_attention(q, k, v, planes, 2.0, causal=True, key_mask=mask)
+    assert_close(out, ref, TOL[np.float32], "out")
+    for a, b in zip((dq, dk, dv, dm, dp), (q, k, v, mask, planes)):
+        np.testing.assert_array_equal(a.copy_to_host(), b)
+
+
+def test_top_level_keeps_numpy_on_the_cpu(rng):
+    q, k, v, _ = problem(rng, (1,), 6, 6, 4, 2, np.float64)
+    planes = racecpu.hyperplanes(4, 2, 2)
+    assert isinstance(racecpu.race_attention(q, k, v, planes), np.ndarray)
+
+
+def test_empty_inputs(rng):
+    planes = racecpu.hyperplanes(4, 2, 2)
+    q = np.zeros((0, 5, 4), np.float32)
+    out, res = rc.race_attention_fwd(q, q, q, planes)
+    assert out.shape == (0, 5, 4)
+    assert rc.race_attention_bwd(res, np.zeros((0, 5, 4), np.float32))[3] == 0.0
+    q = rng.standard_normal((2, 3, 4)).astype(np.float32)
+    k = np.zeros((2, 0, 4), np.float32)
+    out, res = rc.race_attention_fwd(q, k, k, planes)
+    assert out.shape == (2, 3, 4) and not host(out).any()
+    dq, dk, dv, dbeta = rc.race_attention_bwd(res, np.ones((2, 3, 4), np.float32))
+    assert not host(dq).any() and dk.shape == (2, 0, 4) and dbeta == 0.0
+
+
+# ---------------------------------------------------------------------------
+# errors: the same type and message as the CPU functions, in the same order
+# ---------------------------------------------------------------------------
+
+def _args(rng):
+    q, k, v, mask = problem(rng, (2,), 6, 6, 4, 3, np.float32)
+    return dict(q=q, k=k, v=v, planes=racecpu.hyperplanes(4, 2, 2), beta=2.0, causal=False, key_mask=mask)
+
+
+def _bad(name, value=None, **extra):
+    def edit(a):
+        a = dict(a)
+        if name is not None:
+            a[name] = value(a) if callable(value) else value
+        a.update(extra)
+        return a
+    return edit
+
+
+BAD = {
+    "int q": _bad("q", lambda a: a["q"].astype(np.int32)),
+    "1-d k": _bad("k", lambda a: a["k"][0, 0]),
+    "nan v": _bad("v", lambda a: np.where(np.arange(3) == 1, np.nan, a["v"]).astype(np.float32)),
+    "nan q and int k (q first)": _bad("q", lambda a: a["q"] * np.nan, k=np.zeros((2, 6, 4), np.int64)),
+    "lead dims": _bad("v", lambda a: a["v"][:1]),
+    "head dim": _bad("k", lambda a: a["k"][..., :3]),
+    "tokens": _bad("v", lambda a: a["v"][:, :5]),
+    "causal Nq != Nk": _bad("q", lambda a: a["q"][:, :5], causal=True),
+    "planes head dim": _bad("planes", racecpu.hyperplanes(3, 2, 2)),
+    "planes rank": _bad("planes", np.zeros((2, 4))),
+    "planes nan": _bad("planes", lambda a: a["planes"] * np.nan),
+    "beta zero": _bad("beta", 0.0),
+    "beta bool": _bad("beta", True),
+    "mask dtype": _bad("key_mask", lambda a: a["key_mask"].astype(np.int8)),
+    "mask shape": _bad("key_mask", lambda a: a["key_mask"][:, :5]),
+}
+
+
+def _raised(fn, a):
+    with pytest.raises((TypeError, ValueError)) as exc:
+        fn(a.pop("q"), a.pop("k"), a.pop("v"), a.pop("planes"), a.pop("beta"), **a)
+    return exc.type, str(exc.value)
+
+
+@pytest.mark.parametrize("on_device", [False, True], ids=["host", "device"])
+@pytest.mark.parametrize("case", list(BAD))
+def test_errors_match_cpu(rng, case, on_device):
+    a = BAD[case](_args(rng))
+    want = _raised(racecpu.race_attention_fwd, dict(a))
+    if on_device:
+        a = {n: cuda.to_device(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) else x for n, x in a.items()}
+    assert _raised(rc.race_attention_fwd, a) == want
+
+
+def test_backward_errors(rng):
+    a = _args(rng)
+    out, res = rc.race_attention_fwd(a["q"], a["k"], a["v"], a["planes"], a["beta"])
+    _, rres = racecpu.race_attention_fwd(a["q"], a["k"], a["v"], a["planes"], a["beta"])
+    for g in (np.ones((2, 6, 2), np.float32), np.full(out.shape, np.nan, np.float32),
+              cuda.to_device(np.full(out.shape, np.inf, np.float32))):
+        with pytest.raises(ValueError) as got:
+            rc.race_attention_bwd(res, g)
+        with pytest.raises(ValueError) as want:
+            racecpu.race_attention_bwd(rres, host(g))
+        assert str(got.value) == str(want.value)
+    with pytest.raises(TypeError, match="racecpu.cuda.race_attention_fwd"):
+        rc.race_attention_bwd(rres, np.ones(out.shape, np.float32))
+    with pytest.raises(TypeError, match="must be an array of floats|float16, float32 or float64"):
+        rc.soft_buckets(cuda.to_device(np.zeros((3, 4), np.int32)), a["planes"])
+
+
+def test_check_finite_false_skips_the_scan(rng):
+    a = _args(rng)
+    q = a["q"].copy()
+    q[0, 0, 0] = np.inf
+    out = rc.race_attention(cuda.to_device(q), a["k"], a["v"], a["planes"], check_finite=False)
+    assert out.shape == (2, 6, 3)
+
+
+# ---------------------------------------------------------------------------
+# the real compiler: every kernel must lower to PTX for a GPU (no GPU needed)
+# ---------------------------------------------------------------------------
+
+_PTX = textwrap.dedent("""
+    import types, numpy as np
+    import numba.cuda.dispatcher as disp
+    from numba import cuda, types as nt
+    # device functions ask the current GPU for its compute capability: answer for one
+    disp.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
+    from racecpu.cuda import _kernels as K
+    A = lambda dt, nd: nt.Array(dt, nd, "C")
+    f, d, b, i = nt.float32, nt.float64, nt.boolean, nt.int64
+    k = K.make_kernels(24, 128, np.dtype(np.float32))
+    sigs = {
+        "soft_hash_rows": (A(f, 2), A(f, 3), d, A(f, 2), A(f, 2)),
+        "sketch_chunks": (A(f, 3), A(f, 3), A(b, 2), A(f, 3), d, i, A(f, 3), A(f, 3), A(d, 4)),
+        "queries_fwd": (A(f, 3), A(f, 3), d, A(f, 3), A(f, 3), A(f, 3), A(d, 2), A(f, 3)),
+        "queries_bwd": (A(f, 3), A(f, 3), A(f, 3), A(d, 2), A(f, 3), A(f, 3), d, i, A(f, 3), A(d, 2),
+                        A(d, 2), A(d, 4), A(d, 1)),
+        "keys_bwd": (A(f, 3), A(f, 3), A(f, 3), A(f, 3), A(f, 3), d, A(f, 3), A(f, 3), A(d, 1)),
+        "causal_fwd": (A(f, 3), A(f, 3), A(f, 3), A(d, 4), A(f, 3), d, i, A(f, 3), A(f, 3), A(f, 3),
+                       A(d, 2), A(f, 3)),
+        "causal_queries_bwd": (A(f, 3), A(f, 3), A(f, 3), A(f, 3), A(f, 3), A(d, 2), A(d, 4), A(f, 3), d, i,
+                               A(f, 3), A(f, 3), A(d, 2), A(d, 2), A(d, 4), A(d, 1)),
+        "causal_keys_bwd": (A(f, 3), A(f, 3), A(f, 3), A(f, 3), A(f, 3), A(d, 2), A(d, 2), A(d, 4), A(f, 3),
+                            d, i, A(f, 3), A(f, 3), A(f, 3), A(d, 1)),
+    }
+    fns = [(k[n].py_func, s) for n, s in sigs.items()] + [
+        (K.sum_chunks.py_func, (A(d, 3), A(d, 2))), (K.scan_chunks.py_func, (A(d, 3), A(d, 3), b)),
+        (K.cast_copy.py_func, (A(f, 1), A(nt.float16, 1))), (K.flag_nonfinite.py_func, (A(f, 1), A(nt.int32, 1))),
+        (K.fill.py_func, (A(b, 1), b))]
+    for fn, sig in fns:
+        ptx, _ = cuda.compile_ptx(fn, sig, cc=(9, 0))
+        assert ".entry" in ptx, fn.__name__
+    print("compiled", len(fns))
+""")
+
+
+def test_kernels_compile_to_ptx():
+    """Lower every kernel with the real CUDA compiler (NVVM), which the simulator never runs."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    p = subprocess.run([sys.executable, "-c", _PTX], env=env, capture_output=True, text=True, timeout=300)
+    if p.returncode and ("libnvvm" in p.stderr or "libnvrtc" in p.stderr or "NVVM" in p.stderr):
+        pytest.skip("the CUDA compiler libraries (NVVM/NVRTC) are not installed: pip install "
+                    "'cuda-toolkit[nvvm,nvrtc,cudart]==13.*' to run this check")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "compiled 13" in p.stdout
