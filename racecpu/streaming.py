@@ -25,7 +25,6 @@ import os
 import zipfile
 
 import numpy as np
-from numba import njit
 
 from . import _kernels as K
 from .attention import _check_beta, _check_planes, _chunk, _prepare
@@ -60,9 +59,9 @@ class RaceState:
     Attributes
     ----------
     A : ndarray, shape batch_shape + (F,), float64
-        Sum of the soft buckets of every key seen so far (read-only view).
+        Sum of the soft buckets of every key seen so far (a copy).
     B : ndarray, shape batch_shape + (F, dv), float64
-        Sum of ``phi(k) v^T`` over every key seen so far (read-only view).
+        Sum of ``phi(k) v^T`` over every key seen so far (a copy).
     count : int
         Number of tokens seen so far (the same for every batch element).
 
@@ -117,15 +116,11 @@ class RaceState:
 
     @property
     def A(self):
-        a = self._A.reshape(self._batch_shape + self._A.shape[1:]).view()
-        a.flags.writeable = False
-        return a
+        return self._A.reshape(self._batch_shape + self._A.shape[1:]).copy()
 
     @property
     def B(self):
-        b = self._B.reshape(self._batch_shape + self._B.shape[1:]).view()
-        b.flags.writeable = False
-        return b
+        return self._B.reshape(self._batch_shape + self._B.shape[1:]).copy()
 
     @property
     def nbytes(self):
@@ -141,6 +136,7 @@ class RaceState:
         """An independent copy (same planes, beta, state and count)."""
         new = object.__new__(RaceState)
         new.__dict__.update(self.__dict__)
+        new.__dict__.pop("_scratch", None)
         new._A, new._B = self._A.copy(), self._B.copy()
         return new
 
@@ -192,14 +188,34 @@ class RaceState:
             if check_finite and not np.isfinite(x).all():
                 raise ValueError(f"{name} contains NaN or Inf (pass check_finite=False to skip this check)")
         G = self._A.shape[0]
-        out = np.empty((G, self.dv), self._dtype)
         if G:
-            A, B = self._A.copy(), self._B.copy()  # the state changes only if the kernel returns
-            _step_kernel(q.reshape(G, -1), k.reshape(G, -1), v.reshape(G, -1), self._planes, self._beta,
-                         A, B, out)
-            self._A, self._B = A, B
+            out = self._step(q.reshape(G, 1, -1), k.reshape(G, 1, -1), v.reshape(G, 1, -1))
+        else:
+            out = np.empty((0, self.dv), self._dtype)
         self._count += 1
         return out.reshape(self._batch_shape + (self.dv,))
+
+    def _step(self, q, k, v):
+        """:func:`advance` for one token, with reused scratch (the same arithmetic:
+        one chunk whose carried-in state is the float64 state itself)."""
+        s = self.__dict__.get("_scratch")
+        G, F = self._A.shape
+        L, P, _ = self._planes.shape
+        dt = self._dtype
+        if s is None:
+            s = self._scratch = dict(
+                phik=np.empty((G, 1, F), dt), tk=np.empty((G, 1, L * P), dt), phiq=np.empty((G, 1, F), dt),
+                tq=np.empty((G, 1, L * P), dt), den=np.empty((G, 1)), mask=np.ones((G, 1), np.bool_),
+                partA=np.empty((G, 1, F)), partB=np.empty((G, 1, F, self.dv)))
+        s["partA"].fill(0.0)
+        s["partB"].fill(0.0)
+        out = np.empty((G, 1, self.dv), dt)
+        K.sketch_chunks(k, v, s["mask"], self._planes, self._beta, 1, s["phik"], s["tk"], s["partA"], s["partB"])
+        K.causal_fwd(q, v, s["phik"], self._A.reshape(G, 1, F), self._B.reshape(G, 1, F, self.dv), self._planes,
+                     self._beta, 1, s["phiq"], s["tq"], s["den"], out)
+        self._A += s["partA"][:, 0]
+        self._B += s["partB"][:, 0]
+        return out
 
     def _cast(self, name, x):
         x = np.asarray(x)
@@ -313,34 +329,6 @@ def _check_shape(name, shape):
     if any(s < 0 for s in shape):
         raise ValueError(f"{name} must have non-negative entries, got {shape}")
     return shape
-
-
-@njit(cache=True, fastmath=K._FM, nogil=True)
-def _step_kernel(q, k, v, W, beta, A, B, out):
-    """One token per group, in place on the float64 state; the arithmetic of
-    :func:`advance` with a block of one token (one chunk: the state cast to
-    the compute dtype, plus this key, then the readout)."""
-    G, d = q.shape
-    dv = v.shape[1]
-    L, P, _ = W.shape
-    F = A.shape[1]
-    phik = np.empty(F, q.dtype)
-    tk = np.empty(L * P, q.dtype)
-    phiq = np.empty(F, q.dtype)
-    tq = np.empty(L * P, q.dtype)
-    S = np.empty((F, dv), q.dtype)
-    for g in range(G):
-        K.hash_row(k[g], W, beta, tk, phik, True)
-        for f in range(F):
-            w = phik[f]
-            A[g, f] += w
-            for c in range(dv):
-                wv = w * v[g, c]
-                S[f, c] = B[g, f, c]  # cast to the compute dtype first, as in advance
-                S[f, c] += wv
-                B[g, f, c] += wv
-        K.hash_row(q[g], W, beta, tq, phiq, True)
-        K.readout_row(phiq, A[g], S, L, out[g])
 
 
 def advance(q, k, v, planes, beta, A0, B0, out, *, phik=None, tk=None, phiq=None, tq=None, den=None,
