@@ -281,7 +281,7 @@ _PTX = textwrap.dedent("""
     from racecpu.cuda import _kernels as K
     A = lambda dt, nd: nt.Array(dt, nd, "C")
     f, d, b, i = nt.float32, nt.float64, nt.boolean, nt.int64
-    k = K.make_kernels(24, 128, np.dtype(np.float32))
+    k = K.make_kernels(3, 3, 128, np.dtype(np.float32))
     sigs = {
         "soft_hash_rows": (A(f, 2), A(f, 3), d, A(f, 2), A(f, 2)),
         "sketch_chunks": (A(f, 3), A(f, 3), A(b, 2), A(f, 3), d, i, A(f, 3), A(f, 3), A(d, 4)),

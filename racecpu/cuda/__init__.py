@@ -42,7 +42,7 @@ __all__ = ["soft_buckets", "race_attention", "race_attention_fwd", "race_attenti
            "is_available", "THREADS", "CHUNK"]
 
 #: Threads per block, which is also the tile length in tokens (a multiple of 32 on a GPU).
-THREADS = 128
+THREADS = 64
 #: Tokens per block task (rounded up to whole tiles); more chunks = more blocks.
 CHUNK = 1024
 # Cap on the float64 chunk partials / carries (bytes); above it chunks grow.
@@ -308,7 +308,7 @@ def soft_buckets(x, planes, beta=DEFAULT_BETA):
     t = dev.empty((M, L * P), cdt)
     if M:
         T = int(THREADS)
-        kern = K.make_kernels(L * R, T, np.dtype(cdt))["soft_hash_rows"]
+        kern = K.make_kernels(L, P, T, np.dtype(cdt))["soft_hash_rows"]
         dev.launch(kern, -(-M // T), T)(_to_device(x, cdt, (M, d), dev), dev.to_device(planes), beta, t, phi)
     return _output(phi, out_dtype, lead + (L, R), dev)
 
@@ -361,7 +361,7 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
     F = L * 2 ** P
     cdt = a.cdt
     T = int(THREADS)
-    kern = K.make_kernels(F, T, cdt)
+    kern = K.make_kernels(L, P, T, cdt)
     chunk = _chunk(max(nq, nk), G, F, dv)
     nck = -(-nk // chunk)
     phik = dev.empty((G, nk, F), cdt)
@@ -411,7 +411,7 @@ def race_attention_bwd(residuals, grad_out):
     L, P, d = r.planes.shape
     cdt = np.dtype(r.phiq.dtype)
     T = r.threads  # the kernels must run with the forward's tile length
-    kern = K.make_kernels(F, T, cdt)
+    kern = K.make_kernels(L, P, T, cdt)
     g = _to_device(g, cdt, (G, nq, dv), dev)
     chunk = r.chunk
     ncq, nck = -(-nq // chunk), -(-nk // chunk)

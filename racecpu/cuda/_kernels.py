@@ -33,8 +33,9 @@ obtained by subtracting from a total.
 
 Running states live in a per-block scratch in the compute dtype and sum at
 most one chunk on top of their float64 carry; carries, block partials and
-totals are float64 (as on the CPU, no long sum runs in float32).  Kernels depend on (F, T, dtype) through local-array
-sizes and are built once per combination by :func:`make_kernels`.
+totals are float64 (as on the CPU, no long sum runs in float32).  Kernels
+depend on (L, P, T, dtype) through local-array sizes and are built once per
+combination by :func:`make_kernels`.
 """
 
 from __future__ import annotations
@@ -90,12 +91,14 @@ def hash_row(x, W, beta, t, phi, keep):
 
 
 @cuda.jit(device=True)
-def hash_row_bwd(dphi, phi, t, W, beta, dx):
-    """Back through softmax over corners, tanh and W x; returns the dbeta term."""
+def hash_row_bwd(dphi, phi, t, W, beta, du, dx):
+    """Back through softmax over corners, tanh and W x; returns the dbeta term.
+
+    As the CPU kernel, except that ``du (L*P,)`` (thread-local scratch) holds
+    every plane's cotangent first, so each entry of ``dx`` is stored once.
+    """
     L, P, d = W.shape
     R = 1 << P
-    for i in range(d):
-        dx[i] = 0.0
     dbeta = 0.0
     for l in range(L):
         base = l * R
@@ -113,9 +116,13 @@ def hash_row_bwd(dphi, phi, t, W, beta, dx):
                     s -= dz
             th = t[l * P + p]
             dbeta += s * th
-            du = beta * s * (1.0 - th * th)
-            for i in range(d):
-                dx[i] += du * W[l, p, i]
+            du[l * P + p] = beta * s * (1.0 - th * th)
+    for i in range(d):
+        acc = 0.0
+        for l in range(L):
+            for p in range(P):
+                acc += du[l * P + p] * W[l, p, i]
+        dx[i] = acc
     return dbeta
 
 
@@ -179,7 +186,7 @@ def readout_row_bwd(phiq, S, g, den, L, dphi):
 
 
 @cuda.jit(device=True)
-def key_row_bwd(phik, tk, vrow, dS, W, beta, dphi, dk, dvrow):
+def key_row_bwd(phik, tk, vrow, dS, W, beta, dphi, du, dk, dvrow):
     """Cotangents of one key from the summed (dA, dB) in ``dS (F, dv + 1)``.
 
     dphik = dB v + dA, dv = dB^T phik, then dk through the hash; returns the
@@ -198,7 +205,7 @@ def key_row_bwd(phik, tk, vrow, dS, W, beta, dphi, dk, dvrow):
         for f in range(F):
             s += phik[f] * dS[f, c]
         dvrow[c] = s
-    return hash_row_bwd(dphi, phik, tk, W, beta, dk)
+    return hash_row_bwd(dphi, phik, tk, W, beta, du, dk)
 
 
 # ---------------------------------------------------------------------------
@@ -303,14 +310,15 @@ def flag_nonfinite(x, flag):
 
 
 @functools.lru_cache(maxsize=None)
-def make_kernels(F, T, dtype):
-    """Kernels for ``F = L * 2**P`` buckets, ``T`` threads per block, compute ``dtype``.
+def make_kernels(L, P, T, dtype):
+    """Kernels for ``L`` tables of ``P`` planes, ``T`` threads per block, compute ``dtype``.
 
-    ``F``, ``T`` and ``dtype`` size the per-thread scratch (``cuda.local.array``)
-    and the block reduction; every launch must use ``T`` threads per block.
+    These size the per-thread scratch (``cuda.local.array``) and the block
+    reduction; every launch must use ``T`` threads per block.
     """
     DT = np.dtype(dtype).type
-    F = int(F)
+    F = int(L) * 2 ** int(P)
+    LP = int(L) * int(P)
     T = int(T)
 
     @cuda.jit(device=True)
@@ -386,6 +394,7 @@ def make_kernels(F, T, dtype):
         lo = c * chunk
         hi = min(lo + chunk, n)
         dphi = cuda.local.array(F, np.float64)
+        du = cuda.local.array(LP, np.float64)
         acc = 0.0
         for t0 in range(lo, hi, T):
             t1 = min(t0 + T, hi)
@@ -394,7 +403,7 @@ def make_kernels(F, T, dtype):
                 dd, wi = readout_row_bwd(phiq[g, i], S[g], grad[g, i], den[g, i], L, dphi)
                 dden[g, i] = dd
                 winv[g, i] = wi
-                acc += hash_row_bwd(dphi, phiq[g, i], tq[g, i], W, beta, dq[g, i])
+                acc += hash_row_bwd(dphi, phiq[g, i], tq[g, i], W, beta, du, dq[g, i])
             cuda.syncthreads()
             for col in range(tid, dv + 1, T):
                 tile_dsketch(phiq[g], winv[g], dden[g], grad[g], t0, t1, L, col, part[g, c])
@@ -408,9 +417,10 @@ def make_kernels(F, T, dtype):
         g = cuda.blockIdx.x // nb
         j = (cuda.blockIdx.x - g * nb) * T + cuda.threadIdx.x
         dphi = cuda.local.array(F, np.float64)
+        du = cuda.local.array(LP, np.float64)
         acc = 0.0
         if j < n:
-            acc = key_row_bwd(phik[g, j], tk[g, j], v[g, j], dS[g], W, beta, dphi, dk[g, j], dv_out[g, j])
+            acc = key_row_bwd(phik[g, j], tk[g, j], v[g, j], dS[g], W, beta, dphi, du, dk[g, j], dv_out[g, j])
         block_sum(acc, dbeta_part, cuda.blockIdx.x)
 
     # -- causal scan: forward and backward ---------------------------------
@@ -537,6 +547,7 @@ def make_kernels(F, T, dtype):
         S = state[b]
         load_state(carry, g, c, S)
         dphi = cuda.local.array(F, np.float64)
+        du = cuda.local.array(LP, np.float64)
         acc = 0.0
         for t0 in range(lo, hi, T):
             t1 = min(t0 + T, hi)
@@ -546,7 +557,7 @@ def make_kernels(F, T, dtype):
                                                 den[g, i], L, dphi)
                 dden[g, i] = dd
                 winv[g, i] = wi
-                acc += hash_row_bwd(dphi, phiq[g, i], tq[g, i], W, beta, dq[g, i])
+                acc += hash_row_bwd(dphi, phiq[g, i], tq[g, i], W, beta, du, dq[g, i])
             cuda.syncthreads()
             for col in range(tid, dv + 1, T):
                 tile_dsketch(phiq[g], winv[g], dden[g], grad[g], t0, t1, L, col, part[g, c])
@@ -555,7 +566,7 @@ def make_kernels(F, T, dtype):
         block_sum(acc, dbeta_part, b)
 
     @cuda.jit(device=True)
-    def causal_key_row_bwd(phik, tk, vrow, dS, phiq, g, dden, winv, j, t1, L, W, beta, dphi, dk, dvrow):
+    def causal_key_row_bwd(phik, tk, vrow, dS, phiq, g, dden, winv, j, t1, L, W, beta, dphi, du, dk, dvrow):
         """:func:`key_row_bwd` at suffix j: tile-end state ``dS`` plus queries j..t1-1."""
         F_ = dS.shape[0]
         dv = vrow.shape[0]
@@ -586,7 +597,7 @@ def make_kernels(F, T, dtype):
             for i in range(j, t1):
                 s += pw[i - j] * g[i, c]
             dvrow[c] = s
-        return hash_row_bwd(dphi, phik, tk, W, beta, dk)
+        return hash_row_bwd(dphi, phik, tk, W, beta, du, dk)
 
     @cuda.jit
     def causal_keys_bwd(grad, v, phik, tk, phiq, dden, winv, carry, W, beta, chunk, state,
@@ -605,6 +616,7 @@ def make_kernels(F, T, dtype):
         S = state[b]
         load_state(carry, g, c, S)
         dphi = cuda.local.array(F, np.float64)
+        du = cuda.local.array(LP, np.float64)
         acc = 0.0
         ntiles = (hi - lo + T - 1) // T
         for m in range(ntiles - 1, -1, -1):
@@ -613,7 +625,7 @@ def make_kernels(F, T, dtype):
             j = t0 + tid
             if j < t1:
                 acc += causal_key_row_bwd(phik[g, j], tk[g, j], v[g, j], S, phiq[g], grad[g], dden[g],
-                                          winv[g], j, t1, L, W, beta, dphi, dk[g, j], dv_out[g, j])
+                                          winv[g], j, t1, L, W, beta, dphi, du, dk[g, j], dv_out[g, j])
             cuda.syncthreads()
             for col in range(tid, dv + 1, T):
                 tile_dsketch(phiq[g], winv[g], dden[g], grad[g], t0, t1, L, col, S)
