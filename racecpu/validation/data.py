@@ -5,8 +5,10 @@ float64 arrays ``q (n, d)``, ``k (n, d)``, ``v (n, dv)``.  Queries and keys
 come *raw* (each coordinate of unit variance, so norms are about ``sqrt(d)``):
 softmax attention depends on their norms.  Experiments that work in the
 setting of Theorem 1 (unit-norm queries and keys) call :func:`unit_rows`.
-Values have i.i.d. ``N(0, 1/dv)`` entries, so ``E ||v_j||^2 = 1`` and an RMS
-error of the attention output is relative to the size of one value row.
+Values have ``E ||v_j||^2 = 1`` (entries of variance ``1/dv``), so an RMS
+error of the attention output is relative to the size of one value row; in
+the structured data sets a key's value is correlated with its group, as in a
+trained model (half the variance from the group, half noise).
 
 Built-in data sets
 ------------------
@@ -17,11 +19,13 @@ clustered
     8 cluster centres c_m ~ N(0, I_d) shared by queries and keys; every token
     picks a centre uniformly and adds N(0, 0.5**2 I_d) noise.  Same-cluster
     pairs are at small angles, other pairs near pi/2: a structured kernel.
+    A key's value is its cluster's value vector plus noise.
 near_duplicate
     keys are 4 base directions b_m ~ N(0, I_d) plus N(0, 0.05**2 I_d) noise
     (near-duplicates: angles between keys of one group ~0.05 rad); half of the
     queries are near-duplicates of the bases too, the other half isotropic.
     Stresses the kernel near theta = 0 and rows dominated by few key groups.
+    A key's value is its base's value vector plus noise.
 
 Hook for learned queries and keys: :func:`npz_dataset` turns an ``.npz`` file
 with arrays ``q``, ``k``, ``v`` of shape ``(..., N, d)`` (for example dumped
@@ -43,6 +47,12 @@ def _values(n, dv, rng):
     return rng.standard_normal((n, dv)) / np.sqrt(dv)
 
 
+def _group_values(groups, n_groups, dv, rng):
+    """Half the variance shared within a group, half noise: E ||v||^2 = 1."""
+    u = rng.standard_normal((n_groups, dv))
+    return (u[groups] + rng.standard_normal((groups.size, dv))) / np.sqrt(2 * dv)
+
+
 def isotropic(n, d, dv, rng):
     """q, k i.i.d. standard normal (see module docstring)."""
     q = rng.standard_normal((n, d))
@@ -54,18 +64,20 @@ def clustered(n, d, dv, rng, n_clusters=8, spread=0.5):
     """Queries and keys drawn around ``n_clusters`` shared random centres."""
     centres = rng.standard_normal((n_clusters, d))
     q = centres[rng.integers(n_clusters, size=n)] + spread * rng.standard_normal((n, d))
-    k = centres[rng.integers(n_clusters, size=n)] + spread * rng.standard_normal((n, d))
-    return q, k, _values(n, dv, rng)
+    ck = rng.integers(n_clusters, size=n)
+    k = centres[ck] + spread * rng.standard_normal((n, d))
+    return q, k, _group_values(ck, n_clusters, dv, rng)
 
 
 def near_duplicate(n, d, dv, rng, n_bases=4, noise=0.05):
     """Keys: near-duplicates of ``n_bases`` directions; queries: half near them, half isotropic."""
     bases = rng.standard_normal((n_bases, d))
-    k = bases[rng.integers(n_bases, size=n)] + noise * rng.standard_normal((n, d))
+    kb = rng.integers(n_bases, size=n)
+    k = bases[kb] + noise * rng.standard_normal((n, d))
     q = rng.standard_normal((n, d))
     near = rng.random(n) < 0.5
     q[near] = bases[rng.integers(n_bases, size=int(near.sum()))] + noise * rng.standard_normal((int(near.sum()), d))
-    return q, k, _values(n, dv, rng)
+    return q, k, _group_values(kb, n_bases, dv, rng)
 
 
 #: name -> make(n, d, dv, rng) -> (q, k, v)

@@ -47,15 +47,15 @@ def bootstrap_fit(x, per_seed, *, n_boot=2000, seed=0, level=0.95, aggregate=rms
     Parameters
     ----------
     x : array_like, shape (m,)
-    per_seed : array_like, shape (n_seeds, m)
-        One measurement per seed and x; seeds (rows) are resampled with replacement.
-    aggregate : callable
-        Reduces ``(n_seeds, m)`` over axis 0 to the curve that is fitted.
+    per_seed : array_like, shape (n_seeds, ...)
+        Measurements per seed; seeds (axis 0) are resampled with replacement.
+    aggregate : callable, default :func:`rms_over_seeds`
+        Maps a ``(n_seeds, ...)`` array to the fitted curve, shape ``(m,)``.
     """
     per_seed = np.asarray(per_seed, dtype=np.float64)
     x = np.asarray(x, dtype=np.float64)
-    if per_seed.ndim != 2 or per_seed.shape[1] != x.size:
-        raise ValueError(f"per_seed must have shape (n_seeds, {x.size}), got {per_seed.shape}")
+    if per_seed.ndim < 2 or per_seed.shape[0] < 2:
+        raise ValueError(f"per_seed must have shape (n_seeds >= 2, ...), got {per_seed.shape}")
     slope, intercept = loglog_fit(x, aggregate(per_seed))
     rng = np.random.default_rng(seed)
     n = per_seed.shape[0]
