@@ -1,0 +1,1134 @@
+"""``racecpu bench``: the benchmark suite (speed, roofline, memory, threads, compile cost).
+
+What it measures
+----------------
+1. **This machine's limits**, at the start of every run: stream copy bandwidth
+   (``numpy.copyto`` of a 256 MiB float32 array, read + write bytes over time, best
+   of 1 thread and ``--threads`` Python threads on halves) and the SGEMM rate
+   (``numpy`` float32 ``2048 x 2048`` matmul with ``--threads`` BLAS threads).
+   Both are the best of several repeats: a roof, not a typical value.
+2. **Scaling** over ``N = 2**min_log2n .. 2**max_log2n``: forward and
+   forward+backward, causal and not, of ``racecpu.race_attention_fwd`` /
+   ``race_attention_bwd`` against, in the same run and back to back (the order of
+   implementations rotates), a vectorised NumPy statement of the same math
+   (:func:`numpy_race_fwd`, :func:`numpy_race_bwd`) and, with torch installed, a
+   vectorised torch statement with autograd (:func:`torch_race`) and
+   ``torch.nn.functional.scaled_dot_product_attention`` (SDPA).
+3. **Thread scaling**: RACE forward+backward at batch = 1, heads = 1, largest N,
+   ``NUMBA_NUM_THREADS`` = 1 and ``--threads``.
+4. **Compile / first-call cost**: a fresh process with an empty ``NUMBA_CACHE_DIR``
+   (cold: compiles every kernel the public API uses in float32) and a fresh
+   process with that now warm cache (time from ``import racecpu`` to the first
+   result, and to all results).
+
+Every measurement runs in a fresh subprocess (``python -c``): it warms up on a tiny
+input (compile / cache load / thread pools), resets the kernel's RSS high-water
+mark (``/proc/self/clear_refs``), makes its inputs, times ``--repeats`` calls
+(fewer when they exceed ``--budget-seconds``; at least one) and reports the median
+and ``VmHWM``.  Memory ratio = peak RSS / bytes of (q, k, v, out, grad_out, dq,
+dk, dv) for forward+backward and of (q, k, v, out) for the forward; the peak
+includes the interpreter (~0.1 GB, ~0.3 GB with torch), negligible at large N.
+
+Skips (said in the table, the CSV and the log): before each measurement its
+peak memory and its time per call are predicted, from a static model for the
+first size and by extrapolating the previous size's measurement (memory above
+the interpreter's: linear in N for every implementation; time: linear, SDPA
+quadratic).  A measurement predicted above ``--mem-cap-gib`` (default 90 % of
+MemAvailable at start; 3 GiB with ``--quick``) or ``--max-call-seconds``
+(default 60 s) per call is skipped, and so are all larger N of that
+configuration.  The causal cumsum statements hold ``(N, F, dv)`` prefix states
+(NumPy ~2.5x, torch ~4.5x ``N * F * dv * 4`` bytes per head for fwd+bwd) and hit
+the memory cap first (N ~ 2**15 at 4 heads and 12 GiB); SDPA forward+backward
+is quadratic (~12 s at 16k, ~3 min at 64k on this machine) and hits the time cap.
+
+Roofline (per token-head; itemsize ``s`` = 4 for float32)
+--------------------------------------------------------
+Notation: head dim ``d``, value dim ``dv``, ``L`` tables of ``P`` planes, ``R = 2**P``
+buckets, ``F = L * R`` soft-bucket features per token.  Per token and head the
+algorithm (Algorithms 1, 2 and the backward of DESIGN.md section 2) must move:
+
+forward
+    reads q, k (``2 d s``), v (``dv s``); writes out (``dv s``) and the residuals
+    phi of q and k (``2 F s``), t of q and k (``2 L P s``), den (8, float64)::
+
+        bytes_fwd = s (2 d + 2 dv + 2 F + 2 L P) + 8
+
+backward
+    reads grad_out (``dv s``), v (``dv s``), phi and t of q and k
+    (``2 F s + 2 L P s``), den (8); writes dq, dk (``2 d s``), dv (``dv s``)::
+
+        bytes_bwd = s (2 d + 3 dv + 2 F + 2 L P) + 8
+
+and must compute (multiply-add = 2 flops; tanh, sigmoid and O(F P) softmax
+terms are not counted):
+
+forward
+    hash of q and of k: ``2 L P d`` each; sketch of a key ``B += phi v^T``:
+    ``2 F dv``; readout of a query ``phi B``: ``2 F dv``::
+
+        flops_fwd = 4 L P d + 4 F dv
+
+backward
+    per query ``y = B g`` (``2 F dv``), ``dB += phi g^T`` (``2 F dv``), ``dq = W^T du``
+    (``2 L P d``); per key ``dphi = dB v`` (``2 F dv``), ``dv = dB^T phi``
+    (``2 F dv``), ``dk = W^T du`` (``2 L P d``)::
+
+        flops_bwd = 4 L P d + 8 F dv        (~2x the forward)
+
+At d = dv = 128, P = L = 3 (F = 24): 2,320 + 2,832 = 5,152 bytes and
+16,896 + 29,184 = 46,080 flops per token-head for forward+backward.  With
+~40 GB/s and ~200 GFLOP/s that is 129 ns (memory) vs 230 ns (compute): the
+kernels are compute-bound, roof = max(bytes / bandwidth, flops / SGEMM rate).
+Causal attention has the same counts: a sequential scan costs nothing extra.
+A chunk-parallel scan (what lets one head use two cores) re-reads the keys of
+each chunk and adds ``2 F dv`` flops per token per scan (one forward, two
+backward: +6,144 and +18,432 flops): the roofline does not include them, so it
+is a lower bound on time and the causal roof fraction is at most ~0.73 for such
+a kernel.  Fractions are ``roof / measured`` (1 = at the roof).  The roof uses
+the SGEMM rate, which fused per-token loops can rarely reach; it is what the
+machine could do, not a promise.
+
+Peers measured in the same run compute the same function (``numpy-vec``,
+``torch-vec``; tests check them against :mod:`racecpu`) or softmax attention of
+the same shapes (``sdpa``).  Ratios in the table are peer time / RACE time.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["add_arguments", "run", "roofline_counts", "numpy_race_fwd", "numpy_race_bwd", "torch_race"]
+
+#: Implementations by device, in table order.
+IMPLS = {"cpu": ("race", "numpy-vec", "torch-vec", "sdpa"), "cuda": ("race-cuda", "sdpa-cuda")}
+TORCH_IMPLS = {"torch-vec", "sdpa", "sdpa-cuda"}
+CONFIGS = (("fwd", False), ("fwd", True), ("fwdbwd", False), ("fwdbwd", True))
+_MARK = "@@racecpu-bench@@"
+_GIB = 2 ** 30
+
+
+# ---------------------------------------------------------------------------
+# roofline model
+# ---------------------------------------------------------------------------
+
+def roofline_counts(mode, d, dv, planes, tables, itemsize=4):
+    """Bytes and flops per token-head of RACE attention (module docstring).
+
+    Parameters
+    ----------
+    mode : {"fwd", "fwdbwd"}
+    d, dv : int
+        Head and value dims.
+    planes, tables : int
+        ``P`` and ``L``.
+    itemsize : int
+        Bytes per element of the inputs (4 for float32).
+
+    Returns
+    -------
+    bytes, flops : int
+        The same for causal and non-causal attention.
+    """
+    if mode not in ("fwd", "fwdbwd"):
+        raise ValueError(f"mode must be 'fwd' or 'fwdbwd', got {mode!r}")
+    F, LP, s = tables * 2 ** planes, tables * planes, itemsize
+    b = s * (2 * d + 2 * dv + 2 * F + 2 * LP) + 8
+    f = 4 * LP * d + 4 * F * dv
+    if mode == "fwdbwd":
+        b += s * (2 * d + 3 * dv + 2 * F + 2 * LP) + 8
+        f += 4 * LP * d + 8 * F * dv
+    return b, f
+
+
+def io_bytes(mode, shape, itemsize):
+    """Bytes of (q, k, v, out) [+ (grad_out, dq, dk, dv)] for ``shape = (B, H, N, d, dv)``."""
+    B, H, n, d, dv = shape
+    per = 2 * d + 2 * dv if mode == "fwd" else 4 * d + 4 * dv
+    return B * H * n * per * itemsize
+
+
+# ---------------------------------------------------------------------------
+# the vectorised statements (the peers that compute the same function)
+# ---------------------------------------------------------------------------
+
+def numpy_race_fwd(q, k, v, planes, beta, causal=False):
+    """RACE attention as a vectorised NumPy statement: phi matrices and matmuls.
+
+    ``q, k (G, N, d)``, ``v (G, N, dv)``.  Non-causal: ``B = Phi_k^T V``,
+    ``out = Phi_q B / Phi_q A``.  Causal: the cumulative-sum formulation, which
+    materialises the ``(G, N, F, dv)`` prefix states.  Soft buckets come from
+    :func:`racecpu.reference.soft_buckets_dense` (explicit softmax over corners).
+    Returns ``(out, residuals)``.
+    """
+    from racecpu.hashing import DEN_FLOOR
+    from racecpu.reference import soft_buckets_dense
+
+    L = planes.shape[0]
+    G, n, _ = q.shape
+    pq, tq = soft_buckets_dense(q, planes, beta)
+    pk, tk = soft_buckets_dense(k, planes, beta)
+    Pq, Pk = pq.reshape(G, n, -1), pk.reshape(G, k.shape[1], -1)
+    if causal:
+        A = np.cumsum(Pk, axis=1)
+        B = Pk[..., :, None] * v[..., None, :]
+        np.cumsum(B, axis=1, out=B)  # in place: one (G, N, F, dv) array, not two
+        num = np.einsum("gnf,gnfc->gnc", Pq, B) / L
+        den = np.einsum("gnf,gnf->gn", Pq, A) / L
+    else:
+        A = Pk.sum(1)
+        B = np.swapaxes(Pk, 1, 2) @ v
+        num = Pq @ B / L
+        den = (Pq @ A[..., None])[..., 0] / L
+    safe = np.where(den > DEN_FLOOR, den, np.inf)  # rows with no key mass: 0 out, 0 gradient
+    out = num / safe[..., None]
+    return out, (planes, beta, causal, v, pq, tq, pk, tk, A, B, safe, out)
+
+
+def numpy_race_bwd(residuals, g):
+    """Backward of :func:`numpy_race_fwd` (DESIGN.md section 2); returns ``(dq, dk, dv)``.
+
+    Causal: suffix sums over queries as reversed cumulative sums.
+    """
+    from racecpu.reference import _soft_buckets_dense_bwd
+
+    planes, beta, causal, v, pq, tq, pk, tk, A, B, safe, out = residuals
+    L = planes.shape[0]
+    G, n = pq.shape[:2]
+    Pq, Pk = pq.reshape(G, n, -1), pk.reshape(G, v.shape[1], -1)
+    dnum = g / safe[..., None]
+    dden = -np.einsum("gnc,gnc->gn", g, out) / safe
+    if causal:
+        dPq = (np.einsum("gnfc,gnc->gnf", B, dnum) + A * dden[..., None]) / L
+        dB = Pq[..., :, None] * (dnum[..., None, :] / L)
+        rev = dB[:, ::-1]
+        np.cumsum(rev, axis=1, out=rev)  # suffix sums over queries i >= j, in place
+        dA = np.cumsum((Pq * dden[..., None])[:, ::-1], axis=1)[:, ::-1] / L
+        dPk = np.einsum("gnfc,gnc->gnf", dB, v) + dA
+        dv = np.einsum("gnfc,gnf->gnc", dB, Pk)
+    else:
+        dPq = (dnum @ np.swapaxes(B, 1, 2) + dden[..., None] * A[:, None, :]) / L
+        dB = np.swapaxes(Pq, 1, 2) @ dnum / L
+        dA = np.einsum("gnf,gn->gf", Pq, dden) / L
+        dPk = v @ np.swapaxes(dB, 1, 2) + dA[:, None, :]
+        dv = Pk @ dB
+    dq, _ = _soft_buckets_dense_bwd(dPq.reshape(pq.shape), pq, tq, planes, beta)
+    dk, _ = _soft_buckets_dense_bwd(dPk.reshape(pk.shape), pk, tk, planes, beta)
+    return dq.astype(v.dtype), dk.astype(v.dtype), dv.astype(v.dtype)
+
+
+def torch_race(q, k, v, planes, beta, causal=False):
+    """RACE attention as a vectorised torch statement (differentiable by autograd).
+
+    ``q, k (G, N, d)``, ``v (G, N, dv)``, ``planes (L, P, d)`` torch tensors.  The
+    soft hash is the softmax over corners; causal is the cumsum formulation.
+    """
+    import torch
+
+    from racecpu.hashing import DEN_FLOOR, corners
+
+    L, P, _ = planes.shape
+    C = torch.as_tensor(corners(P), dtype=q.dtype)
+
+    def phi(x):
+        t = torch.tanh(torch.einsum("gnd,lpd->gnlp", x, planes))
+        return torch.softmax(beta * (t @ C.T), dim=-1).reshape(x.shape[0], x.shape[1], -1)
+
+    Pq, Pk = phi(q), phi(k)
+    if causal:
+        A = Pk.cumsum(1)
+        B = (Pk[..., :, None] * v[..., None, :]).cumsum(1)
+        num = torch.einsum("gnf,gnfc->gnc", Pq, B) / L
+        den = (Pq * A).sum(-1) / L
+    else:
+        num = Pq @ (Pk.transpose(1, 2) @ v) / L
+        den = Pq @ Pk.sum(1)[..., None] / L
+        den = den[..., 0]
+    safe = torch.where(den > DEN_FLOOR, den, torch.full_like(den, math.inf))
+    return num / safe[..., None]
+
+
+# ---------------------------------------------------------------------------
+# child processes: one measurement each
+# ---------------------------------------------------------------------------
+
+def _proc_status(field):
+    """Bytes of a ``/proc/self/status`` field (VmRSS, VmHWM), or None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak():
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False where not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss():
+    hwm = _proc_status("VmHWM")
+    if hwm is not None:
+        return hwm
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _inputs(spec, n):
+    """q, k, v (B, H, n, d|dv) and grad_out (fwdbwd) in the spec's dtype.
+
+    Random normal rows; beyond 4096 tokens the first 4096 repeat (cheap to make
+    at 2**20; the kernels' cost does not depend on the values).
+    """
+    B, H, d, dv = spec["batch"], spec["heads"], spec["d"], spec["dv"]
+    dt = np.dtype(spec["dtype"])
+    rng = np.random.default_rng(spec["seed"])
+
+    def make(last):
+        blk = min(n, 4096)
+        a = rng.standard_normal((B, H, blk, last)).astype(dt)
+        if blk == n:
+            return a
+        out = np.empty((B, H, n, last), dt)
+        for i in range(0, n, blk):
+            m = min(blk, n - i)
+            out[:, :, i:i + m] = a[:, :, :m]
+        return out
+
+    arrs = [make(d), make(d), make(dv)]
+    arrs.append(make(dv) if spec["mode"] == "fwdbwd" else None)
+    return arrs
+
+
+def _planes(spec):
+    import racecpu
+    return racecpu.hyperplanes(spec["d"], spec["planes"], spec["tables"], seed=spec["seed"] + 1,
+                               dtype=spec["dtype"])
+
+
+def _setup(spec, n):
+    """Inputs and a zero-argument callable running one forward (+ backward) of ``spec['impl']``.
+
+    The callable returns nothing, so everything it allocates is freed between calls.
+    Also returns a ``sync`` callable (device implementations) or None.
+    """
+    impl, mode, causal, beta = spec["impl"], spec["mode"], spec["causal"], spec["beta"]
+    q, k, v, g = _inputs(spec, n)
+    B, H = q.shape[:2]
+
+    if impl == "race":
+        import racecpu
+        W = _planes(spec)
+
+        def call():
+            out, res = racecpu.race_attention_fwd(q, k, v, W, beta, causal=causal)
+            if g is not None:
+                racecpu.race_attention_bwd(res, g)
+        return call, None
+
+    if impl == "numpy-vec":
+        W = _planes(spec)
+        flat = [None if x is None else x.reshape(B * H, n, -1) for x in (q, k, v, g)]
+
+        def call():
+            out, res = numpy_race_fwd(*flat[:3], W, beta, causal)
+            if g is not None:
+                numpy_race_bwd(res, flat[3])
+        return call, None
+
+    if impl in ("torch-vec", "sdpa", "sdpa-cuda"):
+        import torch
+        torch.set_num_threads(spec["threads"])
+        dev = "cuda" if impl == "sdpa-cuda" else "cpu"
+        tq, tk, tv = (torch.from_numpy(x).to(dev) for x in (q, k, v))
+        tg = None if g is None else torch.from_numpy(g).to(dev)
+        del q, k, v, g
+        sync = torch.cuda.synchronize if dev == "cuda" else None
+        if tg is not None:
+            for t in (tq, tk, tv):
+                t.requires_grad_(True)
+        if impl == "torch-vec":
+            W = torch.from_numpy(_planes(spec))
+
+            def f(a, b, c):
+                return torch_race(a.reshape(B * H, n, -1), b.reshape(B * H, n, -1), c.reshape(B * H, n, -1),
+                                  W, beta, causal)
+        else:
+            import torch.nn.functional as Fnn
+
+            def f(a, b, c):
+                return Fnn.scaled_dot_product_attention(a, b, c, is_causal=causal)
+
+        def call():
+            if tg is None:
+                with torch.no_grad():
+                    f(tq, tk, tv)
+                return
+            for t in (tq, tk, tv):
+                t.grad = None
+            f(tq, tk, tv).backward(tg.reshape(B * H, n, -1) if impl == "torch-vec" else tg)
+            for t in (tq, tk, tv):
+                t.grad = None
+        return call, sync
+
+    if impl == "race-cuda":
+        import cupy as cp
+
+        from racecpu import cuda as rcuda
+        W = cp.asarray(_planes(spec))
+        dq, dk, dvv = (cp.asarray(x) for x in (q, k, v))
+        dg = None if g is None else cp.asarray(g)
+        del q, k, v, g
+
+        def call():
+            out, res = rcuda.race_attention_fwd(dq, dk, dvv, W, beta, causal=causal)
+            if dg is not None:
+                rcuda.race_attention_bwd(res, dg)
+        return call, cp.cuda.Device().synchronize
+
+    raise ValueError(f"unknown implementation {impl!r}")
+
+
+def _device_peak(impl):
+    """Peak device bytes where the implementation keeps them (CuPy pool / torch.cuda), else None."""
+    if impl == "race-cuda":
+        import cupy as cp
+        return int(cp.get_default_memory_pool().total_bytes())
+    if impl == "sdpa-cuda":
+        import torch
+        return int(torch.cuda.max_memory_allocated())
+    return None
+
+
+def _measure(spec):
+    """Child side of one measurement: warm up small, then time ``repeats`` calls at ``n``."""
+    n = spec["n"]
+    t0 = time.perf_counter()
+    call, sync = _setup(spec, min(n, 128))  # compile / load cache / start thread pools
+    call()
+    if sync:
+        sync()
+    del call, sync
+    warm_s = time.perf_counter() - t0
+    reset = _reset_peak()
+    base = _proc_status("VmRSS")
+    call, sync = _setup(spec, n)
+    times = []
+    while len(times) < spec["repeats"]:
+        t = time.perf_counter()
+        call()
+        if sync:
+            sync()
+        times.append(time.perf_counter() - t)
+        if sum(times) > spec["budget_s"]:
+            break
+    return dict(times=times, peak_rss=_peak_rss(), base_rss=base, peak_reset=reset, warm_s=warm_s,
+                device_peak=_device_peak(spec["impl"]))
+
+
+def _machine(spec):
+    """Child side of the machine-limits measurement (copy bandwidth, SGEMM)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    threads, reps = spec["threads"], spec["repeats"]
+
+    def best(f):
+        f()
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t)
+        return min(ts)
+
+    if spec["device"] == "cuda":
+        import cupy as cp
+        a = cp.ones(2 ** 28, cp.float32)
+        b = cp.empty_like(a)
+        sync = cp.cuda.Device().synchronize
+
+        def copy():
+            cp.copyto(b, a)
+            sync()
+        bw = 2 * a.nbytes / best(copy)
+        m = 8192
+        A = cp.random.standard_normal((m, m), dtype=cp.float32)
+
+        def mm():
+            A @ A
+            sync()
+        return dict(copy_1t=bw, copy_nt=bw, sgemm=2 * m ** 3 / best(mm))
+
+    a = np.ones(2 ** 26, np.float32)  # 256 MiB
+    b = np.empty_like(a)
+    bw1 = 2 * a.nbytes / best(lambda: np.copyto(b, a))
+    bwn = bw1
+    if threads > 1:
+        parts = [slice(i * a.size // threads, (i + 1) * a.size // threads) for i in range(threads)]
+        with ThreadPoolExecutor(threads) as ex:
+            bwn = 2 * a.nbytes / best(lambda: list(ex.map(lambda s: np.copyto(b[s], a[s]), parts)))
+    del a, b
+    m = 2048
+    A = np.random.default_rng(0).standard_normal((m, m)).astype(np.float32)
+    C = np.empty_like(A)
+    sgemm = 2 * m ** 3 / best(lambda: np.matmul(A, A, out=C))
+    return dict(copy_1t=bw1, copy_nt=bwn, sgemm=sgemm)
+
+
+def _compile_child(t0):
+    """Child side of the compile-cost measurement; ``t0`` taken before ``import racecpu``."""
+    import racecpu
+    t_import = time.perf_counter() - t0
+    rng = np.random.default_rng(0)
+    q, k, v, g = (rng.standard_normal((1, 1, 256, 64)).astype(np.float32) for _ in range(4))
+    W = racecpu.hyperplanes(64)
+    out, res = racecpu.race_attention_fwd(q, k, v, W)
+    t_first = time.perf_counter() - t0
+    racecpu.race_attention_bwd(res, g)
+    out, res = racecpu.race_attention_fwd(q, k, v, W, causal=True)
+    racecpu.race_attention_bwd(res, g)
+    racecpu.soft_buckets(q, W)
+    return dict(import_s=t_import, first_s=t_first, all_s=time.perf_counter() - t0)
+
+
+def _child_main():
+    """Entry point of a measurement subprocess: JSON spec on stdin, JSON result on stdout."""
+    spec = json.loads(sys.stdin.read())
+    kind = spec.pop("kind")
+    try:
+        res = {"measure": _measure, "machine": _machine}[kind](spec)
+        res["ok"] = True
+    except MemoryError:
+        res = dict(ok=False, error="MemoryError")
+    except Exception as exc:  # reported by the parent as a failed measurement
+        res = dict(ok=False, error=f"{type(exc).__name__}: {exc}")
+    print(_MARK + json.dumps(res), flush=True)
+
+
+def _spawn(code, payload, env, timeout):
+    """Run ``python -c code`` with ``payload`` on stdin; returns (result dict, wall seconds)."""
+    t = time.perf_counter()
+    try:
+        p = subprocess.run([sys.executable, "-c", code], input=json.dumps(payload), env=env,
+                           capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return dict(ok=False, error=f"timed out after {timeout:.0f} s"), time.perf_counter() - t
+    wall = time.perf_counter() - t
+    for line in reversed(p.stdout.splitlines()):
+        if line.startswith(_MARK):
+            return json.loads(line[len(_MARK):]), wall
+    if p.returncode < 0:
+        why = f"killed by signal {-p.returncode}" + (" (out of memory?)" if p.returncode == -9 else "")
+    else:
+        why = f"exit code {p.returncode}"
+    tail = " | ".join(p.stderr.strip().splitlines()[-3:])
+    return dict(ok=False, error=f"{why}: {tail}"[:300]), wall
+
+
+def _env(threads, cache_dir=None):
+    env = dict(os.environ)
+    for var in ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[var] = str(threads)
+    if cache_dir is not None:
+        env["NUMBA_CACHE_DIR"] = str(cache_dir)
+    return env
+
+
+_CHILD = "from racecpu.bench import _child_main; _child_main()"
+_COMPILE_CHILD = ("import time; t0 = time.perf_counter()\n"
+                  "from racecpu.bench import _compile_child, _MARK; import json\n"
+                  "print(_MARK + json.dumps(_compile_child(t0)), flush=True)")
+
+
+# ---------------------------------------------------------------------------
+# predictions (what to skip)
+# ---------------------------------------------------------------------------
+
+def predict_peak(impl, mode, causal, shape, F, LP, itemsize):
+    """Static estimate of a measurement's peak RSS in bytes (before anything is measured)."""
+    B, H, n, d, dv = shape
+    tok = B * H * n
+    io = io_bytes(mode, shape, itemsize)
+    phi = tok * F * itemsize
+    state = tok * F * dv * itemsize  # the (N, F, dv) prefix states of the cumsum statements
+    base = 0.35 * _GIB if impl in TORCH_IMPLS else 0.15 * _GIB
+    if impl.startswith("race"):
+        extra = 2 * phi + tok * (2 * LP * itemsize + 8) + tok * max(d, dv)
+    elif impl.startswith("sdpa"):
+        extra = tok * (d + dv) * itemsize
+    else:
+        extra = (16 if impl == "torch-vec" else 12) * phi + 2 * tok * dv * itemsize
+        if causal:
+            extra += state * {("numpy-vec", "fwd"): 1.5, ("numpy-vec", "fwdbwd"): 2.5,
+                              ("torch-vec", "fwd"): 2.2, ("torch-vec", "fwdbwd"): 4.5}[impl, mode]
+    return base + io + extra
+
+
+@dataclass
+class _Seen:
+    """Last successful measurement of one (impl, mode, causal): for extrapolation."""
+    n: int
+    median_s: float
+    peak: int
+    base: int
+
+
+def _extrapolate(seen, impl, n):
+    """(predicted seconds per call, predicted peak bytes) at ``n`` from a smaller measurement."""
+    r = n / seen.n
+    t = seen.median_s * r ** (2 if impl.startswith("sdpa") else 1)
+    mem = seen.base + max(seen.peak - seen.base, 0) * r
+    return t, mem
+
+
+# ---------------------------------------------------------------------------
+# the driver
+# ---------------------------------------------------------------------------
+
+def add_arguments(parser):
+    """Flags of ``racecpu bench``."""
+    g = parser.add_argument_group("setting")
+    g.add_argument("--batch", type=int, default=1, help="batch size B (default 1)")
+    g.add_argument("--heads", type=int, default=4, help="heads H (default 4)")
+    g.add_argument("--dim", type=int, default=128, help="head dim d (default 128)")
+    g.add_argument("--value-dim", type=int, default=None, help="value dim dv (default: --dim)")
+    g.add_argument("--planes", type=int, default=3, help="hyperplanes per table P (default 3)")
+    g.add_argument("--tables", type=int, default=3, help="hash tables L (default 3)")
+    g.add_argument("--beta", type=float, default=None, help="soft-hash temperature (default racecpu.DEFAULT_BETA)")
+    g.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu (Numba kernels) or cuda (racecpu.cuda with CuPy; needs a GPU)")
+    s = parser.add_argument_group("sizes and repeats")
+    s.add_argument("--min-log2n", type=int, default=10, help="smallest N = 2**this (default 10)")
+    s.add_argument("--max-log2n", type=int, default=None, help="largest N = 2**this (default 20; 14 with --quick)")
+    s.add_argument("--large", action="store_true", help="go up to N = 2**22 (needs --heads 1 to fit 24 GiB)")
+    s.add_argument("--quick", action="store_true",
+                   help="small run: N <= 2**14, 3 repeats, 3 GiB memory cap (for a busy machine)")
+    s.add_argument("--repeats", type=int, default=None, help="timed calls per measurement (default 5; 3 with --quick)")
+    s.add_argument("--rounds", type=int, default=1,
+                   help="fresh processes per measurement, alternating implementations (default 1)")
+    s.add_argument("--budget-seconds", type=float, default=60.0,
+                   help="stop repeating once a measurement's calls took this long (default 60)")
+    s.add_argument("--max-call-seconds", type=float, default=60.0,
+                   help="skip a configuration predicted to take longer per call (default 60)")
+    s.add_argument("--mem-cap-gib", type=float, default=None,
+                   help="skip a measurement predicted to peak above this (default 90%% of MemAvailable; 3 with --quick)")
+    s.add_argument("--threads", type=int, default=None, help="threads for every implementation (default: all cores)")
+    o = parser.add_argument_group("what to run and where to write")
+    o.add_argument("--no-torch", action="store_true", help="skip the torch peers even if torch is installed")
+    o.add_argument("--no-cold", action="store_true",
+                   help="skip the cold-compile measurement (~1 min); the warm-cache one uses the default cache")
+    o.add_argument("--out", type=Path, default=None, help="output folder (default benchmarks/results)")
+    o.add_argument("--tag", default=None, help="file stem of the outputs (default 'bench' or 'bench-quick')")
+
+
+def _mem_available():
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _default_out():
+    root = Path(__file__).resolve().parents[1]
+    if (root / "benchmarks").is_dir():
+        return root / "benchmarks" / "results"
+    return Path.cwd() / "benchmarks" / "results"
+
+
+def _settings(args):
+    """Resolved settings (dict) from parsed flags; raises ValueError on bad values."""
+    from racecpu.hashing import DEFAULT_BETA, MAX_PLANES
+
+    cores = os.cpu_count() or 1
+    st = dict(
+        batch=args.batch, heads=args.heads, d=args.dim, dv=args.value_dim or args.dim, planes=args.planes,
+        tables=args.tables, beta=DEFAULT_BETA if args.beta is None else args.beta, dtype=args.dtype,
+        device=args.device, threads=args.threads or cores,
+        min_log2n=args.min_log2n,
+        max_log2n=args.max_log2n if args.max_log2n is not None else (14 if args.quick else 22 if args.large else 20),
+        repeats=args.repeats or (3 if args.quick else 5), rounds=args.rounds,
+        budget_s=args.budget_seconds, max_call_s=args.max_call_seconds,
+        seed=0, quick=args.quick, no_cold=args.no_cold,
+    )
+    for name, flag in (("batch", "batch"), ("heads", "heads"), ("d", "dim"), ("dv", "value-dim"),
+                       ("tables", "tables"), ("repeats", "repeats"), ("rounds", "rounds"), ("threads", "threads")):
+        if st[name] < 1:
+            raise ValueError(f"--{flag} must be >= 1, got {st[name]}")
+    if not 1 <= st["planes"] <= MAX_PLANES:
+        raise ValueError(f"--planes must be 1..{MAX_PLANES}, got {st['planes']}")
+    if not 4 <= st["min_log2n"] <= st["max_log2n"] <= 26:
+        raise ValueError(f"need 4 <= --min-log2n <= --max-log2n <= 26, got {st['min_log2n']}, {st['max_log2n']}")
+    if not st["beta"] > 0:
+        raise ValueError(f"--beta must be > 0, got {st['beta']}")
+    if st["threads"] > cores:
+        raise ValueError(f"--threads {st['threads']} exceeds the {cores} cores of this machine")
+    avail = _mem_available()
+    if args.mem_cap_gib is not None:
+        cap = args.mem_cap_gib * _GIB
+    elif args.quick:
+        cap = 3 * _GIB
+    else:
+        cap = 0.9 * avail if avail else 16 * _GIB
+    st["mem_cap"] = cap
+    st["mem_available"] = avail
+    return st
+
+
+def _torch_ok(device):
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return device == "cpu" or bool(torch.cuda.is_available())
+
+
+def _cuda_problem():
+    """None if racecpu.cuda can run on a GPU here, else a one-line reason."""
+    if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"):
+        return "NUMBA_ENABLE_CUDASIM is set (the CUDA simulator is not a GPU to benchmark)"
+    try:
+        import cupy as cp
+        from racecpu import cuda as rcuda
+    except Exception as exc:
+        return f"cannot import racecpu.cuda and cupy ({type(exc).__name__}: {exc})"
+    try:
+        if not (rcuda.is_available() and cp.cuda.runtime.getDeviceCount() > 0):
+            return "no usable GPU"
+    except Exception as exc:
+        return f"no usable GPU ({type(exc).__name__}: {exc})"
+    return None
+
+
+def run(args):
+    """Run the suite; returns 0, or 2 when the requested device is unavailable."""
+    try:
+        st = _settings(args)
+    except ValueError as exc:
+        print(f"racecpu bench: {exc}", file=sys.stderr)
+        return 2
+    if st["device"] == "cuda":
+        why = _cuda_problem()
+        if why:
+            print(f"racecpu bench --device cuda: {why}. Install the 'cuda' extra on a machine with an NVIDIA GPU, "
+                  f"or run without --device cuda.", file=sys.stderr)
+            return 2
+    out_dir = args.out or _default_out()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tag = args.tag or ("bench-quick" if args.quick else "bench")
+    use_torch = not args.no_torch and _torch_ok(st["device"])
+    impls = [i for i in IMPLS[st["device"]] if use_torch or i not in TORCH_IMPLS]
+    return _Suite(st, impls, out_dir, tag, args).run()
+
+
+class _Suite:
+    def __init__(self, st, impls, out_dir, tag, args):
+        self.st, self.impls, self.out_dir, self.tag = st, impls, out_dir, tag
+        self.notes = []
+        self.rows = []
+        self.machine = {}
+        self.argv = " ".join([Path(sys.argv[0]).name] + sys.argv[1:]) if sys.argv else "?"
+        self.ns = [2 ** e for e in range(st["min_log2n"], st["max_log2n"] + 1)]
+        self.F = st["tables"] * 2 ** st["planes"]
+        self.LP = st["tables"] * st["planes"]
+        self.itemsize = np.dtype(st["dtype"]).itemsize
+        self.sections = ["machine", "scaling", "threads", "compile"]
+        if st["device"] == "cuda":
+            self.sections = ["machine", "scaling"]
+
+    # -- helpers ---------------------------------------------------------
+    def _note(self, text):
+        self.notes.append(text)
+        self.bar.write(f"note: {text}")
+
+    def _spec(self, **kw):
+        st = self.st
+        spec = dict(kind="measure", batch=st["batch"], heads=st["heads"], d=st["d"], dv=st["dv"],
+                    planes=st["planes"], tables=st["tables"], beta=st["beta"], dtype=st["dtype"],
+                    threads=st["threads"], repeats=st["repeats"], budget_s=st["budget_s"], seed=st["seed"],
+                    device=st["device"])
+        spec.update(kw)
+        return spec
+
+    def _row(self, section, **kw):
+        st = self.st
+        row = dict(section=section, impl="", mode="", causal="", n="", batch=st["batch"], heads=st["heads"],
+                   d=st["d"], dv=st["dv"], planes=st["planes"], tables=st["tables"], dtype=st["dtype"],
+                   threads=st["threads"], status="ok", note="", calls="", median_s="", min_s="",
+                   ns_per_token_head="", roof_ns="", bound="", roof_frac="", peak_rss_bytes="", io_bytes="",
+                   mem_ratio="", device_peak_bytes="", value="", unit="")
+        row.update(kw)
+        self.rows.append(row)
+        return row
+
+    def _timeout(self, predicted_s):
+        st = self.st
+        per = max(predicted_s or 0.0, st["max_call_s"])
+        return 120 + per * 2 + min(per * st["repeats"], st["budget_s"] + per)
+
+    # -- sections --------------------------------------------------------
+    def run(self):
+        from tqdm import tqdm
+
+        st = self.st
+        n_scaling = len(self.ns) * len(CONFIGS) * len(self.impls) * st["rounds"]
+        n_threads = 2 * len({1, st["threads"]}) * st["rounds"] if "threads" in self.sections else 0
+        n_compile = (1 if st["no_cold"] else 2) if "compile" in self.sections else 0
+        total = 1 + n_scaling + n_threads + n_compile
+        t0 = time.perf_counter()
+        self.started = datetime.now(timezone.utc)
+        cap_txt = f"{st['mem_cap'] / _GIB:.1f} GiB"
+        print(f"racecpu bench: {', '.join(self.impls)}; N = 2^{st['min_log2n']}..2^{st['max_log2n']}, "
+              f"B={st['batch']} H={st['heads']} d={st['d']} dv={st['dv']} P={st['planes']} L={st['tables']} "
+              f"{st['dtype']}, {st['threads']} threads, {st['repeats']} repeats; caps {cap_txt}, "
+              f"{st['max_call_s']:.0f} s/call", flush=True)
+        with tqdm(total=total, desc="bench", unit="run", file=sys.stderr, dynamic_ncols=True) as self.bar:
+            self._machine_section()
+            self._scaling_section()
+            if "threads" in self.sections:
+                self._threads_section()
+            if "compile" in self.sections:
+                self._compile_section()
+        self.elapsed = time.perf_counter() - t0
+        return self._write()
+
+    def _machine_section(self):
+        st = self.st
+        self.bar.set_description("machine limits")
+        res, _ = _spawn(_CHILD, dict(kind="machine", threads=st["threads"], repeats=5, device=st["device"]),
+                        _env(st["threads"]), timeout=600)
+        self.bar.update()
+        if not res.get("ok"):
+            raise RuntimeError(f"machine-limits measurement failed: {res.get('error')}")
+        bw = max(res["copy_1t"], res["copy_nt"])
+        self.machine = dict(bandwidth=bw, sgemm=res["sgemm"], copy_1t=res["copy_1t"], copy_nt=res["copy_nt"])
+        self._row("machine", impl="copy-1thread", value=f"{res['copy_1t'] / 1e9:.2f}", unit="GB/s")
+        self._row("machine", impl=f"copy-{st['threads']}threads", value=f"{res['copy_nt'] / 1e9:.2f}", unit="GB/s")
+        self._row("machine", impl="sgemm", value=f"{res['sgemm'] / 1e9:.1f}", unit="GFLOP/s")
+
+    def _roof(self, mode):
+        b, f = roofline_counts(mode, self.st["d"], self.st["dv"], self.st["planes"], self.st["tables"],
+                               self.itemsize)
+        tb, tf = b / self.machine["bandwidth"], f / self.machine["sgemm"]
+        return max(tb, tf) * 1e9, ("memory" if tb >= tf else "compute")
+
+    def _scaling_section(self):
+        st = self.st
+        seen, dead = {}, {}
+        order = list(self.impls)
+        for n in self.ns:
+            shape = (st["batch"], st["heads"], n, st["d"], st["dv"])
+            results = {}
+            for rnd in range(st["rounds"]):
+                for ci, (mode, causal) in enumerate(CONFIGS):
+                    k = (len(self.ns) * rnd + ci + n.bit_length()) % len(order)
+                    for impl in order[k:] + order[:k]:  # rotate who goes first
+                        key = (impl, mode, causal)
+                        label = f"{impl} {mode}{' causal' if causal else ''} N=2^{n.bit_length() - 1}"
+                        self.bar.set_description(label)
+                        if key in dead:
+                            results.setdefault(key, dict(skip=dead[key]))
+                            self.bar.update()
+                            continue
+                        pred_t = None
+                        if key in seen:  # measured at a smaller N: extrapolate that
+                            pred_t, pred_mem = _extrapolate(seen[key], impl, n)
+                        else:
+                            pred_mem = predict_peak(impl, mode, causal, shape, self.F, self.LP, self.itemsize)
+                        why = None
+                        if pred_mem > st["mem_cap"]:
+                            why = (f"skip(mem): predicted peak {pred_mem / _GIB:.1f} GiB > cap "
+                                   f"{st['mem_cap'] / _GIB:.1f} GiB")
+                        elif pred_t is not None and pred_t > st["max_call_s"]:
+                            why = f"skip(time): predicted {pred_t:.0f} s per call > cap {st['max_call_s']:.0f} s"
+                        if why:
+                            dead[key] = why
+                            results[key] = dict(skip=why)
+                            self._note(f"{label}: {why} (and larger N)")
+                            self.bar.update()
+                            continue
+                        res, wall = _spawn(_CHILD, self._spec(impl=impl, mode=mode, causal=causal, n=n),
+                                           _env(st["threads"]), self._timeout(pred_t))
+                        self.bar.update()
+                        if not res.get("ok"):
+                            why = f"failed: {res.get('error')}"
+                            dead[key] = f"skip: failed at N=2^{n.bit_length() - 1}"
+                            results[key] = dict(skip=why)
+                            self._note(f"{label}: {why}")
+                            continue
+                        acc = results.setdefault(key, dict(times=[], peak_rss=0, base_rss=None, device_peak=None))
+                        if "skip" in acc:
+                            continue
+                        acc["times"] += res["times"]
+                        acc["peak_rss"] = max(acc["peak_rss"], res["peak_rss"] or 0)
+                        acc["base_rss"] = res["base_rss"] if acc["base_rss"] is None else acc["base_rss"]
+                        acc["device_peak"] = res.get("device_peak")
+                        if not res.get("peak_reset"):
+                            acc["peak_note"] = "peak includes warm-up (no clear_refs)"
+            for (impl, mode, causal), acc in results.items():
+                self._scaling_row(impl, mode, causal, n, shape, acc, seen)
+
+    def _scaling_row(self, impl, mode, causal, n, shape, acc, seen):
+        st = self.st
+        tokheads = st["batch"] * st["heads"] * n
+        io = io_bytes(mode, shape, self.itemsize)
+        if "skip" in acc:
+            self._row("scaling", impl=impl, mode=mode, causal=int(causal), n=n, status=acc["skip"].split(":")[0],
+                      note=acc["skip"], io_bytes=io)
+            return
+        med = statistics.median(acc["times"])
+        seen[(impl, mode, causal)] = _Seen(n, med, acc["peak_rss"], acc["base_rss"] or 0)
+        row = self._row("scaling", impl=impl, mode=mode, causal=int(causal), n=n, calls=len(acc["times"]),
+                        median_s=f"{med:.6g}", min_s=f"{min(acc['times']):.6g}",
+                        ns_per_token_head=f"{med / tokheads * 1e9:.2f}", peak_rss_bytes=acc["peak_rss"],
+                        io_bytes=io, mem_ratio=f"{acc['peak_rss'] / io:.3f}", note=acc.get("peak_note", ""),
+                        device_peak_bytes=acc.get("device_peak") or "")
+        if not impl.startswith("sdpa"):  # the RACE roofline applies to every statement of RACE
+            roof, bound = self._roof(mode)
+            row.update(roof_ns=f"{roof:.2f}", bound=bound, roof_frac=f"{roof / (med / tokheads * 1e9):.3f}")
+
+    def _threads_section(self):
+        st = self.st
+        n = self.ns[-1]
+        shape = (1, 1, n, st["d"], st["dv"])
+        counts = sorted({1, st["threads"]})
+        got = {}
+        for rnd in range(st["rounds"]):
+            for causal in (False, True):
+                for th in (counts if (rnd + causal) % 2 == 0 else counts[::-1]):
+                    self.bar.set_description(f"threads={th} fwdbwd{' causal' if causal else ''} N=2^{n.bit_length() - 1}")
+                    spec = self._spec(impl="race", mode="fwdbwd", causal=causal, n=n, batch=1, heads=1, threads=th)
+                    res, _ = _spawn(_CHILD, spec, _env(th), self._timeout(None))
+                    self.bar.update()
+                    acc = got.setdefault((causal, th), dict(times=[], peak=0, err=None))
+                    if res.get("ok"):
+                        acc["times"] += res["times"]
+                        acc["peak"] = max(acc["peak"], res["peak_rss"] or 0)
+                    else:
+                        acc["err"] = res.get("error")
+        io = io_bytes("fwdbwd", shape, self.itemsize)
+        for causal in (False, True):
+            meds = {}
+            for th in counts:
+                acc = got.get((causal, th))
+                if not acc or not acc["times"]:
+                    err = acc["err"] if acc else "not run"
+                    self._row("threads", impl="race", mode="fwdbwd", causal=int(causal), n=n, batch=1, heads=1,
+                              threads=th, status="failed", note=str(err))
+                    continue
+                meds[th] = statistics.median(acc["times"])
+                self._row("threads", impl="race", mode="fwdbwd", causal=int(causal), n=n, batch=1, heads=1,
+                          threads=th, calls=len(acc["times"]), median_s=f"{meds[th]:.6g}",
+                          ns_per_token_head=f"{meds[th] / n * 1e9:.2f}", peak_rss_bytes=acc["peak"], io_bytes=io,
+                          mem_ratio=f"{acc['peak'] / io:.3f}")
+            if len(meds) == 2:
+                self._row("threads", impl="race", mode="fwdbwd", causal=int(causal), n=n, batch=1, heads=1,
+                          threads=counts[-1], value=f"{meds[1] / meds[counts[-1]]:.3f}",
+                          unit=f"speedup {counts[-1]} vs 1 thread")
+
+    def _compile_section(self):
+        st = self.st
+        env = _env(st["threads"])
+        tmp = None
+        try:
+            if not st["no_cold"]:
+                tmp = tempfile.mkdtemp(prefix="racecpu-numba-cache-")
+                env = _env(st["threads"], tmp)
+                self.bar.set_description("cold compile (empty cache)")
+                self._compile_run("cold", env)
+            self.bar.set_description("warm cache first call")
+            self._compile_run("warm", env)
+        finally:
+            if tmp:
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    def _compile_run(self, which, env):
+        res, wall = _spawn(_COMPILE_CHILD, {}, env, timeout=900)
+        self.bar.update()
+        if "import_s" not in res:
+            self._row("compile", impl=which, status="failed", note=res.get("error", ""))
+            return
+        cache = "empty NUMBA_CACHE_DIR" if which == "cold" else (
+            "cache warmed by the cold run" if not self.st["no_cold"] else "default cache")
+        for name, val in (("import", res["import_s"]), ("first-result", res["first_s"]),
+                          ("all-kernels", res["all_s"]), ("process-wall", wall)):
+            self._row("compile", impl=f"{which}:{name}", value=f"{val:.3f}", unit="s", note=cache)
+
+    # -- outputs ---------------------------------------------------------
+    def _write(self):
+        csv_path = self.out_dir / f"{self.tag}.csv"
+        with open(csv_path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(self.rows[0]))
+            w.writeheader()
+            w.writerows(self.rows)
+        text = self._report()
+        txt_path = self.out_dir / f"{self.tag}.txt"
+        txt_path.write_text(text)
+        print(text)
+        png_path = self.out_dir / f"{self.tag}.png"
+        self._plot(png_path)
+        print(f"wrote {csv_path}, {txt_path}, {png_path}")
+        return 0
+
+    def _versions(self):
+        import numba
+        out = [f"python {platform.python_version()}", f"numpy {np.__version__}", f"numba {numba.__version__}"]
+        if any(i in TORCH_IMPLS for i in self.impls):
+            import torch
+            out.append(f"torch {torch.__version__}")
+        return ", ".join(out)
+
+    def _report(self):
+        st, m = self.st, self.machine
+        lines = [
+            f"command: {self.argv}",
+            f"{self.started:%Y-%m-%d %H:%M UTC}, {platform.node()}, {os.cpu_count()} cores, {self._versions()}; "
+            f"took {self.elapsed / 60:.1f} min",
+            f"setting: B={st['batch']} H={st['heads']} d={st['d']} dv={st['dv']} P={st['planes']} "
+            f"L={st['tables']} beta={st['beta']} {st['dtype']}, {st['threads']} threads, median of "
+            f"<= {st['repeats']} calls x {st['rounds']} round(s); caps: {st['mem_cap'] / _GIB:.1f} GiB peak, "
+            f"{st['max_call_s']:.0f} s per call",
+            f"machine: copy {m['copy_1t'] / 1e9:.1f} GB/s (1 thread), {m['copy_nt'] / 1e9:.1f} GB/s "
+            f"({st['threads']} threads); SGEMM {m['sgemm'] / 1e9:.1f} GFLOP/s",
+        ]
+        for mode in ("fwd", "fwdbwd"):
+            b, f = roofline_counts(mode, st["d"], st["dv"], st["planes"], st["tables"], self.itemsize)
+            roof, bound = self._roof(mode)
+            lines.append(f"roofline {mode}: {b} B and {f} flop per token-head -> {b / m['bandwidth'] * 1e9:.1f} ns "
+                         f"(memory) vs {f / m['sgemm'] * 1e9:.1f} ns (compute): roof {roof:.1f} ns, {bound}-bound")
+        lines += ["", self._scaling_table()]
+        thr = [r for r in self.rows if r["section"] == "threads"]
+        if thr:
+            lines += ["", "thread scaling (race fwdbwd, B=1 H=1):"]
+            for r in thr:
+                c = "causal" if r["causal"] else "non-causal"
+                if r["value"]:
+                    lines.append(f"  N={r['n']} {c}: {r['unit']} = {r['value']}")
+                elif r["status"] == "ok":
+                    lines.append(f"  N={r['n']} {c} {r['threads']} thread(s): {r['ns_per_token_head']} ns/token-head, "
+                                 f"mem ratio {r['mem_ratio']}")
+                else:
+                    lines.append(f"  N={r['n']} {c} {r['threads']} thread(s): {r['note']}")
+        comp = [r for r in self.rows if r["section"] == "compile"]
+        if comp:
+            lines += ["", "compile / first call (seconds from before `import racecpu`):"]
+            for r in comp:
+                lines.append(f"  {r['impl']:<22} {r['value'] or r['status']:>8} {r['unit']}  ({r['note']})")
+        if self.notes:
+            lines += ["", "notes:"] + [f"  {t}" for t in self.notes]
+        return "\n".join(lines) + "\n"
+
+    def _scaling_table(self):
+        rows = [r for r in self.rows if r["section"] == "scaling"]
+        by = {(r["impl"], r["mode"], r["causal"], r["n"]): r for r in rows}
+        race = self.impls[0]
+        peers = self.impls[1:]
+        head = ["mode", "causal", "N", f"{race} ns/tok-head", "roof ns", "roof frac", "mem ratio"]
+        head += [f"x {p}" for p in peers] + [f"{p} mem" for p in peers]
+        table = []
+        for mode, causal in (("fwd", False), ("fwd", True), ("fwdbwd", False), ("fwdbwd", True)):
+            for n in self.ns:
+                r = by.get((race, mode, int(causal), n))
+                if r is None:
+                    continue
+                ok = r["status"] == "ok"
+                line = [mode, "yes" if causal else "no", f"2^{n.bit_length() - 1}",
+                        r["ns_per_token_head"] if ok else r["status"], r["roof_ns"], r["roof_frac"],
+                        r["mem_ratio"] if ok else ""]
+                ratios, mems = [], []
+                for p in peers:
+                    pr = by.get((p, mode, int(causal), n))
+                    if pr is None:
+                        ratios.append("")
+                        mems.append("")
+                    elif pr["status"] != "ok":
+                        ratios.append(pr["status"])
+                        mems.append("")
+                    else:
+                        ratios.append(f"{float(pr['median_s']) / float(r['median_s']):.1f}" if ok else "")
+                        mems.append(pr["mem_ratio"])
+                table.append(line + ratios + mems)
+        widths = [max(len(h), *(len(str(t[i])) for t in table)) if table else len(h) for i, h in enumerate(head)]
+        fmt = "  ".join(f"{{:>{w}}}" for w in widths)
+        out = ["scaling: ns per token-head of RACE, its roofline fraction, peak RSS / io bytes; "
+               "'x peer' = peer time / RACE time (same run)",
+               fmt.format(*head), fmt.format(*("-" * w for w in widths))]
+        out += [fmt.format(*t) for t in table]
+        return "\n".join(out)
+
+    def _plot(self, path):
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        rows = [r for r in self.rows if r["section"] == "scaling" and r["status"] == "ok"]
+        fig, axes = plt.subplots(2, 3, figsize=(16, 9), constrained_layout=True)
+        colors = dict(zip(IMPLS["cpu"] + IMPLS["cuda"], ("C0", "C1", "C2", "C3", "C0", "C3")))
+        st = self.st
+        tok = st["batch"] * st["heads"]
+        for i, mode in enumerate(("fwd", "fwdbwd")):
+            for j, causal in enumerate((0, 1)):
+                ax = axes[i, j]
+                for impl in self.impls:
+                    pts = sorted((r["n"], float(r["median_s"])) for r in rows
+                                 if r["impl"] == impl and r["mode"] == mode and r["causal"] == causal)
+                    if pts:
+                        ax.plot(*zip(*pts), "o-", color=colors[impl], label=impl)
+                roof, _ = self._roof(mode)
+                ns = np.array(self.ns, dtype=float)
+                ax.plot(ns, ns * tok * roof * 1e-9, "k--", lw=1, label="RACE roofline")
+                ax.set_xscale("log", base=2)
+                ax.set_yscale("log")
+                ax.set_xlabel("N (tokens)")
+                ax.set_ylabel("seconds per call")
+                ax.set_title(f"{'forward' if mode == 'fwd' else 'forward+backward'}, "
+                             f"{'causal' if causal else 'non-causal'}")
+                ax.grid(True, which="both", alpha=0.3)
+                ax.legend(fontsize=8)
+            ax = axes[i, 2]
+            for impl in self.impls:
+                for causal, style in ((0, "o-"), (1, "s--")):
+                    pts = sorted((r["n"], float(r["mem_ratio"])) for r in rows
+                                 if r["impl"] == impl and r["mode"] == mode and r["causal"] == causal)
+                    if pts:
+                        ax.plot(*zip(*pts), style, color=colors[impl],
+                                label=f"{impl}{' causal' if causal else ''}")
+            ax.axhline(1.25, color="k", ls=":", lw=1, label="1.25x target")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("N (tokens)")
+            ax.set_ylabel("peak RSS / bytes of inputs, outputs, grads")
+            ax.set_title(f"memory, {'forward' if mode == 'fwd' else 'forward+backward'}")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.suptitle(f"racecpu bench: B={st['batch']} H={st['heads']} d={st['d']} dv={st['dv']} P={st['planes']} "
+                     f"L={st['tables']} {st['dtype']}, {st['threads']} threads "
+                     f"(copy {self.machine['bandwidth'] / 1e9:.0f} GB/s, SGEMM {self.machine['sgemm'] / 1e9:.0f} GFLOP/s)")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)

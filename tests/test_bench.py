@@ -1,0 +1,108 @@
+"""The benchmark suite: its roofline model, its peers' math, and one tiny end-to-end run."""
+
+import csv
+
+import numpy as np
+import pytest
+
+import racecpu
+from racecpu import bench
+from racecpu.cli import main
+
+
+def test_roofline_counts_by_hand():
+    # d = dv = 128, P = L = 3 (F = 24, L*P = 9), float32, per token-head:
+    # fwd bytes 4 (256 + 256 + 48 + 18) + 8; flops 4*9*128 + 4*24*128
+    assert bench.roofline_counts("fwd", 128, 128, 3, 3) == (2320, 16896)
+    # bwd bytes 4 (256 + 384 + 48 + 18) + 8 = 2832; flops 4*9*128 + 8*24*128 = 29184
+    assert bench.roofline_counts("fwdbwd", 128, 128, 3, 3) == (2320 + 2832, 16896 + 29184)
+    assert bench.roofline_counts("fwd", 64, 32, 2, 1, itemsize=8)[0] == 8 * (128 + 64 + 8 + 4) + 8
+    with pytest.raises(ValueError, match="mode"):
+        bench.roofline_counts("bwd", 128, 128, 3, 3)
+
+
+def _case(rng, G=3, n=40, d=8, dv=5):
+    q, k = rng.standard_normal((2, G, n, d))
+    return q, k, rng.standard_normal((G, n, dv)), rng.standard_normal((G, n, dv)), \
+        racecpu.hyperplanes(d, 3, 2, dtype=np.float64)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_numpy_statement_is_race_attention(rng, causal):
+    q, k, v, g, W = _case(rng)
+    out, res = racecpu.race_attention_fwd(q, k, v, W, 2.0, causal=causal)
+    grads = racecpu.race_attention_bwd(res, g)[:3]
+    out2, res2 = bench.numpy_race_fwd(q, k, v, W, 2.0, causal)
+    np.testing.assert_allclose(out2, out, rtol=1e-10, atol=1e-12)
+    for a, b in zip(bench.numpy_race_bwd(res2, g), grads):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_torch_statement_is_race_attention(rng, causal):
+    torch = pytest.importorskip("torch")
+    q, k, v, g, W = _case(rng)
+    out, res = racecpu.race_attention_fwd(q, k, v, W, 2.0, causal=causal)
+    grads = racecpu.race_attention_bwd(res, g)[:3]
+    tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
+    o = bench.torch_race(tq, tk, tv, torch.tensor(W), 2.0, causal)
+    o.backward(torch.tensor(g))
+    np.testing.assert_allclose(o.detach().numpy(), out, rtol=1e-10, atol=1e-12)
+    for t, b in zip((tq, tk, tv), grads):
+        np.testing.assert_allclose(t.grad.numpy(), b, rtol=1e-10, atol=1e-12)
+
+
+def test_predictions_scale_and_skip_the_cumsum_statements():
+    shape = (1, 4, 2 ** 16, 128, 128)
+    io = bench.io_bytes("fwdbwd", shape, 4)
+    assert io == 4 * 2 ** 16 * 8 * 128 * 4
+    race = bench.predict_peak("race", "fwdbwd", True, shape, 24, 9, 4)
+    cum = bench.predict_peak("numpy-vec", "fwdbwd", True, shape, 24, 9, 4)
+    assert io < race < 1.3 * io + 2 ** 30
+    assert cum > 8 * 2 ** 30  # (N, F, dv) prefix states: 6 GiB each at this size
+    seen = bench._Seen(n=1024, median_s=0.5, peak=3 * 2 ** 20 + 100, base=100)
+    t, m = bench._extrapolate(seen, "race", 4096)
+    assert t == pytest.approx(2.0) and m == 12 * 2 ** 20 + 100
+    assert bench._extrapolate(seen, "sdpa", 4096)[0] == pytest.approx(8.0)  # quadratic
+
+
+def test_bad_flags_exit_2(capsys):
+    assert main(["bench", "--min-log2n", "3", "--out", "/nonexistent"]) == 2
+    assert "--min-log2n" in capsys.readouterr().err
+
+
+def test_cuda_unavailable_says_so(capsys, tmp_path):
+    if bench._cuda_problem() is None:
+        pytest.skip("a GPU is usable here")
+    assert main(["bench", "--device", "cuda", "--out", str(tmp_path)]) == 2
+    assert "--device cuda" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_suite_runs_end_to_end(tmp_path, capsys):
+    rc = main(["bench", "--min-log2n", "8", "--max-log2n", "8", "--heads", "1", "--dim", "16", "--repeats", "1",
+               "--no-torch", "--no-cold", "--out", str(tmp_path), "--tag", "t"])
+    assert rc == 0
+    with open(tmp_path / "t.csv") as f:
+        rows = list(csv.DictReader(f))
+    machine = {r["impl"]: float(r["value"]) for r in rows if r["section"] == "machine"}
+    assert machine["sgemm"] > 1e9 / 1e9 and machine["copy-1thread"] > 0  # GFLOP/s and GB/s
+    scaling = [r for r in rows if r["section"] == "scaling"]
+    assert {(r["impl"], r["mode"], r["causal"]) for r in scaling} == {
+        (i, m, c) for i in ("race", "numpy-vec") for m in ("fwd", "fwdbwd") for c in ("0", "1")}
+    for r in scaling:
+        assert r["status"] == "ok", r
+        assert r["n"] == "256" and int(r["calls"]) == 1
+        tpc = float(r["median_s"]) / 256 * 1e9
+        assert float(r["ns_per_token_head"]) == pytest.approx(tpc, rel=1e-3)
+        assert float(r["ns_per_token_head"]) > float(r["roof_ns"]) * float(r["roof_frac"]) * 0.999
+        assert int(r["peak_rss_bytes"]) > int(r["io_bytes"]) > 0
+    threads = [r for r in rows if r["section"] == "threads"]
+    assert sum(1 for r in threads if r["unit"].startswith("speedup")) == 2
+    compile_ = {r["impl"]: float(r["value"]) for r in rows if r["section"] == "compile"}
+    assert 0 < compile_["warm:import"] <= compile_["warm:first-result"] <= compile_["warm:all-kernels"]
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = (tmp_path / "t.txt").read_text()
+    out = capsys.readouterr()
+    assert "ns/tok-head" in text and text.strip() in out.out
+    assert "bench" in out.err  # the progress bar
