@@ -1,0 +1,236 @@
+"""GPU benchmark of :mod:`racecpu.cuda`: forward+backward time and peak device memory.
+
+Run on a machine with an NVIDIA GPU and ``pip install "racecpu[cuda,bench]"``::
+
+    python -m racecpu.cuda.bench                       # N = 2**20 .. 2**23, 4 heads, d = 128, float32
+    python -m racecpu.cuda.bench --log2n 22 --threads 32 64 128   # tile-length sweep at one N
+    python -m racecpu.cuda.bench --out gpu_bench.json
+
+What it does, per configuration (N, causal, threads per block):
+
+1. a correctness spot check at N = 300 against the CPU path (max-norm relative
+   error of out, dq, dk, dv; should be ~1e-6 in float32);
+2. one untimed forward+backward at the full N (compiles the kernels), then
+   ``repeats`` timed ones (``cuda.synchronize`` around each), median and best;
+3. peak device memory of one forward+backward: CuPy's memory-pool high-water
+   mark (``racecpu.cuda`` allocates from CuPy's pool for CuPy inputs), inputs
+   and grad_out included.
+
+``torch.nn.functional.scaled_dot_product_attention`` runs on the same GPU in
+bfloat16 (the FlashAttention backend; float32 has no flash kernel) up to
+``--sdpa-max-log2n`` (quadratic time: ~minutes at N = 2**20); larger N are
+extrapolated as ``t * (N / N_max)**2`` and marked so.  Its peak is
+``torch.cuda.max_memory_allocated``.
+
+Targets (issue 6): forward+backward <= 60 ms at N = 2**22 on an H100 (4
+heads, d = 128, float32), and N = 2**23 at 4 heads within 80 GB.  Note that
+q, k, v, out, grad_out, dq, dk, dv at N = 2**23, 4 heads, d = 128 in float32
+are 8 x 17.2 GB = 137 GB on their own, so the second target can only hold for
+the forward (q, k, v, out = 69 GB plus ~9 GB of residuals) or in 16-bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+import racecpu
+
+
+def _cupy():
+    try:
+        import cupy
+        return cupy
+    except ImportError:
+        return None
+
+
+def _sync():
+    from numba import cuda
+    cuda.synchronize()
+
+
+def _randn(shape, dtype, seed):
+    """Device array of N(0, 1) entries: CuPy when installed, numba otherwise."""
+    cp = _cupy()
+    if cp is not None:
+        return cp.random.default_rng(seed).standard_normal(shape, dtype=np.float32).astype(dtype)
+    from numba import cuda
+    return cuda.to_device(np.random.default_rng(seed).standard_normal(shape).astype(dtype))
+
+
+def check_against_cpu(n=300, heads=2, head_dim=16, causal=True, seed=0):
+    """Max-norm relative errors of out, dq, dk, dv (racecpu.cuda vs the CPU kernels), float32."""
+    from . import race_attention_bwd, race_attention_fwd
+    rng = np.random.default_rng(seed)
+    q, k, v, g = (rng.standard_normal((heads, n, head_dim)).astype(np.float32) for _ in range(4))
+    planes = racecpu.hyperplanes(head_dim)
+    out, res = race_attention_fwd(q, k, v, planes, causal=causal)
+    grads = race_attention_bwd(res, g)
+    ref, rres = racecpu.race_attention_fwd(q, k, v, planes, causal=causal)
+    want = racecpu.race_attention_bwd(rres, g)
+
+    def host(x):
+        return x.get() if hasattr(x, "get") else x.copy_to_host()
+
+    errs = {}
+    for name, a, b in zip(("out", "dq", "dk", "dv"), (out,) + tuple(grads[:3]), (ref,) + tuple(want[:3])):
+        errs[name] = float(np.max(np.abs(host(a) - b)) / np.max(np.abs(b)))
+    return errs
+
+
+def time_race(n, heads=4, head_dim=128, causal=True, num_planes=3, num_tables=3, repeats=3, threads=None):
+    """Forward+backward seconds (list) and peak pool bytes of racecpu.cuda at one size."""
+    from . import race_attention_bwd, race_attention_fwd
+    import racecpu.cuda as rc
+    cp = _cupy()
+    old = rc.THREADS
+    if threads:
+        rc.THREADS = int(threads)
+    try:
+        pool = cp.get_default_memory_pool() if cp is not None else None
+        if pool is not None:
+            pool.free_all_blocks()
+        q, k, v, g = (_randn((heads, n, head_dim), np.float32, s) for s in range(4))
+        planes = racecpu.hyperplanes(head_dim, num_planes, num_tables)
+        times = []
+        for rep in range(repeats + 1):  # the first call compiles
+            _sync()
+            t0 = time.perf_counter()
+            out, res = race_attention_fwd(q, k, v, planes, causal=causal, check_finite=False)
+            grads = race_attention_bwd(res, g)
+            _sync()
+            if rep:
+                times.append(time.perf_counter() - t0)
+            del out, res, grads
+        peak = int(pool.total_bytes()) if pool is not None else None
+        return times, peak
+    finally:
+        rc.THREADS = old
+
+
+def time_sdpa(n, heads=4, head_dim=128, causal=True, repeats=3):
+    """Forward+backward seconds and peak bytes of torch SDPA (bfloat16, flash) at one size."""
+    import torch
+    import torch.nn.functional as F
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, g = (torch.randn((1, heads, n, head_dim), device="cuda", dtype=torch.bfloat16, generator=gen)
+                  for _ in range(4))
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    times = []
+    ctx = getattr(torch.nn.attention, "sdpa_kernel", None)
+    for rep in range(repeats + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if ctx is not None:
+            with ctx(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        out.backward(g)
+        torch.cuda.synchronize()
+        if rep:
+            times.append(time.perf_counter() - t0)
+        for t in (q, k, v):
+            t.grad = None
+        del out
+    return times, int(torch.cuda.max_memory_allocated())
+
+
+def _torch_cuda():
+    try:
+        import torch
+        return bool(torch.cuda.is_available())
+    except ImportError:
+        return False
+
+
+def run_benchmark(log2ns=(20, 21, 22, 23), heads=4, head_dim=128, causal=(False, True), threads=(None,),
+                  repeats=3, sdpa=True, sdpa_max_log2n=18, check=True, progress=True):
+    """Benchmark rows (dicts) for every (N, causal, threads); see the module docstring."""
+    from tqdm import tqdm
+    rows = []
+    if check:
+        for c in causal:
+            errs = check_against_cpu(causal=c)
+            rows.append(dict(impl="check-vs-cpu", causal=c, **errs))
+    import racecpu.cuda as rc
+    jobs = [(ln, c, t) for ln in log2ns for c in causal for t in threads]
+    sdpa_ref = {}
+    for ln, c, t in tqdm(jobs, desc="racecpu.cuda bench", disable=not progress):
+        n = 2 ** ln
+        row = dict(impl="race-cuda", n=n, heads=heads, head_dim=head_dim, causal=c,
+                   threads=int(t or rc.THREADS), dtype="float32")
+        try:
+            times, peak = time_race(n, heads, head_dim, c, repeats=repeats, threads=t)
+            row.update(median_ms=1e3 * float(np.median(times)), best_ms=1e3 * min(times), peak_bytes=peak,
+                       ns_per_token_head=1e9 * float(np.median(times)) / (n * heads))
+        except Exception as exc:  # out of memory and the like: say so and go on
+            row.update(error=f"{type(exc).__name__}: {exc}"[:300])
+        rows.append(row)
+        if sdpa and t == threads[0] and _torch_cuda():
+            srow = dict(impl="sdpa-flash-bf16", n=n, heads=heads, head_dim=head_dim, causal=c, dtype="bfloat16")
+            if ln <= sdpa_max_log2n:
+                try:
+                    times, peak = time_sdpa(n, heads, head_dim, c, repeats=repeats)
+                    srow.update(median_ms=1e3 * float(np.median(times)), best_ms=1e3 * min(times), peak_bytes=peak)
+                    sdpa_ref[c] = (n, float(np.median(times)))
+                except Exception as exc:
+                    srow.update(error=f"{type(exc).__name__}: {exc}"[:300])
+            elif c in sdpa_ref:
+                n0, t0 = sdpa_ref[c]
+                srow.update(median_ms=1e3 * t0 * (n / n0) ** 2, extrapolated_from=n0)
+            rows.append(srow)
+    return rows
+
+
+def format_rows(rows):
+    lines = []
+    for r in rows:
+        if r["impl"] == "check-vs-cpu":
+            lines.append(f"check vs CPU (causal={r['causal']}): " +
+                         ", ".join(f"{k} {r[k]:.1e}" for k in ("out", "dq", "dk", "dv")))
+            continue
+        head = f"{r['impl']:<16} N=2^{int(np.log2(r['n'])):<3} causal={str(r['causal']):<5}"
+        if "threads" in r:
+            head += f" T={r['threads']:<4}"
+        if "error" in r:
+            lines.append(f"{head} {r['error']}")
+            continue
+        extra = f" (extrapolated from N={r['extrapolated_from']})" if "extrapolated_from" in r else ""
+        peak = f"  peak {r['peak_bytes'] / 2**30:.1f} GiB" if r.get("peak_bytes") else ""
+        lines.append(f"{head} fwd+bwd {r['median_ms']:.1f} ms{extra}{peak}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m racecpu.cuda.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--log2n", type=int, nargs="+", default=[20, 21, 22, 23])
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+    p.add_argument("--threads", type=int, nargs="+", default=[None], help="threads per block to sweep")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-sdpa", action="store_true")
+    p.add_argument("--sdpa-max-log2n", type=int, default=18)
+    p.add_argument("--out", help="write the rows as JSON here")
+    a = p.parse_args(argv)
+    causal = {"both": (False, True), "yes": (True,), "no": (False,)}[a.causal]
+    rows = run_benchmark(a.log2n, a.heads, a.head_dim, causal, tuple(a.threads), a.repeats, not a.no_sdpa,
+                         a.sdpa_max_log2n)
+    print(format_rows(rows))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
