@@ -18,7 +18,14 @@ kernels run under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1`` set
 before ``numba.cuda`` is imported): slow, for tests only.
 
 Tuning knobs (module attributes, read at each call): ``THREADS`` threads per
-block (= tokens per tile), ``CHUNK`` tokens per block task.
+block (= tokens per tile), ``CHUNK`` tokens per block task.  The backward
+keeps ``L * 2**P`` float64 per thread in local memory, comfortable for the
+usual ``P <= 8``; very large ``P`` is for the CPU path.
+
+Untested without a GPU: the CuPy and PyTorch paths (allocation from CuPy's
+pool, CuPy's current stream, ``__cuda_array_interface__`` hand-over) and all
+timings; the kernels themselves are checked against the CPU path under the
+simulator and compiled to PTX by the tests.
 """
 
 from __future__ import annotations
@@ -72,6 +79,8 @@ def _as_numba(x):
 
 def _proxy(x):
     """Zero-stride NumPy stand-in with the shape and dtype of a device array (no memory)."""
+    if not _is_cupy(x):
+        x = _as_numba(x)  # NumPy dtypes for torch tensors and other interface owners
     dtype = np.dtype(x.dtype)
     shape = tuple(int(s) for s in x.shape)
     return np.lib.stride_tricks.as_strided(np.zeros((), dtype), shape=shape, strides=(0,) * len(shape))
