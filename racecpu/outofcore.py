@@ -67,12 +67,14 @@ _VERSION = 1
 # ---------------------------------------------------------------------------
 
 class SeededArray:
-    """A read-only array of i.i.d. N(0, scale^2) numbers, generated on demand.
+    """A read-only array of pseudo-random N(0, scale^2) numbers, generated on demand.
 
-    Rows are generated in tiles of ``tile`` tokens from
-    ``default_rng([seed, group, tile_index])``, so any slice along the token
-    axis gives the same numbers however the array is sliced.  Used by
-    :func:`demo` to stream inputs that would not fit on disk.
+    Fresh normals cost ~30 ns each here, more than the attention itself at
+    d = 128, so rows are windows of a fixed pool of ``pool`` standard normals
+    (from ``default_rng(seed)``): tile ``t`` (``tile`` tokens) of group ``g`` is
+    the window at an offset drawn from ``default_rng([seed, g, t])``.  Any
+    slice along the token axis gives the same numbers however the array is
+    sliced.  Used by :func:`demo` to stream inputs that would not fit on disk.
 
     Parameters
     ----------
@@ -81,29 +83,35 @@ class SeededArray:
     seed : int, default 0
     scale : float, default 1.0
     tile : int, default 4096
+    pool : int, default 2**22
     """
 
     ndim = property(lambda self: len(self.shape))
 
-    def __init__(self, shape, dtype=np.float32, seed=0, scale=1.0, tile=4096):
+    def __init__(self, shape, dtype=np.float32, seed=0, scale=1.0, tile=4096, pool=2 ** 22):
         self.shape = tuple(int(s) for s in shape)
         if len(self.shape) < 2:
             raise ValueError(f"shape must be (..., N, d), got {self.shape}")
         self.dtype = np.dtype(dtype)
-        self.seed, self.scale, self.tile = int(seed), float(scale), int(tile)
+        self.seed, self.scale, self.tile, self.pool = int(seed), float(scale), int(tile), int(pool)
+        self._values = None
 
     def __repr__(self):
         return (f"SeededArray(shape={self.shape}, dtype={self.dtype.name}, seed={self.seed}, "
-                f"scale={self.scale}, tile={self.tile})")
+                f"scale={self.scale}, tile={self.tile}, pool={self.pool})")
 
     def __len__(self):
         return self.shape[0]
 
     def _tile(self, g, t):
         n, d = self.shape[-2:]
+        span = self.tile * d
+        if self._values is None:  # the pool, extended so that every window is contiguous
+            base = np.random.default_rng(self.seed).standard_normal(self.pool) * self.scale
+            self._values = np.concatenate([base, base[:span]]).astype(self.dtype)
         rows = min(self.tile, n - t * self.tile)
-        rng = np.random.default_rng([self.seed, g, t])
-        return (rng.standard_normal((rows, d), dtype=np.float64) * self.scale).astype(self.dtype)
+        off = int(np.random.default_rng([self.seed, g, t]).integers(self.pool))
+        return self._values[off:off + rows * d].reshape(rows, d)
 
     def rows(self, g, lo, hi):
         """Rows ``lo:hi`` of flat group ``g`` as an ndarray (hi - lo, d)."""
@@ -185,7 +193,7 @@ def _check_out(name, x, shape):
 def _identity(x, written=False):
     """What a checkpoint must match for a resume to be valid."""
     if isinstance(x, SeededArray):
-        return ["seeded", list(x.shape), x.dtype.name, x.seed, x.scale, x.tile]
+        return ["seeded", list(x.shape), x.dtype.name, x.seed, x.scale, x.tile, x.pool]
     if isinstance(x, np.memmap) and isinstance(x.filename, str):
         ident = ["memmap", os.path.realpath(x.filename), int(x.offset), list(x.shape), x.dtype.name,
                  list(x.strides)]
@@ -210,8 +218,9 @@ class _Scan:
     are done; otherwise they live in RAM.
     """
 
-    def __init__(self, directory, name, key, nb, shapes):
+    def __init__(self, directory, name, key, nb, shapes, commit_every=0.0):
         self.name, self.nb, self.dir = name, nb, directory
+        self.commit_every, self._last = float(commit_every), time.monotonic()
         self.key = json.loads(json.dumps(dict(key, version=_VERSION, pass_=name, blocks=nb)))
         self.done, self.scalar = 0, 0.0
         if directory is None:
@@ -250,19 +259,25 @@ class _Scan:
         return [np.array(s[i]) for s in self.states]
 
     def record(self, new_state, scalar, outputs):
-        """After block ``done`` is written: flush outputs, store the state, then the manifest."""
+        """After block ``done`` is written: store the state; commit at most every ``commit_every`` s.
+
+        A commit flushes the outputs and states to disk and only then
+        replaces the manifest, so a recorded block is always on disk; blocks
+        after the last commit are recomputed by a rerun.
+        """
         i = self.done + 1
         for s, a in zip(self.states, new_state):
             s[i] = a
         self.scalar = scalar
         self.done = i
-        if self.dir is not None:
+        if self.dir is not None and (self.complete or time.monotonic() - self._last >= self.commit_every):
             for x in outputs:
                 if isinstance(x, np.memmap):
                     x.flush()
             for s in self.states:
                 s.flush()
             self._commit()
+            self._last = time.monotonic()
         _release(*self.states)
 
     def _commit(self):
@@ -372,7 +387,7 @@ def _store_block(x, lead, lo, hi, data):
 
 
 def race_attention_fwd_ooc(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, out, block=BLOCK,
-                           checkpoint=None, check_finite=True, progress=True):
+                           checkpoint=None, commit_every=30.0, check_finite=True, progress=True):
     """Chunked RACE attention forward for inputs larger than RAM.
 
     Parameters
@@ -388,6 +403,9 @@ def race_attention_fwd_ooc(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, 
         Tokens per head read at a time; peak RAM grows linearly with it.
     checkpoint : path, optional
         Directory recording progress; a rerun with the same arguments resumes.
+    commit_every : float, default 30
+        Seconds between checkpoint commits (each flushes the outputs to disk;
+        0 commits after every block).  A pass's last block always commits.
     check_finite : bool, default True
     progress : bool or tqdm bar, default True
 
@@ -437,7 +455,7 @@ def race_attention_fwd_ooc(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, 
             _store_block(out, lead, lo, hi, ob)
             return (A1, B1), 0.0
 
-        scan = _Scan(sub("fwd"), "fwd_causal", key, -(-nk // block), shapes)
+        scan = _Scan(sub("fwd"), "fwd_causal", key, -(-nk // block), shapes, commit_every)
         _run(scan, _blocks(nk, block), body, progress, "forward (causal)", [out], [q, k, v])
         A, B = scan.states
     else:
@@ -453,7 +471,7 @@ def race_attention_fwd_ooc(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, 
                             bufs("phik", (G, n, F), cdt), bufs("tk", (G, n, L * P), cdt), partA, partB)
             return (state[0] + partA.sum(1), state[1] + partB.sum(1)), 0.0
 
-        scan = _Scan(sub("fwd"), "fwd_sketch", key, -(-nk // block), shapes)
+        scan = _Scan(sub("fwd"), "fwd_sketch", key, -(-nk // block), shapes, commit_every)
         (A, B), _ = _run(scan, _blocks(nk, block), sketch, progress, "forward: key sketch", [], [k, v])
         Bc = B.astype(cdt)
 
@@ -466,7 +484,7 @@ def race_attention_fwd_ooc(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, 
             _store_block(out, lead, lo, hi, ob)
             return (), 0.0
 
-        scan2 = _Scan(sub("fwd"), "fwd_readout", dict(key, sketch=scan.key), -(-nq // block), [])
+        scan2 = _Scan(sub("fwd"), "fwd_readout", dict(key, sketch=scan.key), -(-nq // block), [], commit_every)
         _run(scan2, _blocks(nq, block), readout, progress, "forward: queries", [out], [q])
     return OocResiduals(q, k, v, planes, beta, bool(causal), block, lead, nq, nk, np.dtype(cdt), check_finite,
                         np.asarray(A), np.asarray(B), key)
@@ -478,7 +496,7 @@ def _check_block(block):
     return int(block)
 
 
-def race_attention_bwd_ooc(res, grad_out, *, dq, dk, dv, checkpoint=None, progress=True):
+def race_attention_bwd_ooc(res, grad_out, *, dq, dk, dv, checkpoint=None, commit_every=30.0, progress=True):
     """Chunked RACE attention backward for inputs larger than RAM.
 
     Parameters
@@ -490,6 +508,8 @@ def race_attention_bwd_ooc(res, grad_out, *, dq, dk, dv, checkpoint=None, progre
         Receive the gradients, shapes of q, k, v.
     checkpoint : path, optional
         Directory recording progress (may be the forward's); a rerun resumes.
+    commit_every : float, default 30
+        Seconds between checkpoint commits (see :func:`race_attention_fwd_ooc`).
     progress : bool or tqdm bar, default True
 
     Returns
@@ -559,7 +579,7 @@ def race_attention_bwd_ooc(res, grad_out, *, dq, dk, dv, checkpoint=None, progre
                 _store_block(x, lead, lo, hi, a)
             return (state[0] + pdA.sum(1), state[1] + pdB.sum(1)), float(dbq.sum() + dbk.sum())
 
-        scan = _Scan(ckdir, "bwd_causal", key, nb, shapes)
+        scan = _Scan(ckdir, "bwd_causal", key, nb, shapes, commit_every)
         _, dbeta = _run(scan, blocks, body, progress, "backward (causal, reverse)", [dq, dk, dv],
                         [r.q, r.k, r.v, grad_out])
         return dbeta
@@ -583,7 +603,7 @@ def race_attention_bwd_ooc(res, grad_out, *, dq, dk, dv, checkpoint=None, progre
         _store_block(dq, lead, lo, hi, dqb)
         return (state[0] + pdA.sum(1), state[1] + pdB.sum(1)), float(dbq.sum())
 
-    scan = _Scan(ckdir, "bwd_queries", key, -(-nq // block), shapes)
+    scan = _Scan(ckdir, "bwd_queries", key, -(-nq // block), shapes, commit_every)
     (dA, dB), dbeta_q = _run(scan, _blocks(nq, block), queries, progress, "backward: queries", [dq],
                              [r.q, grad_out])
     dBc = dB.astype(cdt)
@@ -605,7 +625,7 @@ def race_attention_bwd_ooc(res, grad_out, *, dq, dk, dv, checkpoint=None, progre
             _store_block(x, lead, lo, hi, a)
         return (), float(dbk.sum())
 
-    scan2 = _Scan(ckdir, "bwd_keys", dict(key, queries=scan.key), -(-nk // block), [])
+    scan2 = _Scan(ckdir, "bwd_keys", dict(key, queries=scan.key), -(-nk // block), [], commit_every)
     _, dbeta_k = _run(scan2, _blocks(nk, block), keys, progress, "backward: keys", [dk, dv], [r.k, r.v])
     return dbeta_q + dbeta_k
 
@@ -652,7 +672,7 @@ def _disk_used(directory):
 
 def demo(tokens=8388608, heads=4, dim=128, directory="racecpu-ooc", causal=True, *, seed=0, num_planes=3,
          num_tables=3, beta=DEFAULT_BETA, block=BLOCK, store_dtype=np.float32, check=True, progress=True,
-         disk_margin=4 * 2 ** 30):
+         commit_every=30.0, disk_margin=4 * 2 ** 30):
     """One out-of-core RACE forward + backward over ``tokens`` tokens; returns metrics.
 
     The inputs ``q, k, v`` and the cotangent ``grad_out`` (each heads x tokens
@@ -679,6 +699,8 @@ def demo(tokens=8388608, heads=4, dim=128, directory="racecpu-ooc", causal=True,
         with the in-memory :func:`racecpu.race_attention_fwd`/``_bwd``.
     progress : bool, default True
         One tqdm bar (with ETA) over every block of every pass.
+    commit_every : float, default 30
+        Seconds between checkpoint commits (an interrupt loses at most this).
     disk_margin : int, default 4 GiB
         Refuse to start unless this much disk stays free after the results.
 
@@ -754,10 +776,11 @@ def demo(tokens=8388608, heads=4, dim=128, directory="racecpu-ooc", causal=True,
     t0 = time.perf_counter()
     try:
         res = race_attention_fwd_ooc(q, k, v, planes, beta, causal=causal, out=outs["out"], block=block,
-                                     checkpoint=ckpt, check_finite=False, progress=counter)
+                                     checkpoint=ckpt, commit_every=commit_every, check_finite=False,
+                                     progress=counter)
         t1 = time.perf_counter()
         dbeta = race_attention_bwd_ooc(res, g, dq=outs["dq"], dk=outs["dk"], dv=outs["dv"], checkpoint=ckpt,
-                                       progress=counter)
+                                       commit_every=commit_every, progress=counter)
         t2 = time.perf_counter()
     finally:
         if bar is not None:
