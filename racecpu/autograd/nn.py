@@ -194,7 +194,7 @@ class MultiHeadAttention(Module):
         self.proj = Linear(d_model, d_model, seed=rng, dtype=dtype)
         self.num_planes = num_planes
         self.planes = hyperplanes(self.head_dim, num_planes, num_tables, seed=rng, dtype=dtype)
-        if train_beta:
+        if attention == "race" and train_beta:
             self.log_beta = Parameter(np.log(np.asarray(beta, dtype)))
         else:
             self.beta = float(beta)
