@@ -100,10 +100,12 @@ class _Args:
     check_finite: bool
 
 
-def _prepare(q, k, v, planes, beta, causal, key_mask, check_finite):
-    q, qdt, _ = _check_array("q", q, check_finite)
-    k, kdt, _ = _check_array("k", k, check_finite)
-    v, vdt, _ = _check_array("v", v, check_finite)
+def _check_args(q, k, v, planes, beta, causal, key_mask):
+    """Cross-argument checks on already-checked q, k, v (anything with shape and dtype).
+
+    Shared with racecpu.cuda, which passes zero-stride stand-ins of device
+    arrays.  Returns (compute dtype, output dtype, lead, G, planes, beta).
+    """
     cdt, odt = _dtypes(q, k, v)
     lead = q.shape[:-2]
     if k.shape[:-2] != lead or v.shape[:-2] != lead:
@@ -119,15 +121,25 @@ def _prepare(q, k, v, planes, beta, causal, key_mask, check_finite):
     planes = _check_planes(planes, d, cdt)
     beta = _check_beta(beta)
     G = int(np.prod(lead, dtype=np.int64))
-    if key_mask is None:
-        mask = np.ones((G, nk), dtype=np.bool_)
-    else:
+    if key_mask is not None:
         m = np.asarray(key_mask)
         if m.dtype != np.bool_:
             raise TypeError(f"key_mask must be a bool array, got dtype {m.dtype}")
         if m.shape != lead + (nk,):
             raise ValueError(f"key_mask must have shape {lead + (nk,)} (leading dims + (Nk,)), got {m.shape}")
-        mask = np.ascontiguousarray(m.reshape(G, nk))
+    return cdt, odt, lead, G, planes, beta
+
+
+def _prepare(q, k, v, planes, beta, causal, key_mask, check_finite):
+    q, qdt, _ = _check_array("q", q, check_finite)
+    k, kdt, _ = _check_array("k", k, check_finite)
+    v, vdt, _ = _check_array("v", v, check_finite)
+    cdt, odt, lead, G, planes, beta = _check_args(q, k, v, planes, beta, causal, key_mask)
+    nk = k.shape[-2]
+    if key_mask is None:
+        mask = np.ones((G, nk), dtype=np.bool_)
+    else:
+        mask = np.ascontiguousarray(np.asarray(key_mask).reshape(G, nk))
 
     def flat(x):
         return np.ascontiguousarray(x.reshape((G,) + x.shape[-2:]), dtype=cdt)

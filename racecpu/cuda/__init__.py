@@ -228,29 +228,10 @@ def _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, dev):
     k, kdt, _ = _check_array("k", k, check_finite, dev)
     v, vdt, _ = _check_array("v", v, check_finite, dev)
     pq, pk, pv = (_proxy(x) if _on_device(x) else x for x in (q, k, v))
-    cdt, odt = _cpu._dtypes(pq, pk, pv)
-    lead = pq.shape[:-2]
-    # --- the cross-shape checks of racecpu.attention._prepare, in its order ---
-    if pk.shape[:-2] != lead or pv.shape[:-2] != lead:
-        raise ValueError(f"q, k, v must have the same leading dims, got shapes q {pq.shape}, k {pk.shape}, "
-                         f"v {pv.shape}")
+    pm = None if key_mask is None else (_proxy(key_mask) if _on_device(key_mask) else key_mask)
+    cdt, odt, lead, G, planes, beta = _cpu._check_args(pq, pk, pv, _host(planes), beta, causal, pm)
     nq, d = pq.shape[-2:]
     nk = pk.shape[-2]
-    if pk.shape[-1] != d:
-        raise ValueError(f"q and k must have the same head dim, got shapes q {pq.shape} and k {pk.shape}")
-    if pv.shape[-2] != nk:
-        raise ValueError(f"k and v must have the same number of tokens, got shapes k {pk.shape} and v {pv.shape}")
-    if causal and nq != nk:
-        raise ValueError(f"causal attention needs as many queries as keys, got shapes q {pq.shape} and k {pk.shape}")
-    planes = _cpu._check_planes(_host(planes), d, cdt)
-    beta = _cpu._check_beta(beta)
-    G = int(np.prod(lead, dtype=np.int64))
-    if key_mask is not None:
-        m = _proxy(key_mask) if _on_device(key_mask) else np.asarray(key_mask)
-        if m.dtype != np.bool_:
-            raise TypeError(f"key_mask must be a bool array, got dtype {m.dtype}")
-        if m.shape != lead + (nk,):
-            raise ValueError(f"key_mask must have shape {lead + (nk,)} (leading dims + (Nk,)), got {m.shape}")
     # --- to the device, kernel layout ---
     if key_mask is None:
         mask = dev.full((G, nk), np.bool_, True)
