@@ -64,7 +64,10 @@ def write_csv(path, rows):
 
 def pyplot():
     """matplotlib.pyplot on the Agg backend (no display needed)."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("racecpu validate draws its plots with matplotlib: pip install 'racecpu[validate]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     plt.rcParams.update({"figure.dpi": 90, "savefig.dpi": 90, "font.size": 9, "axes.grid": True,
