@@ -165,7 +165,10 @@ class MultiHeadAttention(Module):
         ``d_model`` must be divisible by ``n_heads``.
     attention : {"race", "softmax", "angular", "linear"}
         ``race``: :func:`racecpu.race_attention` (one set of hyperplanes shared
-        by the heads of a layer, beta trainable per layer as ``exp(log_beta)``);
+        by the heads of a layer, beta trainable per layer as ``exp(log_beta)``;
+        q and k are scaled by ``head_dim ** -0.5`` first, as in softmax
+        attention, so that the hyperplane projections start near N(0, 1) and
+        the tanh of the soft hash is not saturated);
         ``angular``: the exact kernel RACE estimates, gamma = ``num_planes``;
         ``linear``: elu+1 linear attention.
     causal : bool
@@ -213,7 +216,8 @@ class MultiHeadAttention(Module):
         mask = None if key_mask is None else np.broadcast_to(np.asarray(key_mask)[:, None, :], (B, H, N))
         if self.attention == "race":
             beta = self.log_beta.exp() if hasattr(self, "log_beta") else self.beta
-            o = F.race_attention(q, k, v, self.planes, beta, causal=self.causal, key_mask=mask)
+            s = self.head_dim ** -0.5  # keeps W q ~ N(0, 1): tanh unsaturated, so q and k get gradients
+            o = F.race_attention(q * s, k * s, v, self.planes, beta, causal=self.causal, key_mask=mask)
         elif self.attention == "softmax":
             o = F.softmax_attention(q, k, v, causal=self.causal, key_mask=mask)
         elif self.attention == "angular":
@@ -243,12 +247,15 @@ class TransformerBlock(Module):
 
 
 class _Backbone(Module):
-    def _build(self, vocab_size, d_model, n_heads, n_layers, max_len, causal, dropout, seed, dtype, attn_kwargs):
+    def _build(self, vocab_size, d_model, n_heads, n_layers, max_len, causal, dropout, seed, dtype, attn_kwargs,
+               token_shift=False):
         """Create embeddings, blocks, final norm; returns the rng for the head."""
         rng = _rng(seed)
-        self.max_len = max_len
+        self.max_len, self.vocab_size = max_len, vocab_size
         self.tok = Embedding(vocab_size, d_model, seed=rng, dtype=dtype)
         self.pos = Embedding(max_len, d_model, seed=rng, dtype=dtype)
+        # token shift: an embedding of the previous token (row vocab_size = "none"), a width-2 causal conv
+        self.prev = Embedding(vocab_size + 1, d_model, seed=rng, dtype=dtype) if token_shift else None
         self.blocks = [TransformerBlock(d_model, n_heads, causal=causal, dropout=dropout, seed=rng, dtype=dtype,
                                         **attn_kwargs) for _ in range(n_layers)]
         self.ln_f = LayerNorm(d_model, dtype=dtype)
@@ -261,6 +268,9 @@ class _Backbone(Module):
         if tokens.shape[1] > self.max_len:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_len={self.max_len}")
         x = self.tok(tokens) + self.pos(np.arange(tokens.shape[1]))
+        if self.prev is not None:
+            shifted = np.concatenate([np.full((len(tokens), 1), self.vocab_size), tokens[:, :-1]], axis=1)
+            x = x + self.prev(shifted)
         for block in self.blocks:
             x = block(x, key_mask)
         return self.ln_f(x)
@@ -272,14 +282,18 @@ class TransformerLM(_Backbone):
     Learned token and position embeddings (``max_len`` positions), ``n_layers``
     pre-LN blocks, final LayerNorm and a linear head.  ``attention``,
     ``num_planes``, ``num_tables``, ``beta``, ``train_beta`` go to every
-    :class:`MultiHeadAttention`.
+    :class:`MultiHeadAttention`.  ``token_shift=True`` adds an embedding of the
+    previous token to each position (a width-2 causal convolution on the
+    tokens, like the short convolutions of H3/Based or RWKV's token shift), so a
+    position knows its predecessor without spending an attention layer on it.
     """
 
     def __init__(self, vocab_size, d_model, n_heads, n_layers, *, attention="race", num_planes=3, num_tables=3,
-                 beta=DEFAULT_BETA, train_beta=True, max_len=1024, dropout=0.0, seed=0, dtype=np.float32):
+                 beta=DEFAULT_BETA, train_beta=True, max_len=1024, dropout=0.0, token_shift=False, seed=0,
+                 dtype=np.float32):
         rng = self._build(vocab_size, d_model, n_heads, n_layers, max_len, True, dropout, seed, dtype,
-                               dict(attention=attention, num_planes=num_planes, num_tables=num_tables,
-                                    beta=beta, train_beta=train_beta))
+                          dict(attention=attention, num_planes=num_planes, num_tables=num_tables,
+                               beta=beta, train_beta=train_beta), token_shift)
         self.head = Linear(d_model, vocab_size, seed=rng, dtype=dtype)
 
     def forward(self, tokens):
@@ -297,8 +311,8 @@ class TransformerClassifier(_Backbone):
                  num_tables=3, beta=DEFAULT_BETA, train_beta=True, max_len=1024, dropout=0.0, seed=0,
                  dtype=np.float32):
         rng = self._build(vocab_size, d_model, n_heads, n_layers, max_len, False, dropout, seed, dtype,
-                               dict(attention=attention, num_planes=num_planes, num_tables=num_tables,
-                                    beta=beta, train_beta=train_beta))
+                          dict(attention=attention, num_planes=num_planes, num_tables=num_tables,
+                               beta=beta, train_beta=train_beta))
         self.head = Linear(d_model, num_classes, seed=rng, dtype=dtype)
 
     def forward(self, tokens, key_mask=None):

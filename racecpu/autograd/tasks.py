@@ -10,10 +10,9 @@ from __future__ import annotations
 import ast
 import functools
 import glob
-import io
+import re
 import os
 import sysconfig
-import tokenize
 
 import numpy as np
 
@@ -90,7 +89,12 @@ def stdlib_files():
 
 
 def extract_text(source):
-    """Docstrings (module, class, function) and comments of a Python source, one block per paragraph."""
+    """Docstrings (module, class, function) and full-line ``#`` comments of a Python source.
+
+    Comments are found by a line regex (tokenize is ~10x slower), so a line of
+    a string literal that starts with ``#`` would count as a comment; inline
+    comments after code are left out.
+    """
     parts = []
     try:
         tree = ast.parse(source)
@@ -102,18 +106,14 @@ def extract_text(source):
                 doc = ast.get_docstring(node, clean=True)
                 if doc:
                     parts.append(doc)
-    comments = []
-    try:
-        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-            if tok.type == tokenize.COMMENT:
-                text = tok.string.lstrip("#").strip()
-                if text and not text.startswith("!"):
-                    comments.append(text)
-    except (tokenize.TokenError, SyntaxError, IndentationError):
-        pass
+    comments = [c.strip() for c in _COMMENT.findall(source)]
+    comments = [c for c in comments if c and not c.startswith("!")]
     if comments:
         parts.append("\n".join(comments))
     return "\n\n".join(parts)
+
+
+_COMMENT = re.compile(r"^[ \t]*#+(.*)$", re.M)
 
 
 @functools.lru_cache(maxsize=2)

@@ -30,9 +30,10 @@ from .tensor import no_grad
 #: Per-task defaults (chosen so one run takes a few minutes on a 2-core machine).
 TASK_DEFAULTS = {
     "mqar": dict(steps=1500, batch_size=32, seq_len=64, d_model=64, n_heads=2, n_layers=2, lr=3e-3,
-                 warmup=0.05, vocab_size=32, num_pairs=8, eval_every=100, eval_size=256),
+                 warmup=0.05, vocab_size=32, num_pairs=8, eval_every=100, eval_size=256, token_shift=True),
     "chars": dict(steps=1500, batch_size=16, seq_len=128, d_model=64, n_heads=2, n_layers=2, lr=3e-3,
-                  warmup=0.05, vocab_size=len(CHARS), num_pairs=None, eval_every=100, eval_size=64),
+                  warmup=0.05, vocab_size=len(CHARS), num_pairs=None, eval_every=100, eval_size=64,
+                  token_shift=False),
 }
 
 DEFAULT_OUT = os.path.join("benchmarks", "results", "train")
@@ -51,6 +52,8 @@ def add_arguments(p):
                       ("n-layers", int), ("lr", float), ("warmup", float), ("vocab-size", int), ("num-pairs", int),
                       ("eval-every", int), ("eval-size", int)):
         g.add_argument(f"--{name}", type=typ, default=None)
+    g.add_argument("--token-shift", choices=("on", "off"), default=None,
+                   help="add an embedding of the previous token (default: on for mqar, off for chars)")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
     g.add_argument("--dtype", choices=("float32", "float64"), default="float32")
@@ -62,7 +65,7 @@ def add_arguments(p):
     r.add_argument("--fixed-beta", action="store_true", help="do not train beta")
     o = p.add_argument_group("output")
     o.add_argument("--out", default=DEFAULT_OUT, help="folder for --compare / --timing outputs")
-    o.add_argument("--timing-lengths", default="256,512,1024,2048,4096")
+    o.add_argument("--timing-lengths", default="256,512,1024,2048", help="comma-separated sequence lengths")
     o.add_argument("--json", action="store_true", help="print the metrics as JSON on the last line")
     o.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -79,6 +82,8 @@ def config_from_args(args, attention=None):
                num_tables=args.num_tables, beta=args.beta, train_beta=not args.fixed_beta)
     if cfg["task"] == "chars":
         cfg["vocab_size"] = len(CHARS)
+    if args.token_shift is not None:
+        cfg["token_shift"] = args.token_shift == "on"
     return cfg
 
 
@@ -86,6 +91,7 @@ def build_model(cfg):
     return TransformerLM(cfg["vocab_size"], cfg["d_model"], cfg["n_heads"], cfg["n_layers"],
                          attention=cfg["attention"], num_planes=cfg["num_planes"], num_tables=cfg["num_tables"],
                          beta=cfg["beta"], train_beta=cfg["train_beta"], max_len=cfg["seq_len"],
+                         token_shift=cfg["token_shift"],
                          seed=cfg["seed"], dtype=np.dtype(cfg["dtype"]))
 
 
@@ -272,7 +278,7 @@ def timing(args, repeats=5):
         row = {"seq_len": n}
         for att in ("race", "softmax", "linear"):
             cfg = config_from_args(args, att)
-            cfg.update(seq_len=n, batch_size=1, task="chars", vocab_size=len(CHARS))
+            cfg.update(seq_len=n, batch_size=1, task="chars", vocab_size=len(CHARS), token_shift=False)
             model = build_model(cfg)
             opt = AdamW(model.parameters(), lr=1e-4)
             rng = np.random.default_rng(0)

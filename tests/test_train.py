@@ -1,0 +1,102 @@
+"""racecpu.autograd.tasks and the ``racecpu train`` command (tiny sizes)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from racecpu.autograd import nn, tasks
+from racecpu.autograd import train as T
+from racecpu.cli import main
+
+
+def test_mqar_batch_structure():
+    V, n, N = 20, 3, 16
+    toks, tgt = tasks.mqar_batch(np.random.default_rng(0), 8, N, V, n)
+    assert toks.shape == tgt.shape == (8, N)
+    nk = (V - 1) // 2
+    for row, trow in zip(toks, tgt):
+        keys, vals = row[0:2 * n:2], row[1:2 * n:2]
+        assert len(set(keys)) == n and keys.min() >= 1 and keys.max() <= nk
+        assert vals.min() > nk and vals.max() < V
+        q = np.flatnonzero(trow != tasks.IGNORE)
+        assert len(q) == n and (q >= 2 * n).all()
+        pairs = dict(zip(keys, vals))
+        for p in q:  # the target of a query key is the value paired with it, and follows it
+            assert trow[p] == pairs[row[p]] == row[p + 1]
+        rest = np.setdiff1d(np.arange(2 * n, N), np.concatenate([q, q + 1]))
+        assert (row[rest] == 0).all()
+    again, _ = tasks.mqar_batch(np.random.default_rng(0), 8, N, V, n)
+    np.testing.assert_array_equal(toks, again)
+    with pytest.raises(ValueError, match="num_pairs"):
+        tasks.mqar_batch(np.random.default_rng(0), 1, 64, 8, 4)
+    with pytest.raises(ValueError, match="seq_len"):
+        tasks.mqar_batch(np.random.default_rng(0), 1, 10, 20, 3)
+
+
+def test_char_corpus_deterministic_split():
+    train, val = tasks.char_corpus()
+    assert len(train) > 10 * 2 ** 10 and len(val) > 2 ** 10
+    assert train.max() < len(tasks.CHARS) and train.min() >= 0
+    files = tasks.stdlib_files()
+    assert files == sorted(files) and any(f.endswith("os.py") for f in files)
+    assert tasks.decode(tasks.encode("Return the\tvalue.\n")) == "Return the\x7fvalue.\n"
+    text = tasks.extract_text('"""Module doc."""\n# a comment\ndef f():\n    """Func doc."""\n    x = "not a doc"\n')
+    assert "Module doc." in text and "Func doc." in text and "a comment" in text and "not a doc" not in text
+    x, y = tasks.char_eval_windows(val, 4, 32)
+    np.testing.assert_array_equal(x[:, 1:], y[:, :-1])
+    x2, _ = tasks.char_eval_windows(val, 4, 32)
+    np.testing.assert_array_equal(x, x2)
+
+
+def test_token_shift_keeps_causality():
+    model = nn.TransformerLM(9, 8, 2, 1, attention="race", token_shift=True, max_len=12)
+    toks = np.random.default_rng(0).integers(0, 9, (2, 12))
+    out = model(toks).data
+    toks2 = toks.copy()
+    toks2[:, 7] = (toks2[:, 7] + 1) % 9
+    out2 = model(toks2).data
+    np.testing.assert_allclose(out2[:, :7], out[:, :7], rtol=1e-5, atol=1e-6)
+    assert not np.allclose(out2[:, 8], out[:, 8])  # position 8 sees token 7 through the shift
+
+
+def _args(*extra):
+    import argparse
+    p = argparse.ArgumentParser()
+    T.add_arguments(p)
+    return p.parse_args(list(extra))
+
+
+@pytest.mark.parametrize("task,attention", [("mqar", "race"), ("chars", "linear")])
+def test_training_loss_decreases(task, attention):
+    cfg = T.config_from_args(_args("--task", task, "--attention", attention, "--steps", "40", "--batch-size", "8",
+                                   "--seq-len", "16", "--d-model", "16", "--n-layers", "1", "--num-pairs", "2",
+                                   "--eval-every", "20", "--eval-size", "8", "--lr", "1e-2"))
+    res = T.train(cfg, progress=False)
+    loss = np.asarray(res["history"]["loss"])
+    assert loss[-10:].mean() < 0.8 * loss[:5].mean()
+    assert len(res["history"]["eval"]) == 2 and res["time_per_step_ms"] > 0
+    metric = "val_accuracy" if task == "mqar" else "val_bpc"
+    assert np.isfinite(res[metric])
+    if attention == "race":
+        assert len(res["beta"]) == 1 and res["beta"][0] > 0
+
+
+def test_cli_json(capsys):
+    rc = main(["train", "--task", "mqar", "--attention", "softmax", "--steps", "3", "--batch-size", "2",
+               "--seq-len", "16", "--d-model", "8", "--n-layers", "1", "--num-pairs", "2", "--eval-size", "4",
+               "--quiet", "--json"])
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["attention"] == "softmax" and res["steps"] == 3 and 0 <= res["val_accuracy"] <= 1
+
+
+def test_cli_compare_writes_outputs(tmp_path, capsys):
+    rc = main(["train", "--compare", "--task", "mqar", "--steps", "2", "--batch-size", "2", "--seq-len", "16",
+               "--d-model", "8", "--n-layers", "1", "--num-pairs", "2", "--eval-size", "4", "--quiet",
+               "--out", str(tmp_path)])
+    assert rc == 0
+    for ext in ("csv", "md", "png", "json"):
+        assert (tmp_path / f"mqar_compare.{ext}").stat().st_size > 0
+    md = (tmp_path / "mqar_compare.md").read_text()
+    assert all(f"| {a} |" in md for a in nn.ATTENTIONS)
