@@ -314,14 +314,21 @@ def readout_row_bwd(phiq, A, S, g, den, L, dphi, wq):
     dphiq = y / (L den) + A dden / L  (written to ``dphi``, float64), and the
     weights ``wq = phiq / (L den)`` with which g enters dB (dB += wq g^T).
     """
-    F = S.shape[0]
+    if den > DEN_FLOOR:
+        dot_rows(S, g, dphi)  # y, stashed in dphi
+    return dphi_from_y(phiq, A, den, L, dphi, wq)
+
+
+@njit(**_JIT)
+def dphi_from_y(phiq, A, den, L, dphi, wq):
+    """The rest of :func:`readout_row_bwd` once ``dphi`` holds y = S g."""
+    F = phiq.shape[0]
     if den <= DEN_FLOOR:
         for f in range(F):
             dphi[f] = 0.0
             wq[f] = 0.0
         return 0.0
     inv = 1.0 / (L * den)
-    dot_rows(S, g, dphi)  # y, stashed in dphi
     phiy = 0.0
     for f in range(F):
         phiy += phiq[f] * dphi[f]
@@ -472,12 +479,28 @@ def queries_bwd(grad, phiq, tq, den, A, B, W, beta, chunk, dq, partdA, partdB, d
 # causal scan: forward (rescan from carries) and backward (two rescans)
 # ---------------------------------------------------------------------------
 
+#: Tokens per step of the causal scans: queries read the state from before
+#: the step plus exact in-step terms, and the state takes one blocked update
+#: per step instead of a load/store-bound rank-1 update per token.
+SCAN_BLOCK = 8
+
+
+@njit(**_JIT)
+def _dot(x, y):
+    s = 0.0
+    for c in range(x.shape[0]):
+        s += x[c] * y[c]
+    return s
+
+
 @njit(**_PJIT)
 def causal_fwd(q, v, phik, carryA, carryB, W, beta, chunk, phiq, tq, den, out):
-    """Rescan every chunk from its carried-in state, reading each query after its key.
+    """Rescan every chunk from its carried-in state; query i sees keys j <= i.
 
     ``carryA (G, nc, F)``, ``carryB (G, nc, F, dv)`` (float64) hold the state
-    (A, B) summed over all keys before the chunk.
+    (A, B) summed over all keys before the chunk.  Within a step of
+    SCAN_BLOCK tokens, out_i = phiq_i (B_before + sum_{j<=i} phik_j v_j^T) / ...
+    is computed as phiq_i B_before + sum_{j<=i} (phiq_i . phik_j) v_j.
     """
     G, n, _ = q.shape
     L = W.shape[0]
@@ -494,9 +517,32 @@ def causal_fwd(q, v, phik, carryA, carryB, W, beta, chunk, phiq, tq, den, out):
         for f in range(F):
             for cc in range(dv):
                 S[f, cc] = carryB[g, c, f, cc]
-        for i in range(lo, hi):
-            sketch_add(phik[g], v[g], i, i + 1, A, S)
-            den[g, i] = readout_row(phiq[g, i], A, S, L, out[g, i])
+        kq = np.empty(SCAN_BLOCK, np.float64)
+        for i0 in range(lo, hi, SCAN_BLOCK):
+            i1 = min(i0 + SCAN_BLOCK, hi)
+            for i in range(i0, i1):
+                pq = phiq[g, i]
+                for f in range(F):
+                    A[f] += phik[g, i, f]
+                for j in range(i0, i + 1):
+                    kq[j - i0] = _dot(pq, phik[g, j])
+                dn = _dot(pq, A) / L
+                den[g, i] = dn
+                o = out[g, i]
+                if dn <= DEN_FLOOR:
+                    for cc in range(dv):
+                        o[cc] = 0.0
+                    continue
+                combine_rows(pq, S, o)
+                for j in range(i0, i + 1):
+                    w = kq[j - i0]
+                    vj = v[g, j]
+                    for cc in range(dv):
+                        o[cc] += w * vj[cc]
+                inv = 1.0 / (L * dn)
+                for cc in range(dv):
+                    o[cc] *= inv
+            outer_add(phik[g, i0:i1], v[g, i0:i1], S)
 
 
 @njit(**_PJIT)
@@ -504,6 +550,7 @@ def causal_queries_bwd(grad, v, phik, phiq, tq, den, carryA, carryB, W, beta, ch
                        dq, dden_out, partdA, partdB, dbeta_part):
     """Backward pass 1: rebuild prefix states by rescanning; cotangents of queries.
 
+    y_i = B_i g_i = B_before g_i + sum_{j<=i in step} phik_j (v_j . g_i).
     Also stores dden per query and the chunk totals of (dA, dB) for the
     reverse scan.
     """
@@ -525,17 +572,28 @@ def causal_queries_bwd(grad, v, phik, phiq, tq, den, carryA, carryB, W, beta, ch
         dA = np.zeros(F, np.float64)
         dB = np.zeros((F, dv), grad.dtype)
         acc = 0.0
-        for i in range(lo, hi):
-            sketch_add(phik[g], v[g], i, i + 1, A, S)
-            gi = grad[g, i]
-            dden = readout_row_bwd(phiq[g, i], A, S, gi, den[g, i], L, dphi, wq)
-            dden_out[g, i] = dden
-            for f in range(F):
-                dA[f] += phiq[g, i, f] * dden / L
-                wblock[i - lo, f] = wq[f]
-            acc += hash_row_bwd(dphi, phiq[g, i], tq[g, i], W, beta, du, dq[g, i])
+        for i0 in range(lo, hi, SCAN_BLOCK):
+            i1 = min(i0 + SCAN_BLOCK, hi)
+            for i in range(i0, i1):
+                for f in range(F):
+                    A[f] += phik[g, i, f]
+                gi = grad[g, i]
+                dn = den[g, i]
+                if dn > DEN_FLOOR:
+                    dot_rows(S, gi, dphi)
+                    for j in range(i0, i + 1):
+                        vg = _dot(v[g, j], gi)
+                        for f in range(F):
+                            dphi[f] += phik[g, j, f] * vg
+                dden = dphi_from_y(phiq[g, i], A, dn, L, dphi, wq)
+                dden_out[g, i] = dden
+                for f in range(F):
+                    dA[f] += phiq[g, i, f] * dden / L
+                    wblock[i - lo, f] = wq[f]
+                acc += hash_row_bwd(dphi, phiq[g, i], tq[g, i], W, beta, du, dq[g, i])
+            outer_add(phik[g, i0:i1], v[g, i0:i1], S)
         # the chunk's dB total does not depend on order: one blocked sweep
-        outer_add(wblock[: hi - lo], grad[g, lo:hi], dB)
+        outer_add(wblock, grad[g, lo:hi], dB)
         partdA[g, c] = dA
         for f in range(F):
             for cc in range(dv):
@@ -546,7 +604,12 @@ def causal_queries_bwd(grad, v, phik, phiq, tq, den, carryA, carryB, W, beta, ch
 @njit(**_PJIT)
 def causal_keys_bwd(grad, v, phik, tk, phiq, den, dden, carrydA, carrydB, W, beta, chunk,
                     dk, dv_out, dbeta_part):
-    """Backward pass 2: suffix sums (dA, dB) over queries i >= j by a reverse rescan."""
+    """Backward pass 2: suffix sums over queries i >= j by a reverse rescan.
+
+    dB_j = dB_after + sum_{i>=j in step} wq_i g_i^T, applied as
+    dphik_j = dB_after v_j + dA_j + sum_i wq_i (g_i . v_j) and
+    dv_j = dB_after^T phik_j + sum_i (wq_i . phik_j) g_i.
+    """
     G, n, dv = grad.shape
     L = W.shape[0]
     nc = carrydA.shape[1]
@@ -560,18 +623,38 @@ def causal_keys_bwd(grad, v, phik, tk, phiq, den, dden, carrydA, carrydB, W, bet
                 dB[f, cc] = carrydB[g, c, f, cc]
         dphi = np.empty(F, np.float64)
         du = np.empty(W.shape[0] * W.shape[1], W.dtype)
+        wb = np.zeros((SCAN_BLOCK, F), grad.dtype)
+        ddv = np.zeros(SCAN_BLOCK, np.float64)
         acc = 0.0
-        for j in range(hi - 1, lo - 1, -1):
-            dn = den[g, j]
-            if dn > DEN_FLOOR:
-                gj = grad[g, j]
-                inv = 1.0 / (L * dn)
+        nb = (hi - lo + SCAN_BLOCK - 1) // SCAN_BLOCK
+        for bi in range(nb - 1, -1, -1):
+            i0 = lo + bi * SCAN_BLOCK
+            i1 = min(i0 + SCAN_BLOCK, hi)
+            for i in range(i0, i1):
+                dn = den[g, i]
+                inv = 1.0 / (L * dn) if dn > DEN_FLOOR else 0.0
+                ddv[i - i0] = dden[g, i] / L if dn > DEN_FLOOR else 0.0
                 for f in range(F):
-                    pq = phiq[g, j, f]
-                    dA[f] += pq * dden[g, j] / L
-                    w = pq * inv
+                    wb[i - i0, f] = phiq[g, i, f] * inv
+            for j in range(i1 - 1, i0 - 1, -1):
+                for f in range(F):
+                    dA[f] += phiq[g, j, f] * ddv[j - i0]
+                vj = v[g, j]
+                pk = phik[g, j]
+                dot_rows(dB, vj, dphi)
+                for f in range(F):
+                    dphi[f] += dA[f]
+                dvj = dv_out[g, j]
+                combine_rows(pk, dB, dvj)
+                for i in range(j, i1):
+                    gi = grad[g, i]
+                    gv = _dot(gi, vj)
+                    wk = 0.0
+                    for f in range(F):
+                        dphi[f] += wb[i - i0, f] * gv
+                        wk += wb[i - i0, f] * pk[f]
                     for cc in range(dv):
-                        dB[f, cc] += w * gj[cc]
-            acc += key_row_bwd(phik[g, j], tk[g, j], v[g, j], dB, dA, W, beta,
-                               dphi, du, dk[g, j], dv_out[g, j])
+                        dvj[cc] += wk * gi[cc]
+                acc += hash_row_bwd(dphi, pk, tk[g, j], W, beta, du, dk[g, j])
+            outer_add(wb[: i1 - i0], grad[g, i0:i1], dB)
         dbeta_part[g, c] = acc
