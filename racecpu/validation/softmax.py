@@ -146,7 +146,7 @@ def _plots(out_dir, names, gammas, rows, best_rows):
     for a, name in zip(ax[0], names):
         for b in [b for b in best_rows if b["dataset"] == name]:
             r = [x for x in rows if x["dataset"] == name and x["d"] == b["d"]]
-            line, = a.semilogx(gammas, [x["rel_frobenius_error"] for x in r], lw=1, label=f"d={b['d']}")
+            line, = a.loglog(gammas, [x["rel_frobenius_error"] for x in r], lw=1, label=f"d={b['d']}")
             a.plot([b["best_gamma"]], [b["error_at_best"]], "o", ms=4, color=line.get_color())
         a.axvline(PAPER_GAMMA, color="k", ls=":", lw=1)
         a.set(xlabel="gamma", ylabel="||A_ang - A_soft||_F / ||A_soft||_F", title=name)

@@ -34,7 +34,7 @@ from racecpu.reference import angular_attention
 from .common import Claim, Result, fmt, progress, pyplot, savefig
 from .data import make_qkv, unit_rows
 from .stats import bootstrap_fit, rms_over_seeds
-from .theory import angular_kernel, expected_kernel
+from .theory import expected_kernel
 
 PRESETS = {
     "quick": dict(datasets=("clustered",), d=32, dv=16, P=3,
