@@ -6,7 +6,9 @@ What it measures
    (``numpy.copyto`` of a 256 MiB float32 array, read + write bytes over time, best
    of 1 thread and ``--threads`` Python threads on halves) and the SGEMM rate
    (``numpy`` float32 ``2048 x 2048`` matmul with ``--threads`` BLAS threads).
-   Both are the best of several repeats: a roof, not a typical value.
+   Both are the best of several repeats, measured at the start and again at the
+   end of the run (the roof uses the best; a drift over 20 % is flagged as a
+   noisy machine): a roof, not a typical value.
 2. **Scaling** over ``N = 2**min_log2n .. 2**max_log2n``: forward and
    forward+backward, causal and not, of ``racecpu.race_attention_fwd`` /
    ``race_attention_bwd`` against, in the same run and back to back (the order of
@@ -444,8 +446,12 @@ def _measure(spec):
         times.append(time.perf_counter() - t)
         if sum(times) > spec["budget_s"]:
             break
+    layer = None
+    if spec["impl"] == "race":
+        import numba
+        layer = numba.threading_layer()
     return dict(times=times, peak_rss=_peak_rss(), base_rss=base, peak_reset=reset, warm_s=warm_s,
-                device_peak=_device_peak(spec["impl"]))
+                device_peak=_device_peak(spec["impl"]), threading_layer=layer)
 
 
 def _machine(spec):
@@ -655,6 +661,13 @@ def _mem_available():
     return None
 
 
+def _loadavg():
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")
+
+
 def _default_out():
     root = Path(__file__).resolve().parents[1]
     if (root / "benchmarks").is_dir():
@@ -753,6 +766,8 @@ class _Suite:
         self.notes = []
         self.rows = []
         self.machine = {}
+        self.machine_runs = {}
+        self.layer = None
         self.argv = " ".join([Path(sys.argv[0]).name] + sys.argv[1:]) if sys.argv else "?"
         self.ns = [2 ** e for e in range(st["min_log2n"], st["max_log2n"] + 1)]
         self.F = st["tables"] * 2 ** st["planes"]
@@ -800,37 +815,56 @@ class _Suite:
         n_scaling = len(self.ns) * len(CONFIGS) * len(self.impls) * st["rounds"]
         n_threads = 2 * len({1, st["threads"]}) * st["rounds"] if "threads" in self.sections else 0
         n_compile = (1 if st["no_cold"] else 2) if "compile" in self.sections else 0
-        total = 1 + n_scaling + n_threads + n_compile
+        total = 2 + n_scaling + n_threads + n_compile
         t0 = time.perf_counter()
         self.started = datetime.now(timezone.utc)
+        self.load = [_loadavg()]
         cap_txt = f"{st['mem_cap'] / _GIB:.1f} GiB"
         print(f"racecpu bench: {', '.join(self.impls)}; N = 2^{st['min_log2n']}..2^{st['max_log2n']}, "
               f"B={st['batch']} H={st['heads']} d={st['d']} dv={st['dv']} P={st['planes']} L={st['tables']} "
               f"{st['dtype']}, {st['threads']} threads, {st['repeats']} repeats; caps {cap_txt}, "
               f"{st['max_call_s']:.0f} s/call", flush=True)
+        if self.load[0] > 0.5:
+            print(f"warning: load average {self.load[0]:.1f} before starting: other work is running, "
+                  "absolute timings will be noisy", flush=True)
         with tqdm(total=total, desc="bench", unit="run", file=sys.stderr, dynamic_ncols=True) as self.bar:
-            self._machine_section()
+            self._machine_section("start")
             self._scaling_section()
             if "threads" in self.sections:
                 self._threads_section()
             if "compile" in self.sections:
                 self._compile_section()
+            self._machine_section("end")
+        self.load.append(_loadavg())
         self.elapsed = time.perf_counter() - t0
         return self._write()
 
-    def _machine_section(self):
+    def _machine_section(self, when):
+        """Copy bandwidth and SGEMM, at the start and at the end; the roof is the best of both."""
         st = self.st
-        self.bar.set_description("machine limits")
+        self.bar.set_description(f"machine limits ({when})")
         res, _ = _spawn(_CHILD, dict(kind="machine", threads=st["threads"], repeats=5, device=st["device"]),
                         _env(st["threads"]), timeout=600)
         self.bar.update()
         if not res.get("ok"):
-            raise RuntimeError(f"machine-limits measurement failed: {res.get('error')}")
-        bw = max(res["copy_1t"], res["copy_nt"])
-        self.machine = dict(bandwidth=bw, sgemm=res["sgemm"], copy_1t=res["copy_1t"], copy_nt=res["copy_nt"])
-        self._row("machine", impl="copy-1thread", value=f"{res['copy_1t'] / 1e9:.2f}", unit="GB/s")
-        self._row("machine", impl=f"copy-{st['threads']}threads", value=f"{res['copy_nt'] / 1e9:.2f}", unit="GB/s")
-        self._row("machine", impl="sgemm", value=f"{res['sgemm'] / 1e9:.1f}", unit="GFLOP/s")
+            if when == "start":
+                raise RuntimeError(f"machine-limits measurement failed: {res.get('error')}")
+            self._note(f"machine limits at the end: failed ({res.get('error')})")
+            return
+        for key in ("copy_1t", "copy_nt", "sgemm"):
+            self.machine_runs.setdefault(key, []).append(res[key])
+        m = {k: max(v) for k, v in self.machine_runs.items()}
+        self.machine = dict(m, bandwidth=max(m["copy_1t"], m["copy_nt"]))
+        self._row("machine", impl=f"copy-1thread@{when}", value=f"{res['copy_1t'] / 1e9:.2f}", unit="GB/s")
+        self._row("machine", impl=f"copy-{st['threads']}threads@{when}", value=f"{res['copy_nt'] / 1e9:.2f}",
+                  unit="GB/s")
+        self._row("machine", impl=f"sgemm@{when}", value=f"{res['sgemm'] / 1e9:.1f}", unit="GFLOP/s")
+        if when == "end":
+            for key, what in (("copy_1t", "copy bandwidth"), ("sgemm", "SGEMM rate")):
+                a, b = self.machine_runs[key][0], self.machine_runs[key][-1]
+                if abs(a - b) > 0.2 * max(a, b):
+                    self._note(f"{what} moved from {a / 1e9:.1f} to {b / 1e9:.1f} G/s during the run: "
+                               "the machine was not quiet; trust ratios more than absolute numbers")
 
     def _roof(self, mode):
         b, f = roofline_counts(mode, self.st["d"], self.st["dv"], self.st["planes"], self.st["tables"],
@@ -889,6 +923,7 @@ class _Suite:
                         acc["peak_rss"] = max(acc["peak_rss"], res["peak_rss"] or 0)
                         acc["base_rss"] = res["base_rss"] if acc["base_rss"] is None else acc["base_rss"]
                         acc["device_peak"] = res.get("device_peak")
+                        self.layer = self.layer or res.get("threading_layer")
                         if not res.get("peak_reset"):
                             acc["peak_note"] = "peak includes warm-up (no clear_refs)"
             for (impl, mode, causal), acc in results.items():
@@ -910,8 +945,7 @@ class _Suite:
                         io_bytes=io, mem_ratio=f"{acc['peak_rss'] / io:.3f}", note=acc.get("peak_note", ""),
                         device_peak_bytes=acc.get("device_peak") or "")
         if not impl.startswith("sdpa"):  # the RACE roofline applies to every statement of RACE
-            roof, bound = self._roof(mode)
-            row.update(roof_ns=f"{roof:.2f}", bound=bound, roof_frac=f"{roof / (med / tokheads * 1e9):.3f}")
+            row["roof_frac"] = "pending"  # filled in by _write, once both machine measurements are in
 
     def _threads_section(self):
         st = self.st
@@ -982,6 +1016,11 @@ class _Suite:
 
     # -- outputs ---------------------------------------------------------
     def _write(self):
+        for row in self.rows:
+            if row["roof_frac"] == "pending":
+                roof, bound = self._roof(row["mode"])
+                row.update(roof_ns=f"{roof:.2f}", bound=bound,
+                           roof_frac=f"{roof / float(row['ns_per_token_head']):.3f}")
         csv_path = self.out_dir / f"{self.tag}.csv"
         with open(csv_path, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(self.rows[0]))
@@ -1014,8 +1053,10 @@ class _Suite:
             f"L={st['tables']} beta={st['beta']} {st['dtype']}, {st['threads']} threads, median of "
             f"<= {st['repeats']} calls x {st['rounds']} round(s); caps: {st['mem_cap'] / _GIB:.1f} GiB peak, "
             f"{st['max_call_s']:.0f} s per call",
-            f"machine: copy {m['copy_1t'] / 1e9:.1f} GB/s (1 thread), {m['copy_nt'] / 1e9:.1f} GB/s "
-            f"({st['threads']} threads); SGEMM {m['sgemm'] / 1e9:.1f} GFLOP/s",
+            f"machine (best of start and end): copy {m['copy_1t'] / 1e9:.1f} GB/s (1 thread), "
+            f"{m['copy_nt'] / 1e9:.1f} GB/s ({st['threads']} threads); SGEMM {m['sgemm'] / 1e9:.1f} GFLOP/s; "
+            f"load average {self.load[0]:.1f} before, {self.load[-1]:.1f} after",
+            f"numba threading layer {self.layer or '?'}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}",
         ]
         for mode in ("fwd", "fwdbwd"):
             b, f = roofline_counts(mode, st["d"], st["dv"], st["planes"], st["tables"], self.itemsize)
