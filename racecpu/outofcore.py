@@ -190,8 +190,8 @@ def _check_out(name, x, shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
 
 
-def _identity(x, written=False):
-    """What a checkpoint must match for a resume to be valid."""
+def _identity(x, written=False, digest=True):
+    """What a checkpoint must match for a resume to be valid (``digest``: hash in-RAM inputs)."""
     if isinstance(x, SeededArray):
         return ["seeded", list(x.shape), x.dtype.name, x.seed, x.scale, x.tile, x.pool]
     if isinstance(x, np.memmap) and isinstance(x.filename, str):
@@ -201,8 +201,8 @@ def _identity(x, written=False):
             st = os.stat(x.filename)
             ident += [st.st_size, st.st_mtime_ns]
         return ident
-    digest = hashlib.sha256(np.ascontiguousarray(x)).hexdigest() if not written else id(x)
-    return ["array", list(x.shape), x.dtype.name, digest]
+    tag = hashlib.sha256(np.ascontiguousarray(x)).hexdigest() if digest and not written else id(x)
+    return ["array", list(x.shape), x.dtype.name, tag]
 
 
 # ---------------------------------------------------------------------------
@@ -432,7 +432,9 @@ def race_attention_fwd_ooc(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, 
     G = int(np.prod(lead, dtype=np.int64))
     L, P, _ = planes.shape
     F = L * 2 ** P
-    key = dict(q=_identity(q), k=_identity(k), v=_identity(v), out=_identity(out, written=True),
+    ck = checkpoint is not None
+    key = dict(q=_identity(q, digest=ck), k=_identity(k, digest=ck), v=_identity(v, digest=ck),
+               out=_identity(out, written=True),
                planes=hashlib.sha256(planes.tobytes()).hexdigest(), beta=beta, causal=bool(causal),
                block=block, cdt=np.dtype(cdt).name)
     bufs = _Buffers()
@@ -531,7 +533,8 @@ def race_attention_bwd_ooc(res, grad_out, *, dq, dk, dv, checkpoint=None, commit
     L, P, _ = r.planes.shape
     F = L * 2 ** P
     planes, beta, cf = r.planes, r.beta, r.check_finite
-    key = dict(fwd=r.key, g=_identity(grad_out), dq=_identity(dq, True), dk=_identity(dk, True),
+    key = dict(fwd=r.key, g=_identity(grad_out, digest=checkpoint is not None), dq=_identity(dq, True),
+               dk=_identity(dk, True),
                dv=_identity(dv, True))
     bufs = _Buffers()
     ckdir = None if checkpoint is None else os.fspath(checkpoint)
