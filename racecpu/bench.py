@@ -24,8 +24,9 @@ What it measures
    result, and to all results).
 
 Every measurement runs in a fresh subprocess (``python -c``): it warms up on a tiny
-input (compile / cache load / thread pools), resets the kernel's RSS high-water
-mark (``/proc/self/clear_refs``), makes its inputs, times ``--repeats`` calls
+input (compile / cache load / thread pools), resets its RSS high-water
+mark (``/proc/self/clear_refs``), makes its inputs, makes one untimed call at full
+size (unless a call is predicted to take over 10 s), times ``--repeats`` calls
 (fewer when they exceed ``--budget-seconds``; at least one) and reports the median
 and ``VmHWM``.  Memory ratio = peak RSS / bytes of (q, k, v, out, grad_out, dq,
 dk, dv) for forward+backward and of (q, k, v, out) for the forward; the peak
@@ -121,6 +122,8 @@ IMPLS = {"cpu": ("race", "numpy-vec", "torch-vec", "sdpa"), "cuda": ("race-cuda"
 TORCH_IMPLS = {"torch-vec", "sdpa", "sdpa-cuda"}
 CONFIGS = (("fwd", False), ("fwd", True), ("fwdbwd", False), ("fwdbwd", True))
 _MARK = "@@racecpu-bench@@"
+#: Calls predicted to take at most this long get one untimed call at full size first.
+_FULL_WARMUP_S = 10.0
 _GIB = 2 ** 30
 
 
@@ -437,6 +440,10 @@ def _measure(spec):
     reset = _reset_peak()
     base = _proc_status("VmRSS")
     call, sync = _setup(spec, n)
+    if spec.get("full_warmup"):  # first call at a new size pays one-time costs (BLAS buffers, page cache)
+        call()
+        if sync:
+            sync()
     times = []
     while len(times) < spec["repeats"]:
         t = time.perf_counter()
@@ -907,8 +914,9 @@ class _Suite:
                             self._note(f"{label}: {why} (and larger N)")
                             self.bar.update()
                             continue
-                        res, wall = _spawn(_CHILD, self._spec(impl=impl, mode=mode, causal=causal, n=n),
-                                           _env(st["threads"]), self._timeout(pred_t))
+                        spec = self._spec(impl=impl, mode=mode, causal=causal, n=n,
+                                          full_warmup=pred_t is None or pred_t <= _FULL_WARMUP_S)
+                        res, wall = _spawn(_CHILD, spec, _env(st["threads"]), self._timeout(pred_t))
                         self.bar.update()
                         if not res.get("ok"):
                             why = f"failed: {res.get('error')}"
@@ -949,7 +957,9 @@ class _Suite:
 
     def _threads_section(self):
         st = self.st
-        n = self.ns[-1]
+        fits = [n for n in self.ns if predict_peak("race", "fwdbwd", False, (1, 1, n, st["d"], st["dv"]), self.F,
+                                                   self.LP, self.itemsize) <= st["mem_cap"]]
+        n = fits[-1] if fits else self.ns[0]
         shape = (1, 1, n, st["d"], st["dv"])
         counts = sorted({1, st["threads"]})
         got = {}
@@ -957,7 +967,8 @@ class _Suite:
             for causal in (False, True):
                 for th in (counts if (rnd + causal) % 2 == 0 else counts[::-1]):
                     self.bar.set_description(f"threads={th} fwdbwd{' causal' if causal else ''} N=2^{n.bit_length() - 1}")
-                    spec = self._spec(impl="race", mode="fwdbwd", causal=causal, n=n, batch=1, heads=1, threads=th)
+                    spec = self._spec(impl="race", mode="fwdbwd", causal=causal, n=n, batch=1, heads=1, threads=th,
+                                      full_warmup=True)
                     res, _ = _spawn(_CHILD, spec, _env(th), self._timeout(None))
                     self.bar.update()
                     acc = got.setdefault((causal, th), dict(times=[], peak=0, err=None))
