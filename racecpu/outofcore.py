@@ -438,10 +438,9 @@ def race_attention_fwd_ooc(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, 
                planes=hashlib.sha256(planes.tobytes()).hexdigest(), beta=beta, causal=bool(causal),
                block=block, cdt=np.dtype(cdt).name)
     bufs = _Buffers()
-    sub = (lambda n: None) if checkpoint is None else (lambda n: os.fspath(checkpoint))
+    ckdir = None if checkpoint is None else os.fspath(checkpoint)
     shapes = [(G, F), (G, F, dv)]
-    mask = bufs("mask", (G, block), np.bool_)
-    mask.fill(True)
+    ones = np.ones(G * block, np.bool_)  # key mask: every key counts
 
     if causal:
         def body(lo, hi, state):
@@ -457,7 +456,7 @@ def race_attention_fwd_ooc(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, 
             _store_block(out, lead, lo, hi, ob)
             return (A1, B1), 0.0
 
-        scan = _Scan(sub("fwd"), "fwd_causal", key, -(-nk // block), shapes, commit_every)
+        scan = _Scan(ckdir, "fwd_causal", key, -(-nk // block), shapes, commit_every)
         _run(scan, _blocks(nk, block), body, progress, "forward (causal)", [out], [q, k, v])
         A, B = scan.states
     else:
@@ -469,11 +468,11 @@ def race_attention_fwd_ooc(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, 
             nc = -(-n // chunk)
             partA = bufs("partA", (G, nc, F), np.float64, zero=True)
             partB = bufs("partB", (G, nc, F, dv), np.float64, zero=True)
-            K.sketch_chunks(kb, vb, bufs("mask", (G, n), np.bool_), planes, beta, chunk,
+            K.sketch_chunks(kb, vb, ones[:G * n].reshape(G, n), planes, beta, chunk,
                             bufs("phik", (G, n, F), cdt), bufs("tk", (G, n, L * P), cdt), partA, partB)
             return (state[0] + partA.sum(1), state[1] + partB.sum(1)), 0.0
 
-        scan = _Scan(sub("fwd"), "fwd_sketch", key, -(-nk // block), shapes, commit_every)
+        scan = _Scan(ckdir, "fwd_sketch", key, -(-nk // block), shapes, commit_every)
         (A, B), _ = _run(scan, _blocks(nk, block), sketch, progress, "forward: key sketch", [], [k, v])
         Bc = B.astype(cdt)
 
@@ -486,7 +485,7 @@ def race_attention_fwd_ooc(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, 
             _store_block(out, lead, lo, hi, ob)
             return (), 0.0
 
-        scan2 = _Scan(sub("fwd"), "fwd_readout", dict(key, sketch=scan.key), -(-nq // block), [], commit_every)
+        scan2 = _Scan(ckdir, "fwd_readout", dict(key, sketch=scan.key), -(-nq // block), [], commit_every)
         _run(scan2, _blocks(nq, block), readout, progress, "forward: queries", [out], [q])
     return OocResiduals(q, k, v, planes, beta, bool(causal), block, lead, nq, nk, np.dtype(cdt), check_finite,
                         np.asarray(A), np.asarray(B), key)
@@ -766,7 +765,7 @@ def demo(tokens=8388608, heads=4, dim=128, directory="racecpu-ooc", causal=True,
         json.dump(dict(config=config, complete=False), fh)
     os.replace(tmp, cfg_path)
 
-    q, k, v, g = (SeededArray(shape, np.float32, seed=[seed, i] if False else seed * 4 + i) for i in range(4))
+    q, k, v, g = (SeededArray(shape, np.float32, seed=4 * seed + i) for i in range(4))
     planes = hyperplanes(dim, num_planes, num_tables, seed=seed)
     nb = -(-tokens // block)
     total = (2 if causal else 4) * nb
