@@ -205,6 +205,11 @@ def _numba_threads():
         return None
 
 
+def _threads_note():
+    blas = os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS") or "default"
+    return f"numba threads {_numba_threads()}, BLAS threads {blas}"
+
+
 # ---------------------------------------------------------------------------
 # --compare and --timing
 # ---------------------------------------------------------------------------
@@ -231,7 +236,7 @@ def compare(args):
     settings = ", ".join(f"{k}={cfg[k]}" for k in ("steps", "batch_size", "seq_len", "d_model", "n_heads",
                                                    "n_layers", "lr", "num_planes", "num_tables", "dtype")
                          if cfg.get(k) is not None)
-    md = [f"**{task}** ({settings}; numba threads {results[0]['numba_threads']})", "",
+    md = [f"**{task}** ({settings}; {_threads_note()})", "",
           "| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
     md += ["| " + " | ".join(str(v) for v in r.values()) + " |" for r in rows]
     with open(base + ".md", "w") as f:
@@ -296,7 +301,7 @@ def timing(args, repeats=5):
         print(row, file=sys.stderr)
     cfg = config_from_args(args, "race")
     head = (f"training step (forward+backward+AdamW), batch 1, d_model={cfg['d_model']}, n_heads={cfg['n_heads']}, "
-            f"n_layers={cfg['n_layers']}, {cfg['dtype']}, median of {repeats}; numba threads {_numba_threads()}")
+            f"n_layers={cfg['n_layers']}, {cfg['dtype']}, median of {repeats}; {_threads_note()}")
     md = [head, "", "| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
     md += ["| " + " | ".join(str(v) for v in r.values()) + " |" for r in rows]
     os.makedirs(args.out, exist_ok=True)
