@@ -100,3 +100,13 @@ def test_cli_compare_writes_outputs(tmp_path, capsys):
         assert (tmp_path / f"mqar_compare.{ext}").stat().st_size > 0
     md = (tmp_path / "mqar_compare.md").read_text()
     assert all(f"| {a} |" in md for a in nn.ATTENTIONS)
+
+
+def test_cli_timing_table(tmp_path, capsys):
+    rc = main(["train", "--timing", "--timing-lengths", "16,32", "--d-model", "8", "--n-layers", "1",
+               "--out", str(tmp_path), "--json"])
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["timing"]
+    assert [r["seq_len"] for r in rows] == [16, 32]
+    assert all(r["race_ms"] > 0 and r["softmax_ms"] > 0 and r["linear_ms"] > 0 for r in rows)
+    assert "| 32 |" in (tmp_path / "step_timing.md").read_text()
