@@ -3,10 +3,12 @@
 Enough to train small Transformers in pure NumPy and to embed RACE attention
 in pipelines without PyTorch::
 
+    import numpy as np, racecpu
     from racecpu.autograd import Tensor, functional as F
-    q = Tensor(np.random.randn(2, 64, 16), requires_grad=True)
-    out = F.race_attention(q, q, q, racecpu.hyperplanes(16), beta=8.0, causal=True)
-    out.sum().backward()          # q.grad via racecpu.race_attention_bwd
+    q = Tensor(np.random.default_rng(0).standard_normal((2, 64, 16)), requires_grad=True)
+    beta = Tensor(np.array(8.0), requires_grad=True)   # trainable temperature
+    out = F.race_attention(q, q, q, racecpu.hyperplanes(16, dtype=np.float64), beta, causal=True)
+    out.sum().backward()          # q.grad and beta.grad via racecpu.race_attention_bwd
 
 Modules: :mod:`.tensor` (Tensor and its elementwise/shape ops),
 :mod:`.functional` (losses, normalisations, attention ops, ``check_grad``),
