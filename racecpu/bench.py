@@ -651,6 +651,9 @@ def add_arguments(parser):
     s.add_argument("--threads", type=int, default=None, help="threads for every implementation (default: all cores)")
     o = parser.add_argument_group("what to run and where to write")
     o.add_argument("--no-torch", action="store_true", help="skip the torch peers even if torch is installed")
+    o.add_argument("--impls", default=None,
+                   help="comma-separated subset of race,numpy-vec,torch-vec,sdpa (cuda: race-cuda,sdpa-cuda); "
+                        "e.g. --impls race to time the kernels alone")
     o.add_argument("--no-cold", action="store_true",
                    help="skip the cold-compile measurement (~1 min); the warm-cache one uses the default cache")
     o.add_argument("--out", type=Path, default=None, help="output folder (default benchmarks/results)")
@@ -764,6 +767,20 @@ def run(args):
     tag = args.tag or ("bench-quick" if args.quick else "bench")
     use_torch = not args.no_torch and _torch_ok(st["device"])
     impls = [i for i in IMPLS[st["device"]] if use_torch or i not in TORCH_IMPLS]
+    if args.impls:
+        wanted = [w.strip() for w in args.impls.split(",") if w.strip()]
+        bad = [w for w in wanted if w not in IMPLS[st["device"]]]
+        if bad or not wanted:
+            print(f"racecpu bench: --impls {args.impls!r}: choose from {','.join(IMPLS[st['device']])}",
+                  file=sys.stderr)
+            return 2
+        missing = [w for w in wanted if w not in impls]
+        if missing:
+            print(f"racecpu bench: {','.join(missing)} need torch (pip install 'racecpu[bench]'); skipping them",
+                  file=sys.stderr)
+        impls = [i for i in impls if i in wanted]
+        if not impls:
+            return 2
     return _Suite(st, impls, out_dir, tag, args).run()
 
 
@@ -867,10 +884,10 @@ class _Suite:
                   unit="GB/s")
         self._row("machine", impl=f"sgemm@{when}", value=f"{res['sgemm'] / 1e9:.1f}", unit="GFLOP/s")
         if when == "end":
-            for key, what in (("copy_1t", "copy bandwidth"), ("sgemm", "SGEMM rate")):
+            for key, what, unit in (("copy_1t", "copy bandwidth", "GB/s"), ("sgemm", "SGEMM rate", "GFLOP/s")):
                 a, b = self.machine_runs[key][0], self.machine_runs[key][-1]
                 if abs(a - b) > 0.2 * max(a, b):
-                    self._note(f"{what} moved from {a / 1e9:.1f} to {b / 1e9:.1f} G/s during the run: "
+                    self._note(f"{what} moved from {a / 1e9:.1f} to {b / 1e9:.1f} {unit} during the run: "
                                "the machine was not quiet; trust ratios more than absolute numbers")
 
     def _roof(self, mode):

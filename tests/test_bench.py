@@ -69,6 +69,8 @@ def test_predictions_scale_and_skip_the_cumsum_statements():
 def test_bad_flags_exit_2(capsys):
     assert main(["bench", "--min-log2n", "3", "--out", "/nonexistent"]) == 2
     assert "--min-log2n" in capsys.readouterr().err
+    assert main(["bench", "--impls", "race,flash", "--out", "/nonexistent"]) == 2
+    assert "choose from" in capsys.readouterr().err
 
 
 def test_cuda_unavailable_says_so(capsys, tmp_path):
