@@ -347,8 +347,10 @@ def _setup(spec, n):
         import racecpu
         W = _planes(spec)
 
+        check = spec.get("check_finite", True)
+
         def call():
-            out, res = racecpu.race_attention_fwd(q, k, v, W, beta, causal=causal)
+            out, res = racecpu.race_attention_fwd(q, k, v, W, beta, causal=causal, check_finite=check)
             if g is not None:
                 racecpu.race_attention_bwd(res, g)
         return call, None
@@ -654,6 +656,8 @@ def add_arguments(parser):
     o.add_argument("--impls", default=None,
                    help="comma-separated subset of race,numpy-vec,torch-vec,sdpa (cuda: race-cuda,sdpa-cuda); "
                         "e.g. --impls race to time the kernels alone")
+    o.add_argument("--no-check-finite", action="store_true",
+                   help="call RACE with check_finite=False (default: the library default, True)")
     o.add_argument("--no-cold", action="store_true",
                    help="skip the cold-compile measurement (~1 min); the warm-cache one uses the default cache")
     o.add_argument("--out", type=Path, default=None, help="output folder (default benchmarks/results)")
@@ -698,7 +702,7 @@ def _settings(args):
         max_log2n=args.max_log2n if args.max_log2n is not None else (14 if args.quick else 22 if args.large else 20),
         repeats=args.repeats or (3 if args.quick else 5), rounds=args.rounds,
         budget_s=args.budget_seconds, max_call_s=args.max_call_seconds,
-        seed=0, quick=args.quick, no_cold=args.no_cold,
+        seed=0, quick=args.quick, no_cold=args.no_cold, check_finite=not args.no_check_finite,
     )
     for name, flag in (("batch", "batch"), ("heads", "heads"), ("d", "dim"), ("dv", "value-dim"),
                        ("tables", "tables"), ("repeats", "repeats"), ("rounds", "rounds"), ("threads", "threads")):
@@ -811,7 +815,7 @@ class _Suite:
         spec = dict(kind="measure", batch=st["batch"], heads=st["heads"], d=st["d"], dv=st["dv"],
                     planes=st["planes"], tables=st["tables"], beta=st["beta"], dtype=st["dtype"],
                     threads=st["threads"], repeats=st["repeats"], budget_s=st["budget_s"], seed=st["seed"],
-                    device=st["device"])
+                    device=st["device"], check_finite=st["check_finite"])
         spec.update(kw)
         return spec
 
@@ -976,9 +980,14 @@ class _Suite:
         st = self.st
         fits = [n for n in self.ns if predict_peak("race", "fwdbwd", False, (1, 1, n, st["d"], st["dv"]), self.F,
                                                    self.LP, self.itemsize) <= st["mem_cap"]]
-        n = fits[-1] if fits else self.ns[0]
-        shape = (1, 1, n, st["d"], st["dv"])
         counts = sorted({1, st["threads"]})
+        if not fits:
+            self._note(f"thread scaling skipped: even N=2^{st['min_log2n']} at one head is predicted above the "
+                       f"{st['mem_cap'] / _GIB:.1f} GiB cap")
+            self.bar.update(2 * len(counts) * st["rounds"])
+            return
+        n = fits[-1]
+        shape = (1, 1, n, st["d"], st["dv"])
         got = {}
         for rnd in range(st["rounds"]):
             for causal in (False, True):
@@ -1078,7 +1087,8 @@ class _Suite:
             f"{self.started:%Y-%m-%d %H:%M UTC}, {platform.node()}, {os.cpu_count()} cores, {self._versions()}; "
             f"took {self.elapsed / 60:.1f} min",
             f"setting: B={st['batch']} H={st['heads']} d={st['d']} dv={st['dv']} P={st['planes']} "
-            f"L={st['tables']} beta={st['beta']} {st['dtype']}, {st['threads']} threads, median of "
+            f"L={st['tables']} beta={st['beta']} {st['dtype']}, check_finite={st['check_finite']}, "
+            f"{st['threads']} threads, median of "
             f"<= {st['repeats']} calls x {st['rounds']} round(s); caps: {st['mem_cap'] / _GIB:.1f} GiB peak, "
             f"{st['max_call_s']:.0f} s per call",
             f"machine (best of start and end): copy {m['copy_1t'] / 1e9:.1f} GB/s (1 thread), "

@@ -109,3 +109,17 @@ def test_suite_runs_end_to_end(tmp_path, capsys):
     out = capsys.readouterr()
     assert "ns/tok-head" in text and text.strip() in out.out
     assert "bench" in out.err  # the progress bar
+
+
+def test_memory_cap_skips_and_still_reports(tmp_path):
+    rc = main(["bench", "--impls", "race", "--min-log2n", "8", "--max-log2n", "9", "--mem-cap-gib", "0.01",
+               "--no-cold", "--out", str(tmp_path), "--tag", "s"])
+    assert rc == 0
+    with open(tmp_path / "s.csv") as f:
+        rows = list(csv.DictReader(f))
+    scaling = [r for r in rows if r["section"] == "scaling"]
+    assert len(scaling) == 8 and all(r["status"] == "skip(mem)" for r in scaling)
+    assert not [r for r in rows if r["section"] == "threads"]
+    text = (tmp_path / "s.txt").read_text()
+    assert "skip(mem): predicted peak" in text and "thread scaling skipped" in text
+    assert (tmp_path / "s.png").stat().st_size > 0
