@@ -31,6 +31,9 @@ size (unless a call is predicted to take over 10 s), times ``--repeats`` calls
 and ``VmHWM``.  Memory ratio = peak RSS / bytes of (q, k, v, out, grad_out, dq,
 dk, dv) for forward+backward and of (q, k, v, out) for the forward; the peak
 includes the interpreter (~0.1 GB, ~0.3 GB with torch), negligible at large N.
+With ``--device cuda`` (``racecpu.cuda`` on CuPy arrays, SDPA on torch CUDA
+tensors) only machine limits (CuPy copy and float32 matmul) and scaling run,
+and the ratio uses the device peak (CuPy pool / ``torch.cuda``).
 
 Skips (said in the table, the CSV and the log): before each measurement its
 peak memory and its time per call are predicted, from a static model for the
@@ -404,7 +407,7 @@ def _setup(spec, n):
         import cupy as cp
 
         from racecpu import cuda as rcuda
-        W = cp.asarray(_planes(spec))
+        W = _planes(spec)  # host planes: tiny, copied by racecpu.cuda
         dq, dk, dvv = (cp.asarray(x) for x in (q, k, v))
         dg = None if g is None else cp.asarray(g)
         del q, k, v, g
@@ -971,7 +974,9 @@ class _Suite:
         row = self._row("scaling", impl=impl, mode=mode, causal=int(causal), n=n, calls=len(acc["times"]),
                         median_s=f"{med:.6g}", min_s=f"{min(acc['times']):.6g}",
                         ns_per_token_head=f"{med / tokheads * 1e9:.2f}", peak_rss_bytes=acc["peak_rss"],
-                        io_bytes=io, mem_ratio=f"{acc['peak_rss'] / io:.3f}", note=acc.get("peak_note", ""),
+                        io_bytes=io, note=acc.get("peak_note", ""),
+                        # device runs: the device's peak, not the host's
+                        mem_ratio=f"{(acc.get('device_peak') or acc['peak_rss']) / io:.3f}",
                         device_peak_bytes=acc.get("device_peak") or "")
         if not impl.startswith("sdpa"):  # the RACE roofline applies to every statement of RACE
             row["roof_frac"] = "pending"  # filled in by _write, once both machine measurements are in
