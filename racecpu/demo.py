@@ -35,7 +35,9 @@ def add_arguments(p):
     p.add_argument("--samples", type=int, default=32, help="query rows checked against the exact references")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-of-core", metavar="DIR", default=None,
-                   help="stream the sequence through memory-mapped files in DIR (bounded RAM)")
+                   help="stream the sequence through memory-mapped files in DIR with bounded RAM; inputs are "
+                        "generated per block from --seed, results written to DIR; rerunning resumes "
+                        "(e.g. --tokens 8388608 --causal --out-of-core DIR needs ~68 GiB of disk)")
 
 
 def _peak_rss_bytes():
@@ -55,10 +57,30 @@ def _exact_rows(q_rows, rows, k, v, sim, causal, block=1 << 16):
     return np.where((den > DEN_FLOOR)[:, None], num / np.where(den > DEN_FLOOR, den, 1)[:, None], 0)
 
 
+def _run_out_of_core(args):
+    """``--out-of-core DIR``: stream the sequence through memory-mapped files, RAM bounded."""
+    from .outofcore import demo
+
+    m = demo(tokens=args.tokens, heads=args.heads, dim=args.dim, directory=args.out_of_core, causal=args.causal,
+             seed=args.seed, num_planes=args.planes, num_tables=args.tables, beta=args.beta)
+    gib = 2.0 ** 30
+    print(f"out-of-core RACE attention: N={m['tokens']:,} tokens, {m['heads']} heads, d={m['dim']}, "
+          f"{'causal' if m['causal'] else 'non-causal'}, directory {m['directory']}")
+    print(f"blocks computed   {m['blocks_computed']} of {m['blocks_total']} (the rest resumed from a checkpoint)")
+    print(f"forward           {m['seconds_forward']:8.1f} s")
+    print(f"backward          {m['seconds_backward']:8.1f} s")
+    print(f"total             {m['seconds_total']:8.1f} s   {m['ns_per_token_head']:8.1f} ns per token-head")
+    print(f"peak RSS          {m['peak_rss_bytes'] / gib:8.2f} GiB")
+    print(f"disk used         {m['disk_bytes'] / gib:8.2f} GiB (out, dq, dk, dv in {m['directory']}; delete when done)")
+    if m.get("check_max_abs_err") is not None:
+        print(f"max abs error of the first tokens vs the in-memory API: {m['check_max_abs_err']:.2e}")
+    ok = m.get("check_max_abs_err") is None or m["check_max_abs_err"] < 1e-4
+    return 0 if ok else 1
+
+
 def run(args):
     if args.out_of_core:
-        from . import outofcore
-        return outofcore.run_demo(args)
+        return _run_out_of_core(args)
     N, H, d = args.tokens, args.heads, args.dim
     if N < 1 or H < 1 or d < 1:
         raise SystemExit("--tokens, --heads and --dim must be >= 1")
