@@ -51,7 +51,10 @@ def add_arguments(p):
     for name, typ in (("steps", int), ("batch-size", int), ("seq-len", int), ("d-model", int), ("n-heads", int),
                       ("n-layers", int), ("lr", float), ("warmup", float), ("vocab-size", int), ("num-pairs", int),
                       ("eval-every", int), ("eval-size", int)):
-        g.add_argument(f"--{name}", type=typ, default=None)
+        key = name.replace("-", "_")
+        g.add_argument(f"--{name}", type=typ, default=None,
+                       help="default: " + ", ".join(f"{t} {d[key]}" for t, d in sorted(TASK_DEFAULTS.items())
+                                                    if d[key] is not None))
     g.add_argument("--token-shift", choices=("on", "off"), default=None,
                    help="add an embedding of the previous token (default: on)")
     g.add_argument("--weight-decay", type=float, default=0.01)
