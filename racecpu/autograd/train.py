@@ -29,7 +29,7 @@ from .tensor import no_grad
 
 #: Per-task defaults (chosen so one run takes a few minutes on a 2-core machine).
 TASK_DEFAULTS = {
-    "mqar": dict(steps=800, batch_size=32, seq_len=64, d_model=64, n_heads=2, n_layers=2, lr=3e-3,
+    "mqar": dict(steps=1200, batch_size=32, seq_len=64, d_model=64, n_heads=2, n_layers=2, lr=3e-3,
                  warmup=0.05, vocab_size=32, num_pairs=8, eval_every=100, eval_size=256, token_shift=True),
     "chars": dict(steps=1000, batch_size=16, seq_len=128, d_model=64, n_heads=2, n_layers=2, lr=3e-3,
                   warmup=0.05, vocab_size=len(CHARS), num_pairs=None, eval_every=100, eval_size=64,
