@@ -274,34 +274,9 @@ def torch_race(q, k, v, planes, beta, causal=False):
 # child processes: one measurement each
 # ---------------------------------------------------------------------------
 
-def _proc_status(field):
-    """Bytes of a ``/proc/self/status`` field (VmRSS, VmHWM), or None off Linux."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _reset_peak():
-    """Reset VmHWM to the current RSS (Linux >= 4.0); False where not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _peak_rss():
-    hwm = _proc_status("VmHWM")
-    if hwm is not None:
-        return hwm
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+from ._memory import peak_rss as _peak_rss  # noqa: E402
+from ._memory import proc_status as _proc_status  # noqa: E402
+from ._memory import reset_peak_rss as _reset_peak  # noqa: E402
 
 
 def _inputs(spec, n):

@@ -12,13 +12,13 @@ statements computed in float64, independently of the kernels:
 
 from __future__ import annotations
 
-import resource
 import time
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from . import reference as ref
+from ._memory import peak_rss
 from .attention import race_attention_bwd, race_attention_fwd
 from .hashing import DEFAULT_BETA, DEN_FLOOR, hyperplanes
 
@@ -38,10 +38,6 @@ def add_arguments(p):
                    help="stream the sequence through memory-mapped files in DIR with bounded RAM; inputs are "
                         "generated per block from --seed, results written to DIR; rerunning resumes "
                         "(e.g. --tokens 8388608 --causal --out-of-core DIR needs ~68 GiB of disk)")
-
-
-def _peak_rss_bytes():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _exact_rows(q_rows, rows, k, v, sim, causal, block=1 << 16):
@@ -145,7 +141,7 @@ def run(args):
         steps.set_postfix_str(f"head {h + 1}/{H} exact check")
         steps.update(1)
     steps.close()
-    peak = _peak_rss_bytes()
+    peak = peak_rss()
     per = 1e9 / (N * H)
     finite = all(np.isfinite(x).all() for x in (out, dq, dk, dv))
     print(f"compile/cache load{t_compile:8.2f} s   (first call, excluded below)")

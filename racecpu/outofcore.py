@@ -40,7 +40,6 @@ import hashlib
 import json
 import mmap
 import os
-import resource
 import shutil
 import time
 from dataclasses import dataclass
@@ -49,6 +48,8 @@ import numpy as np
 
 from . import _kernels as K
 from .attention import CHUNK, _check_beta, _check_planes, _chunk
+from ._memory import peak_rss as _peak_rss
+from ._memory import reset_peak_rss as _reset_peak_rss
 from .hashing import DEFAULT_BETA, hyperplanes
 from .streaming import advance
 
@@ -639,26 +640,6 @@ def race_attention_bwd_ooc(res, grad_out, *, dq, dk, dv, checkpoint=None, commit
 _DEMO_OUTPUTS = ("out", "dq", "dk", "dv")
 
 
-def _peak_rss():
-    """Peak resident set size of this process in bytes (VmHWM, else ru_maxrss)."""
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _reset_peak_rss():
-    """Reset VmHWM to the current RSS (Linux >= 4.0); False if not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def _disk_used(directory):
