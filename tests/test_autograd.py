@@ -169,6 +169,20 @@ def test_cross_entropy():
         F.cross_entropy(logits, np.full((2, 3), 5))
 
 
+@pytest.mark.parametrize("K", [1, 3, 8])
+def test_causal_conv1d(K):
+    """Against a direct loop (K=8 is longer than the sequence) and finite differences."""
+    x, w = rand(2, 6, 3, seed=1), rand(K, 3, seed=2)
+    want = np.zeros_like(x.data)
+    for t in range(6):
+        for i in range(min(K, t + 1)):
+            want[:, t] += w.data[i] * x.data[:, t - i]
+    np.testing.assert_allclose(F.causal_conv1d(x, w).data, want, rtol=1e-12, atol=1e-12)
+    check_grad(F.causal_conv1d, x, w)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        F.causal_conv1d(x, rand(3, 4))
+
+
 def test_dropout_seeded():
     x = rand(50, 40)
     y1 = F.dropout(x, 0.3, np.random.default_rng(7)).data
@@ -231,10 +245,26 @@ def test_race_attention_matches_library_backward(dtype, causal):
     np.testing.assert_allclose(beta.grad, dbeta, rtol=1e-6)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_race_attention_per_head_beta(causal):
+    """beta of shape (H,): each head equals a scalar-beta call with its own beta; gradients check."""
+    q, k, v = qkv(lead=(2, 3))
+    planes = racecpu.hyperplanes(4, 2, 2, seed=4, dtype=np.float64)
+    beta = Tensor(np.array([0.7, 1.5, 3.0]))
+    out = F.race_attention(q, k, v, planes, beta, causal=causal).data
+    for h, b in enumerate(beta.data):
+        np.testing.assert_array_equal(out[:, h], F.race_attention(q[:, h], k[:, h], v[:, h], planes, float(b),
+                                                                  causal=causal).data)
+    check_grad(lambda q, k, v, b: F.race_attention(q, k, v, planes, b, causal=causal), q, k, v, beta)
+
+
 def test_race_attention_beta_must_be_scalar():
     q, k, v = qkv()
     with pytest.raises(ValueError, match="scalar"):
         F.race_attention(q, k, v, racecpu.hyperplanes(4, dtype=np.float64), Tensor(np.ones(2)))
+    with pytest.raises(ValueError, match="scalar"):  # (H,) must match q's head axis
+        F.race_attention(rand(2, 3, 5, 4), rand(2, 3, 5, 4), rand(2, 3, 5, 4),
+                         racecpu.hyperplanes(4, dtype=np.float64), Tensor(np.ones(2)))
 
 
 @pytest.mark.parametrize("causal", [False, True])

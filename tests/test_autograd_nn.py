@@ -42,6 +42,20 @@ def test_multihead_attention_grad(attention, causal):
     check_grad(f, x, *params)
 
 
+@pytest.mark.parametrize("attention", ["race", "softmax"])
+def test_multihead_attention_conv_and_per_head_beta_grad(attention):
+    """Short convolution on q, k, v (with SiLU) and per-head beta: every parameter against finite differences."""
+    mha = nn.MultiHeadAttention(4, 2, attention=attention, num_planes=2, num_tables=2, beta=1.5, beta_per_head=True,
+                                conv_size=3, seed=3, dtype=np.float64)
+    names = [n for n, _ in mha.named_parameters()]
+    assert {"conv_q", "conv_k", "conv_v"} <= set(names)
+    if attention == "race":
+        assert mha.log_beta.shape == (2,) and mha.current_beta() == pytest.approx([1.5, 1.5])
+    check_grad(lambda x, *ps: mha(x), x64(2, 5, 4), *mha.parameters())
+    with pytest.raises(ValueError, match="causal"):
+        nn.MultiHeadAttention(4, 2, causal=False, conv_size=3)
+
+
 def test_race_beta_fixed_and_buffers():
     mha = nn.MultiHeadAttention(8, 2, attention="race", train_beta=False, beta=3.0, dtype=np.float64)
     assert "log_beta" not in dict(mha.named_parameters()) and mha.current_beta() == 3.0
@@ -52,9 +66,10 @@ def test_race_beta_fixed_and_buffers():
         nn.MultiHeadAttention(9, 2)
 
 
+@pytest.mark.parametrize("conv_size", [0, 4])
 @pytest.mark.parametrize("attention", ATT)
-def test_lm_is_causal(attention):
-    model = nn.TransformerLM(11, 8, 2, 2, attention=attention, max_len=16, seed=0)
+def test_lm_is_causal(attention, conv_size):
+    model = nn.TransformerLM(11, 8, 2, 2, attention=attention, max_len=16, conv_size=conv_size, seed=0)
     toks = np.random.default_rng(0).integers(0, 11, (2, 10))
     out = model(toks).data
     assert out.shape == (2, 10, 11) and out.dtype == np.float32

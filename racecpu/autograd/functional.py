@@ -18,7 +18,7 @@ from ..hashing import DEFAULT_BETA, DEN_FLOOR
 from .tensor import Tensor, _op, as_tensor, no_grad
 
 __all__ = [
-    "softmax", "log_softmax", "layer_norm", "embedding", "cross_entropy", "dropout",
+    "softmax", "log_softmax", "layer_norm", "embedding", "cross_entropy", "dropout", "causal_conv1d",
     "race_attention", "softmax_attention", "angular_attention", "linear_attention", "check_grad",
 ]
 
@@ -133,6 +133,41 @@ def dropout(x, p, rng, training=True):
     return _op(x.data * keep, (x,), lambda g: (g * keep,))
 
 
+def causal_conv1d(x, weight):
+    """Depthwise causal convolution along the token axis.
+
+    ``y[..., t, c] = sum_i weight[i, c] * x[..., t - i, c]`` for ``i < K``
+    (``x`` is zero before the first token), so position ``t`` sees only
+    tokens ``t - K + 1 .. t``.  This is the "short convolution" that
+    linear-attention models (H3, GLA, DeltaNet, Mamba) put on q, k, v.
+
+    Parameters
+    ----------
+    x : Tensor, shape (..., N, C)
+    weight : Tensor, shape (K, C)
+        ``weight[0]`` multiplies the current token, ``weight[i]`` the token
+        ``i`` steps back.
+    """
+    x, weight = as_tensor(x), as_tensor(weight)
+    if weight.ndim != 2 or weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"weight must have shape (K, {x.shape[-1]}), got {weight.shape}")
+    K, N = weight.shape[0], x.shape[-2]
+    X, W = x.data, weight.data
+    y = X * W[0]
+    for i in range(1, min(K, N)):
+        y[..., i:, :] += X[..., :-i, :] * W[i]
+
+    def vjp(g):
+        dx = g * W[0]
+        dw = np.zeros_like(W)
+        dw[0] = (g * X).reshape(-1, X.shape[-1]).sum(0)
+        for i in range(1, min(K, N)):
+            dx[..., :-i, :] += g[..., i:, :] * W[i]
+            dw[i] = (g[..., i:, :] * X[..., :-i, :]).reshape(-1, X.shape[-1]).sum(0)
+        return dx, dw
+    return _op(y, (x, weight), vjp)
+
+
 # ---------------------------------------------------------------------------
 # attention
 # ---------------------------------------------------------------------------
@@ -140,14 +175,20 @@ def dropout(x, p, rng, training=True):
 def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None):
     """RACE attention (:func:`racecpu.race_attention`) as an autograd op.
 
-    ``beta`` is a positive float or a scalar Tensor; as a Tensor it receives
-    the gradient :func:`racecpu.race_attention_bwd` returns (summed over heads
-    and tokens).  ``planes`` are constants (the paper does not train them).
+    ``beta`` is a positive float, a scalar Tensor, or a Tensor of shape
+    ``(H,)`` for inputs ``(B, H, N, d)`` (one temperature per head; the heads
+    are then computed one at a time).  As a Tensor it receives the gradient
+    :func:`racecpu.race_attention_bwd` returns (summed over the tokens, and
+    over the heads for a scalar).  ``planes`` are constants (the paper does
+    not train them).
     """
     q, k, v = as_tensor(q), as_tensor(k), as_tensor(v)
     beta_t = beta if isinstance(beta, Tensor) else None
+    if beta_t is not None and beta_t.ndim == 1 and q.ndim == 4 and beta_t.shape[0] == q.shape[1]:
+        return _race_per_head(q, k, v, planes, beta_t, causal, key_mask)
     if beta_t is not None and beta_t.size != 1:
-        raise ValueError(f"beta must be a scalar Tensor, got shape {beta_t.shape}")
+        raise ValueError(f"beta must be a scalar Tensor, or of shape (H,) for q of shape (B, H, N, d); got beta "
+                         f"of shape {beta_t.shape} and q of shape {q.shape}")
     b = float(beta_t.data) if beta_t is not None else beta
     out, res = race_attention_fwd(q.data, k.data, v.data, planes, b, causal=causal, key_mask=key_mask)
 
@@ -157,6 +198,23 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
             return dq, dk, dv
         return dq, dk, dv, np.full(beta_t.shape, dbeta, dtype=beta_t.dtype)
     return _op(out, (q, k, v) + ((beta_t,) if beta_t is not None else ()), vjp)
+
+
+def _race_per_head(q, k, v, planes, beta_t, causal, key_mask):
+    H = q.shape[1]
+    outs, ress = [], []
+    for h in range(H):
+        m = None if key_mask is None else np.asarray(key_mask)[:, h]
+        o, r = race_attention_fwd(q.data[:, h], k.data[:, h], v.data[:, h], planes, float(beta_t.data[h]),
+                                  causal=causal, key_mask=m)
+        outs.append(o)
+        ress.append(r)
+
+    def vjp(g):
+        grads = [race_attention_bwd(r, np.ascontiguousarray(g[:, h])) for h, r in enumerate(ress)]
+        dq, dk, dv = (np.stack([gr[i] for gr in grads], axis=1) for i in range(3))
+        return dq, dk, dv, np.array([gr[3] for gr in grads], dtype=beta_t.dtype)
+    return _op(np.stack(outs, axis=1), (q, k, v, beta_t), vjp)
 
 
 def softmax_attention(q, k, v, *, causal=False, scale=None, key_mask=None):

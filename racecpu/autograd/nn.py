@@ -156,6 +156,11 @@ class Embedding(Module):
         return F.embedding(self.weight, indices)
 
 
+def _conv_init(K, C, rng, dtype):
+    """Short-convolution weights: U(-1/sqrt(K), 1/sqrt(K)) (PyTorch's depthwise Conv1d default)."""
+    return rng.uniform(-1, 1, (K, C)).astype(dtype) / np.sqrt(K).astype(dtype)
+
+
 class MultiHeadAttention(Module):
     """Multi-head self-attention with a choice of attention kernel.
 
@@ -183,7 +188,8 @@ class MultiHeadAttention(Module):
     _buffers = ("planes",)
 
     def __init__(self, d_model, n_heads, *, attention="race", causal=True, num_planes=3, num_tables=3,
-                 beta=DEFAULT_BETA, train_beta=True, seed=0, dtype=np.float32):
+                 beta=DEFAULT_BETA, train_beta=True, beta_per_head=False, conv_size=0, conv_act=True,
+                 seed=0, dtype=np.float32):
         if attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
         if d_model % n_heads:
@@ -198,12 +204,26 @@ class MultiHeadAttention(Module):
         self.num_planes = num_planes
         self.planes = hyperplanes(self.head_dim, num_planes, num_tables, seed=rng, dtype=dtype)
         if attention == "race" and train_beta:
-            self.log_beta = Parameter(np.log(np.asarray(beta, dtype)))
+            shape = (n_heads,) if beta_per_head else ()
+            self.log_beta = Parameter(np.full(shape, np.log(beta), dtype))
         else:
             self.beta = float(beta)
+        self.conv_size, self.conv_act = int(conv_size), bool(conv_act)
+        if self.conv_size and not causal:
+            raise ValueError("conv_size > 0 needs causal=True")
+        if self.conv_size:
+            self.conv_q, self.conv_k, self.conv_v = (Parameter(_conv_init(self.conv_size, d_model, rng, dtype))
+                                                     for _ in range(3))
 
     def current_beta(self):
-        return float(np.exp(self.log_beta.data)) if hasattr(self, "log_beta") else self.beta
+        if not hasattr(self, "log_beta"):
+            return self.beta
+        b = np.exp(self.log_beta.data.astype(np.float64))
+        return float(b) if b.ndim == 0 else [float(v) for v in b]
+
+    def _conv(self, t, w):
+        t = F.causal_conv1d(t, w)
+        return t * t.sigmoid() if self.conv_act else t
 
     def forward(self, x, key_mask=None):
         """``x``: (B, N, d_model); ``key_mask``: optional bool (B, N), False = padding."""
@@ -212,7 +232,10 @@ class MultiHeadAttention(Module):
 
         def heads(t):
             return t.reshape(B, N, H, dh).transpose(0, 2, 1, 3)
-        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        if self.conv_size:
+            q, k, v = self._conv(q, self.conv_q), self._conv(k, self.conv_k), self._conv(v, self.conv_v)
+        q, k, v = heads(q), heads(k), heads(v)
         mask = None if key_mask is None else np.broadcast_to(np.asarray(key_mask)[:, None, :], (B, H, N))
         if self.attention == "race":
             beta = self.log_beta.exp() if hasattr(self, "log_beta") else self.beta
@@ -289,11 +312,12 @@ class TransformerLM(_Backbone):
     """
 
     def __init__(self, vocab_size, d_model, n_heads, n_layers, *, attention="race", num_planes=3, num_tables=3,
-                 beta=DEFAULT_BETA, train_beta=True, max_len=1024, dropout=0.0, token_shift=False, seed=0,
-                 dtype=np.float32):
+                 beta=DEFAULT_BETA, train_beta=True, beta_per_head=False, conv_size=0, conv_act=True, max_len=1024,
+                 dropout=0.0, token_shift=False, seed=0, dtype=np.float32):
         rng = self._build(vocab_size, d_model, n_heads, n_layers, max_len, True, dropout, seed, dtype,
                           dict(attention=attention, num_planes=num_planes, num_tables=num_tables,
-                               beta=beta, train_beta=train_beta), token_shift)
+                               beta=beta, train_beta=train_beta, beta_per_head=beta_per_head,
+                               conv_size=conv_size, conv_act=conv_act), token_shift)
         self.head = Linear(d_model, vocab_size, seed=rng, dtype=dtype)
 
     def forward(self, tokens):

@@ -57,6 +57,9 @@ def add_arguments(p):
                                                     if d[key] is not None))
     g.add_argument("--token-shift", choices=("on", "off"), default=None,
                    help="add an embedding of the previous token (default: on)")
+    g.add_argument("--conv-size", type=int, default=None,
+                   help="width of a causal depthwise convolution on q, k, v (0: none; default: 0)")
+    g.add_argument("--conv-act", choices=("on", "off"), default="on", help="SiLU after the convolution")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
     g.add_argument("--dtype", choices=("float32", "float64"), default="float32")
@@ -66,6 +69,7 @@ def add_arguments(p):
     r.add_argument("--num-tables", type=int, default=3, help="L")
     r.add_argument("--beta", type=float, default=DEFAULT_BETA, help="initial temperature")
     r.add_argument("--fixed-beta", action="store_true", help="do not train beta")
+    r.add_argument("--beta-per-head", action="store_true", help="one trained temperature per head")
     o = p.add_argument_group("output")
     o.add_argument("--out", default=DEFAULT_OUT, help="folder for --compare / --timing outputs")
     o.add_argument("--timing-lengths", default="256,512,1024,2048", help="comma-separated sequence lengths")
@@ -82,7 +86,11 @@ def config_from_args(args, attention=None):
             cfg[key] = val
     cfg.update(task=args.task, attention=attention or args.attention, weight_decay=args.weight_decay,
                clip=args.clip, dtype=args.dtype, seed=args.seed, num_planes=args.num_planes,
-               num_tables=args.num_tables, beta=args.beta, train_beta=not args.fixed_beta)
+               num_tables=args.num_tables, beta=args.beta, train_beta=not args.fixed_beta,
+               beta_per_head=args.beta_per_head, conv_act=args.conv_act == "on")
+    cfg.setdefault("conv_size", 0)
+    if args.conv_size is not None:
+        cfg["conv_size"] = args.conv_size
     if cfg["task"] == "chars":
         cfg["vocab_size"] = len(CHARS)
     if args.token_shift is not None:
@@ -93,7 +101,8 @@ def config_from_args(args, attention=None):
 def build_model(cfg):
     return TransformerLM(cfg["vocab_size"], cfg["d_model"], cfg["n_heads"], cfg["n_layers"],
                          attention=cfg["attention"], num_planes=cfg["num_planes"], num_tables=cfg["num_tables"],
-                         beta=cfg["beta"], train_beta=cfg["train_beta"], max_len=cfg["seq_len"],
+                         beta=cfg["beta"], train_beta=cfg["train_beta"], beta_per_head=cfg["beta_per_head"],
+                         conv_size=cfg["conv_size"], conv_act=cfg["conv_act"], max_len=cfg["seq_len"],
                          token_shift=cfg["token_shift"],
                          seed=cfg["seed"], dtype=np.dtype(cfg["dtype"]))
 
@@ -192,7 +201,9 @@ def train(cfg, progress=True, desc=None):
     bar.close()
     total = time.perf_counter() - t_start
     final = history["eval"][-1] if history["eval"] else evaluate(model, cfg, data)
-    betas = [b.attn.current_beta() for b in model.blocks] if cfg["attention"] == "race" else None
+    betas = None
+    if cfg["attention"] == "race":
+        betas = [b for blk in model.blocks for b in np.atleast_1d(blk.attn.current_beta())]
     return {"task": cfg["task"], "attention": cfg["attention"], "steps": steps, **final,
             "train_loss": float(np.mean(history["loss"][-max(1, steps // 20):])),
             "time_per_step_ms": 1e3 * float(np.median(times)), "train_seconds": total,
