@@ -25,9 +25,11 @@ Forward and backward of each step stand side by side.
 
 from __future__ import annotations
 
-import math
+import functools
+import inspect
 
 import numpy as np
+import scipy.linalg.cython_blas  # noqa: F401  (the BLAS that np.dot in these kernels calls)
 from numba import njit, prange
 
 from .hashing import DEN_FLOOR
@@ -39,6 +41,62 @@ _FM = {"contract", "reassoc", "nsz", "arcp"}
 # zero check that raises, and that branch stops LLVM from vectorising the loop.
 _JIT = dict(cache=True, fastmath=_FM, nogil=True, error_model="numpy")
 _PJIT = dict(_JIT, parallel=True)
+
+_blas_controller = None
+
+
+def blas_tasks(kernel):
+    """Run a parallel kernel whose tasks call BLAS (``np.dot``) with BLAS on one thread.
+
+    Every core already runs its own prange task; a multi-threaded sgemm
+    inside each would oversubscribe the cores (10-50x slower on a busy
+    machine).  The limit (threadpoolctl, ~13 us) is skipped when the
+    kernel's ``chunk`` is too short to reach BLAS, so decode steps stay cheap.
+    """
+    chunk_at = list(inspect.signature(kernel.py_func).parameters).index("chunk")
+
+    @functools.wraps(kernel.py_func)
+    def run(*args):
+        global _blas_controller
+        if args[chunk_at] < BLAS_ROWS:
+            return kernel(*args)
+        if _blas_controller is None:
+            from threadpoolctl import ThreadpoolController
+            _blas_controller = ThreadpoolController()
+        with _blas_controller.limit(limits=1, user_api="blas"):
+            return kernel(*args)
+
+    run.kernel = kernel
+    return run
+
+
+# ---------------------------------------------------------------------------
+# input check
+# ---------------------------------------------------------------------------
+
+@njit(**_JIT)
+def _count_nonfinite_run(bits, exp_mask):
+    cnt = 0
+    for i in range(bits.size):
+        cnt += (bits[i] & exp_mask) == exp_mask
+    return cnt
+
+
+@njit(**_PJIT)
+def count_nonfinite(bits, exp_mask):
+    """Number of NaN/Inf values in a float array viewed as unsigned ints.
+
+    A value is NaN or Inf iff its exponent bits are all set; counting that
+    with integer ops vectorises and runs on every core, where
+    ``np.isfinite(x).all()`` builds a bool temporary on one core (it cost
+    ~65 ns per 128-float row, a fifth of a whole forward).
+    """
+    n = bits.size
+    nb = (n + 65535) // 65536
+    total = 0
+    for blk in prange(nb):
+        total += _count_nonfinite_run(bits[blk * 65536:min(n, blk * 65536 + 65536)], exp_mask)
+    return total
 
 
 # ---------------------------------------------------------------------------
@@ -290,6 +348,12 @@ def outer_add(w, x, B):
         j += 1
 
 
+#: Rows from which a rank-k update goes to BLAS (np.dot: single-threaded sgemm,
+#: see blas_one_thread) rather than :func:`outer_add`; below it, call overhead wins.
+BLAS_ROWS = 16
+BLAS_SPAN = 256
+
+
 @njit(**_JIT)
 def sketch_add(phi, v, lo, hi, A, B):
     """A += sum_j phi_j, B += sum_j phi_j v_j^T over rows lo..hi."""
@@ -297,7 +361,22 @@ def sketch_add(phi, v, lo, hi, A, B):
     for j in range(lo, hi):
         for f in range(F):
             A[f] += phi[j, f]
-    outer_add(phi[lo:hi], v[lo:hi], B)
+    rank_update(phi[lo:hi], v[lo:hi], B)
+
+
+@njit(**_JIT)
+def rank_update(w, x, B):
+    """B += w^T x for ``w (n, F)``, ``x (n, dv)``: sgemm for long runs (2x outer_add at n=256)."""
+    n = w.shape[0]
+    if n < BLAS_ROWS or B.shape[1] == 0:
+        outer_add(w, x, B)
+        return
+    for j0 in range(0, n, BLAS_SPAN):  # 256-row spans: sgemm ran 1.8x slower on 1024 rows at once
+        j1 = min(j0 + BLAS_SPAN, n)
+        if j1 - j0 >= BLAS_ROWS:
+            B += np.dot(w[j0:j1].T, x[j0:j1])
+        else:
+            outer_add(w[j0:j1], x[j0:j1], B)
 
 
 @njit(**_JIT)
@@ -321,6 +400,28 @@ def readout_row(phiq, A, S, L, out):
     for c in range(dv):
         out[c] *= inv
     return den
+
+
+@njit(**_JIT)
+def readout_rows(phiq, A, S, L, den, out):
+    """:func:`readout_row` for every row of ``phiq (n, F)``, the products by one sgemm."""
+    n, F = phiq.shape
+    dv = S.shape[1]
+    if n < BLAS_ROWS or dv == 0:
+        for i in range(n):
+            den[i] = readout_row(phiq[i], A, S, L, out[i])
+        return
+    np.dot(phiq, S, out)
+    for i in range(n):
+        dn = 0.0
+        for f in range(F):
+            dn += phiq[i, f] * A[f]
+        dn /= L
+        den[i] = dn
+        inv = 1.0 / (L * dn) if dn > DEN_FLOOR else 0.0  # the floor: zeros (readout_row)
+        o = out[i]
+        for c in range(dv):
+            o[c] *= inv
 
 
 @njit(**_JIT)
@@ -399,6 +500,27 @@ def exclusive_scan(part, reverse=False):
 # sketch of keys: forward (chunk totals) and its cotangent (per key)
 # ---------------------------------------------------------------------------
 
+@njit(**_JIT)
+def _sketch_chunks_task(task, k, v, mask, W, beta, chunk, phik, tk, partA, partB):
+    """One (group, chunk) task of :func:`sketch_chunks` (a plain function: loops inlined
+    into a prange body were not vectorised)."""
+    G, n, _ = k.shape
+    nc = partA.shape[1]
+    F = phik.shape[2]
+    dv = v.shape[2]
+    g, c, lo, hi = _bounds(task, nc, chunk, n)
+    U, a, b = _scratch(W)
+    hash_range(k[g], lo, hi, W, beta, mask[g], tk[g], phik[g], U, a, b)
+    A = np.zeros(F, np.float64)
+    B = np.zeros((F, dv), v.dtype)
+    sketch_add(phik[g], v[g], lo, hi, A, B)
+    partA[g, c] = A
+    for f in range(F):
+        for cc in range(dv):
+            partB[g, c, f, cc] = B[f, cc]
+
+
+@blas_tasks
 @njit(**_PJIT)
 def sketch_chunks(k, v, mask, W, beta, chunk, phik, tk, partA, partB):
     """Hash every key and sum its sketch per chunk.
@@ -412,18 +534,37 @@ def sketch_chunks(k, v, mask, W, beta, chunk, phik, tk, partA, partB):
     F = phik.shape[2]
     dv = v.shape[2]
     for task in prange(G * nc):
-        g, c, lo, hi = _bounds(task, nc, chunk, n)
-        U, a, b = _scratch(W)
-        hash_range(k[g], lo, hi, W, beta, mask[g], tk[g], phik[g], U, a, b)
-        A = np.zeros(F, np.float64)
-        B = np.zeros((F, dv), v.dtype)
-        sketch_add(phik[g], v[g], lo, hi, A, B)
-        partA[g, c] = A
-        for f in range(F):
-            for cc in range(dv):
-                partB[g, c, f, cc] = B[f, cc]
+        _sketch_chunks_task(task, k, v, mask, W, beta, chunk, phik, tk, partA, partB)
 
 
+@njit(**_JIT)
+def _keys_bwd_task(task, v, phik, tk, dA, dB, W, beta, chunk, dk, dv_out, dbeta_part):
+    """One (group, chunk) task of :func:`keys_bwd` (a plain function: loops inlined
+    into a prange body were not vectorised)."""
+    G, n, _ = v.shape
+    F = phik.shape[2]
+    nc = dbeta_part.shape[1]
+    g, c, lo, hi = _bounds(task, nc, chunk, n)
+    dphi = np.empty(F, np.float64)
+    du = np.empty(W.shape[0] * W.shape[1], W.dtype)
+    P = W.shape[1]
+    W2 = W.reshape(W.shape[0] * P, W.shape[2])
+    acc = 0.0
+    if hi - lo >= BLAS_ROWS and dB.shape[2] > 0:
+        np.dot(phik[g, lo:hi], dB[g], dv_out[g, lo:hi])  # dv_j = dB^T phik_j, all keys at once
+        for j in range(lo, hi):
+            dot_rows(dB[g], v[g, j], dphi)
+            for f in range(F):
+                dphi[f] += dA[g, f]
+            acc += hash_row_bwd(dphi, phik[g, j], tk[g, j], W2, P, beta, du, dk[g, j])
+    else:
+        for j in range(lo, hi):
+            acc += key_row_bwd(phik[g, j], tk[g, j], v[g, j], dB[g], dA[g], W2, P, beta,
+                               dphi, du, dk[g, j], dv_out[g, j])
+    dbeta_part[g, c] = acc
+
+
+@blas_tasks
 @njit(**_PJIT)
 def keys_bwd(v, phik, tk, dA, dB, W, beta, chunk, dk, dv_out, dbeta_part):
     """Non-causal cotangents of every key from the summed (dA, dB)."""
@@ -431,22 +572,28 @@ def keys_bwd(v, phik, tk, dA, dB, W, beta, chunk, dk, dv_out, dbeta_part):
     F = phik.shape[2]
     nc = dbeta_part.shape[1]
     for task in prange(G * nc):
-        g, c, lo, hi = _bounds(task, nc, chunk, n)
-        dphi = np.empty(F, np.float64)
-        du = np.empty(W.shape[0] * W.shape[1], W.dtype)
-        P = W.shape[1]
-        W2 = W.reshape(W.shape[0] * P, W.shape[2])
-        acc = 0.0
-        for j in range(lo, hi):
-            acc += key_row_bwd(phik[g, j], tk[g, j], v[g, j], dB[g], dA[g], W2, P, beta,
-                               dphi, du, dk[g, j], dv_out[g, j])
-        dbeta_part[g, c] = acc
+        _keys_bwd_task(task, v, phik, tk, dA, dB, W, beta, chunk, dk, dv_out, dbeta_part)
 
 
 # ---------------------------------------------------------------------------
 # non-causal readout of queries: forward and backward
 # ---------------------------------------------------------------------------
 
+@njit(**_JIT)
+def _queries_fwd_task(task, q, W, beta, chunk, A, B, phiq, tq, den, out):
+    """One (group, chunk) task of :func:`queries_fwd` (a plain function: loops inlined
+    into a prange body were not vectorised)."""
+    G, n, _ = q.shape
+    L = W.shape[0]
+    nc = (n + chunk - 1) // chunk
+    keep = np.ones(n, np.bool_)
+    g, c, lo, hi = _bounds(task, nc, chunk, n)
+    U, a, b = _scratch(W)
+    hash_range(q[g], lo, hi, W, beta, keep, tq[g], phiq[g], U, a, b)
+    readout_rows(phiq[g, lo:hi], A[g], B[g], L, den[g, lo:hi], out[g, lo:hi])
+
+
+@blas_tasks
 @njit(**_PJIT)
 def queries_fwd(q, W, beta, chunk, A, B, phiq, tq, den, out):
     """Hash every query and read the summed sketch ``A (G, F)``, ``B (G, F, dv)``."""
@@ -455,13 +602,42 @@ def queries_fwd(q, W, beta, chunk, A, B, phiq, tq, den, out):
     nc = (n + chunk - 1) // chunk
     keep = np.ones(n, np.bool_)
     for task in prange(G * nc):
-        g, c, lo, hi = _bounds(task, nc, chunk, n)
-        U, a, b = _scratch(W)
-        hash_range(q[g], lo, hi, W, beta, keep, tq[g], phiq[g], U, a, b)
-        for i in range(lo, hi):
-            den[g, i] = readout_row(phiq[g, i], A[g], B[g], L, out[g, i])
+        _queries_fwd_task(task, q, W, beta, chunk, A, B, phiq, tq, den, out)
 
 
+@njit(**_JIT)
+def _queries_bwd_task(task, grad, phiq, tq, den, A, B, W, beta, chunk, dq, partdA, partdB, dbeta_part):
+    """One (group, chunk) task of :func:`queries_bwd` (a plain function: loops inlined
+    into a prange body were not vectorised)."""
+    G, n, dv = grad.shape
+    L = W.shape[0]
+    F = phiq.shape[2]
+    nc = partdA.shape[1]
+    g, c, lo, hi = _bounds(task, nc, chunk, n)
+    dphi = np.empty(F, np.float64)
+    du = np.empty(W.shape[0] * W.shape[1], W.dtype)
+    P = W.shape[1]
+    W2 = W.reshape(W.shape[0] * P, W.shape[2])
+    wq = np.empty(F, np.float64)
+    wblock = np.empty((hi - lo, F), grad.dtype)
+    dA = np.zeros(F, np.float64)
+    dB = np.zeros((F, dv), grad.dtype)
+    acc = 0.0
+    for i in range(lo, hi):
+        dden = readout_row_bwd(phiq[g, i], A[g], B[g], grad[g, i], den[g, i], L, dphi, wq)
+        for f in range(F):
+            dA[f] += phiq[g, i, f] * dden / L
+            wblock[i - lo, f] = wq[f]
+        acc += hash_row_bwd(dphi, phiq[g, i], tq[g, i], W2, P, beta, du, dq[g, i])
+    rank_update(wblock, grad[g, lo:hi], dB)
+    partdA[g, c] = dA
+    for f in range(F):
+        for cc in range(dv):
+            partdB[g, c, f, cc] = dB[f, cc]
+    dbeta_part[g, c] = acc
+
+
+@blas_tasks
 @njit(**_PJIT)
 def queries_bwd(grad, phiq, tq, den, A, B, W, beta, chunk, dq, partdA, partdB, dbeta_part):
     """Non-causal cotangents of every query, and chunk sums of (dA, dB)."""
@@ -470,30 +646,7 @@ def queries_bwd(grad, phiq, tq, den, A, B, W, beta, chunk, dq, partdA, partdB, d
     F = phiq.shape[2]
     nc = partdA.shape[1]
     for task in prange(G * nc):
-        g, c, lo, hi = _bounds(task, nc, chunk, n)
-        dphi = np.empty(F, np.float64)
-        du = np.empty(W.shape[0] * W.shape[1], W.dtype)
-        P = W.shape[1]
-        W2 = W.reshape(W.shape[0] * P, W.shape[2])
-        wq = np.empty(F, np.float64)
-        wblock = np.empty((HASH_BLOCK, F), grad.dtype)
-        dA = np.zeros(F, np.float64)
-        dB = np.zeros((F, dv), grad.dtype)
-        acc = 0.0
-        for b0 in range(lo, hi, HASH_BLOCK):
-            b1 = min(b0 + HASH_BLOCK, hi)
-            for i in range(b0, b1):
-                dden = readout_row_bwd(phiq[g, i], A[g], B[g], grad[g, i], den[g, i], L, dphi, wq)
-                for f in range(F):
-                    dA[f] += phiq[g, i, f] * dden / L
-                    wblock[i - b0, f] = wq[f]
-                acc += hash_row_bwd(dphi, phiq[g, i], tq[g, i], W2, P, beta, du, dq[g, i])
-            outer_add(wblock[: b1 - b0], grad[g, b0:b1], dB)
-        partdA[g, c] = dA
-        for f in range(F):
-            for cc in range(dv):
-                partdB[g, c, f, cc] = dB[f, cc]
-        dbeta_part[g, c] = acc
+        _queries_bwd_task(task, grad, phiq, tq, den, A, B, W, beta, chunk, dq, partdA, partdB, dbeta_part)
 
 
 # ---------------------------------------------------------------------------
@@ -518,6 +671,52 @@ def _dot(x, y):
     return s
 
 
+@njit(**_JIT)
+def _causal_fwd_task(task, q, v, phik, carryA, carryB, W, beta, chunk, phiq, tq, den, out):
+    """One (group, chunk) task of :func:`causal_fwd` (a plain function: loops inlined
+    into a prange body were not vectorised)."""
+    G, n, _ = q.shape
+    L = W.shape[0]
+    nc = carryA.shape[1]
+    F = phik.shape[2]
+    dv = v.shape[2]
+    keep = np.ones(n, np.bool_)
+    g, c, lo, hi = _bounds(task, nc, chunk, n)
+    U, a, b = _scratch(W)
+    hash_range(q[g], lo, hi, W, beta, keep, tq[g], phiq[g], U, a, b)
+    A = carryA[g, c].copy()
+    S = np.empty((F, dv), v.dtype)
+    for f in range(F):
+        for cc in range(dv):
+            S[f, cc] = carryB[g, c, f, cc]
+    kq = np.empty(SCAN_BLOCK, np.float64)
+    for i0 in range(lo, hi, SCAN_BLOCK):
+        i1 = min(i0 + SCAN_BLOCK, hi)
+        for i in range(i0, i1):
+            pq = phiq[g, i]
+            for f in range(F):
+                A[f] += phik[g, i, f]
+            for j in range(i0, i + 1):
+                kq[j - i0] = _dot(pq, phik[g, j])
+            dn = _dot(pq, A) / L
+            den[g, i] = dn
+            o = out[g, i]
+            if dn <= DEN_FLOOR:
+                for cc in range(dv):
+                    o[cc] = 0.0
+                continue
+            combine_rows(pq, S, o)
+            for j in range(i0, i + 1):
+                w = kq[j - i0]
+                vj = v[g, j]
+                for cc in range(dv):
+                    o[cc] += w * vj[cc]
+            inv = 1.0 / (L * dn)
+            for cc in range(dv):
+                o[cc] *= inv
+        outer_add(phik[g, i0:i1], v[g, i0:i1], S)
+
+
 @njit(**_PJIT)
 def causal_fwd(q, v, phik, carryA, carryB, W, beta, chunk, phiq, tq, den, out):
     """Rescan every chunk from its carried-in state; query i sees keys j <= i.
@@ -534,42 +733,62 @@ def causal_fwd(q, v, phik, carryA, carryB, W, beta, chunk, phiq, tq, den, out):
     dv = v.shape[2]
     keep = np.ones(n, np.bool_)
     for task in prange(G * nc):
-        g, c, lo, hi = _bounds(task, nc, chunk, n)
-        U, a, b = _scratch(W)
-        hash_range(q[g], lo, hi, W, beta, keep, tq[g], phiq[g], U, a, b)
-        A = carryA[g, c].copy()
-        S = np.empty((F, dv), v.dtype)
-        for f in range(F):
-            for cc in range(dv):
-                S[f, cc] = carryB[g, c, f, cc]
-        kq = np.empty(SCAN_BLOCK, np.float64)
-        for i0 in range(lo, hi, SCAN_BLOCK):
-            i1 = min(i0 + SCAN_BLOCK, hi)
-            for i in range(i0, i1):
-                pq = phiq[g, i]
-                for f in range(F):
-                    A[f] += phik[g, i, f]
-                for j in range(i0, i + 1):
-                    kq[j - i0] = _dot(pq, phik[g, j])
-                dn = _dot(pq, A) / L
-                den[g, i] = dn
-                o = out[g, i]
-                if dn <= DEN_FLOOR:
-                    for cc in range(dv):
-                        o[cc] = 0.0
-                    continue
-                combine_rows(pq, S, o)
-                for j in range(i0, i + 1):
-                    w = kq[j - i0]
-                    vj = v[g, j]
-                    for cc in range(dv):
-                        o[cc] += w * vj[cc]
-                inv = 1.0 / (L * dn)
-                for cc in range(dv):
-                    o[cc] *= inv
-            outer_add(phik[g, i0:i1], v[g, i0:i1], S)
+        _causal_fwd_task(task, q, v, phik, carryA, carryB, W, beta, chunk, phiq, tq, den, out)
 
 
+@njit(**_JIT)
+def _causal_queries_bwd_task(task, grad, v, phik, phiq, tq, den, carryA, carryB, W, beta, chunk, dq, dden_out, partdA, partdB, dbeta_part):
+    """One (group, chunk) task of :func:`causal_queries_bwd` (a plain function: loops inlined
+    into a prange body were not vectorised)."""
+    G, n, dv = grad.shape
+    L = W.shape[0]
+    nc = carryA.shape[1]
+    F = phik.shape[2]
+    g, c, lo, hi = _bounds(task, nc, chunk, n)
+    A = carryA[g, c].copy()
+    S = np.empty((F, dv), v.dtype)
+    for f in range(F):
+        for cc in range(dv):
+            S[f, cc] = carryB[g, c, f, cc]
+    dphi = np.empty(F, np.float64)
+    du = np.empty(W.shape[0] * W.shape[1], W.dtype)
+    P = W.shape[1]
+    W2 = W.reshape(W.shape[0] * P, W.shape[2])
+    wq = np.empty(F, np.float64)
+    wblock = np.empty((hi - lo, F), grad.dtype)
+    dA = np.zeros(F, np.float64)
+    dB = np.zeros((F, dv), grad.dtype)
+    acc = 0.0
+    for i0 in range(lo, hi, SCAN_BLOCK):
+        i1 = min(i0 + SCAN_BLOCK, hi)
+        for i in range(i0, i1):
+            for f in range(F):
+                A[f] += phik[g, i, f]
+            gi = grad[g, i]
+            dn = den[g, i]
+            if dn > DEN_FLOOR:
+                dot_rows(S, gi, dphi)
+                for j in range(i0, i + 1):
+                    vg = _dot(v[g, j], gi)
+                    for f in range(F):
+                        dphi[f] += phik[g, j, f] * vg
+            dden = dphi_from_y(phiq[g, i], A, dn, L, dphi, wq)
+            dden_out[g, i] = dden
+            for f in range(F):
+                dA[f] += phiq[g, i, f] * dden / L
+                wblock[i - lo, f] = wq[f]
+            acc += hash_row_bwd(dphi, phiq[g, i], tq[g, i], W2, P, beta, du, dq[g, i])
+        outer_add(phik[g, i0:i1], v[g, i0:i1], S)
+    # the chunk's dB total does not depend on order: one blocked sweep
+    rank_update(wblock, grad[g, lo:hi], dB)
+    partdA[g, c] = dA
+    for f in range(F):
+        for cc in range(dv):
+            partdB[g, c, f, cc] = dB[f, cc]
+    dbeta_part[g, c] = acc
+
+
+@blas_tasks
 @njit(**_PJIT)
 def causal_queries_bwd(grad, v, phik, phiq, tq, den, carryA, carryB, W, beta, chunk,
                        dq, dden_out, partdA, partdB, dbeta_part):
@@ -584,48 +803,63 @@ def causal_queries_bwd(grad, v, phik, phiq, tq, den, carryA, carryB, W, beta, ch
     nc = carryA.shape[1]
     F = phik.shape[2]
     for task in prange(G * nc):
-        g, c, lo, hi = _bounds(task, nc, chunk, n)
-        A = carryA[g, c].copy()
-        S = np.empty((F, dv), v.dtype)
-        for f in range(F):
-            for cc in range(dv):
-                S[f, cc] = carryB[g, c, f, cc]
-        dphi = np.empty(F, np.float64)
-        du = np.empty(W.shape[0] * W.shape[1], W.dtype)
-        P = W.shape[1]
-        W2 = W.reshape(W.shape[0] * P, W.shape[2])
-        wq = np.empty(F, np.float64)
-        wblock = np.empty((hi - lo, F), grad.dtype)
-        dA = np.zeros(F, np.float64)
-        dB = np.zeros((F, dv), grad.dtype)
-        acc = 0.0
-        for i0 in range(lo, hi, SCAN_BLOCK):
-            i1 = min(i0 + SCAN_BLOCK, hi)
-            for i in range(i0, i1):
-                for f in range(F):
-                    A[f] += phik[g, i, f]
+        _causal_queries_bwd_task(task, grad, v, phik, phiq, tq, den, carryA, carryB, W, beta, chunk, dq, dden_out, partdA, partdB, dbeta_part)
+
+
+@njit(**_JIT)
+def _causal_keys_bwd_task(task, grad, v, phik, tk, phiq, den, dden, carrydA, carrydB, W, beta, chunk, dk, dv_out, dbeta_part):
+    """One (group, chunk) task of :func:`causal_keys_bwd` (a plain function: loops inlined
+    into a prange body were not vectorised)."""
+    G, n, dv = grad.shape
+    L = W.shape[0]
+    nc = carrydA.shape[1]
+    F = phik.shape[2]
+    g, c, lo, hi = _bounds(task, nc, chunk, n)
+    dA = carrydA[g, c].copy()
+    dB = np.empty((F, dv), grad.dtype)
+    for f in range(F):
+        for cc in range(dv):
+            dB[f, cc] = carrydB[g, c, f, cc]
+    dphi = np.empty(F, np.float64)
+    du = np.empty(W.shape[0] * W.shape[1], W.dtype)
+    P = W.shape[1]
+    W2 = W.reshape(W.shape[0] * P, W.shape[2])
+    wb = np.zeros((SCAN_BLOCK, F), grad.dtype)
+    ddv = np.zeros(SCAN_BLOCK, np.float64)
+    acc = 0.0
+    nb = (hi - lo + SCAN_BLOCK - 1) // SCAN_BLOCK
+    for bi in range(nb - 1, -1, -1):
+        i0 = lo + bi * SCAN_BLOCK
+        i1 = min(i0 + SCAN_BLOCK, hi)
+        for i in range(i0, i1):
+            dn = den[g, i]
+            inv = 1.0 / (L * dn) if dn > DEN_FLOOR else 0.0
+            ddv[i - i0] = dden[g, i] / L if dn > DEN_FLOOR else 0.0
+            for f in range(F):
+                wb[i - i0, f] = phiq[g, i, f] * inv
+        for j in range(i1 - 1, i0 - 1, -1):
+            for f in range(F):
+                dA[f] += phiq[g, j, f] * ddv[j - i0]
+            vj = v[g, j]
+            pk = phik[g, j]
+            dot_rows(dB, vj, dphi)
+            for f in range(F):
+                dphi[f] += dA[f]
+            dvj = dv_out[g, j]
+            combine_rows(pk, dB, dvj)
+            for i in range(j, i1):
                 gi = grad[g, i]
-                dn = den[g, i]
-                if dn > DEN_FLOOR:
-                    dot_rows(S, gi, dphi)
-                    for j in range(i0, i + 1):
-                        vg = _dot(v[g, j], gi)
-                        for f in range(F):
-                            dphi[f] += phik[g, j, f] * vg
-                dden = dphi_from_y(phiq[g, i], A, dn, L, dphi, wq)
-                dden_out[g, i] = dden
+                gv = _dot(gi, vj)
+                wk = 0.0
                 for f in range(F):
-                    dA[f] += phiq[g, i, f] * dden / L
-                    wblock[i - lo, f] = wq[f]
-                acc += hash_row_bwd(dphi, phiq[g, i], tq[g, i], W2, P, beta, du, dq[g, i])
-            outer_add(phik[g, i0:i1], v[g, i0:i1], S)
-        # the chunk's dB total does not depend on order: one blocked sweep
-        outer_add(wblock, grad[g, lo:hi], dB)
-        partdA[g, c] = dA
-        for f in range(F):
-            for cc in range(dv):
-                partdB[g, c, f, cc] = dB[f, cc]
-        dbeta_part[g, c] = acc
+                    dphi[f] += wb[i - i0, f] * gv
+                    wk += wb[i - i0, f] * pk[f]
+                for cc in range(dv):
+                    dvj[cc] += wk * gi[cc]
+            acc += hash_row_bwd(dphi, pk, tk[g, j], W2, P, beta, du, dk[g, j])
+        outer_add(wb[: i1 - i0], grad[g, i0:i1], dB)
+    dbeta_part[g, c] = acc
+
 
 
 @njit(**_PJIT)
@@ -642,48 +876,4 @@ def causal_keys_bwd(grad, v, phik, tk, phiq, den, dden, carrydA, carrydB, W, bet
     nc = carrydA.shape[1]
     F = phik.shape[2]
     for task in prange(G * nc):
-        g, c, lo, hi = _bounds(task, nc, chunk, n)
-        dA = carrydA[g, c].copy()
-        dB = np.empty((F, dv), grad.dtype)
-        for f in range(F):
-            for cc in range(dv):
-                dB[f, cc] = carrydB[g, c, f, cc]
-        dphi = np.empty(F, np.float64)
-        du = np.empty(W.shape[0] * W.shape[1], W.dtype)
-        P = W.shape[1]
-        W2 = W.reshape(W.shape[0] * P, W.shape[2])
-        wb = np.zeros((SCAN_BLOCK, F), grad.dtype)
-        ddv = np.zeros(SCAN_BLOCK, np.float64)
-        acc = 0.0
-        nb = (hi - lo + SCAN_BLOCK - 1) // SCAN_BLOCK
-        for bi in range(nb - 1, -1, -1):
-            i0 = lo + bi * SCAN_BLOCK
-            i1 = min(i0 + SCAN_BLOCK, hi)
-            for i in range(i0, i1):
-                dn = den[g, i]
-                inv = 1.0 / (L * dn) if dn > DEN_FLOOR else 0.0
-                ddv[i - i0] = dden[g, i] / L if dn > DEN_FLOOR else 0.0
-                for f in range(F):
-                    wb[i - i0, f] = phiq[g, i, f] * inv
-            for j in range(i1 - 1, i0 - 1, -1):
-                for f in range(F):
-                    dA[f] += phiq[g, j, f] * ddv[j - i0]
-                vj = v[g, j]
-                pk = phik[g, j]
-                dot_rows(dB, vj, dphi)
-                for f in range(F):
-                    dphi[f] += dA[f]
-                dvj = dv_out[g, j]
-                combine_rows(pk, dB, dvj)
-                for i in range(j, i1):
-                    gi = grad[g, i]
-                    gv = _dot(gi, vj)
-                    wk = 0.0
-                    for f in range(F):
-                        dphi[f] += wb[i - i0, f] * gv
-                        wk += wb[i - i0, f] * pk[f]
-                    for cc in range(dv):
-                        dvj[cc] += wk * gi[cc]
-                acc += hash_row_bwd(dphi, pk, tk[g, j], W2, P, beta, du, dk[g, j])
-            outer_add(wb[: i1 - i0], grad[g, i0:i1], dB)
-        dbeta_part[g, c] = acc
+        _causal_keys_bwd_task(task, grad, v, phik, tk, phiq, den, dden, carrydA, carrydB, W, beta, chunk, dk, dv_out, dbeta_part)

@@ -94,6 +94,26 @@ def test_chunked_work_matches_reference(rng, monkeypatch):
             assert rel_err(a, b) < 1e-10
 
 
+@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-10), (np.float32, 1e-5)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_blas_and_loop_paths_match_reference(rng, monkeypatch, causal, dtype, tol):
+    # Chunks of 24 tokens reach the sgemm path (>= BLAS_ROWS rows), the last
+    # chunk of 10 the loop path: both in one call, with masked keys.
+    from racecpu import _kernels, attention
+    monkeypatch.setattr(attention, "CHUNK", 24)
+    assert 10 < _kernels.BLAS_ROWS <= 24
+    nk = 58 if causal else 34
+    q, k, v, W = make(rng, (2,), 58, nk, 6, 7, 3, 3, dtype)
+    mask = rng.random((2, nk)) > 0.25
+    out, res = racecpu.race_attention_fwd(q, k, v, W, 2.5, causal=causal, key_mask=mask)
+    want, wres = ref.race_attention_dense_fwd(*f64(q, k, v, W), 2.5, causal=causal, key_mask=mask)
+    assert rel_err(out, want) < tol
+    g = rng.standard_normal(out.shape).astype(dtype)
+    for name, a, b in zip(("dq", "dk", "dv", "dbeta"), racecpu.race_attention_bwd(res, g),
+                          ref.race_attention_dense_bwd(wres, f64(g)[0])):
+        assert rel_err(a, b, floor=1e-3) < 10 * tol, name
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_gradients_match_finite_differences(rng, causal):
     q, k, v, W = make(rng, (2,), 5, 5, 4, 3, 2, 2)
