@@ -158,14 +158,9 @@ def hash_block(x, W, beta, keep, U, a, b, t, phi):
     L, P, _ = W.shape
     R = 1 << P
     LP = L * P
-    zero = W[0, 0, 0] - W[0, 0, 0]  # typed zero: the dot products stay in the compute dtype
-    for j in range(T):
-        for l in range(L):
-            for p in range(P):
-                u = zero
-                for i in range(d):
-                    u += x[j, i] * W[l, p, i]
-                U[j * LP + l * P + p] = u
+    W2 = W.reshape(LP, d)
+    for j in range(T):  # eight planes per sweep over x_j (1.25x the whole hash)
+        dot_rows(W2, x[j], U[j * LP:(j + 1) * LP])
     for s in range(T * LP):  # SIMD over the block
         u = U[s]
         e2 = exp_neg(-2.0 * abs(u))
@@ -202,13 +197,36 @@ def hash_block(x, W, beta, keep, U, a, b, t, phi):
 def hash_row_bwd(dphi, phi, t, W2, P, beta, du, dx):
     """Back through softmax over corners, tanh and x -> W x, for one token.
 
-    dz = phi * (dphi - phi.dphi);  s = C^T dz;  du = beta s (1 - t^2);
-    dx = sum_l W_l^T du.  Returns this token's contribution s.t to dbeta.
-    ``W2`` is the planes as (L*P, d); ``dphi`` (float64) is overwritten
-    with dz; ``du`` is scratch (L*P,) in the compute dtype; ``dx`` is
-    overwritten.
+    :func:`hash_row_du`, then dx = sum_l W_l^T du (``W2`` is the planes as
+    (L*P, d); ``dx`` is overwritten).  Returns the token's share of dbeta.
     """
-    LP = W2.shape[0]
+    dbeta = hash_row_du(dphi, phi, t, P, beta, du)
+    combine_rows(du, W2, dx)
+    return dbeta
+
+
+@njit(**_JIT)
+def project_back(DU, W2, dx):
+    """dx_j = W2^T du_j for every row of ``DU (n, L*P)``, overwriting ``dx (n, d)``.
+
+    One sgemm for a chunk of tokens (52 vs 84 ns per row for 9 planes, d = 128).
+    """
+    if DU.shape[0] >= BLAS_ROWS:
+        np.dot(DU, W2, dx)
+    else:
+        for j in range(DU.shape[0]):
+            combine_rows(DU[j], W2, dx[j])
+
+
+@njit(**_JIT)
+def hash_row_du(dphi, phi, t, P, beta, du):
+    """Back through softmax over corners and tanh, for one token.
+
+    dz = phi * (dphi - phi.dphi);  s = C^T dz;  du = beta s (1 - t^2) is the
+    cotangent of the projections W x.  ``dphi`` (float64) is overwritten
+    with dz; ``du (L*P,)`` is written.  Returns the token's share s.t of dbeta.
+    """
+    LP = du.shape[0]
     R = 1 << P
     dbeta = 0.0
     for l in range(LP // P):
@@ -227,7 +245,6 @@ def hash_row_bwd(dphi, phi, t, W2, P, beta, du, dx):
             th = t[l * P + p]
             dbeta += s * th
             du[l * P + p] = beta * s * (1.0 - th * th)
-    combine_rows(du, W2, dx)
     return dbeta
 
 
@@ -551,12 +568,14 @@ def _keys_bwd_task(task, v, phik, tk, dA, dB, W, beta, chunk, dk, dv_out, dbeta_
     W2 = W.reshape(W.shape[0] * P, W.shape[2])
     acc = 0.0
     if hi - lo >= BLAS_ROWS and dB.shape[2] > 0:
+        DU = np.empty((hi - lo, W2.shape[0]), W.dtype)
         np.dot(phik[g, lo:hi], dB[g], dv_out[g, lo:hi])  # dv_j = dB^T phik_j, all keys at once
         for j in range(lo, hi):
             dot_rows(dB[g], v[g, j], dphi)
             for f in range(F):
                 dphi[f] += dA[g, f]
-            acc += hash_row_bwd(dphi, phik[g, j], tk[g, j], W2, P, beta, du, dk[g, j])
+            acc += hash_row_du(dphi, phik[g, j], tk[g, j], P, beta, DU[j - lo])
+        project_back(DU, W2, dk[g, lo:hi])
     else:
         for j in range(lo, hi):
             acc += key_row_bwd(phik[g, j], tk[g, j], v[g, j], dB[g], dA[g], W2, P, beta,
@@ -623,17 +642,19 @@ def _queries_bwd_task(task, grad, phiq, tq, den, A, B, W, beta, chunk, dq, partd
     dA = np.zeros(F, np.float64)
     dB = np.zeros((F, dv), grad.dtype)
     acc = 0.0
+    DU = np.empty((hi - lo, W.shape[0] * W.shape[1]), W.dtype)  # du rows; dx by one sgemm at the end
     for i in range(lo, hi):
         dden = readout_row_bwd(phiq[g, i], A[g], B[g], grad[g, i], den[g, i], L, dphi, wq)
         for f in range(F):
             dA[f] += phiq[g, i, f] * dden / L
             wblock[i - lo, f] = wq[f]
-        acc += hash_row_bwd(dphi, phiq[g, i], tq[g, i], W2, P, beta, du, dq[g, i])
+        acc += hash_row_du(dphi, phiq[g, i], tq[g, i], P, beta, DU[i - lo])
     rank_update(wblock, grad[g, lo:hi], dB)
     partdA[g, c] = dA
     for f in range(F):
         for cc in range(dv):
             partdB[g, c, f, cc] = dB[f, cc]
+    project_back(DU, W2, dq[g, lo:hi])
     dbeta_part[g, c] = acc
 
 
@@ -759,6 +780,7 @@ def _causal_queries_bwd_task(task, grad, v, phik, phiq, tq, den, carryA, carryB,
     dA = np.zeros(F, np.float64)
     dB = np.zeros((F, dv), grad.dtype)
     acc = 0.0
+    DU = np.empty((hi - lo, W.shape[0] * W.shape[1]), W.dtype)  # du rows; dx by one sgemm at the end
     for i0 in range(lo, hi, SCAN_BLOCK):
         i1 = min(i0 + SCAN_BLOCK, hi)
         for i in range(i0, i1):
@@ -777,7 +799,7 @@ def _causal_queries_bwd_task(task, grad, v, phik, phiq, tq, den, carryA, carryB,
             for f in range(F):
                 dA[f] += phiq[g, i, f] * dden / L
                 wblock[i - lo, f] = wq[f]
-            acc += hash_row_bwd(dphi, phiq[g, i], tq[g, i], W2, P, beta, du, dq[g, i])
+            acc += hash_row_du(dphi, phiq[g, i], tq[g, i], P, beta, DU[i - lo])
         outer_add(phik[g, i0:i1], v[g, i0:i1], S)
     # the chunk's dB total does not depend on order: one blocked sweep
     rank_update(wblock, grad[g, lo:hi], dB)
@@ -785,6 +807,7 @@ def _causal_queries_bwd_task(task, grad, v, phik, phiq, tq, den, carryA, carryB,
     for f in range(F):
         for cc in range(dv):
             partdB[g, c, f, cc] = dB[f, cc]
+    project_back(DU, W2, dq[g, lo:hi])
     dbeta_part[g, c] = acc
 
 
@@ -827,6 +850,7 @@ def _causal_keys_bwd_task(task, grad, v, phik, tk, phiq, den, dden, carrydA, car
     wb = np.zeros((SCAN_BLOCK, F), grad.dtype)
     ddv = np.zeros(SCAN_BLOCK, np.float64)
     acc = 0.0
+    DU = np.empty((hi - lo, W.shape[0] * W.shape[1]), W.dtype)  # du rows; dx by one sgemm at the end
     nb = (hi - lo + SCAN_BLOCK - 1) // SCAN_BLOCK
     for bi in range(nb - 1, -1, -1):
         i0 = lo + bi * SCAN_BLOCK
@@ -856,12 +880,14 @@ def _causal_keys_bwd_task(task, grad, v, phik, tk, phiq, den, dden, carrydA, car
                     wk += wb[i - i0, f] * pk[f]
                 for cc in range(dv):
                     dvj[cc] += wk * gi[cc]
-            acc += hash_row_bwd(dphi, pk, tk[g, j], W2, P, beta, du, dk[g, j])
+            acc += hash_row_du(dphi, pk, tk[g, j], P, beta, DU[j - lo])
         outer_add(wb[: i1 - i0], grad[g, i0:i1], dB)
+    project_back(DU, W2, dk[g, lo:hi])
     dbeta_part[g, c] = acc
 
 
 
+@blas_tasks
 @njit(**_PJIT)
 def causal_keys_bwd(grad, v, phik, tk, phiq, den, dden, carrydA, carrydB, W, beta, chunk,
                     dk, dv_out, dbeta_part):
