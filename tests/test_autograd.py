@@ -62,7 +62,7 @@ def test_pow_rejects_tensor_exponent():
         rand(2) ** rand(2)
 
 
-@pytest.mark.parametrize("fn", ["exp", "tanh", "sigmoid", "relu", "elu", "gelu", "neg"])
+@pytest.mark.parametrize("fn", ["exp", "tanh", "sigmoid", "silu", "relu", "elu", "gelu", "neg"])
 def test_unary(fn):
     x = rand(4, 5)
     x.data[np.abs(x.data) < 1e-3] = 0.1  # keep relu/elu away from the kink
@@ -82,8 +82,12 @@ def test_unary_values():
     np.testing.assert_allclose(t.elu().data, np.where(x > 0, x, np.expm1(x)), atol=1e-15)
     from scipy.special import erf
     np.testing.assert_allclose(t.gelu().data, 0.5 * x * (1 + erf(x / np.sqrt(2))), atol=1e-3)
+    np.testing.assert_allclose(t.silu().data, x / (1 + np.exp(-x)), rtol=1e-12, atol=1e-15)
     big = Tensor(np.array([-1000.0, 1000.0], dtype=np.float32)).sigmoid().data
     assert np.isfinite(big).all() and big.dtype == np.float32
+    big = Tensor(np.array([-1000.0, 1000.0], dtype=np.float32)).silu().data
+    np.testing.assert_array_equal(big, [0, 1000])
+    assert big.dtype == np.float32
 
 
 @pytest.mark.parametrize("axis,keepdims", [(None, False), (0, False), (1, True), ((0, 2), False), (-1, True)])

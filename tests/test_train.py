@@ -67,6 +67,20 @@ def _args(*extra):
     return p.parse_args(list(extra))
 
 
+def test_config_short_conv_and_per_head_beta():
+    """chars defaults to a width-4 convolution on q, k, v for every attention; flags override per task."""
+    for att in nn.ATTENTIONS:
+        cfg = T.config_from_args(_args("--task", "chars"), att)
+        assert cfg["conv_size"] == 4 and cfg["conv_act"]
+        names = dict(T.build_model(dict(cfg, d_model=8, n_layers=1)).named_parameters())
+        assert names["blocks.0.attn.conv_q"].shape == (4, 8)
+    assert T.config_from_args(_args("--task", "mqar"))["conv_size"] == 0
+    cfg = T.config_from_args(_args("--task", "chars", "--conv-size", "0", "--beta-per-head"))
+    model = T.build_model(dict(cfg, d_model=8, n_layers=1))
+    assert "blocks.0.attn.conv_q" not in dict(model.named_parameters())
+    assert model.blocks[0].attn.log_beta.shape == (cfg["n_heads"],)
+
+
 @pytest.mark.parametrize("task,attention", [("mqar", "race"), ("chars", "linear")])
 def test_training_loss_decreases(task, attention):
     cfg = T.config_from_args(_args("--task", task, "--attention", attention, "--steps", "40", "--batch-size", "8",
@@ -99,6 +113,7 @@ def test_cli_compare_writes_outputs(tmp_path, capsys):
     for ext in ("csv", "md", "png", "json"):
         assert (tmp_path / f"mqar_compare.{ext}").stat().st_size > 0
     md = (tmp_path / "mqar_compare.md").read_text()
+    assert "conv_size=0" in md
     assert all(f"| {a} |" in md for a in nn.ATTENTIONS)
 
 

@@ -182,6 +182,15 @@ class MultiHeadAttention(Module):
     beta : float
         RACE's initial temperature.
     train_beta : bool, default True
+    beta_per_head : bool, default False
+        RACE only: one trained temperature per head instead of one per layer.
+    conv_size : int, default 0
+        If > 0, a causal depthwise convolution of this width (a "short
+        convolution", as in H3, GLA, DeltaNet, Mamba) on each of q, k, v
+        after their projections, for every attention type alike, so each
+        query, key and value mixes the last ``conv_size`` tokens.  Causal only.
+    conv_act : bool, default True
+        SiLU after the short convolution.
     seed : int or Generator
     """
 
@@ -223,7 +232,7 @@ class MultiHeadAttention(Module):
 
     def _conv(self, t, w):
         t = F.causal_conv1d(t, w)
-        return t * t.sigmoid() if self.conv_act else t
+        return t.silu() if self.conv_act else t
 
     def forward(self, x, key_mask=None):
         """``x``: (B, N, d_model); ``key_mask``: optional bool (B, N), False = padding."""
@@ -305,7 +314,8 @@ class TransformerLM(_Backbone):
     Learned token and position embeddings (``max_len`` positions), ``n_layers``
     pre-LN blocks, final LayerNorm and a linear head.  ``attention``,
     ``num_planes``, ``num_tables``, ``beta``, ``train_beta`` go to every
-    :class:`MultiHeadAttention`.  ``token_shift=True`` adds an embedding of the
+    :class:`MultiHeadAttention`, and so do ``beta_per_head``, ``conv_size`` and
+    ``conv_act`` (see there).  ``token_shift=True`` adds an embedding of the
     previous token to each position (a width-2 causal convolution on the
     tokens, like the short convolutions of H3/Based or RWKV's token shift), so a
     position knows its predecessor without spending an attention layer on it.

@@ -316,6 +316,12 @@ class Tensor:
         y = np.exp(-np.logaddexp(0, -x)).astype(x.dtype, copy=False)  # stable for any x
         return _op(y, (self,), lambda g: (g * y * (1 - y),))
 
+    def silu(self):
+        """SiLU (swish): ``x * sigmoid(x)``, with ``sigmoid(x) = (1 + tanh(x / 2)) / 2`` (stable, fast)."""
+        x = self.data
+        sg = 0.5 * (1 + np.tanh(0.5 * x))
+        return _op(x * sg, (self,), lambda g: (g * (sg * (1 + x * (1 - sg))),))
+
     def relu(self):
         x = self.data
         return _op(np.maximum(x, 0), (self,), lambda g: (g * (x > 0),))
