@@ -27,10 +27,17 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 
 import numpy as np
 import scipy.linalg.cython_blas  # noqa: F401  (the BLAS that np.dot in these kernels calls)
 from numba import njit, prange
+from numba.core.errors import NumbaPerformanceWarning
+
+# Callers that pass views ('A' layout at compile time) make Numba warn about
+# np.dot on non-contiguous arrays; the row blocks it gets are contiguous.
+warnings.filterwarnings("ignore", message=r".*np\.dot\(\) is faster on contiguous arrays",
+                        category=NumbaPerformanceWarning)
 
 from .hashing import DEN_FLOOR
 
