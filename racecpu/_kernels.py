@@ -611,8 +611,6 @@ def sketch_chunks(k, v, mask, W, beta, chunk, phik, tk, partA, partB):
     """
     G, n, _ = k.shape
     nc = partA.shape[1]
-    F = phik.shape[2]
-    dv = v.shape[2]
     for task in prange(G * nc):
         _sketch_chunks_task(task, k, v, mask, W, beta, chunk, phik, tk, partA, partB)
 
@@ -653,7 +651,6 @@ def _keys_bwd_task(task, v, phik, tk, dA, dB, W, beta, chunk, dk, dv_out, dbeta_
 def keys_bwd(v, phik, tk, dA, dB, W, beta, chunk, dk, dv_out, dbeta_part):
     """Non-causal cotangents of every key from the summed (dA, dB)."""
     G, n, _ = v.shape
-    F = phik.shape[2]
     nc = dbeta_part.shape[1]
     for task in prange(G * nc):
         _keys_bwd_task(task, v, phik, tk, dA, dB, W, beta, chunk, dk, dv_out, dbeta_part)
@@ -682,9 +679,7 @@ def _queries_fwd_task(task, q, W, beta, chunk, A, B, phiq, tq, den, out):
 def queries_fwd(q, W, beta, chunk, A, B, phiq, tq, den, out):
     """Hash every query and read the summed sketch ``A (G, F)``, ``B (G, F, dv)``."""
     G, n, _ = q.shape
-    L = W.shape[0]
     nc = (n + chunk - 1) // chunk
-    keep = np.ones(n, np.bool_)
     for task in prange(G * nc):
         _queries_fwd_task(task, q, W, beta, chunk, A, B, phiq, tq, den, out)
 
@@ -699,7 +694,6 @@ def _queries_bwd_task(task, grad, phiq, tq, den, A, B, W, beta, chunk, dq, partd
     nc = partdA.shape[1]
     g, c, lo, hi = _bounds(task, nc, chunk, n)
     dphi = np.empty(F, np.float64)
-    du = np.empty(W.shape[0] * W.shape[1], W.dtype)
     P = W.shape[1]
     W2 = W.reshape(W.shape[0] * P, W.shape[2])
     wq = np.empty(F, np.float64)
@@ -730,8 +724,6 @@ def _queries_bwd_task(task, grad, phiq, tq, den, A, B, W, beta, chunk, dq, partd
 def queries_bwd(grad, phiq, tq, den, A, B, W, beta, chunk, dq, partdA, partdB, dbeta_part):
     """Non-causal cotangents of every query, and chunk sums of (dA, dB)."""
     G, n, dv = grad.shape
-    L = W.shape[0]
-    F = phiq.shape[2]
     nc = partdA.shape[1]
     for task in prange(G * nc):
         _queries_bwd_task(task, grad, phiq, tq, den, A, B, W, beta, chunk, dq, partdA, partdB, dbeta_part)
@@ -773,10 +765,7 @@ def _causal_fwd_task(task, q, v, phik, carryA, carryB, W, beta, chunk, phiq, tq,
     U, a, b = _scratch(W)
     hash_range(q[g], lo, hi, W, beta, keep, tq[g], phiq[g], U, a, b)
     A = carryA[g, c].copy()
-    S = np.empty((F, dv), v.dtype)
-    for f in range(F):
-        for cc in range(dv):
-            S[f, cc] = carryB[g, c, f, cc]
+    S = carryB[g, c].astype(v.dtype)  # the carried-in state, in the compute dtype
     kq = np.empty(SCAN_BLOCK, np.float64)
     for i0 in range(lo, hi, SCAN_BLOCK):
         i1 = min(i0 + SCAN_BLOCK, hi)
@@ -815,11 +804,7 @@ def causal_fwd(q, v, phik, carryA, carryB, W, beta, chunk, phiq, tq, den, out):
     is computed as phiq_i B_before + sum_{j<=i} (phiq_i . phik_j) v_j.
     """
     G, n, _ = q.shape
-    L = W.shape[0]
     nc = carryA.shape[1]
-    F = phik.shape[2]
-    dv = v.shape[2]
-    keep = np.ones(n, np.bool_)
     for task in prange(G * nc):
         _causal_fwd_task(task, q, v, phik, carryA, carryB, W, beta, chunk, phiq, tq, den, out)
 
@@ -834,12 +819,8 @@ def _causal_queries_bwd_task(task, grad, v, phik, phiq, tq, den, carryA, carryB,
     F = phik.shape[2]
     g, c, lo, hi = _bounds(task, nc, chunk, n)
     A = carryA[g, c].copy()
-    S = np.empty((F, dv), v.dtype)
-    for f in range(F):
-        for cc in range(dv):
-            S[f, cc] = carryB[g, c, f, cc]
+    S = carryB[g, c].astype(v.dtype)  # the carried-in state, in the compute dtype
     dphi = np.empty(F, np.float64)
-    du = np.empty(W.shape[0] * W.shape[1], W.dtype)
     P = W.shape[1]
     W2 = W.reshape(W.shape[0] * P, W.shape[2])
     wq = np.empty(F, np.float64)
@@ -891,9 +872,7 @@ def causal_queries_bwd(grad, v, phik, phiq, tq, den, carryA, carryB, W, beta, ch
     reverse scan.
     """
     G, n, dv = grad.shape
-    L = W.shape[0]
     nc = carryA.shape[1]
-    F = phik.shape[2]
     for task in prange(G * nc):
         _causal_queries_bwd_task(task, grad, v, phik, phiq, tq, den, carryA, carryB, W, beta, chunk, dq, dden_out, partdA, partdB, dbeta_part)
 
@@ -908,12 +887,8 @@ def _causal_keys_bwd_task(task, grad, v, phik, tk, phiq, den, dden, carrydA, car
     F = phik.shape[2]
     g, c, lo, hi = _bounds(task, nc, chunk, n)
     dA = carrydA[g, c].copy()
-    dB = np.empty((F, dv), grad.dtype)
-    for f in range(F):
-        for cc in range(dv):
-            dB[f, cc] = carrydB[g, c, f, cc]
+    dB = carrydB[g, c].astype(grad.dtype)  # the carried-in state, in the compute dtype
     dphi = np.empty(F, np.float64)
-    du = np.empty(W.shape[0] * W.shape[1], W.dtype)
     P = W.shape[1]
     W2 = W.reshape(W.shape[0] * P, W.shape[2])
     wb = np.zeros((SCAN_BLOCK, F), grad.dtype)
@@ -969,8 +944,6 @@ def causal_keys_bwd(grad, v, phik, tk, phiq, den, dden, carrydA, carrydB, W, bet
     dv_j = dB_after^T phik_j + sum_i (wq_i . phik_j) g_i.
     """
     G, n, dv = grad.shape
-    L = W.shape[0]
     nc = carrydA.shape[1]
-    F = phik.shape[2]
     for task in prange(G * nc):
         _causal_keys_bwd_task(task, grad, v, phik, tk, phiq, den, dden, carrydA, carrydB, W, beta, chunk, dk, dv_out, dbeta_part)
