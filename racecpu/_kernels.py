@@ -685,6 +685,23 @@ def queries_fwd(q, W, beta, chunk, A, B, phiq, tq, den, out):
 
 
 @njit(**_JIT)
+def queries_chunk_end(g, c, lo, hi, grad, phiq, tq, wblock, DPHI, DU, dA, W2, P, beta, dq, partdA, partdB):
+    """End of a query chunk's backward (causal or not); returns the chunk's hash share of dbeta.
+
+    The chunk's dB = sum_i wq_i g_i^T by sgemm (its total does not depend on
+    order), the chunk totals to ``partdA``/``partdB`` (float64), then the
+    hash backward of every query (``DPHI`` holds dphi rows) and dq = DU W.
+    """
+    dB = np.zeros((wblock.shape[1], grad.shape[2]), grad.dtype)
+    rank_update(wblock, grad[g, lo:hi], dB)
+    partdA[g, c] = dA
+    partdB[g, c] = dB
+    acc = hash_rows_du(DPHI, phiq[g, lo:hi], tq[g, lo:hi], P, beta, DU)
+    project_back(DU, W2, dq[g, lo:hi])
+    return acc
+
+
+@njit(**_JIT)
 def _queries_bwd_task(task, grad, phiq, tq, den, A, B, W, beta, chunk, dq, partdA, partdB, dbeta_part):
     """One (group, chunk) task of :func:`queries_bwd` (a plain function: loops inlined
     into a prange body were not vectorised)."""
@@ -699,7 +716,6 @@ def _queries_bwd_task(task, grad, phiq, tq, den, A, B, W, beta, chunk, dq, partd
     wq = np.empty(F, np.float64)
     wblock = np.empty((hi - lo, F), grad.dtype)
     dA = np.zeros(F, np.float64)
-    dB = np.zeros((F, dv), grad.dtype)
     acc = 0.0
     DU = np.empty((hi - lo, W.shape[0] * W.shape[1]), W.dtype)  # du rows; dx by one sgemm at the end
     DPHI = np.empty((hi - lo, F), np.float64)
@@ -709,14 +725,8 @@ def _queries_bwd_task(task, grad, phiq, tq, den, A, B, W, beta, chunk, dq, partd
             dA[f] += phiq[g, i, f] * dden / L
             wblock[i - lo, f] = wq[f]
         DPHI[i - lo] = dphi  # the hash backward runs once per chunk, SIMD over tokens
-    rank_update(wblock, grad[g, lo:hi], dB)
-    partdA[g, c] = dA
-    for f in range(F):
-        for cc in range(dv):
-            partdB[g, c, f, cc] = dB[f, cc]
-    acc += hash_rows_du(DPHI, phiq[g, lo:hi], tq[g, lo:hi], P, beta, DU)
-    project_back(DU, W2, dq[g, lo:hi])
-    dbeta_part[g, c] = acc
+    dbeta_part[g, c] = acc + queries_chunk_end(g, c, lo, hi, grad, phiq, tq, wblock, DPHI, DU, dA, W2, P, beta,
+                                               dq, partdA, partdB)
 
 
 @blas_tasks
@@ -826,7 +836,6 @@ def _causal_queries_bwd_task(task, grad, v, phik, phiq, tq, den, carryA, carryB,
     wq = np.empty(F, np.float64)
     wblock = np.empty((hi - lo, F), grad.dtype)
     dA = np.zeros(F, np.float64)
-    dB = np.zeros((F, dv), grad.dtype)
     acc = 0.0
     DU = np.empty((hi - lo, W.shape[0] * W.shape[1]), W.dtype)  # du rows; dx by one sgemm at the end
     DPHI = np.empty((hi - lo, F), np.float64)
@@ -850,15 +859,8 @@ def _causal_queries_bwd_task(task, grad, v, phik, phiq, tq, den, carryA, carryB,
                 wblock[i - lo, f] = wq[f]
             DPHI[i - lo] = dphi  # the hash backward runs once per chunk, SIMD over tokens
         outer_add(phik[g, i0:i1], v[g, i0:i1], S)
-    # the chunk's dB total does not depend on order: one blocked sweep
-    rank_update(wblock, grad[g, lo:hi], dB)
-    partdA[g, c] = dA
-    for f in range(F):
-        for cc in range(dv):
-            partdB[g, c, f, cc] = dB[f, cc]
-    acc += hash_rows_du(DPHI, phiq[g, lo:hi], tq[g, lo:hi], P, beta, DU)
-    project_back(DU, W2, dq[g, lo:hi])
-    dbeta_part[g, c] = acc
+    dbeta_part[g, c] = acc + queries_chunk_end(g, c, lo, hi, grad, phiq, tq, wblock, DPHI, DU, dA, W2, P, beta,
+                                               dq, partdA, partdB)
 
 
 @blas_tasks
