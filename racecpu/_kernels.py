@@ -201,28 +201,19 @@ def hash_block(x, W, beta, keep, U, a, b, t, phi):
 
 
 @njit(**_JIT)
-def hash_row_bwd(dphi, phi, t, W2, P, beta, du, dx):
-    """Back through softmax over corners, tanh and x -> W x, for one token.
+def rows_dot(X, S, out):
+    """out = X S for ``X (n, F)``, ``S (F, dv)``, overwriting ``out (n, dv)``.
 
-    :func:`hash_row_du`, then dx = sum_l W_l^T du (``W2`` is the planes as
-    (L*P, d); ``dx`` is overwritten).  Returns the token's share of dbeta.
+    One sgemm for a chunk of rows (readout 100 vs 150 ns, dq from du 52 vs
+    84 ns per row); :func:`combine_rows` per row below BLAS_ROWS rows.
     """
-    dbeta = hash_row_du(dphi, phi, t, P, beta, du)
-    combine_rows(du, W2, dx)
-    return dbeta
-
-
-@njit(**_JIT)
-def project_back(DU, W2, dx):
-    """dx_j = W2^T du_j for every row of ``DU (n, L*P)``, overwriting ``dx (n, d)``.
-
-    One sgemm for a chunk of tokens (52 vs 84 ns per row for 9 planes, d = 128).
-    """
-    if DU.shape[0] >= BLAS_ROWS:
-        np.dot(DU, W2, dx)
+    if out.shape[1] == 0:
+        return
+    if X.shape[0] >= BLAS_ROWS:
+        np.dot(X, S, out)
     else:
-        for j in range(DU.shape[0]):
-            combine_rows(DU[j], W2, dx[j])
+        for j in range(X.shape[0]):
+            combine_rows(X[j], S, out[j])
 
 
 @njit(**_JIT)
@@ -460,45 +451,22 @@ def rank_update(w, x, B):
 
 
 @njit(**_JIT)
-def readout_row(phiq, A, S, L, out):
-    """out = (phiq S) / (phiq . A) with the 1/L of both; returns den.
+def readout_rows(phiq, A, S, L, den, out):
+    """out_i = (phiq_i S) / (phiq_i . A) with the 1/L of both, den_i = phiq_i . A / L, every row.
 
     A is float64; S is (F, dv) in the compute dtype.  Rows whose den is at
     most DEN_FLOOR get zeros (see hashing.DEN_FLOOR).
     """
-    F, dv = S.shape
-    den = 0.0
-    for f in range(F):
-        den += phiq[f] * A[f]
-    den /= L
-    if den <= DEN_FLOOR:
-        for c in range(dv):
-            out[c] = 0.0
-        return den
-    combine_rows(phiq, S, out)
-    inv = 1.0 / (L * den)
-    for c in range(dv):
-        out[c] *= inv
-    return den
-
-
-@njit(**_JIT)
-def readout_rows(phiq, A, S, L, den, out):
-    """:func:`readout_row` for every row of ``phiq (n, F)``, the products by one sgemm."""
     n, F = phiq.shape
     dv = S.shape[1]
-    if n < BLAS_ROWS or dv == 0:
-        for i in range(n):
-            den[i] = readout_row(phiq[i], A, S, L, out[i])
-        return
-    np.dot(phiq, S, out)
+    rows_dot(phiq, S, out)
     for i in range(n):
         dn = 0.0
         for f in range(F):
             dn += phiq[i, f] * A[f]
         dn /= L
         den[i] = dn
-        inv = 1.0 / (L * dn) if dn > DEN_FLOOR else 0.0  # the floor: zeros (readout_row)
+        inv = 1.0 / (L * dn) if dn > DEN_FLOOR else 0.0  # the floor: zeros
         o = out[i]
         for c in range(dv):
             o[c] *= inv
@@ -506,7 +474,7 @@ def readout_rows(phiq, A, S, L, den, out):
 
 @njit(**_JIT)
 def readout_row_bwd(phiq, A, S, g, den, L, dphi, wq):
-    """Cotangent of :func:`readout_row` w.r.t. phiq; returns dden.
+    """Cotangent of one row of :func:`readout_rows` w.r.t. phiq; returns dden.
 
     With y = S g:  dden = -(phiq . y) / (L den^2),
     dphiq = y / (L den) + A dden / L  (written to ``dphi``, float64), and the
@@ -535,21 +503,6 @@ def dphi_from_y(phiq, A, den, L, dphi, wq):
         dphi[f] = dphi[f] * inv + A[f] * dden / L
         wq[f] = phiq[f] * inv
     return dden
-
-
-@njit(**_JIT)
-def key_row_bwd(phik, tk, vrow, dB, dA, W2, P, beta, dphi, du, dk, dvrow):
-    """Cotangents of one key: dphik = dB v + dA, dv = dB^T phik, then dk.
-
-    Returns the key's contribution to dbeta.  A masked key has phik = 0, so
-    its dv, dk and dbeta come out 0 by the formulas themselves.
-    """
-    F = dB.shape[0]
-    dot_rows(dB, vrow, dphi)
-    for f in range(F):
-        dphi[f] += dA[f]
-    combine_rows(phik, dB, dvrow)
-    return hash_row_bwd(dphi, phik, tk, W2, P, beta, du, dk)
 
 
 # ---------------------------------------------------------------------------
@@ -623,26 +576,18 @@ def _keys_bwd_task(task, v, phik, tk, dA, dB, W, beta, chunk, dk, dv_out, dbeta_
     F = phik.shape[2]
     nc = dbeta_part.shape[1]
     g, c, lo, hi = _bounds(task, nc, chunk, n)
-    dphi = np.empty(F, np.float64)
-    du = np.empty(W.shape[0] * W.shape[1], W.dtype)
     P = W.shape[1]
     W2 = W.reshape(W.shape[0] * P, W.shape[2])
-    acc = 0.0
-    if hi - lo >= BLAS_ROWS and dB.shape[2] > 0:
-        DU = np.empty((hi - lo, W2.shape[0]), W.dtype)
-        DPHI = np.empty((hi - lo, F), np.float64)
-        np.dot(phik[g, lo:hi], dB[g], dv_out[g, lo:hi])  # dv_j = dB^T phik_j, all keys at once
-        for j in range(lo, hi):
-            dot_rows(dB[g], v[g, j], dphi)
-            for f in range(F):
-                dphi[f] += dA[g, f]
-            DPHI[j - lo] = dphi  # the hash backward runs once per chunk, SIMD over tokens
-        acc += hash_rows_du(DPHI, phik[g, lo:hi], tk[g, lo:hi], P, beta, DU)
-        project_back(DU, W2, dk[g, lo:hi])
-    else:
-        for j in range(lo, hi):
-            acc += key_row_bwd(phik[g, j], tk[g, j], v[g, j], dB[g], dA[g], W2, P, beta,
-                               dphi, du, dk[g, j], dv_out[g, j])
+    DU = np.empty((hi - lo, W2.shape[0]), W.dtype)
+    DPHI = np.empty((hi - lo, F), np.float64)
+    rows_dot(phik[g, lo:hi], dB[g], dv_out[g, lo:hi])  # dv_j = dB^T phik_j (masked keys: 0)
+    for j in range(lo, hi):
+        dphi = DPHI[j - lo]  # dphik_j = dB v_j + dA
+        dot_rows(dB[g], v[g, j], dphi)
+        for f in range(F):
+            dphi[f] += dA[g, f]
+    acc = hash_rows_du(DPHI, phik[g, lo:hi], tk[g, lo:hi], P, beta, DU)  # the hash backward, SIMD over keys
+    rows_dot(DU, W2, dk[g, lo:hi])
     dbeta_part[g, c] = acc
 
 
@@ -661,13 +606,12 @@ def keys_bwd(v, phik, tk, dA, dB, W, beta, chunk, dk, dv_out, dbeta_part):
 # ---------------------------------------------------------------------------
 
 @njit(**_JIT)
-def _queries_fwd_task(task, q, W, beta, chunk, A, B, phiq, tq, den, out):
+def _queries_fwd_task(task, keep, q, W, beta, chunk, A, B, phiq, tq, den, out):
     """One (group, chunk) task of :func:`queries_fwd` (a plain function: loops inlined
     into a prange body were not vectorised)."""
     G, n, _ = q.shape
     L = W.shape[0]
     nc = (n + chunk - 1) // chunk
-    keep = np.ones(n, np.bool_)
     g, c, lo, hi = _bounds(task, nc, chunk, n)
     U, a, b = _scratch(W)
     hash_range(q[g], lo, hi, W, beta, keep, tq[g], phiq[g], U, a, b)
@@ -680,8 +624,9 @@ def queries_fwd(q, W, beta, chunk, A, B, phiq, tq, den, out):
     """Hash every query and read the summed sketch ``A (G, F)``, ``B (G, F, dv)``."""
     G, n, _ = q.shape
     nc = (n + chunk - 1) // chunk
+    keep = np.ones(n, np.bool_)  # queries are never masked
     for task in prange(G * nc):
-        _queries_fwd_task(task, q, W, beta, chunk, A, B, phiq, tq, den, out)
+        _queries_fwd_task(task, keep, q, W, beta, chunk, A, B, phiq, tq, den, out)
 
 
 @njit(**_JIT)
@@ -697,7 +642,7 @@ def queries_chunk_end(g, c, lo, hi, grad, phiq, tq, wblock, DPHI, DU, dA, W2, P,
     partdA[g, c] = dA
     partdB[g, c] = dB
     acc = hash_rows_du(DPHI, phiq[g, lo:hi], tq[g, lo:hi], P, beta, DU)
-    project_back(DU, W2, dq[g, lo:hi])
+    rows_dot(DU, W2, dq[g, lo:hi])
     return acc
 
 
@@ -762,7 +707,7 @@ def _dot(x, y):
 
 
 @njit(**_JIT)
-def _causal_fwd_task(task, q, v, phik, carryA, carryB, W, beta, chunk, phiq, tq, den, out):
+def _causal_fwd_task(task, keep, q, v, phik, carryA, carryB, W, beta, chunk, phiq, tq, den, out):
     """One (group, chunk) task of :func:`causal_fwd` (a plain function: loops inlined
     into a prange body were not vectorised)."""
     G, n, _ = q.shape
@@ -770,7 +715,6 @@ def _causal_fwd_task(task, q, v, phik, carryA, carryB, W, beta, chunk, phiq, tq,
     nc = carryA.shape[1]
     F = phik.shape[2]
     dv = v.shape[2]
-    keep = np.ones(n, np.bool_)
     g, c, lo, hi = _bounds(task, nc, chunk, n)
     U, a, b = _scratch(W)
     hash_range(q[g], lo, hi, W, beta, keep, tq[g], phiq[g], U, a, b)
@@ -815,8 +759,9 @@ def causal_fwd(q, v, phik, carryA, carryB, W, beta, chunk, phiq, tq, den, out):
     """
     G, n, _ = q.shape
     nc = carryA.shape[1]
+    keep = np.ones(n, np.bool_)  # queries are never masked
     for task in prange(G * nc):
-        _causal_fwd_task(task, q, v, phik, carryA, carryB, W, beta, chunk, phiq, tq, den, out)
+        _causal_fwd_task(task, keep, q, v, phik, carryA, carryB, W, beta, chunk, phiq, tq, den, out)
 
 
 @njit(**_JIT)
@@ -930,7 +875,7 @@ def _causal_keys_bwd_task(task, grad, v, phik, tk, phiq, den, dden, carrydA, car
             DPHI[j - lo] = dphi  # the hash backward runs once per chunk, SIMD over tokens
         outer_add(wb[: i1 - i0], grad[g, i0:i1], dB)
     acc += hash_rows_du(DPHI, phik[g, lo:hi], tk[g, lo:hi], P, beta, DU)
-    project_back(DU, W2, dk[g, lo:hi])
+    rows_dot(DU, W2, dk[g, lo:hi])
     dbeta_part[g, c] = acc
 
 

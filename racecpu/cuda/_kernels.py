@@ -5,8 +5,10 @@ step: every (batch, head) pair is a group ``g``; arrays are C-contiguous
 ``x (G, N, d)``, ``v (G, N, dv)``, planes ``W (L, P, d)``; the soft hash of one
 token is a row ``phi (F,)``, ``F = L * R``, with tanh projections ``t (L*P,)``.
 The per-token helpers (:func:`hash_row`, :func:`hash_row_bwd`,
-:func:`readout_row`, :func:`readout_row_bwd`, :func:`key_row_bwd`) are the CPU
-helpers with loops reordered so a thread keeps its sums in registers.
+:func:`readout_row`, :func:`readout_row_bwd`, :func:`key_row_bwd`) compute one
+token's share of what the CPU kernels do a chunk at a time (``readout_rows``,
+``hash_rows_du``, ``rows_dot``), with loops ordered so a thread keeps its sums
+in registers.
 
 GPU work split.  A *block* owns one (group, chunk) task, as one ``prange``
 task does on the CPU, and walks its chunk in *tiles* of ``T`` tokens
