@@ -31,7 +31,8 @@ import warnings
 
 import numpy as np
 import scipy.linalg.cython_blas  # noqa: F401  (the BLAS that np.dot in these kernels calls)
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 from numba.core.errors import NumbaPerformanceWarning
 
 # Callers that pass views ('A' layout at compile time) make Numba warn about
@@ -117,13 +118,9 @@ _EXP_MIN = -708.0  # exp(x) for x below is returned as ~3e-308, not 0
 
 
 @njit(inline="always", **_JIT)
-def exp_neg(x):
-    """exp(x) for x <= 0 in float64, branch-free so that loops over it vectorise.
-
-    libm's exp is a scalar call (~9 ns); this is ~1.5 ns per value in a SIMD
-    loop, accurate to a few ulp: x = k ln2 + g, exp(g) by its Taylor series
-    to degree 13 (|g| <= ln2/2), 2**k by selecting powers 2**-(2**i).
-    """
+def _exp_neg_f64(x):
+    """exp(x), x <= 0, float64: x = k ln2 + g, exp(g) by its Taylor series to
+    degree 13 (|g| <= ln2/2), 2**k by selecting powers 2**-(2**i)."""
     x = x if x > _EXP_MIN else _EXP_MIN
     k = float(int(x * _LOG2E - 0.5))  # round to nearest: truncation of y - 1/2 for y <= 0
     g = (x - k * _LN2_HI) - k * _LN2_LO
@@ -145,6 +142,58 @@ def exp_neg(x):
     return p * r
 
 
+# float32 constants (globals are frozen with their type, so the arithmetic stays float32)
+_f = np.float32
+_LOG2E_F, _HALF_F, _ONE_F = _f(_LOG2E), _f(0.5), _f(1.0)
+_LN2_HI_F, _LN2_LO_F = _f(0.693359375), _f(-2.12194440e-4)  # Cody-Waite split of ln 2 (Cephes expf)
+_EXP_MIN_F = _f(-87.0)  # above the smallest normal float32, 2**-126 ~ exp(-87.3)
+_EXP_C_F = tuple(_f(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3,
+                                4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1))
+_POW2_F = tuple(_f(2.0 ** -(1 << i)) for i in range(7))
+
+
+@njit(inline="always", **_JIT)
+def _exp_neg_f32(x):
+    """exp(x), x <= 0, float32, ~1 ulp: Cephes' expf polynomial (degree 7 in
+    all) after the same range reduction; 16 lanes per SIMD op, a third of the
+    float64 cost, for the hash of float32 inputs."""
+    c0, c1, c2, c3, c4, c5 = _EXP_C_F
+    x = x if x > _EXP_MIN_F else _EXP_MIN_F
+    k = _f(int(x * _LOG2E_F - _HALF_F))  # round to nearest, as in _exp_neg_f64
+    g = (x - k * _LN2_HI_F) - k * _LN2_LO_F
+    p = (((((c0 * g + c1) * g + c2) * g + c3) * g + c4) * g + c5) * (g * g) + g + _ONE_F
+    m = int(-k)  # 0..126
+    q0, q1, q2, q3, q4, q5, q6 = _POW2_F
+    r = _ONE_F
+    r *= q0 if m & 1 else _ONE_F
+    r *= q1 if m & 2 else _ONE_F
+    r *= q2 if m & 4 else _ONE_F
+    r *= q3 if m & 8 else _ONE_F
+    r *= q4 if m & 16 else _ONE_F
+    r *= q5 if m & 32 else _ONE_F
+    r *= q6 if m & 64 else _ONE_F
+    return p * r
+
+
+def exp_neg(x):
+    """exp(x) for x <= 0, branch-free so that loops over it vectorise.
+
+    libm's exp is a scalar call (~9 ns); this is ~1.5 ns per float64 value
+    in a SIMD loop and ~0.5 ns per float32 value: the precision follows the
+    argument's type (see the overload below).  Relative error: float32 <= 3
+    ulp; float64 ~1 ulp near 0 growing to ~110 ulp (2.4e-14) near -708, as
+    fastmath reassociates the Cody-Waite reduction (tests/test_race.py).
+    """
+    return float(np.exp(min(x, 0.0)))
+
+
+@overload(exp_neg, jit_options=_JIT)
+def _exp_neg_typed(x):
+    if x == types.float32:
+        return lambda x: _exp_neg_f32(x)
+    return lambda x: _exp_neg_f64(x)
+
+
 #: Tokens hashed together: the tanh/logistic step vectorises across them.
 HASH_BLOCK = 32
 
@@ -159,7 +208,9 @@ def hash_block(x, W, beta, keep, U, a, b, t, phi):
     overflow for any beta; the product over planes is built by doubling,
     plane 0 being the most significant bit of the corner index.  Rows with
     ``keep[j]`` False (masked keys) get phi = 0 (t is still written).
-    ``U``, ``a``, ``b`` are float64 scratch of at least T * L * P values.
+    ``U``, ``a``, ``b`` are scratch of at least T * L * P values in the
+    planes' dtype, which sets the precision of the tanh/logistic math (float32
+    inputs: float32, ~1e-7 absolute in t and phi, the rounding of storing them).
     """
     T, d = x.shape
     L, P, _ = W.shape
@@ -168,17 +219,21 @@ def hash_block(x, W, beta, keep, U, a, b, t, phi):
     W2 = W.reshape(LP, d)
     for j in range(T):  # eight planes per sweep over x_j (1.25x the whole hash)
         dot_rows(W2, x[j], U[j * LP:(j + 1) * LP])
+    # Constants in the scratch dtype: a float64 literal would promote float32 math.
+    c = np.empty(3, U.dtype)
+    c[0], c[1], c[2] = -2.0, -2.0 * beta, 1.0
+    m2, m2beta, one = c[0], c[1], c[2]
     for s in range(T * LP):  # SIMD over the block
         u = U[s]
-        e2 = exp_neg(-2.0 * abs(u))
-        th = (1.0 - e2) / (1.0 + e2)
-        th = th if u >= 0.0 else -th
+        e2 = exp_neg(m2 * abs(u))
+        th = (one - e2) / (one + e2)
+        th = th if u >= 0 else -th
         U[s] = th
-        e = exp_neg(-2.0 * beta * abs(th))
-        hi = 1.0 / (1.0 + e)  # sigmoid(2 beta |t|)
+        e = exp_neg(m2beta * abs(th))
+        hi = one / (one + e)  # sigmoid(2 beta |t|)
         lo = e * hi           # sigmoid(-2 beta |t|), without the cancellation of 1 - hi
-        a[s] = hi if th >= 0.0 else lo  # sigmoid(2 beta t)
-        b[s] = lo if th >= 0.0 else hi  # 1 - sigmoid(2 beta t)
+        a[s] = hi if th >= 0 else lo  # sigmoid(2 beta t)
+        b[s] = lo if th >= 0 else hi  # 1 - sigmoid(2 beta t)
     for j in range(T):
         for m in range(LP):
             t[j, m] = U[j * LP + m]
@@ -313,7 +368,7 @@ def hash_range(x, lo, hi, W, beta, keep, t, phi, U, a, b):
 @njit(**_JIT)
 def _scratch(W):
     m = HASH_BLOCK * W.shape[0] * W.shape[1]
-    return np.empty(m, np.float64), np.empty(m, np.float64), np.empty(m, np.float64)
+    return np.empty(m, W.dtype), np.empty(m, W.dtype), np.empty(m, W.dtype)
 
 
 @njit(**_PJIT)

@@ -164,6 +164,28 @@ def test_corner_order_is_itertools_product(rng):
             assert phi[i, l, r] > 0.999
 
 
+@pytest.mark.parametrize("dtype,lo,tol", [(np.float64, -708.0, 1e-13), (np.float32, -87.0, 3e-7)])
+def test_exp_neg_matches_numpy_in_its_dtype(dtype, lo, tol):
+    # The soft hash's exp: float32 inputs get the float32 polynomial, float64 the float64 one.
+    # float64 loses ~100 ulp near -708: fastmath reassociates the Cody-Waite reduction.
+    from numba import njit
+    from racecpu._kernels import exp_neg
+
+    @njit
+    def run(x, out):
+        for i in range(x.shape[0]):
+            out[i] = exp_neg(x[i])
+
+    x = np.concatenate([-np.geomspace(1e-8, -lo, 20001), np.linspace(lo, 0.0, 20001)]).astype(dtype)
+    out = np.empty_like(x)
+    run(x, out)
+    want = np.exp(x.astype(np.float64))
+    assert np.max(np.abs(out / want - 1)) < tol
+    far = np.array([lo - 1, -1e4, -np.inf], dtype)  # clamped: tiny and positive, never 0 or NaN
+    run(far, out[:3])
+    assert np.all((out[:3] > 0) & (out[:3] <= np.exp(np.float64(lo)) * 1.01))
+
+
 def test_soft_buckets_dtypes(rng):
     W = racecpu.hyperplanes(4, 2, 2)
     x = rng.standard_normal((3, 4))
