@@ -123,3 +123,23 @@ def test_memory_cap_skips_and_still_reports(tmp_path):
     text = (tmp_path / "s.txt").read_text()
     assert "skip(mem): predicted peak" in text and "thread scaling skipped" in text
     assert (tmp_path / "s.png").stat().st_size > 0
+
+
+def test_floor_script_writes_its_table(tmp_path):
+    # benchmarks/floor.py (the achievable-floor arithmetic of the speed issue) at a tiny size.
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "benchmarks" / "floor.py"
+    spec = importlib.util.spec_from_file_location("race_floor", path)
+    floor = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(floor)
+    out = tmp_path / "floor.txt"
+    assert floor.main(["--log2n", "10", "--heads", "1", "--repeats", "1", "--copy-mib", "16", "--out", str(out)]) == 0
+    text = out.read_text()
+    for row in ("hash projection", "fwd+bwd", "keys_bwd", "public fwd+bwd (fresh outputs)", "public call / floor"):
+        assert row in text
+    ns = [float(line.split()[-1]) for line in text.splitlines() if line.strip().startswith(("fwd ", "bwd "))]
+    assert len(ns) == 2 and all(x > 0 for x in ns)  # floors of fwd and bwd
+    with pytest.raises(SystemExit):
+        floor.main(["--log2n", "3"])

@@ -1,0 +1,226 @@
+"""What this machine can do for RACE's shapes, against what the kernels do.
+
+The roofline of ``racecpu bench`` divides the flops by the square-SGEMM rate.
+RACE's products are thin: per token, a (d x L*P) hash projection and
+(F x dv) sketch / readout products with F = L * 2**P = 24.  This script
+measures what BLAS itself reaches on exactly those shapes (one thread, 1024-row
+blocks as the kernels use), what a page of fresh memory costs to touch, and
+builds from them an *achievable floor* per token-head:
+
+    compute  = sum of the thin products the algorithm needs, at BLAS's own
+               rate for each shape, divided by the threads
+    memory   = bytes streamed / copy bandwidth (threads)
+    floor    = max(compute, memory) + first touch of the fresh output bytes
+
+It then times each RACE kernel on outputs it has already touched (steady state)
+and the public calls (fresh outputs, what a user sees), so the gap to the floor
+can be read per kernel.  Everything not counted (the tanh/logistic math, the
+soft-hash products, the softmax backward, dtype conversions) makes the real
+floor higher: a target below this floor is out of reach.
+
+    python benchmarks/floor.py [--log2n 20] [--heads 4] [--repeats 3]
+
+Writes benchmarks/results/floor.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numba
+import numpy as np
+from threadpoolctl import threadpool_limits
+from tqdm import tqdm
+
+import racecpu
+from racecpu import _kernels as K
+
+
+def best(f, reps):
+    f()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        f()
+        ts.append(time.perf_counter() - t)
+    return min(ts)
+
+
+def memory_limits(reps, mib=1024):
+    """Copy bandwidth (GB/s, read + write) and first-touch cost (s per byte), 1 and 2 threads."""
+    n = mib * 2 ** 18  # float32
+    a = np.ones(n, np.float32)
+    b = np.ones(n, np.float32)
+    out = {}
+    with ThreadPoolExecutor(2) as ex:
+        for th in (1, 2):
+            parts = [slice(i * n // th, (i + 1) * n // th) for i in range(th)]
+
+            def copy(dst):
+                list(ex.map(lambda s: np.copyto(dst[s], a[s]), parts))
+            t_touched = best(lambda: copy(b), reps)
+            fresh = []
+            for _ in range(max(reps, 5)):
+                c = np.empty(n, np.float32)
+                t = time.perf_counter()
+                copy(c)
+                fresh.append(time.perf_counter() - t)
+                del c
+            # The best is the floor; the median shows how much worse it gets when the
+            # host must back the pages first (a VM: 2-7x on this machine).
+            out[th] = dict(bw=2 * a.nbytes / t_touched, touch=(min(fresh) - t_touched) / a.nbytes,
+                           touch_med=(float(np.median(fresh)) - t_touched) / a.nbytes)
+    return out
+
+
+def thin_gemms(d, dv, F, LP, reps):
+    """ns per token of each product shape RACE needs, one BLAS thread, 1024-row blocks."""
+    rng = np.random.default_rng(0)
+    n = 1024
+    x = rng.standard_normal((n, d), dtype=np.float32)
+    g = rng.standard_normal((n, dv), dtype=np.float32)
+    phi = rng.random((n, F), dtype=np.float32)
+    S = rng.standard_normal((F, dv), dtype=np.float32)
+    WT = rng.standard_normal((d, LP), dtype=np.float32)
+    du = rng.standard_normal((n, LP), dtype=np.float32)
+    W2 = rng.standard_normal((LP, d), dtype=np.float32)
+    ST = np.ascontiguousarray(S.T)
+    shapes = {
+        "hash projection   (n,d)x(d,LP)": (lambda o: np.matmul(x, WT, out=o), (n, LP)),
+        "sketch     B += (F,256)x(256,dv)": (lambda o: [np.matmul(phi[i:i + 256].T, g[i:i + 256], out=o)
+                                                    for i in range(0, n, 256)], (F, dv)),
+        "readout        (n,F)x(F,dv)": (lambda o: np.matmul(phi, S, out=o), (n, dv)),
+        "cotangent      (n,dv)x(dv,F)": (lambda o: np.matmul(g, ST, out=o), (n, F)),
+        "dx = du W      (n,LP)x(LP,d)": (lambda o: np.matmul(du, W2, out=o), (n, d)),
+    }
+    res = {}
+    with threadpool_limits(1, "blas"):
+        for name, (f, oshape) in shapes.items():
+            o = np.empty(oshape, np.float32)
+            res[name] = best(lambda: f(o), reps) / n
+    return res
+
+
+def kernels(N, H, d, threads, reps):
+    """Seconds per token-head of each non-causal kernel on touched outputs, and of the public calls."""
+    rng = np.random.default_rng(0)
+    q, k, v, g = (rng.standard_normal((H, N, d), dtype=np.float32) for _ in range(4))
+    W = racecpu.hyperplanes(d, 3, 3)
+    beta = racecpu.DEFAULT_BETA if hasattr(racecpu, "DEFAULT_BETA") else 8.0
+    out, r = racecpu.race_attention_fwd(q, k, v, W, beta)
+    G, F, LP, chunk = H, r.phik.shape[2], r.tk.shape[2], r.chunk
+    nc = -(-N // chunk)
+    mask = np.ones((G, N), np.bool_)
+    partA, partB = np.zeros((G, nc, F)), np.zeros((G, nc, F, d))
+    A, B = r.A, r.B.astype(np.float32)
+    # the forward's own arrays are the outputs (rewritten with the same values): memory
+    phik, tk, phiq, tq, den, o = r.phik, r.tk, r.phiq, r.tq, r.den, out.reshape(G, N, d)
+    dq, dk, dv = (np.zeros((G, N, d), np.float32) for _ in range(3))
+    pdA, pdB, dbq, dbk = np.zeros((G, nc, F)), np.zeros((G, nc, F, d)), np.zeros((G, nc)), np.zeros((G, nc))
+    dA, dB = rng.random((G, F)), rng.standard_normal((G, F, d)).astype(np.float32)
+    calls = {
+        "sketch_chunks (hash k, sketch)": lambda: K.sketch_chunks(k, v, mask, W, beta, chunk, phik, tk, partA, partB),
+        "queries_fwd (hash q, readout)": lambda: K.queries_fwd(q, W, beta, chunk, A, B, phiq, tq, den, o),
+        "queries_bwd (y, dB, dq)": lambda: K.queries_bwd(g, r.phiq, r.tq, r.den, A, B, W, beta, chunk,
+                                                         dq, pdA, pdB, dbq),
+        "keys_bwd (dphik, dv, dk)": lambda: K.keys_bwd(v, r.phik, r.tk, dA, dB, W, beta, chunk, dk, dv, dbk),
+    }
+    res = {}
+    for th in threads:
+        numba.set_num_threads(th)
+        for name, f in calls.items():
+            res[(name, th)] = best(f, reps) / (N * H)
+    del calls, out, r, phik, tk, phiq, tq, den, o, dq, dk, dv  # room for the public calls' fresh outputs
+    for th in threads:
+        numba.set_num_threads(th)
+
+        def fwd():
+            return racecpu.race_attention_fwd(q, k, v, W, beta)
+
+        def fwdbwd():
+            _, rr = racecpu.race_attention_fwd(q, k, v, W, beta)
+            return racecpu.race_attention_bwd(rr, g)
+        res[("public fwd (fresh outputs)", th)] = best(fwd, reps) / (N * H)
+        res[("public fwd+bwd (fresh outputs)", th)] = best(fwdbwd, reps) / (N * H)
+    return res
+
+
+def main(argv=None):
+    """Measure, print and write the floor table; returns 0."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--log2n", type=int, default=20)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--copy-mib", type=int, default=1024, help="array size of the memory measurements")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "floor.txt")
+    a = p.parse_args(argv)
+    if not 10 <= a.log2n <= 24 or a.heads < 1 or a.repeats < 1 or a.copy_mib < 1:
+        p.error("need 10 <= --log2n <= 24, --heads >= 1, --repeats >= 1, --copy-mib >= 1")
+    d = dv = 128
+    P = L = 3
+    F, LP = L * 2 ** P, L * P
+    N, H, s = 2 ** a.log2n, a.heads, 4
+    threads = sorted({1, numba.config.NUMBA_NUM_THREADS})
+    nt = threads[-1]
+    bar = tqdm(total=3, desc="memory limits")
+    mem = memory_limits(a.repeats, a.copy_mib)
+    bar.update()
+    bar.set_description("thin GEMMs")
+    gm = thin_gemms(d, dv, F, LP, a.repeats * 3)
+    bar.update()
+    bar.set_description(f"kernels at N=2^{a.log2n} x {H} heads")
+    kr = kernels(N, H, d, threads, a.repeats)
+    bar.update()
+    bar.close()
+
+    names = list(gm)
+    proj, sketch, readout, cot, dx = (gm[n] for n in names)
+    compute = {"fwd": 2 * proj + sketch + readout,
+               "bwd": cot + sketch + dx + cot + readout + dx}
+    compute["fwd+bwd"] = compute["fwd"] + compute["bwd"]
+    # bytes streamed per token-head (read + write; see racecpu.bench's roofline) and fresh bytes touched
+    stream = {"fwd": s * (2 * d + 2 * dv + 2 * F + 2 * LP) + 8, "bwd": s * (2 * d + 3 * dv + 2 * F + 2 * LP) + 8}
+    stream["fwd+bwd"] = stream["fwd"] + stream["bwd"]
+    fresh = {"fwd": s * (dv + 2 * F + 2 * LP) + 8, "bwd": s * (2 * d + dv)}
+    fresh["fwd+bwd"] = fresh["fwd"] + fresh["bwd"]
+
+    lines = [f"command: python benchmarks/floor.py --log2n {a.log2n} --heads {H} --repeats {a.repeats}",
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, {nt} threads, "
+             f"numpy {np.__version__}, numba {numba.__version__}; d = dv = {d}, P = L = 3, F = {F}, float32",
+             "", f"memory ({a.copy_mib} MiB float32, touched destination; first touch = extra time to write fresh pages):"]
+    for th, m in mem.items():
+        lines.append(f"  {th} thread(s): copy {m['bw'] / 1e9:5.1f} GB/s, first touch "
+                     f"{m['touch'] * 1e9 * s * d:5.1f} ns per {s * d} B row best, "
+                     f"{m['touch_med'] * 1e9 * s * d:5.1f} median ({m['touch'] * 1e12:.1f} ps/B best)")
+    lines += ["", "thin products, one BLAS thread, ns per token (square SGEMM for comparison: racecpu bench):"]
+    lines += [f"  {n:34s} {t * 1e9:6.1f}" for n, t in gm.items()]
+    lines += ["", f"achievable floor per token-head at {nt} threads (compute / threads, memory at the {nt}-thread copy rate):",
+              f"  {'':8s} {'compute':>8s} {'memory':>8s} {'1st touch':>9s} {'floor':>7s}   (ns)"]
+    floor = {}
+    for mode in ("fwd", "bwd", "fwd+bwd"):
+        c = compute[mode] / nt
+        mm = stream[mode] / mem[nt]["bw"]
+        ft = fresh[mode] * mem[nt]["touch"]
+        floor[mode] = max(c, mm) + ft
+        lines.append(f"  {mode:8s} {c * 1e9:8.1f} {mm * 1e9:8.1f} {ft * 1e9:9.1f} {floor[mode] * 1e9:7.1f}")
+    lines += ["", f"RACE at N = 2^{a.log2n}, {H} heads, ns per token-head "
+              f"(kernels: outputs already touched; public: fresh outputs, input checks):",
+              f"  {'':34s}" + "".join(f"{str(th) + ' thr':>9s}" for th in threads)]
+    for name in dict.fromkeys(n for n, _ in kr):
+        lines.append(f"  {name:34s}" + "".join(f"{kr[(name, th)] * 1e9:9.1f}" for th in threads))
+    for mode, key in (("fwd", "public fwd (fresh outputs)"), ("fwd+bwd", "public fwd+bwd (fresh outputs)")):
+        lines.append(f"  {mode}: public call / floor = {kr[(key, nt)] / floor[mode]:.2f}")
+    text = "\n".join(lines) + "\n"
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(text)
+    print(text, end="")
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
