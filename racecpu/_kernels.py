@@ -144,7 +144,7 @@ def _exp_neg_f64(x):
 
 # float32 constants (globals are frozen with their type, so the arithmetic stays float32)
 _f = np.float32
-_LOG2E_F, _HALF_F, _ONE_F = _f(_LOG2E), _f(0.5), _f(1.0)
+_LOG2E_F, _HALF_F, _ONE_F, _ZERO_F = _f(_LOG2E), _f(0.5), _f(1.0), _f(0.0)
 _LN2_HI_F, _LN2_LO_F = _f(0.693359375), _f(-2.12194440e-4)  # Cody-Waite split of ln 2 (Cephes expf)
 _EXP_MIN_F = _f(-87.0)  # above the smallest normal float32, 2**-126 ~ exp(-87.3)
 _EXP_C_F = tuple(_f(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3,
@@ -158,6 +158,7 @@ def _exp_neg_f32(x):
     all) after the same range reduction; 16 lanes per SIMD op, a third of the
     float64 cost, for the hash of float32 inputs."""
     c0, c1, c2, c3, c4, c5 = _EXP_C_F
+    under = x < _EXP_MIN_F  # 0 below, as float64's ~1e-308 is once stored in float32
     x = x if x > _EXP_MIN_F else _EXP_MIN_F
     k = _f(int(x * _LOG2E_F - _HALF_F))  # round to nearest, as in _exp_neg_f64
     g = (x - k * _LN2_HI_F) - k * _LN2_LO_F
@@ -172,7 +173,7 @@ def _exp_neg_f32(x):
     r *= q4 if m & 16 else _ONE_F
     r *= q5 if m & 32 else _ONE_F
     r *= q6 if m & 64 else _ONE_F
-    return p * r
+    return _ZERO_F if under else p * r
 
 
 def exp_neg(x):
@@ -181,8 +182,9 @@ def exp_neg(x):
     libm's exp is a scalar call (~9 ns); this is ~1.5 ns per float64 value
     in a SIMD loop and ~0.5 ns per float32 value: the precision follows the
     argument's type (see the overload below).  Relative error: float32 <= 3
-    ulp; float64 ~1 ulp near 0 growing to ~110 ulp (2.4e-14) near -708, as
-    fastmath reassociates the Cody-Waite reduction (tests/test_race.py).
+    ulp, and 0 below -87; float64 ~1 ulp near 0 growing to ~110 ulp (2.4e-14)
+    near -708 (fastmath reassociates the Cody-Waite reduction), and ~3e-308
+    below (tests/test_race.py).
     """
     return float(np.exp(min(x, 0.0)))
 
@@ -193,6 +195,11 @@ def _exp_neg_typed(x):
         return lambda x: _exp_neg_f32(x)
     return lambda x: _exp_neg_f64(x)
 
+
+#: |u| below which tanh(u) is its series to u**9 (truncation < 1e-16 relative):
+#: above it (1 - e)/(1 + e) loses < 3e-15 (float64), < 2e-6 (float32, where
+#: 2 beta t is then >= 0.16 beta and the logistic is flat for large beta).
+_TANH_SERIES_MAX = 0.04
 
 #: Tokens hashed together: the tanh/logistic step vectorises across them.
 HASH_BLOCK = 32
@@ -207,7 +214,8 @@ def hash_block(x, W, beta, keep, U, a, b, t, phi):
     Both come from one exp each of a non-positive argument, so nothing can
     overflow for any beta; the product over planes is built by doubling,
     plane 0 being the most significant bit of the corner index.  Rows with
-    ``keep[j]`` False (masked keys) get phi = 0 (t is still written).
+    ``keep[j]`` False (masked keys) get phi = 0 (t is still written).  A
+    projection that is NaN or +-Inf gives t = NaN (see attention._check_hashed).
     ``U``, ``a``, ``b`` are scratch of at least T * L * P values in the
     planes' dtype, which sets the precision of the tanh/logistic math (float32
     inputs: float32, ~1e-7 absolute in t and phi, the rounding of storing them).
@@ -220,20 +228,32 @@ def hash_block(x, W, beta, keep, U, a, b, t, phi):
     for j in range(T):  # eight planes per sweep over x_j (1.25x the whole hash)
         dot_rows(W2, x[j], U[j * LP:(j + 1) * LP])
     # Constants in the scratch dtype: a float64 literal would promote float32 math.
-    c = np.empty(3, U.dtype)
-    c[0], c[1], c[2] = -2.0, -2.0 * beta, 1.0
-    m2, m2beta, one = c[0], c[1], c[2]
+    c = np.empty(8, U.dtype)
+    c[0], c[1], c[2], c[3] = -2.0, -2.0 * beta, 1.0, _TANH_SERIES_MAX
+    c[4], c[5], c[6], c[7] = -1 / 3, 2 / 15, -17 / 315, 62 / 2835
+    m2, m2beta, one, small, c3, c5, c7, c9 = c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]
     for s in range(T * LP):  # SIMD over the block
         u = U[s]
-        e2 = exp_neg(m2 * abs(u))
+        bad = u - u  # 0, or NaN when u is NaN/Inf: see the end of the loop
+        au = abs(u)
+        e2 = exp_neg(m2 * au)
         th = (one - e2) / (one + e2)
+        # Near 0, 1 - e2 cancels: ~1 ulp of 1 absolute, which 2 beta t turns into
+        # ~2 beta ulp in the logistic (float32, beta = 1e4: 1e-3).  The series is
+        # exact to < 1 ulp there, in either dtype.
+        u2 = u * u
+        ts = au + au * u2 * (c3 + u2 * (c5 + u2 * (c7 + u2 * c9)))
+        th = ts if au < small else th
         th = th if u >= 0 else -th
-        U[s] = th
         e = exp_neg(m2beta * abs(th))
         hi = one / (one + e)  # sigmoid(2 beta |t|)
         lo = e * hi           # sigmoid(-2 beta |t|), without the cancellation of 1 - hi
         a[s] = hi if th >= 0 else lo  # sigmoid(2 beta t)
         b[s] = lo if th >= 0 else hi  # 1 - sigmoid(2 beta t)
+        # A non-finite projection leaves NaN in t (phi is computed as if it were
+        # clamped): a NaN/Inf anywhere in x makes every W x non-finite, so the
+        # caller's NaN/Inf check reads t (L*P values per row) instead of x (d).
+        U[s] = th if bad == 0 else bad
     for j in range(T):
         for m in range(LP):
             t[j, m] = U[j * LP + m]

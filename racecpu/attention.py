@@ -141,11 +141,22 @@ def _check_args(q, k, v, planes, beta, causal, key_mask):
     return cdt, odt, lead, G, planes, beta
 
 
-def _prepare(q, k, v, planes, beta, causal, key_mask, check_finite):
-    q, qdt, _ = _check_array("q", q, check_finite)
-    k, kdt, _ = _check_array("k", k, check_finite)
-    v, vdt, _ = _check_array("v", v, check_finite)
-    cdt, odt, lead, G, planes, beta = _check_args(q, k, v, planes, beta, causal, key_mask)
+def _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, defer_qk=False):
+    """Check and lay out the arguments.  ``defer_qk``: the NaN/Inf check of q and k
+    is left to :func:`_check_hashed`, after the kernels hashed them."""
+    eager = check_finite and not defer_qk
+    q, qdt, _ = _check_array("q", q, eager)
+    passed = [("q", q)]
+    try:
+        k, kdt, _ = _check_array("k", k, eager)
+        passed.append(("k", k))
+        v, vdt, _ = _check_array("v", v, check_finite)
+        cdt, odt, lead, G, planes, beta = _check_args(q, k, v, planes, beta, causal, key_mask)
+    except (TypeError, ValueError):
+        if check_finite and not eager:  # errors in the eager order: q's NaN before anything about k
+            for name, x in passed:
+                _check_array(name, x, True)
+        raise
     nk = k.shape[-2]
     if key_mask is None:
         mask = np.ones((G, nk), dtype=np.bool_)
@@ -157,6 +168,29 @@ def _prepare(q, k, v, planes, beta, causal, key_mask, check_finite):
 
     return _Args(flat(q), flat(k), flat(v), mask, planes, beta, lead, odt, (qdt, kdt, vdt),
                  bool(causal), bool(check_finite))
+
+
+def _check_hashed(check_finite, *named):
+    """NaN/Inf check of hashed inputs, from their tanh projections ``t``.
+
+    ``named``: ``(name, x (G, N, d), t (G, N, L*P))`` in the order the errors
+    are raised.  The soft hash leaves NaN in t wherever a projection W x is
+    non-finite, and a NaN/Inf anywhere in a row of x makes all of them
+    non-finite: reading t (9 values per row at P = L = 3) finds every bad row
+    that reading x (d values) would, for a fraction of the memory traffic.  A
+    flagged array is then checked itself, so the error is the eager one.  A
+    flagged array that is finite overflowed its projections (|x| ~ 1e37 in
+    float32): its soft hash is meaningless, which is an error too.
+    """
+    if not check_finite:
+        return
+    for name, x, t in named:
+        if _all_finite(t):
+            continue
+        if not _all_finite(x):
+            raise ValueError(f"{name} contains NaN or Inf (pass check_finite=False to skip this check)")
+        raise ValueError(f"{name} is too large: its projections onto the planes overflow {x.dtype} "
+                         f"(max |{name}| = {np.abs(x).max():.3g}); scale it down or pass float64")
 
 
 def _chunk(n, G, F, dv):
@@ -206,7 +240,7 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
 
     Arguments are those of :func:`race_attention`.
     """
-    a = _prepare(q, k, v, planes, beta, causal, key_mask, check_finite)
+    a = _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, defer_qk=True)
     G, nq, _ = a.q.shape
     nk, dv = a.v.shape[1:]
     L, P, _ = a.planes.shape
@@ -232,6 +266,7 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
         A, B = partA.sum(1), partB.sum(1)
         if G and nq:
             K.queries_fwd(a.q, a.planes, a.beta, chunk, A, B.astype(cdt), phiq, tq, den, out)
+    _check_hashed(a.check_finite, ("q", a.q, tq), ("k", a.k, tk))
     res = Residuals(a.planes, a.beta, a.causal, chunk, a.v, phiq, tq, phik, tk, den, A, B,
                     a.lead, a.in_dtypes, a.out_dtype, a.check_finite)
     return out.reshape(res.out_shape).astype(a.out_dtype, copy=False), res
@@ -315,7 +350,9 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
     key_mask : bool array, shape (..., Nk), optional
         False keys contribute nothing.
     check_finite : bool, default True
-        Raise ValueError on NaN/Inf in q, k, v.
+        Raise ValueError on NaN/Inf in q, k, v, and on q or k so large that
+        their projections onto the planes overflow.  q and k are checked from
+        their hash (9 values per token at P = L = 3, not d), after the kernels.
 
     Returns
     -------

@@ -181,9 +181,12 @@ def test_exp_neg_matches_numpy_in_its_dtype(dtype, lo, tol):
     run(x, out)
     want = np.exp(x.astype(np.float64))
     assert np.max(np.abs(out / want - 1)) < tol
-    far = np.array([lo - 1, -1e4, -np.inf], dtype)  # clamped: tiny and positive, never 0 or NaN
+    far = np.array([lo - 1, -1e4, -np.inf], dtype)  # float64: clamped, tiny and positive; float32: 0
     run(far, out[:3])
-    assert np.all((out[:3] > 0) & (out[:3] <= np.exp(np.float64(lo)) * 1.01))
+    if dtype == np.float64:
+        assert np.all((out[:3] > 0) & (out[:3] <= np.exp(lo) * 1.01))
+    else:
+        np.testing.assert_array_equal(out[:3], 0.0)
 
 
 def test_soft_buckets_dtypes(rng):
@@ -400,6 +403,45 @@ def test_bad_inputs(rng):
         racecpu.race_attention_bwd(res, g)
     with pytest.raises(TypeError, match="residuals must come from race_attention_fwd"):
         racecpu.race_attention_bwd((1, 2), out)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_nonfinite_q_k_found_from_their_hash(rng, causal, dtype):
+    # q and k are checked after hashing, from t (attention._check_hashed): same errors, same order.
+    q, k, v, W = make(rng, (2, 3), 700, 700, 16, 8, 3, 3, dtype)
+    mask = rng.random((2, 3, 700)) > 0.5
+    orig = [x.copy() for x in (q, k, v)]
+    for name, bad_arrays in (("q", "q"), ("k", "k"), ("q", "qkv"), ("k", "kv"), ("v", "v")):
+        for bad in (np.nan, np.inf, -np.inf):
+            args = {"q": q.copy(), "k": k.copy(), "v": v.copy()}
+            for a in bad_arrays:
+                args[a][tuple(rng.integers(0, n) for n in args[a].shape)] = bad
+            with pytest.raises(ValueError, match=f"{name} contains NaN or Inf"):
+                racecpu.race_attention(args["q"], args["k"], args["v"], W, causal=causal, key_mask=mask)
+    q2 = q.copy()
+    q2[1, 2, 3, 4] = np.nan
+    for bad_args in ({"k": k.astype(int)}, {"v": v[:, :1]}, {"planes": W[..., :3]}):  # q's NaN comes first
+        a = {"q": q2, "k": k, "v": v, "planes": W, **bad_args}
+        with pytest.raises(ValueError, match="q contains NaN or Inf"):
+            racecpu.race_attention(a["q"], a["k"], a["v"], a["planes"], causal=causal)
+    k2 = k.copy()
+    k2[0, 0, np.nonzero(~mask[0, 0])[0][0], 0] = np.nan  # a masked key is still checked
+    with pytest.raises(ValueError, match="k contains NaN or Inf"):
+        racecpu.race_attention(q, k2, v, W, causal=causal, key_mask=mask)
+    for x, o in zip((q, k, v), orig):
+        np.testing.assert_array_equal(x, o)
+
+
+def test_projection_overflow_is_an_error(rng):
+    # |q| ~ 3e38 is finite in float32, but W q overflows: the soft hash is meaningless.
+    q, k, v, W = make(rng, (1,), 40, 40, 8, 4, 3, 2, np.float32)
+    assert np.abs(W[0, 0]).max() > 1.0  # so every order of the sum W[0, 0] . q overflows
+    q[0, 5] = np.float32(3.4e38) * np.sign(W[0, 0])
+    with pytest.raises(ValueError, match="q is too large: its projections onto the planes overflow float32"):
+        racecpu.race_attention(q, k, v, W)
+    racecpu.race_attention(q, k, v, W, check_finite=False)  # unchecked: no error
+    racecpu.race_attention(*f64(q, k, v, W))  # float64 has the range
 
 
 def test_hyperplanes():
