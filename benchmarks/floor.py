@@ -38,16 +38,7 @@ from tqdm import tqdm
 
 import racecpu
 from racecpu import _kernels as K
-
-
-def best(f, reps):
-    f()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        f()
-        ts.append(time.perf_counter() - t)
-    return min(ts)
+from racecpu.bench import best_time as best
 
 
 def memory_limits(reps, mib=1024):
@@ -110,9 +101,9 @@ def kernels(N, H, d, threads, reps):
     rng = np.random.default_rng(0)
     q, k, v, g = (rng.standard_normal((H, N, d), dtype=np.float32) for _ in range(4))
     W = racecpu.hyperplanes(d, 3, 3)
-    beta = racecpu.DEFAULT_BETA if hasattr(racecpu, "DEFAULT_BETA") else 8.0
+    beta = racecpu.DEFAULT_BETA
     out, r = racecpu.race_attention_fwd(q, k, v, W, beta)
-    G, F, LP, chunk = H, r.phik.shape[2], r.tk.shape[2], r.chunk
+    G, F, chunk = H, r.phik.shape[2], r.chunk
     nc = -(-N // chunk)
     mask = np.ones((G, N), np.bool_)
     partA, partB = np.zeros((G, nc, F)), np.zeros((G, nc, F, d))

@@ -291,43 +291,17 @@ def rows_dot(X, S, out):
             combine_rows(X[j], S, out[j])
 
 
-@njit(**_JIT)
-def hash_row_du(dphi, phi, t, P, beta, du):
-    """Back through softmax over corners and tanh, for one token.
-
-    dz = phi * (dphi - phi.dphi);  s = C^T dz;  du = beta s (1 - t^2) is the
-    cotangent of the projections W x.  ``dphi`` (float64) is overwritten
-    with dz; ``du (L*P,)`` is written.  Returns the token's share s.t of dbeta.
-    """
-    LP = du.shape[0]
-    R = 1 << P
-    dbeta = 0.0
-    for l in range(LP // P):
-        base = l * R
-        dot = 0.0
-        for r in range(R):
-            dot += phi[base + r] * dphi[base + r]
-        for r in range(R):
-            dphi[base + r] = phi[base + r] * (dphi[base + r] - dot)
-        for p in range(P):
-            shift = P - 1 - p
-            s = 0.0
-            for r in range(R):
-                dz = dphi[base + r]
-                s += dz if (r >> shift) & 1 else -dz  # corner coordinate v_{r,p} = +-1
-            th = t[l * P + p]
-            dbeta += s * th
-            du[l * P + p] = beta * s * (1.0 - th * th)
-    return dbeta
-
-
 #: Tokens per SIMD block of :func:`hash_rows_du`.
 DU_BLOCK = 64
 
 
 @njit(**_JIT)
 def hash_rows_du(dphi, phi, t, P, beta, du):
-    """:func:`hash_row_du` for every row of ``dphi (n, F)`` (float64, overwritten), SIMD over tokens.
+    """Back through softmax over corners and tanh, every row of ``dphi (n, F)``.
+
+    dz = phi * (dphi - phi.dphi);  s = C^T dz;  du = beta s (1 - t^2) is the
+    cotangent of the projections W x, written to ``du (n, L*P)``; ``dphi``
+    (float64) is overwritten.  Returns the rows' share sum s.t of dbeta.
 
     Each table's rows are first gathered into (R, tokens) blocks so that every
     loop runs over tokens: per token the work is a few dozen flops over
@@ -375,6 +349,18 @@ def hash_rows_du(dphi, phi, t, P, beta, du):
                     dbeta += s[j] * th
                     du[j0 + j, c] = beta * s[j] * (1.0 - th * th)
     return dbeta
+
+
+@njit(**_JIT)
+def hash_bwd_rows(dphi, phi, t, W, beta, dx):
+    """dx = (cotangent of the projections) W for rows with soft-hash cotangents
+    ``dphi (n, F)`` (float64, overwritten); returns their share of dbeta.
+    The hash backward runs SIMD over the rows, then one sgemm gives dx."""
+    L, P, d = W.shape
+    du = np.empty((dphi.shape[0], L * P), W.dtype)
+    acc = hash_rows_du(dphi, phi, t, P, beta, du)
+    rows_dot(du, W.reshape(L * P, d), dx)
+    return acc
 
 
 @njit(**_JIT)
@@ -651,9 +637,6 @@ def _keys_bwd_task(task, v, phik, tk, dA, dB, W, beta, chunk, dk, dv_out, dbeta_
     F = phik.shape[2]
     nc = dbeta_part.shape[1]
     g, c, lo, hi = _bounds(task, nc, chunk, n)
-    P = W.shape[1]
-    W2 = W.reshape(W.shape[0] * P, W.shape[2])
-    DU = np.empty((hi - lo, W2.shape[0]), W.dtype)
     DPHI = np.empty((hi - lo, F), np.float64)
     rows_dot(phik[g, lo:hi], dB[g], dv_out[g, lo:hi])  # dv_j = dB^T phik_j (masked keys: 0)
     for j in range(lo, hi):
@@ -661,9 +644,7 @@ def _keys_bwd_task(task, v, phik, tk, dA, dB, W, beta, chunk, dk, dv_out, dbeta_
         dot_rows(dB[g], v[g, j], dphi)
         for f in range(F):
             dphi[f] += dA[g, f]
-    acc = hash_rows_du(DPHI, phik[g, lo:hi], tk[g, lo:hi], P, beta, DU)  # the hash backward, SIMD over keys
-    rows_dot(DU, W2, dk[g, lo:hi])
-    dbeta_part[g, c] = acc
+    dbeta_part[g, c] = hash_bwd_rows(DPHI, phik[g, lo:hi], tk[g, lo:hi], W, beta, dk[g, lo:hi])
 
 
 @blas_tasks
@@ -705,20 +686,26 @@ def queries_fwd(q, W, beta, chunk, A, B, phiq, tq, den, out):
 
 
 @njit(**_JIT)
-def queries_chunk_end(g, c, lo, hi, grad, phiq, tq, wblock, DPHI, DU, dA, W2, P, beta, dq, partdA, partdB):
+def _query_bwd_buffers(grad, F, n):
+    """Per-task buffers of a query chunk's backward: ``dphi``, ``wq`` (F,), the
+    weights ``wblock (n, F)`` of g in dB, ``dA`` (F,) and the dphi rows ``DPHI (n, F)``."""
+    return (np.empty(F, np.float64), np.empty(F, np.float64), np.empty((n, F), grad.dtype),
+            np.zeros(F, np.float64), np.empty((n, F), np.float64))
+
+
+@njit(**_JIT)
+def queries_chunk_end(g, c, lo, hi, grad, phiq, tq, wblock, DPHI, dA, W, beta, dq, partdA, partdB):
     """End of a query chunk's backward (causal or not); returns the chunk's hash share of dbeta.
 
     The chunk's dB = sum_i wq_i g_i^T by sgemm (its total does not depend on
     order), the chunk totals to ``partdA``/``partdB`` (float64), then the
-    hash backward of every query (``DPHI`` holds dphi rows) and dq = DU W.
+    hash backward of every query (``DPHI`` holds dphi rows) with dq (:func:`hash_bwd_rows`).
     """
     dB = np.zeros((wblock.shape[1], grad.shape[2]), grad.dtype)
     rank_update(wblock, grad[g, lo:hi], dB)
     partdA[g, c] = dA
     partdB[g, c] = dB
-    acc = hash_rows_du(DPHI, phiq[g, lo:hi], tq[g, lo:hi], P, beta, DU)
-    rows_dot(DU, W2, dq[g, lo:hi])
-    return acc
+    return hash_bwd_rows(DPHI, phiq[g, lo:hi], tq[g, lo:hi], W, beta, dq[g, lo:hi])
 
 
 @njit(**_JIT)
@@ -730,23 +717,15 @@ def _queries_bwd_task(task, grad, phiq, tq, den, A, B, W, beta, chunk, dq, partd
     F = phiq.shape[2]
     nc = partdA.shape[1]
     g, c, lo, hi = _bounds(task, nc, chunk, n)
-    dphi = np.empty(F, np.float64)
-    P = W.shape[1]
-    W2 = W.reshape(W.shape[0] * P, W.shape[2])
-    wq = np.empty(F, np.float64)
-    wblock = np.empty((hi - lo, F), grad.dtype)
-    dA = np.zeros(F, np.float64)
-    acc = 0.0
-    DU = np.empty((hi - lo, W.shape[0] * W.shape[1]), W.dtype)  # du rows; dx by one sgemm at the end
-    DPHI = np.empty((hi - lo, F), np.float64)
+    dphi, wq, wblock, dA, DPHI = _query_bwd_buffers(grad, F, hi - lo)
     for i in range(lo, hi):
         dden = readout_row_bwd(phiq[g, i], A[g], B[g], grad[g, i], den[g, i], L, dphi, wq)
         for f in range(F):
             dA[f] += phiq[g, i, f] * dden / L
             wblock[i - lo, f] = wq[f]
         DPHI[i - lo] = dphi  # the hash backward runs once per chunk, SIMD over tokens
-    dbeta_part[g, c] = acc + queries_chunk_end(g, c, lo, hi, grad, phiq, tq, wblock, DPHI, DU, dA, W2, P, beta,
-                                               dq, partdA, partdB)
+    dbeta_part[g, c] = queries_chunk_end(g, c, lo, hi, grad, phiq, tq, wblock, DPHI, dA, W, beta,
+                                         dq, partdA, partdB)
 
 
 @blas_tasks
@@ -850,15 +829,7 @@ def _causal_queries_bwd_task(task, grad, v, phik, phiq, tq, den, carryA, carryB,
     g, c, lo, hi = _bounds(task, nc, chunk, n)
     A = carryA[g, c].copy()
     S = carryB[g, c].astype(v.dtype)  # the carried-in state, in the compute dtype
-    dphi = np.empty(F, np.float64)
-    P = W.shape[1]
-    W2 = W.reshape(W.shape[0] * P, W.shape[2])
-    wq = np.empty(F, np.float64)
-    wblock = np.empty((hi - lo, F), grad.dtype)
-    dA = np.zeros(F, np.float64)
-    acc = 0.0
-    DU = np.empty((hi - lo, W.shape[0] * W.shape[1]), W.dtype)  # du rows; dx by one sgemm at the end
-    DPHI = np.empty((hi - lo, F), np.float64)
+    dphi, wq, wblock, dA, DPHI = _query_bwd_buffers(grad, F, hi - lo)
     for i0 in range(lo, hi, SCAN_BLOCK):
         i1 = min(i0 + SCAN_BLOCK, hi)
         for i in range(i0, i1):
@@ -879,8 +850,8 @@ def _causal_queries_bwd_task(task, grad, v, phik, phiq, tq, den, carryA, carryB,
                 wblock[i - lo, f] = wq[f]
             DPHI[i - lo] = dphi  # the hash backward runs once per chunk, SIMD over tokens
         outer_add(phik[g, i0:i1], v[g, i0:i1], S)
-    dbeta_part[g, c] = acc + queries_chunk_end(g, c, lo, hi, grad, phiq, tq, wblock, DPHI, DU, dA, W2, P, beta,
-                                               dq, partdA, partdB)
+    dbeta_part[g, c] = queries_chunk_end(g, c, lo, hi, grad, phiq, tq, wblock, DPHI, dA, W, beta,
+                                         dq, partdA, partdB)
 
 
 @blas_tasks
@@ -911,12 +882,8 @@ def _causal_keys_bwd_task(task, grad, v, phik, tk, phiq, den, dden, carrydA, car
     dA = carrydA[g, c].copy()
     dB = carrydB[g, c].astype(grad.dtype)  # the carried-in state, in the compute dtype
     dphi = np.empty(F, np.float64)
-    P = W.shape[1]
-    W2 = W.reshape(W.shape[0] * P, W.shape[2])
     wb = np.zeros((SCAN_BLOCK, F), grad.dtype)
     ddv = np.zeros(SCAN_BLOCK, np.float64)
-    acc = 0.0
-    DU = np.empty((hi - lo, W.shape[0] * W.shape[1]), W.dtype)  # du rows; dx by one sgemm at the end
     DPHI = np.empty((hi - lo, F), np.float64)
     nb = (hi - lo + SCAN_BLOCK - 1) // SCAN_BLOCK
     for bi in range(nb - 1, -1, -1):
@@ -949,10 +916,7 @@ def _causal_keys_bwd_task(task, grad, v, phik, tk, phiq, den, dden, carrydA, car
                     dvj[cc] += wk * gi[cc]
             DPHI[j - lo] = dphi  # the hash backward runs once per chunk, SIMD over tokens
         outer_add(wb[: i1 - i0], grad[g, i0:i1], dB)
-    acc += hash_rows_du(DPHI, phik[g, lo:hi], tk[g, lo:hi], P, beta, DU)
-    rows_dot(DU, W2, dk[g, lo:hi])
-    dbeta_part[g, c] = acc
-
+    dbeta_part[g, c] = hash_bwd_rows(DPHI, phik[g, lo:hi], tk[g, lo:hi], W, beta, dk[g, lo:hi])
 
 
 @blas_tasks

@@ -442,6 +442,17 @@ def _measure(spec):
                 device_peak=_device_peak(spec["impl"]), threading_layer=layer)
 
 
+def best_time(f, reps):
+    """Seconds of the fastest of ``reps`` calls of ``f()``, after one untimed call."""
+    f()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        f()
+        ts.append(time.perf_counter() - t)
+    return min(ts)
+
+
 def _machine(spec):
     """Child side of the machine-limits measurement (copy bandwidth, SGEMM)."""
     from concurrent.futures import ThreadPoolExecutor
@@ -449,13 +460,7 @@ def _machine(spec):
     threads, reps = spec["threads"], spec["repeats"]
 
     def best(f):
-        f()
-        ts = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            f()
-            ts.append(time.perf_counter() - t)
-        return min(ts)
+        return best_time(f, reps)
 
     if spec["device"] == "cuda":
         import cupy as cp
