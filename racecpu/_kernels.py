@@ -16,7 +16,8 @@ count.
 The causal scan is chunk-parallel around an explicit carried state:
 (1) chunk totals in parallel (:func:`sketch_chunks`), (2) an exclusive scan of
 the totals in float64 (:func:`exclusive_scan`), (3) every chunk rescanned from
-its carried-in state (:func:`causal_readout`).  The backward is exact: prefix
+its carried-in state (:func:`causal_fwd`), SCAN_BLOCK tokens per step, each
+step a few small matrix products.  The backward is exact: prefix
 states are rebuilt by rescanning from the stored carries and suffix sums by a
 reverse scan; nothing is obtained by subtracting from a total.
 
@@ -771,10 +772,10 @@ def _zero_below(M):
 @njit(**_JIT)
 def _step_buffers(like, F, m):
     """Scratch of one scan step of ``m`` tokens in the compute dtype of ``like``:
-    two (m, m), two (m, F), one (m, dv) and the state increment (F, dv)."""
+    two (m, m), three (m, F), one (m, dv) and the state increment (F, dv)."""
     dv = like.shape[-1]
     dt = like.dtype
-    return (np.zeros((m, m), dt), np.zeros((m, m), dt), np.zeros((m, F), dt),
+    return (np.zeros((m, m), dt), np.zeros((m, m), dt), np.zeros((m, F), dt), np.zeros((m, F), dt),
             np.zeros((m, F), dt), np.zeros((m, dv), dt), np.zeros((F, dv), dt))
 
 
@@ -802,12 +803,12 @@ def _causal_fwd_task(task, keep, q, v, phik, carryA, carryB, W, beta, chunk, phi
     hash_range(q[g], lo, hi, W, beta, keep, tq[g], phiq[g], U, a, b)
     A = carryA[g, c].copy()
     S = carryB[g, c].astype(v.dtype)  # the carried-in state, in the compute dtype
-    H, _, _, _, X, dS = _step_buffers(v, F, min(SCAN_BLOCK, hi - lo))
+    H, _, _, _, _, X, dS = _step_buffers(v, F, min(SCAN_BLOCK, hi - lo))
     for i0 in range(lo, hi, SCAN_BLOCK):
         i1 = min(i0 + SCAN_BLOCK, hi)
         m = i1 - i0
         if m != H.shape[0]:  # the chunk's last, shorter step
-            H, _, _, _, X, dS = _step_buffers(v, F, m)
+            H, _, _, _, _, X, dS = _step_buffers(v, F, m)
         Pq, Pk, V, O = phiq[g, i0:i1], phik[g, i0:i1], v[g, i0:i1], out[g, i0:i1]
         np.dot(Pq, Pk.T, H)  # H_ij = phiq_i . phik_j, kept for j <= i
         _zero_above(H)
@@ -861,12 +862,12 @@ def _causal_queries_bwd_task(task, grad, v, phik, phiq, tq, den, carryA, carryB,
     A = carryA[g, c].copy()
     S = carryB[g, c].astype(v.dtype)  # the carried-in state, in the compute dtype
     dphi, wq, wblock, dA, DPHI = _query_bwd_buffers(grad, F, hi - lo)
-    M, _, Y, Z, _, dS = _step_buffers(v, F, min(SCAN_BLOCK, hi - lo))
+    M, _, _, Y, Z, _, dS = _step_buffers(v, F, min(SCAN_BLOCK, hi - lo))
     for i0 in range(lo, hi, SCAN_BLOCK):
         i1 = min(i0 + SCAN_BLOCK, hi)
         m = i1 - i0
         if m != M.shape[0]:  # the chunk's last, shorter step
-            M, _, Y, Z, _, dS = _step_buffers(v, F, m)
+            M, _, _, Y, Z, _, dS = _step_buffers(v, F, m)
         Pq, Pk, V, Gb = phiq[g, i0:i1], phik[g, i0:i1], v[g, i0:i1], grad[g, i0:i1]
         if dv > 0:  # y_i = B_i g_i = B g_i + sum_{j<=i} phik_j (v_j . g_i)
             np.dot(Gb, S.T, Y)
@@ -919,16 +920,13 @@ def _causal_keys_bwd_task(task, grad, v, phik, tk, phiq, den, dden, carrydA, car
     ddv = np.zeros(SCAN_BLOCK, np.float64)
     DPHI = np.empty((hi - lo, F), np.float64)
     nb = (hi - lo + SCAN_BLOCK - 1) // SCAN_BLOCK
-    m0 = min(SCAN_BLOCK, hi - lo)
-    M, M2, wb, Y, X, dS = _step_buffers(grad, F, m0)
-    Z = np.zeros((m0, F), grad.dtype)
+    M, M2, wb, Y, Z, X, dS = _step_buffers(grad, F, min(SCAN_BLOCK, hi - lo))
     for bi in range(nb - 1, -1, -1):
         i0 = lo + bi * SCAN_BLOCK
         i1 = min(i0 + SCAN_BLOCK, hi)
         m = i1 - i0
         if m != M.shape[0]:  # the chunk's last, shorter step
-            M, M2, wb, Y, X, dS = _step_buffers(grad, F, m)
-            Z = np.zeros((m, F), grad.dtype)
+            M, M2, wb, Y, Z, X, dS = _step_buffers(grad, F, m)
         Pq, Pk, V, Gb, dV = phiq[g, i0:i1], phik[g, i0:i1], v[g, i0:i1], grad[g, i0:i1], dv_out[g, i0:i1]
         for i in range(m):
             dn = den[g, i0 + i]
