@@ -30,6 +30,7 @@ import functools
 import inspect
 import warnings
 
+import numba
 import numpy as np
 import scipy.linalg.cython_blas  # noqa: F401  (the BLAS that np.dot in these kernels calls)
 from numba import njit, prange, types
@@ -54,18 +55,28 @@ _PJIT = dict(_JIT, parallel=True)
 _blas_controller = None
 
 
+#: Below this many tokens (all groups together) a kernel runs on the calling
+#: thread: waking the sleeping workers (OMP_WAIT_POLICY=PASSIVE, see
+#: racecpu/__init__.py) costs more than such calls' work.  2-core VM, 4 heads:
+#: a decode step took 182 us on 2 threads and 43 us on one, ``extend`` by 64
+#: tokens per head 541 us and 276 us; the two break even at ~1024 tokens.
+#: 512 keeps the loss small where many cores would have helped.
+SERIAL_TOKENS = 512
+
+
 def blas_tasks(kernel):
     """Run a parallel kernel whose tasks call BLAS (``np.dot``) with BLAS on one thread.
 
     Every core already runs its own prange task; a multi-threaded sgemm
     inside each would oversubscribe the cores (10-50x slower on a busy
     machine).  The limit (threadpoolctl, ~13 us) is skipped when the
-    kernel's ``chunk`` is too short to reach BLAS, so decode steps stay cheap.
+    kernel's ``chunk`` is too short to reach BLAS, so decode steps stay cheap,
+    and calls on fewer than SERIAL_TOKENS tokens (the kernel's first argument
+    is ``(G, n, ...)``) do not wake the other threads at all.
     """
     chunk_at = list(inspect.signature(kernel.py_func).parameters).index("chunk")
 
-    @functools.wraps(kernel.py_func)
-    def run(*args):
+    def call(args):
         global _blas_controller
         if args[chunk_at] < BLAS_ROWS:
             return kernel(*args)
@@ -74,6 +85,17 @@ def blas_tasks(kernel):
             _blas_controller = ThreadpoolController()
         with _blas_controller.limit(limits=1, user_api="blas"):
             return kernel(*args)
+
+    @functools.wraps(kernel.py_func)
+    def run(*args):
+        if args[0].shape[0] * args[0].shape[1] >= SERIAL_TOKENS:
+            return call(args)
+        threads = numba.get_num_threads()
+        numba.set_num_threads(1)
+        try:
+            return call(args)
+        finally:
+            numba.set_num_threads(threads)
 
     run.kernel = kernel
     return run

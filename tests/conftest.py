@@ -13,3 +13,13 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "racecpu"))
 @pytest.fixture
 def rng():
     return np.random.default_rng(12345)
+
+
+@pytest.fixture(autouse=True)
+def _parallel_kernels(monkeypatch):
+    # Calls below SERIAL_TOKENS tokens run on one thread (no wake-up of the
+    # workers); the tests' inputs are all that small.  Keep them on the parallel
+    # path they were written for; test_small_calls_run_on_one_thread checks the
+    # serial path against it.
+    from racecpu import _kernels
+    monkeypatch.setattr(_kernels, "SERIAL_TOKENS", 0)

@@ -115,6 +115,32 @@ def test_blas_and_loop_paths_match_reference(rng, monkeypatch, causal, dtype, to
 
 
 @pytest.mark.parametrize("causal", [False, True])
+def test_small_calls_run_on_one_thread(rng, monkeypatch, causal):
+    # Below SERIAL_TOKENS tokens the kernels run on the calling thread; partial
+    # sums are per chunk, not per thread, so results are bit-identical.
+    import numba
+    from racecpu import _kernels, attention
+    monkeypatch.setattr(attention, "CHUNK", 16)  # several chunks: carries and BLAS steps
+    q, k, v, W = make(rng, (2,), 50, 50, 8, 8, 3, 2, np.float32)
+    g = rng.standard_normal((2, 50, 8)).astype(np.float32)
+    threads, calls = numba.get_num_threads(), []
+    set_threads = numba.set_num_threads
+    monkeypatch.setattr(numba, "set_num_threads", lambda n: (calls.append(n), set_threads(n)))
+    runs = []
+    for serial in (0, 10**9):  # parallel, then one thread
+        monkeypatch.setattr(_kernels, "SERIAL_TOKENS", serial)
+        out, res = racecpu.race_attention_fwd(q, k, v, W, 2.0, causal=causal)
+        runs.append((out, *racecpu.race_attention_bwd(res, g)))
+    assert 1 in calls and numba.get_num_threads() == threads
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
+    # The thread count comes back when the kernel raises.
+    with pytest.raises(Exception):
+        _kernels.causal_fwd(q[:, :1], None, None, None, None, None, None, 1, None, None, None, None)
+    assert numba.get_num_threads() == threads
+
+
+@pytest.mark.parametrize("causal", [False, True])
 def test_gradients_match_finite_differences(rng, causal):
     q, k, v, W = make(rng, (2,), 5, 5, 4, 3, 2, 2)
     mask = np.array([[True, True, False, True, True], [False, True, True, True, True]])
