@@ -516,20 +516,28 @@ def sketch_add(phi, v, lo, hi, A, B):
     for j in range(lo, hi):
         for f in range(F):
             A[f] += phi[j, f]
-    rank_update(phi[lo:hi], v[lo:hi], B)
+    rank_update(phi[lo:hi], v[lo:hi], B, np.empty_like(B))
 
 
 @njit(**_JIT)
-def rank_update(w, x, B):
-    """B += w^T x for ``w (n, F)``, ``x (n, dv)``: sgemm for long runs (2x outer_add at n=256)."""
+def rank_update(w, x, B, tmp):
+    """B += w^T x for ``w (n, F)``, ``x (n, dv)``: sgemm for long runs (2x outer_add at n=256).
+
+    ``tmp`` is scratch shaped like ``B`` that the sgemm writes into, so the
+    causal scans' per-step updates allocate nothing.
+    """
     n = w.shape[0]
     if n < BLAS_ROWS or B.shape[1] == 0:
         outer_add(w, x, B)
         return
+    F, dv = B.shape
     for j0 in range(0, n, BLAS_SPAN):  # 256-row spans: sgemm ran 1.8x slower on 1024 rows at once
         j1 = min(j0 + BLAS_SPAN, n)
         if j1 - j0 >= BLAS_ROWS:
-            B += np.dot(w[j0:j1].T, x[j0:j1])
+            np.dot(w[j0:j1].T, x[j0:j1], tmp)
+            for f in range(F):
+                for c in range(dv):
+                    B[f, c] += tmp[f, c]
         else:
             outer_add(w[j0:j1], x[j0:j1], B)
 
@@ -725,7 +733,7 @@ def queries_chunk_end(g, c, lo, hi, grad, phiq, tq, wblock, DPHI, dA, W, beta, d
     hash backward of every query (``DPHI`` holds dphi rows) with dq (:func:`hash_bwd_rows`).
     """
     dB = np.zeros((wblock.shape[1], grad.shape[2]), grad.dtype)
-    rank_update(wblock, grad[g, lo:hi], dB)
+    rank_update(wblock, grad[g, lo:hi], dB, np.empty_like(dB))
     partdA[g, c] = dA
     partdB[g, c] = dB
     return hash_bwd_rows(DPHI, phiq[g, lo:hi], tq[g, lo:hi], W, beta, dq[g, lo:hi])
@@ -802,16 +810,6 @@ def _step_buffers(like, F, m):
 
 
 @njit(**_JIT)
-def _add_product(X, Y, tmp, S):
-    """S += X Y through ``tmp`` (one sgemm; no allocation)."""
-    np.dot(X, Y, tmp)
-    F, dv = S.shape
-    for f in range(F):
-        for c in range(dv):
-            S[f, c] += tmp[f, c]
-
-
-@njit(**_JIT)
 def _causal_fwd_task(task, keep, q, v, phik, carryA, carryB, W, beta, chunk, phiq, tq, den, out):
     """One (group, chunk) task of :func:`causal_fwd` (a plain function: loops inlined
     into a prange body were not vectorised)."""
@@ -851,8 +849,7 @@ def _causal_fwd_task(task, keep, q, v, phik, carryA, carryB, W, beta, chunk, phi
         for i in range(m):
             for f in range(F):
                 A[f] += Pk[i, f]
-        if dv > 0:
-            _add_product(Pk.T, V, dS, S)
+        rank_update(Pk, V, S, dS)
 
 
 @blas_tasks
@@ -906,8 +903,7 @@ def _causal_queries_bwd_task(task, grad, v, phik, phiq, tq, den, carryA, carryB,
                 dA[f] += Pq[i, f] * dden / L
                 wblock[i0 + i - lo, f] = wq[f]
             DPHI[i0 + i - lo] = dphi  # the hash backward runs once per chunk, SIMD over tokens
-        if dv > 0:
-            _add_product(Pk.T, V, dS, S)
+        rank_update(Pk, V, S, dS)
     dbeta_part[g, c] = queries_chunk_end(g, c, lo, hi, grad, phiq, tq, wblock, DPHI, dA, W, beta,
                                          dq, partdA, partdB)
 
@@ -974,8 +970,7 @@ def _causal_keys_bwd_task(task, grad, v, phik, tk, phiq, den, dden, carrydA, car
             for f in range(F):
                 dA[f] += Pq[j, f] * ddv[j]
                 DPHI[i0 + j - lo, f] = Y[j, f] + Z[j, f] + dA[f]
-        if dv > 0:
-            _add_product(wb.T, Gb, dS, dB)
+        rank_update(wb, Gb, dB, dS)
     dbeta_part[g, c] = hash_bwd_rows(DPHI, phik[g, lo:hi], tk[g, lo:hi], W, beta, dk[g, lo:hi])
 
 
