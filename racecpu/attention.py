@@ -193,6 +193,41 @@ def _check_hashed(check_finite, *named):
                          f"(max |{name}| = {np.abs(x).max():.3g}); scale it down or pass float64")
 
 
+def _check_out(name, out, shape, dtype, reads):
+    """A caller's output buffer: exact shape and dtype, writeable, sharing no memory
+    with ``reads`` (``(name, array)`` pairs the call reads, or other outputs)."""
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"{name} must be a NumPy array, got {type(out).__name__}")
+    if out.shape != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {out.shape}")
+    if out.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype} (the dtype of the result), got {out.dtype}")
+    if not out.flags.writeable:
+        raise ValueError(f"{name} is read-only")
+    for rname, x in reads:
+        if isinstance(x, np.ndarray) and np.may_share_memory(out, x):
+            raise ValueError(f"{name} must not share memory with {rname}")
+    return out
+
+
+def _target(out, shape, cdt):
+    """Where a kernel writes a result of ``shape`` in the compute dtype: the
+    caller's buffer ``out`` when it is C-contiguous in that dtype (no fresh
+    pages to fault in: see README, "Memory"), else a new array."""
+    if out is not None and out.dtype == cdt and out.flags.c_contiguous:
+        return out.reshape(shape)
+    return np.empty(shape, cdt)
+
+
+def _deliver(result, out, shape, dtype):
+    """``result`` as the caller's ``out`` (copied in unless it already is it) or as a new array."""
+    if out is None:
+        return result.reshape(shape).astype(dtype, copy=False)
+    if not np.may_share_memory(result, out):
+        out[...] = result.reshape(shape)
+    return out
+
+
 def _chunk(n, G, F, dv):
     """Chunk length: CHUNK tokens unless the float64 partials would outgrow their budget."""
     per_chunk = G * F * (dv + 1) * 8
@@ -235,12 +270,16 @@ class Residuals:
         return self.lead + (self.phiq.shape[1], self.v.shape[2])
 
 
-def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None, check_finite=True):
+def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None, check_finite=True,
+                       out=None):
     """RACE attention forward; returns ``(out, residuals)`` for :func:`race_attention_bwd`.
 
     Arguments are those of :func:`race_attention`.
     """
     a = _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, defer_qk=True)
+    if out is not None:
+        out = _check_out("out", out, a.lead + (a.q.shape[1], a.v.shape[2]), a.out_dtype,
+                         [("q", q), ("k", k), ("v", v), ("key_mask", key_mask)])
     G, nq, _ = a.q.shape
     nk, dv = a.v.shape[1:]
     L, P, _ = a.planes.shape
@@ -255,24 +294,24 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
     phiq = np.empty((G, nq, F), cdt)
     tq = np.empty((G, nq, L * P), cdt)
     den = np.zeros((G, nq))
-    out = np.zeros((G, nq, dv), cdt)
+    o = _target(out, (G, nq, dv), cdt)  # the kernels write every row
     if G and nk:
         K.sketch_chunks(a.k, a.v, a.mask, a.planes, a.beta, chunk, phik, tk, partA, partB)
     if causal:
         A, B = K.exclusive_scan(partA), K.exclusive_scan(partB)
         if G and nq:
-            K.causal_fwd(a.q, a.v, phik, A, B, a.planes, a.beta, chunk, phiq, tq, den, out)
+            K.causal_fwd(a.q, a.v, phik, A, B, a.planes, a.beta, chunk, phiq, tq, den, o)
     else:
         A, B = partA.sum(1), partB.sum(1)
         if G and nq:
-            K.queries_fwd(a.q, a.planes, a.beta, chunk, A, B.astype(cdt), phiq, tq, den, out)
+            K.queries_fwd(a.q, a.planes, a.beta, chunk, A, B.astype(cdt), phiq, tq, den, o)
     _check_hashed(a.check_finite, ("q", a.q, tq), ("k", a.k, tk))
     res = Residuals(a.planes, a.beta, a.causal, chunk, a.v, phiq, tq, phik, tk, den, A, B,
                     a.lead, a.in_dtypes, a.out_dtype, a.check_finite)
-    return out.reshape(res.out_shape).astype(a.out_dtype, copy=False), res
+    return _deliver(o, out, res.out_shape, a.out_dtype), res
 
 
-def race_attention_bwd(residuals, grad_out):
+def race_attention_bwd(residuals, grad_out, *, out=None):
     """RACE attention backward.
 
     Parameters
@@ -281,11 +320,14 @@ def race_attention_bwd(residuals, grad_out):
         From :func:`race_attention_fwd`.
     grad_out : array_like, shape like the forward's output
         Cotangent of the output.
+    out : tuple of three ndarrays, optional
+        Buffers ``(dq, dk, dv)`` to write the gradients into, each with the
+        shape and dtype of its input (see :func:`race_attention`'s ``out``).
 
     Returns
     -------
     dq, dk, dv : ndarray
-        Gradients, each in the dtype of its input.
+        Gradients, each in the dtype of its input (the ``out`` buffers if given).
     dbeta : float
         Gradient w.r.t. beta, summed over every batch, head and token.
     """
@@ -299,14 +341,30 @@ def race_attention_bwd(residuals, grad_out):
     nk, dv = r.v.shape[1:]
     d = r.planes.shape[2]
     cdt = r.phiq.dtype
+    qdt, kdt, vdt = r.in_dtypes
+    lead = r.lead
+    shapes = (lead + (nq, d), lead + (nk, d), lead + (nk, dv))
+    if out is not None:
+        if not isinstance(out, (tuple, list)) or len(out) != 3:
+            raise TypeError(f"out must be a tuple of three arrays (dq, dk, dv), got {type(out).__name__}")
+        reads = [("grad_out", grad_out), ("the forward's v", r.v)]
+        checked = []
+        for name, buf, shape, dt in zip(("dq", "dk", "dv"), out, shapes, (qdt, kdt, vdt)):
+            checked.append(_check_out(f"out {name}", buf, shape, dt, reads))
+            reads.append((f"out {name}", buf))
+        out = checked
+    else:
+        out = (None, None, None)
     g = np.ascontiguousarray(g.reshape(G, nq, dv), dtype=cdt)
     chunk = r.chunk
     ncq, nck = -(-nq // chunk), -(-nk // chunk)
-    dq = np.zeros((G, nq, d), cdt)
-    dk = np.zeros((G, nk, d), cdt)
-    dv_ = np.zeros((G, nk, dv), cdt)
+    # The kernels write every row; without queries or keys they do not run.
+    dq, dk, dv_ = (_target(buf, (G,) + shape[-2:], cdt) for buf, shape in zip(out, shapes))
     dbeta = 0.0
-    if G and nq and nk:
+    if not (G and nq and nk):
+        for x in (dq, dk, dv_):
+            x[...] = 0
+    else:
         partdA = np.zeros((G, ncq, F))
         partdB = np.zeros((G, ncq, F, dv))
         dbq = np.zeros((G, ncq))
@@ -324,15 +382,12 @@ def race_attention_bwd(residuals, grad_out):
             K.keys_bwd(r.v, r.phik, r.tk, partdA.sum(1), partdB.sum(1).astype(cdt), r.planes, r.beta, chunk,
                        dk, dv_, dbk)
         dbeta = float(dbq.sum() + dbk.sum())
-    qdt, kdt, vdt = r.in_dtypes
-    lead = r.lead
-    return (dq.reshape(lead + (nq, d)).astype(qdt, copy=False),
-            dk.reshape(lead + (nk, d)).astype(kdt, copy=False),
-            dv_.reshape(lead + (nk, dv)).astype(vdt, copy=False),
-            dbeta)
+    return tuple(_deliver(x, buf, shape, dt)
+                 for x, buf, shape, dt in zip((dq, dk, dv_), out, shapes, (qdt, kdt, vdt))) + (dbeta,)
 
 
-def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None, check_finite=True):
+def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None, check_finite=True,
+                   out=None):
     """RACE attention: linear-time soft-LSH estimate of sharpened angular attention.
 
     Parameters
@@ -353,6 +408,12 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
         Raise ValueError on NaN/Inf in q, k, v, and on q or k so large that
         their projections onto the planes overflow.  q and k are checked from
         their hash (9 values per token at P = L = 3, not d), after the kernels.
+    out : ndarray, shape (..., Nq, dv), optional
+        Buffer for the result, in the result's dtype; it must not share
+        memory with q, k, v.  Reusing one across calls (a training loop)
+        saves writing fresh pages: the first write to new memory costs about
+        as much as the kernels on long inputs (README, "Memory").  A
+        C-contiguous float32/float64 buffer is written directly.
 
     Returns
     -------
@@ -362,11 +423,13 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
         (``den <= DEN_FLOOR``, e.g. every key masked) gets zeros.
     """
     if _is_cupy(q):
+        if out is not None:
+            raise TypeError("out is for NumPy arrays; CuPy's memory pool already reuses device memory")
         from . import cuda  # noqa: F401  (the CUDA path registers itself lazily)
         return cuda.race_attention(q, k, v, planes, beta, causal=causal, key_mask=key_mask,
                                    check_finite=check_finite)
     return race_attention_fwd(q, k, v, planes, beta, causal=causal, key_mask=key_mask,
-                              check_finite=check_finite)[0]
+                              check_finite=check_finite, out=out)[0]
 
 
 def _is_cupy(x):
@@ -415,13 +478,13 @@ class RaceAttention:
         return (f"RaceAttention(head_dim={self.head_dim}, num_planes={self.num_planes}, "
                 f"num_tables={self.num_tables}, beta={self.beta})")
 
-    def __call__(self, q, k, v, *, causal=False, key_mask=None, check_finite=True):
+    def __call__(self, q, k, v, *, causal=False, key_mask=None, check_finite=True, out=None):
         return race_attention(q, k, v, self.planes, self.beta, causal=causal, key_mask=key_mask,
-                              check_finite=check_finite)
+                              check_finite=check_finite, out=out)
 
-    def fwd(self, q, k, v, *, causal=False, key_mask=None, check_finite=True):
+    def fwd(self, q, k, v, *, causal=False, key_mask=None, check_finite=True, out=None):
         return race_attention_fwd(q, k, v, self.planes, self.beta, causal=causal, key_mask=key_mask,
-                                  check_finite=check_finite)
+                                  check_finite=check_finite, out=out)
 
-    def bwd(self, residuals, grad_out):
-        return race_attention_bwd(residuals, grad_out)
+    def bwd(self, residuals, grad_out, *, out=None):
+        return race_attention_bwd(residuals, grad_out, out=out)

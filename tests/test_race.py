@@ -371,6 +371,75 @@ def test_inputs_not_modified_and_any_layout_works(rng):
         np.testing.assert_array_equal(before, after)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_out_buffers_get_exactly_the_fresh_results(rng, causal, dtype):
+    # NaN-filled buffers: any element the kernels skipped would show.  Head 1
+    # has every key masked (den floor: zeros), and chunks are short so tails
+    # and several chunks per head are written.
+    q, k, v, W = make(rng, (2,), 37, 37, 6, 5, dtype=dtype)
+    mask = np.ones((2, 37), bool)
+    mask[1] = False
+    mask[0, 3:9] = False
+    g = rng.standard_normal(v.shape).astype(dtype)
+    want, res = racecpu.race_attention_fwd(q, k, v, W, causal=causal, key_mask=mask)
+    want_grads = racecpu.race_attention_bwd(res, g)
+    out = np.full(want.shape, np.nan, dtype)
+    got, res = racecpu.race_attention_fwd(q, k, v, W, causal=causal, key_mask=mask, out=out)
+    assert got is out
+    np.testing.assert_array_equal(out, want)
+    bufs = tuple(np.full(x.shape, np.nan, dtype) for x in (q, k, v))
+    grads = racecpu.race_attention_bwd(res, g, out=bufs)
+    assert all(a is b for a, b in zip(grads, bufs)) and grads[3] == want_grads[3]
+    for a, b in zip(grads[:3], want_grads[:3]):
+        np.testing.assert_array_equal(a, b)
+    # a strided buffer, and float16 (computed in float32), are filled by a copy
+    strided = np.full((2, 5, 37), np.nan, dtype).transpose(0, 2, 1)
+    np.testing.assert_array_equal(racecpu.race_attention(q, k, v, W, causal=causal, key_mask=mask, out=strided),
+                                  want)
+    h = [x.astype(np.float16) for x in (q, k, v)]
+    h16 = np.full(want.shape, np.nan, np.float16)
+    assert racecpu.race_attention(*h, W, causal=causal, out=h16) is h16
+    np.testing.assert_array_equal(h16, racecpu.race_attention(*h, W, causal=causal))
+
+
+def test_out_buffers_without_queries_or_keys_are_zeroed(rng):
+    W = racecpu.hyperplanes(4)
+    q = np.ones((3, 4))
+    out = np.full((3, 2), np.nan)
+    _, res = racecpu.race_attention_fwd(q, np.zeros((0, 4)), np.zeros((0, 2)), W, out=out)
+    assert np.all(out == 0)
+    bufs = (np.full((3, 4), np.nan), np.empty((0, 4)), np.empty((0, 2)))
+    dq, _, _, db = racecpu.race_attention_bwd(res, np.ones((3, 2)), out=bufs)
+    assert dq is bufs[0] and np.all(dq == 0) and db == 0.0
+
+
+def test_bad_out_buffers(rng):
+    q, k, v, W = make(rng, (2,), 6, 6, 4, 3)
+    out, res = racecpu.race_attention_fwd(q, k, v, W)
+    for bad, err, msg in [
+        (np.empty((2, 6, 4)), ValueError, r"out must have shape \(2, 6, 3\)"),
+        (np.empty((2, 6, 3), np.float32), TypeError, "out must have dtype float64"),
+        ([[0.0] * 3] * 6, TypeError, "out must be a NumPy array"),
+        (np.broadcast_to(np.empty(3), (2, 6, 3)), ValueError, "out is read-only"),
+        (v, ValueError, "out must not share memory with v"),
+    ]:
+        with pytest.raises(err, match=msg):
+            racecpu.race_attention(q, k, v, W, out=bad)
+    g = np.ones_like(out)
+    dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
+    with pytest.raises(TypeError, match="tuple of three arrays"):
+        racecpu.race_attention_bwd(res, g, out=dq)
+    with pytest.raises(ValueError, match="out dv must not share memory with the forward's v"):
+        racecpu.race_attention_bwd(res, g, out=(dq, dk, v))
+    with pytest.raises(ValueError, match="out dk must not share memory with out dq"):
+        racecpu.race_attention_bwd(res, g, out=(dq, dq, dv))
+    with pytest.raises(ValueError, match="out dv must not share memory with grad_out"):
+        racecpu.race_attention_bwd(res, g, out=(dq, dk, g))
+    with pytest.raises(ValueError, match=r"out dk must have shape \(2, 6, 4\)"):
+        racecpu.race_attention_bwd(res, g, out=(dq, dk[:, :5], dv))
+
+
 def test_residuals_are_linear_in_N(rng):
     # No (N, L, R, dv) array and no N x N array is kept for the backward.
     N, dv, P, L = 64, 16, 3, 3
