@@ -12,9 +12,16 @@ builds from them an *achievable floor* per token-head:
     memory   = bytes streamed / copy bandwidth (threads)
     floor    = max(compute, memory) + first touch of the fresh output bytes
 
+Fresh pages cost more on a VM that hands freed memory back to its host (free
+page reporting, as on this machine: ``page_reporting`` in /proc/cmdline): a
+page freed seconds ago must be backed again by the host on its first write.
+The script measures that too ("taken back": pages freed ``--wait`` = 4 s earlier) and the
+floor it implies for a call that writes fresh outputs.
+
 It then times each RACE kernel on outputs it has already touched (steady state)
-and the public calls (fresh outputs, what a user sees), so the gap to the floor
-can be read per kernel.  Everything not counted (the tanh/logistic math, the
+and the public calls, with fresh outputs (what a user sees by default) and
+with reused ``out=`` buffers (a loop), so the gap to the floor can be read per
+kernel.  Everything not counted (the tanh/logistic math, the
 soft-hash products, the softmax backward, dtype conversions) makes the real
 floor higher: a target below this floor is out of reach.
 
@@ -41,8 +48,9 @@ from racecpu import _kernels as K
 from racecpu.bench import best_time as best
 
 
-def memory_limits(reps, mib=1024):
-    """Copy bandwidth (GB/s, read + write) and first-touch cost (s per byte), 1 and 2 threads."""
+def memory_limits(reps, mib=1024, wait=4.0):
+    """Copy bandwidth (GB/s, read + write) and first-touch cost (s per byte), 1 and 2 threads;
+    ``touch_back`` is the cost for pages freed ``wait`` seconds before."""
     n = mib * 2 ** 18  # float32
     a = np.ones(n, np.float32)
     b = np.ones(n, np.float32)
@@ -63,8 +71,17 @@ def memory_limits(reps, mib=1024):
                 del c
             # The best is the floor; the median shows how much worse it gets when the
             # host must back the pages first (a VM: 2-7x on this machine).
+            taken_back = []
+            for _ in range(2):
+                time.sleep(wait)  # free page reporting hands free memory to the host after 2 s
+                c = np.empty(n, np.float32)
+                t = time.perf_counter()
+                copy(c)
+                taken_back.append(time.perf_counter() - t)
+                del c
             out[th] = dict(bw=2 * a.nbytes / t_touched, touch=(min(fresh) - t_touched) / a.nbytes,
-                           touch_med=(float(np.median(fresh)) - t_touched) / a.nbytes)
+                           touch_med=(float(np.median(fresh)) - t_touched) / a.nbytes,
+                           touch_back=(min(taken_back) - t_touched) / a.nbytes)
     return out
 
 
@@ -97,7 +114,8 @@ def thin_gemms(d, dv, F, LP, reps):
 
 
 def kernels(N, H, d, threads, reps):
-    """Seconds per token-head of each non-causal kernel on touched outputs, and of the public calls."""
+    """Seconds per token-head of each non-causal kernel on touched outputs, and of the public
+    calls with fresh outputs and with reused ``out=`` buffers."""
     rng = np.random.default_rng(0)
     q, k, v, g = (rng.standard_normal((H, N, d), dtype=np.float32) for _ in range(4))
     W = racecpu.hyperplanes(d, 3, 3)
@@ -137,6 +155,18 @@ def kernels(N, H, d, threads, reps):
             return racecpu.race_attention_bwd(rr, g)
         res[("public fwd (fresh outputs)", th)] = best(fwd, reps) / (N * H)
         res[("public fwd+bwd (fresh outputs)", th)] = best(fwdbwd, reps) / (N * H)
+    o, grads = np.ones_like(v), tuple(np.ones_like(x) for x in (q, k, v))  # touched once, then reused
+    for th in threads:
+        numba.set_num_threads(th)
+
+        def fwd_out():
+            return racecpu.race_attention_fwd(q, k, v, W, beta, out=o)
+
+        def fwdbwd_out():
+            _, rr = racecpu.race_attention_fwd(q, k, v, W, beta, out=o)
+            return racecpu.race_attention_bwd(rr, g, out=grads)
+        res[("public fwd (out= buffers)", th)] = best(fwd_out, reps) / (N * H)
+        res[("public fwd+bwd (out= buffers)", th)] = best(fwdbwd_out, reps) / (N * H)
     return res
 
 
@@ -147,10 +177,12 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--copy-mib", type=int, default=1024, help="array size of the memory measurements")
+    p.add_argument("--wait", type=float, default=4.0,
+                   help="seconds between freeing and reusing pages for the 'taken back' cost (default 4)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "floor.txt")
     a = p.parse_args(argv)
-    if not 10 <= a.log2n <= 24 or a.heads < 1 or a.repeats < 1 or a.copy_mib < 1:
-        p.error("need 10 <= --log2n <= 24, --heads >= 1, --repeats >= 1, --copy-mib >= 1")
+    if not 10 <= a.log2n <= 24 or a.heads < 1 or a.repeats < 1 or a.copy_mib < 1 or not a.wait >= 0:
+        p.error("need 10 <= --log2n <= 24, --heads >= 1, --repeats >= 1, --copy-mib >= 1, --wait >= 0")
     d = dv = 128
     P = L = 3
     F, LP = L * 2 ** P, L * P
@@ -158,7 +190,7 @@ def main(argv=None):
     threads = sorted({1, numba.config.NUMBA_NUM_THREADS})
     nt = threads[-1]
     bar = tqdm(total=3, desc="memory limits")
-    mem = memory_limits(a.repeats, a.copy_mib)
+    mem = memory_limits(a.repeats, a.copy_mib, a.wait)
     bar.update()
     bar.set_description("thin GEMMs")
     gm = thin_gemms(d, dv, F, LP, a.repeats * 3)
@@ -176,35 +208,48 @@ def main(argv=None):
     # bytes streamed per token-head (read + write; see racecpu.bench's roofline) and fresh bytes touched
     stream = {"fwd": s * (2 * d + 2 * dv + 2 * F + 2 * LP) + 8, "bwd": s * (2 * d + 3 * dv + 2 * F + 2 * LP) + 8}
     stream["fwd+bwd"] = stream["fwd"] + stream["bwd"]
-    fresh = {"fwd": s * (dv + 2 * F + 2 * LP) + 8, "bwd": s * (2 * d + dv)}
-    fresh["fwd+bwd"] = fresh["fwd"] + fresh["bwd"]
+    # fresh bytes: the residuals (phi, t of q and k, den) always; the outputs unless out= buffers are reused
+    resid = {"fwd": s * (2 * F + 2 * LP) + 8, "bwd": 0}
+    fresh = {"fwd": resid["fwd"] + s * dv, "bwd": s * (2 * d + dv)}
+    for x in (resid, fresh):
+        x["fwd+bwd"] = x["fwd"] + x["bwd"]
 
     lines = [f"command: python benchmarks/floor.py --log2n {a.log2n} --heads {H} --repeats {a.repeats}",
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, {nt} threads, "
              f"numpy {np.__version__}, numba {numba.__version__}; d = dv = {d}, P = L = 3, F = {F}, float32",
-             "", f"memory ({a.copy_mib} MiB float32, touched destination; first touch = extra time to write fresh pages):"]
+             "", f"memory ({a.copy_mib} MiB float32, touched destination; first touch = extra time to write fresh pages;",
+             f"taken back = pages freed {a.wait:g} s before, which a VM with free page reporting has handed to its host):"]
     for th, m in mem.items():
         lines.append(f"  {th} thread(s): copy {m['bw'] / 1e9:5.1f} GB/s, first touch "
                      f"{m['touch'] * 1e9 * s * d:5.1f} ns per {s * d} B row best, "
-                     f"{m['touch_med'] * 1e9 * s * d:5.1f} median ({m['touch'] * 1e12:.1f} ps/B best)")
+                     f"{m['touch_med'] * 1e9 * s * d:5.1f} median ({m['touch'] * 1e12:.1f} ps/B best), "
+                     f"taken back {m['touch_back'] * 1e9 * s * d:5.1f}")
     lines += ["", "thin products, one BLAS thread, ns per token (square SGEMM for comparison: racecpu bench):"]
     lines += [f"  {n:34s} {t * 1e9:6.1f}" for n, t in gm.items()]
     lines += ["", f"achievable floor per token-head at {nt} threads (compute / threads, memory at the {nt}-thread copy rate):",
-              f"  {'':8s} {'compute':>8s} {'memory':>8s} {'1st touch':>9s} {'floor':>7s}   (ns)"]
-    floor = {}
+              f"  {'':8s} {'compute':>8s} {'memory':>8s} {'1st touch':>9s} {'floor':>7s} "
+              f"{'taken back':>10s} {'floor':>7s} {'out= floor':>10s}   (ns)"]
+    floor, floor_back, floor_buf = {}, {}, {}
     for mode in ("fwd", "bwd", "fwd+bwd"):
         c = compute[mode] / nt
         mm = stream[mode] / mem[nt]["bw"]
-        ft = fresh[mode] * mem[nt]["touch"]
+        ft, fb = fresh[mode] * mem[nt]["touch"], fresh[mode] * mem[nt]["touch_back"]
         floor[mode] = max(c, mm) + ft
-        lines.append(f"  {mode:8s} {c * 1e9:8.1f} {mm * 1e9:8.1f} {ft * 1e9:9.1f} {floor[mode] * 1e9:7.1f}")
+        floor_back[mode] = max(c, mm) + fb
+        floor_buf[mode] = max(c, mm) + resid[mode] * mem[nt]["touch"]
+        lines.append(f"  {mode:8s} {c * 1e9:8.1f} {mm * 1e9:8.1f} {ft * 1e9:9.1f} {floor[mode] * 1e9:7.1f} "
+                     f"{fb * 1e9:10.1f} {floor_back[mode] * 1e9:7.1f} {floor_buf[mode] * 1e9:10.1f}")
+    lines.append("  (out= floor: reused output buffers, only the residuals are fresh)")
     lines += ["", f"RACE at N = 2^{a.log2n}, {H} heads, ns per token-head "
-              f"(kernels: outputs already touched; public: fresh outputs, input checks):",
+              f"(kernels: outputs already touched; public: input checks, fresh or reused outputs):",
               f"  {'':34s}" + "".join(f"{str(th) + ' thr':>9s}" for th in threads)]
     for name in dict.fromkeys(n for n, _ in kr):
         lines.append(f"  {name:34s}" + "".join(f"{kr[(name, th)] * 1e9:9.1f}" for th in threads))
-    for mode, key in (("fwd", "public fwd (fresh outputs)"), ("fwd+bwd", "public fwd+bwd (fresh outputs)")):
-        lines.append(f"  {mode}: public call / floor = {kr[(key, nt)] / floor[mode]:.2f}")
+    for mode in ("fwd", "fwd+bwd"):
+        fr, ob = kr[(f"public {mode} (fresh outputs)", nt)], kr[(f"public {mode} (out= buffers)", nt)]
+        lines.append(f"  {mode}: fresh outputs / floor = {fr / floor[mode]:.2f} "
+                     f"(/ floor with pages taken back = {fr / floor_back[mode]:.2f}); "
+                     f"out= buffers / out= floor = {ob / floor_buf[mode]:.2f}")
     text = "\n".join(lines) + "\n"
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(text)

@@ -135,9 +135,12 @@ def test_floor_script_writes_its_table(tmp_path):
     floor = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(floor)
     out = tmp_path / "floor.txt"
-    assert floor.main(["--log2n", "10", "--heads", "1", "--repeats", "1", "--copy-mib", "16", "--out", str(out)]) == 0
+    assert floor.main(["--log2n", "10", "--heads", "1", "--repeats", "1", "--copy-mib", "16", "--wait", "0",
+                       "--out", str(out)]) == 0
     text = out.read_text()
-    for row in ("hash projection", "fwd+bwd", "keys_bwd", "public fwd+bwd (fresh outputs)", "public call / floor"):
+    for row in ("hash projection", "fwd+bwd", "keys_bwd", "public fwd+bwd (fresh outputs)",
+                "public fwd+bwd (out= buffers)", "fresh outputs / floor", "out= buffers / out= floor",
+                "taken back = pages freed 0 s before"):
         assert row in text
     ns = [float(line.split()[-1]) for line in text.splitlines() if line.strip().startswith(("fwd ", "bwd "))]
     assert len(ns) == 2 and all(x > 0 for x in ns)  # floors of fwd and bwd
