@@ -298,7 +298,7 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
     if G and nk:
         K.sketch_chunks(a.k, a.v, a.mask, a.planes, a.beta, chunk, phik, tk, partA, partB)
     if causal:
-        A, B = K.exclusive_scan(partA), K.exclusive_scan(partB)
+        A, B = K.exclusive_scan(partA, out=partA), K.exclusive_scan(partB, out=partB)  # in place
         if G and nq:
             K.causal_fwd(a.q, a.v, phik, A, B, a.planes, a.beta, chunk, phiq, tq, den, o)
     else:
@@ -373,7 +373,7 @@ def race_attention_bwd(residuals, grad_out, *, out=None):
             dden = np.zeros((G, nq))
             K.causal_queries_bwd(g, r.v, r.phik, r.phiq, r.tq, r.den, r.A, r.B, r.planes, r.beta, chunk,
                                  dq, dden, partdA, partdB, dbq)
-            cA, cB = K.exclusive_scan(partdA, reverse=True), K.exclusive_scan(partdB, reverse=True)
+            cA, cB = K.exclusive_scan(partdA, True, partdA), K.exclusive_scan(partdB, True, partdB)  # in place
             K.causal_keys_bwd(g, r.v, r.phik, r.tk, r.phiq, r.den, dden, cA, cB, r.planes, r.beta, chunk,
                               dk, dv_, dbk)
         else:
