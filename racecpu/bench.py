@@ -12,7 +12,9 @@ What it measures
    noisy machine): a roof, not a typical value.
 2. **Scaling** over ``N = 2**min_log2n .. 2**max_log2n``: forward and
    forward+backward, causal and not, of ``racecpu.race_attention_fwd`` /
-   ``race_attention_bwd`` against, in the same run and back to back (the order of
+   ``race_attention_bwd`` (``race``; ``race-out`` is the same call writing into
+   ``out=`` buffers allocated once per measurement, as a training loop would) against,
+   in the same run and back to back (the order of
    implementations rotates), a vectorised NumPy statement of the same math
    (:func:`numpy_race_fwd`, :func:`numpy_race_bwd`) and, with torch installed, a
    vectorised torch statement with autograd (:func:`torch_race`) and
@@ -122,7 +124,7 @@ import numpy as np
 __all__ = ["add_arguments", "run", "roofline_counts", "numpy_race_fwd", "numpy_race_bwd", "torch_race"]
 
 #: Implementations by device, in table order.
-IMPLS = {"cpu": ("race", "numpy-vec", "torch-vec", "sdpa"), "cuda": ("race-cuda", "sdpa-cuda")}
+IMPLS = {"cpu": ("race", "race-out", "numpy-vec", "torch-vec", "sdpa"), "cuda": ("race-cuda", "sdpa-cuda")}
 TORCH_IMPLS = {"torch-vec", "sdpa", "sdpa-cuda"}
 CONFIGS = (("fwd", False), ("fwd", True), ("fwdbwd", False), ("fwdbwd", True))
 _MARK = "@@racecpu-bench@@"
@@ -322,16 +324,20 @@ def _setup(spec, n):
     q, k, v, g = _inputs(spec, n)
     B, H = q.shape[:2]
 
-    if impl == "race":
+    if impl in ("race", "race-out"):
         import racecpu
         W = _planes(spec)
 
         check = spec.get("check_finite", True)
+        # race-out: buffers written once here, so the calls find their pages mapped
+        out_buf = np.ones_like(v) if impl == "race-out" else None
+        grads = tuple(np.ones_like(x) for x in (q, k, v)) if impl == "race-out" and g is not None else None
 
         def call():
-            out, res = racecpu.race_attention_fwd(q, k, v, W, beta, causal=causal, check_finite=check)
+            out, res = racecpu.race_attention_fwd(q, k, v, W, beta, causal=causal, check_finite=check,
+                                                  out=out_buf)
             if g is not None:
-                racecpu.race_attention_bwd(res, g)
+                racecpu.race_attention_bwd(res, g, out=grads)
         return call, None
 
     if impl == "numpy-vec":
@@ -435,7 +441,7 @@ def _measure(spec):
         if sum(times) > spec["budget_s"]:
             break
     layer = None
-    if spec["impl"] == "race":
+    if spec["impl"] in ("race", "race-out"):
         import numba
         layer = numba.threading_layer()
     return dict(times=times, peak_rss=_peak_rss(), base_rss=base, peak_reset=reset, warm_s=warm_s,
@@ -640,7 +646,7 @@ def add_arguments(parser):
     o = parser.add_argument_group("what to run and where to write")
     o.add_argument("--no-torch", action="store_true", help="skip the torch peers even if torch is installed")
     o.add_argument("--impls", default=None,
-                   help="comma-separated subset of race,numpy-vec,torch-vec,sdpa (cuda: race-cuda,sdpa-cuda); "
+                   help="comma-separated subset of race,race-out,numpy-vec,torch-vec,sdpa (cuda: race-cuda,sdpa-cuda); "
                         "e.g. --impls race to time the kernels alone")
     o.add_argument("--no-check-finite", action="store_true",
                    help="call RACE with check_finite=False (default: the library default, True)")
@@ -1157,7 +1163,7 @@ class _Suite:
 
         rows = [r for r in self.rows if r["section"] == "scaling" and r["status"] == "ok"]
         fig, axes = plt.subplots(2, 3, figsize=(16, 9), constrained_layout=True)
-        colors = dict(zip(IMPLS["cpu"] + IMPLS["cuda"], ("C0", "C1", "C2", "C3", "C0", "C3")))
+        colors = dict(zip(IMPLS["cpu"] + IMPLS["cuda"], ("C0", "C4", "C1", "C2", "C3", "C0", "C3")))
         st = self.st
         tok = st["batch"] * st["heads"]
         for i, mode in enumerate(("fwd", "fwdbwd")):

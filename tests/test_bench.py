@@ -92,7 +92,7 @@ def test_suite_runs_end_to_end(tmp_path, capsys):
         assert machine[f"sgemm@{when}"] > 0.1 and machine[f"copy-1thread@{when}"] > 0.1  # GFLOP/s, GB/s
     scaling = [r for r in rows if r["section"] == "scaling"]
     assert {(r["impl"], r["mode"], r["causal"]) for r in scaling} == {
-        (i, m, c) for i in ("race", "numpy-vec") for m in ("fwd", "fwdbwd") for c in ("0", "1")}
+        (i, m, c) for i in ("race", "race-out", "numpy-vec") for m in ("fwd", "fwdbwd") for c in ("0", "1")}
     for r in scaling:
         assert r["status"] == "ok", r
         assert r["n"] == "256" and int(r["calls"]) == 1
