@@ -26,7 +26,6 @@ Forward and backward of each step stand side by side.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import warnings
@@ -91,22 +90,15 @@ def blas_tasks(kernel):
     def run(*args):
         if args[0].shape[0] * args[0].shape[1] >= SERIAL_TOKENS:
             return call(args)
-        with _one_thread():
+        threads = numba.get_num_threads()
+        numba.set_num_threads(1)
+        try:
             return call(args)
+        finally:
+            numba.set_num_threads(threads)
 
     run.kernel = kernel
     return run
-
-
-@contextlib.contextmanager
-def _one_thread():
-    """Run parallel kernels on the calling thread inside the block (see SERIAL_TOKENS)."""
-    threads = numba.get_num_threads()
-    numba.set_num_threads(1)
-    try:
-        yield
-    finally:
-        numba.set_num_threads(threads)
 
 
 # ---------------------------------------------------------------------------
@@ -618,47 +610,35 @@ def _bounds(task, nc, chunk, n):
     return g, c, lo, hi
 
 
-#: Columns of the chunk partials one task of :func:`exclusive_scan` carries.
-SCAN_COLS = 256
-
-
-@njit(**_PJIT)
+@njit(**_JIT)
 def _scan_chunks(part, reverse, out):
     """out[g, c] = sum of part[g, c'] over c' < c (c' > c: ``reverse``), in chunk order."""
     G, nc, E = part.shape
-    nb = (E + SCAN_COLS - 1) // SCAN_COLS
-    for task in prange(G * nb):
-        g = task // nb
-        e0 = (task - g * nb) * SCAN_COLS
-        e1 = min(e0 + SCAN_COLS, E)
-        acc = np.zeros(e1 - e0)
+    acc = np.empty(E)
+    for g in range(G):
+        acc[:] = 0.0
         for i in range(nc):
             c = nc - 1 - i if reverse else i
-            for e in range(e0, e1):
+            for e in range(E):
                 x = part[g, c, e]  # read before the write: out may be part
-                out[g, c, e] = acc[e - e0]
-                acc[e - e0] += x
+                out[g, c, e] = acc[e]
+                acc[e] += x
 
 
 def exclusive_scan(part, reverse=False, out=None):
     """Exclusive prefix (or suffix, ``reverse``) sums over axis 1 of float64 ``part (G, nc, ...)``.
 
-    Sums run in chunk order, as ``np.cumsum`` would, on every core.  ``out``
-    (optional, like ``part``) may be ``part`` itself: the scan then allocates
-    nothing (at 2^20 tokens x 4 heads the partials are 100 MB, and np.cumsum
-    through temporaries took 70-150 ns per token-head, the parallel scan ~5).
+    Sums run in chunk order, as ``np.cumsum`` would.  ``out`` (optional, like
+    ``part``) may be ``part`` itself: the scan then allocates nothing.  At
+    2^20 tokens x 4 heads the partials are 100 MB; np.cumsum through
+    temporaries took 70-150 ns per token-head, this one pass ~5 (memory-bound
+    and short, so one thread: a parallel kernel cost 4 s more cold compile).
     """
     if out is None:
         out = np.empty_like(part)
-    if part.size == 0:
-        return out
-    G, nc = part.shape[:2]
-    args = (part.reshape(G, nc, -1), reverse, out.reshape(G, nc, -1))
-    if part.size >= SERIAL_TOKENS * SCAN_COLS:
-        _scan_chunks(*args)
-    else:
-        with _one_thread():
-            _scan_chunks(*args)
+    if part.size:
+        G, nc = part.shape[:2]
+        _scan_chunks(part.reshape(G, nc, -1), reverse, out.reshape(G, nc, -1))
     return out
 
 
