@@ -631,8 +631,8 @@ def exclusive_scan(part, reverse=False, out=None):
     Sums run in chunk order, as ``np.cumsum`` would.  ``out`` (optional, like
     ``part``) may be ``part`` itself: the scan then allocates nothing.  At
     2^20 tokens x 4 heads the partials are 100 MB; np.cumsum through
-    temporaries took 70-150 ns per token-head, this one pass ~5 (memory-bound
-    and short, so one thread: a parallel kernel cost 4 s more cold compile).
+    temporaries took 70-150 ns per token-head, this one pass ~3 (memory-bound
+    and short: one thread, no parallel kernel to compile).
     """
     if out is None:
         out = np.empty_like(part)
