@@ -62,23 +62,18 @@ def memory_limits(reps, mib=1024, wait=4.0):
             def copy(dst):
                 list(ex.map(lambda s: np.copyto(dst[s], a[s]), parts))
             t_touched = best(lambda: copy(b), reps)
-            fresh = []
-            for _ in range(max(reps, 5)):
+
+            def copy_fresh(pause=0.0):
+                time.sleep(pause)
                 c = np.empty(n, np.float32)
                 t = time.perf_counter()
                 copy(c)
-                fresh.append(time.perf_counter() - t)
-                del c
+                return time.perf_counter() - t
             # The best is the floor; the median shows how much worse it gets when the
             # host must back the pages first (a VM: 2-7x on this machine).
-            taken_back = []
-            for _ in range(2):
-                time.sleep(wait)  # free page reporting hands free memory to the host after 2 s
-                c = np.empty(n, np.float32)
-                t = time.perf_counter()
-                copy(c)
-                taken_back.append(time.perf_counter() - t)
-                del c
+            fresh = [copy_fresh() for _ in range(max(reps, 5))]
+            # free page reporting hands free memory to the host after 2 s
+            taken_back = [copy_fresh(wait) for _ in range(2)]
             out[th] = dict(bw=2 * a.nbytes / t_touched, touch=(min(fresh) - t_touched) / a.nbytes,
                            touch_med=(float(np.median(fresh)) - t_touched) / a.nbytes,
                            touch_back=(min(taken_back) - t_touched) / a.nbytes)
@@ -144,29 +139,20 @@ def kernels(N, H, d, threads, reps):
         for name, f in calls.items():
             res[(name, th)] = best(f, reps) / (N * H)
     del calls, out, r, phik, tk, phiq, tq, den, o, dq, dk, dv  # room for the public calls' fresh outputs
-    for th in threads:
-        numba.set_num_threads(th)
 
+    def public(label, o=None, grads=None):
         def fwd():
-            return racecpu.race_attention_fwd(q, k, v, W, beta)
-
-        def fwdbwd():
-            _, rr = racecpu.race_attention_fwd(q, k, v, W, beta)
-            return racecpu.race_attention_bwd(rr, g)
-        res[("public fwd (fresh outputs)", th)] = best(fwd, reps) / (N * H)
-        res[("public fwd+bwd (fresh outputs)", th)] = best(fwdbwd, reps) / (N * H)
-    o, grads = np.ones_like(v), tuple(np.ones_like(x) for x in (q, k, v))  # touched once, then reused
-    for th in threads:
-        numba.set_num_threads(th)
-
-        def fwd_out():
             return racecpu.race_attention_fwd(q, k, v, W, beta, out=o)
 
-        def fwdbwd_out():
-            _, rr = racecpu.race_attention_fwd(q, k, v, W, beta, out=o)
-            return racecpu.race_attention_bwd(rr, g, out=grads)
-        res[("public fwd (out= buffers)", th)] = best(fwd_out, reps) / (N * H)
-        res[("public fwd+bwd (out= buffers)", th)] = best(fwdbwd_out, reps) / (N * H)
+        def fwdbwd():
+            return racecpu.race_attention_bwd(fwd()[1], g, out=grads)
+        for th in threads:
+            numba.set_num_threads(th)
+            res[(f"public fwd ({label})", th)] = best(fwd, reps) / (N * H)
+            res[(f"public fwd+bwd ({label})", th)] = best(fwdbwd, reps) / (N * H)
+    public("fresh outputs")
+    # touched once, then reused (allocated only now: with the fresh outputs they would not fit at 2^20 x 4)
+    public("out= buffers", np.ones_like(v), tuple(np.ones_like(x) for x in (q, k, v)))
     return res
 
 
