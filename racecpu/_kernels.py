@@ -229,32 +229,34 @@ HASH_BLOCK = 32
 
 
 @njit(**_JIT)
-def hash_block(x, W, beta, keep, U, a, b, t, phi):
+def hash_block(x, W, beta, keep, U, a, b, ph, t, phi):
     """phi_l(x) and t for a block of rows ``x (T, d)``, every table.
 
     softmax_r(beta t.v_r) = prod_p sigmoid(2 beta t_p v_{r,p}) (DESIGN.md), so
     per plane we need a = sigmoid(2 beta t) and 1 - a, and t = tanh(W x).
     Both come from one exp each of a non-positive argument, so nothing can
-    overflow for any beta; the product over planes is built by doubling,
-    plane 0 being the most significant bit of the corner index.  Rows with
-    ``keep[j]`` False (masked keys) get phi = 0 (t is still written).  A
-    projection that is NaN or +-Inf gives t = NaN (see attention._check_hashed).
-    ``U``, ``a``, ``b`` are scratch of at least T * L * P values in the
-    planes' dtype, which sets the precision of the tanh/logistic math (float32
-    inputs: float32, ~1e-7 absolute in t and phi, the rounding of storing them).
+    overflow for any beta.  Plane 0 is the most significant bit of the corner
+    index.  Rows with ``keep[j]`` False (masked keys) get phi = 0 (t is still
+    written).  A projection that is NaN or +-Inf gives t = NaN (see
+    attention._check_hashed).  ``U``, ``a``, ``b`` (T * L * P values) and
+    ``ph`` (T * L * 2**P) are scratch in the planes' dtype, which sets the
+    precision of the tanh/logistic math (float32 inputs: float32, ~1e-7
+    absolute in t and phi, the rounding of storing them); only their first
+    T * L * P (T * L * 2**P) values are used.  Every step runs
+    over all T tokens at once, plane-major, and each value is stored to
+    ``t``/``phi`` once at the end (per-token corner products read back from
+    phi were a quarter of the hash).
     """
     T, d = x.shape
     L, P, _ = W.shape
     R = 1 << P
     LP = L * P
-    W2 = W.reshape(LP, d)
-    for j in range(T):  # eight planes per sweep over x_j (1.25x the whole hash)
-        dot_rows(W2, x[j], U[j * LP:(j + 1) * LP])
     # Constants in the scratch dtype: a float64 literal would promote float32 math.
     c = np.empty(8, U.dtype)
     c[0], c[1], c[2], c[3] = -2.0, -2.0 * beta, 1.0, _TANH_SERIES_MAX
     c[4], c[5], c[6], c[7] = -1 / 3, 2 / 15, -17 / 315, 62 / 2835
     m2, m2beta, one, small, c3, c5, c7, c9 = c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]
+    dot_rows(W.reshape(LP, d), x, U[:LP * T].reshape(LP, T).T)  # plane-major: U[m * T + j]
     for s in range(T * LP):  # SIMD over the block
         u = U[s]
         bad = u - u  # 0, or NaN when u is NaN/Inf: see the end of the loop
@@ -279,23 +281,29 @@ def hash_block(x, W, beta, keep, U, a, b, t, phi):
         U[s] = th if bad == 0 else bad
     for j in range(T):
         for m in range(LP):
-            t[j, m] = U[j * LP + m]
-        for l in range(L):
-            base = l * R
-            if not keep[j]:
-                for r in range(R):
-                    phi[j, base + r] = 0.0
-                continue
-            phi[j, base] = 1.0
-            n = 1
-            for p in range(P):
-                ap = a[j * LP + l * P + p]
-                bp = b[j * LP + l * P + p]
-                for i in range(n - 1, -1, -1):
-                    val = phi[j, base + i]
-                    phi[j, base + 2 * i + 1] = val * ap
-                    phi[j, base + 2 * i] = val * bp
-                n *= 2
+            t[j, m] = U[m * T + j]
+    # Corner f = l R + r of table l: the product over planes p of a (bit p of r
+    # set) or b, a row of T tokens at a time.
+    for f in range(L * R):
+        l = f // R
+        r = f - l * R
+        row = ph[f * T:(f + 1) * T]
+        for p in range(P):
+            src = a if (r >> (P - 1 - p)) & 1 else b
+            col = src[(l * P + p) * T:(l * P + p + 1) * T]
+            if p == 0:
+                for j in range(T):
+                    row[j] = col[j]
+            else:
+                for j in range(T):
+                    row[j] *= col[j]
+    for j in range(T):
+        if keep[j]:
+            for f in range(L * R):
+                phi[j, f] = ph[f * T + j]
+        else:
+            for f in range(L * R):
+                phi[j, f] = 0.0
 
 
 @njit(**_JIT)
@@ -387,17 +395,15 @@ def hash_bwd_rows(dphi, phi, t, W, beta, dx):
 
 
 @njit(**_JIT)
-def hash_range(x, lo, hi, W, beta, keep, t, phi, U, a, b):
+def hash_range(x, lo, hi, W, beta, keep, t, phi):
     """:func:`hash_block` over rows lo..hi of ``x (N, d)``, HASH_BLOCK rows at a time."""
+    L, P, _ = W.shape
+    m = HASH_BLOCK * L * P
+    U, a, b = np.empty(m, W.dtype), np.empty(m, W.dtype), np.empty(m, W.dtype)
+    ph = np.empty((HASH_BLOCK * L) << P, W.dtype)
     for b0 in range(lo, hi, HASH_BLOCK):
         b1 = min(b0 + HASH_BLOCK, hi)
-        hash_block(x[b0:b1], W, beta, keep[b0:b1], U, a, b, t[b0:b1], phi[b0:b1])
-
-
-@njit(**_JIT)
-def _scratch(W):
-    m = HASH_BLOCK * W.shape[0] * W.shape[1]
-    return np.empty(m, W.dtype), np.empty(m, W.dtype), np.empty(m, W.dtype)
+        hash_block(x[b0:b1], W, beta, keep[b0:b1], U, a, b, ph, t[b0:b1], phi[b0:b1])
 
 
 @njit(**_PJIT)
@@ -407,8 +413,7 @@ def soft_hash_rows(x, W, beta, t, phi):
     keep = np.ones(n, np.bool_)
     nb = (n + 1023) // 1024
     for blk in prange(nb):
-        U, a, b = _scratch(W)
-        hash_range(x, blk * 1024, min(n, blk * 1024 + 1024), W, beta, keep, t, phi, U, a, b)
+        hash_range(x, blk * 1024, min(n, blk * 1024 + 1024), W, beta, keep, t, phi)
 
 
 # ---------------------------------------------------------------------------
@@ -441,42 +446,47 @@ def combine_rows(w, S, out):
 
 
 @njit(**_JIT)
-def dot_rows(S, x, y):
-    """y[f] = S[f, :] . x for every row (y float64).
+def dot_rows(S, X, Y):
+    """Y[j, f] = S[f, :] . X[j, :] for every row j of ``X (n, dv)`` and f of ``S (F, dv)``.
 
-    Eight rows per sweep over x, each with its own accumulator: x is loaded
-    once per eight products and the horizontal sums overlap (2.4x faster than
-    one row at a time).
+    ``Y (n, F)`` may be float64 or strided; the sums run in X's dtype (its
+    SIMD width).  Eight rows of S per sweep over X[j], each with its own
+    accumulator: X[j] is loaded once per eight products and the horizontal
+    sums overlap (2.4x faster than one row at a time).  A whole block per
+    call, not a row: the call per row cost ~15 ns of a ~60 ns row (hash).
     """
     F, dv = S.shape
-    if dv == 0:
-        for f in range(F):
-            y[f] = 0.0
-        return
-    zero = x[0] - x[0]  # typed zero: the sums stay in the compute dtype (SIMD width)
-    f = 0
-    while f + 8 <= F:
-        a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = zero
-        s0, s1, s2, s3, s4, s5, s6, s7 = S[f], S[f + 1], S[f + 2], S[f + 3], S[f + 4], S[f + 5], S[f + 6], S[f + 7]
-        for c in range(dv):
-            xc = x[c]
-            a0 += s0[c] * xc
-            a1 += s1[c] * xc
-            a2 += s2[c] * xc
-            a3 += s3[c] * xc
-            a4 += s4[c] * xc
-            a5 += s5[c] * xc
-            a6 += s6[c] * xc
-            a7 += s7[c] * xc
-        y[f], y[f + 1], y[f + 2], y[f + 3] = a0, a1, a2, a3
-        y[f + 4], y[f + 5], y[f + 6], y[f + 7] = a4, a5, a6, a7
-        f += 8
-    while f < F:
-        a = zero
-        for c in range(dv):
-            a += S[f, c] * x[c]
-        y[f] = a
-        f += 1
+    for j in range(X.shape[0]):
+        x = X[j]
+        y = Y[j]
+        if dv == 0:
+            for f in range(F):
+                y[f] = 0.0
+            continue
+        zero = x[0] - x[0]  # typed zero (NaN with a non-finite row, whose sums are NaN anyway)
+        f = 0
+        while f + 8 <= F:
+            a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = zero
+            s0, s1, s2, s3, s4, s5, s6, s7 = S[f], S[f + 1], S[f + 2], S[f + 3], S[f + 4], S[f + 5], S[f + 6], S[f + 7]
+            for c in range(dv):
+                xc = x[c]
+                a0 += s0[c] * xc
+                a1 += s1[c] * xc
+                a2 += s2[c] * xc
+                a3 += s3[c] * xc
+                a4 += s4[c] * xc
+                a5 += s5[c] * xc
+                a6 += s6[c] * xc
+                a7 += s7[c] * xc
+            y[f], y[f + 1], y[f + 2], y[f + 3] = a0, a1, a2, a3
+            y[f + 4], y[f + 5], y[f + 6], y[f + 7] = a4, a5, a6, a7
+            f += 8
+        while f < F:
+            a = zero
+            for c in range(dv):
+                a += S[f, c] * x[c]
+            y[f] = a
+            f += 1
 
 
 @njit(**_JIT)
@@ -565,21 +575,14 @@ def readout_rows(phiq, A, S, L, den, out):
 
 
 @njit(**_JIT)
-def readout_row_bwd(phiq, A, S, g, den, L, dphi, wq):
-    """Cotangent of one row of :func:`readout_rows` w.r.t. phiq; returns dden.
-
-    With y = S g:  dden = -(phiq . y) / (L den^2),
-    dphiq = y / (L den) + A dden / L  (written to ``dphi``, float64), and the
-    weights ``wq = phiq / (L den)`` with which g enters dB (dB += wq g^T).
-    """
-    if den > DEN_FLOOR:
-        dot_rows(S, g, dphi)  # y, stashed in dphi
-    return dphi_from_y(phiq, A, den, L, dphi, wq)
-
-
-@njit(**_JIT)
 def dphi_from_y(phiq, A, den, L, dphi, wq):
-    """The rest of :func:`readout_row_bwd` once ``dphi`` holds y = S g."""
+    """Cotangent of one row of :func:`readout_rows` w.r.t. phiq, once ``dphi``
+    (float64) holds y = S g; returns dden.
+
+    dden = -(phiq . y) / (L den^2),  dphiq = y / (L den) + A dden / L
+    (overwriting ``dphi``), and the weights ``wq = phiq / (L den)`` with which
+    g enters dB (dB += wq g^T).  Rows at the DEN_FLOOR get zeros.
+    """
     F = phiq.shape[0]
     if den <= DEN_FLOOR:
         for f in range(F):
@@ -655,8 +658,7 @@ def _sketch_chunks_task(task, k, v, mask, W, beta, chunk, phik, tk, partA, partB
     F = phik.shape[2]
     dv = v.shape[2]
     g, c, lo, hi = _bounds(task, nc, chunk, n)
-    U, a, b = _scratch(W)
-    hash_range(k[g], lo, hi, W, beta, mask[g], tk[g], phik[g], U, a, b)
+    hash_range(k[g], lo, hi, W, beta, mask[g], tk[g], phik[g])
     A = np.zeros(F, np.float64)
     B = np.zeros((F, dv), v.dtype)
     sketch_add(phik[g], v[g], lo, hi, A, B)
@@ -691,11 +693,10 @@ def _keys_bwd_task(task, v, phik, tk, dA, dB, W, beta, chunk, dk, dv_out, dbeta_
     g, c, lo, hi = _bounds(task, nc, chunk, n)
     DPHI = np.empty((hi - lo, F), np.float64)
     rows_dot(phik[g, lo:hi], dB[g], dv_out[g, lo:hi])  # dv_j = dB^T phik_j (masked keys: 0)
-    for j in range(lo, hi):
-        dphi = DPHI[j - lo]  # dphik_j = dB v_j + dA
-        dot_rows(dB[g], v[g, j], dphi)
+    dot_rows(dB[g], v[g, lo:hi], DPHI)  # dphik_j = dB v_j + dA
+    for j in range(hi - lo):
         for f in range(F):
-            dphi[f] += dA[g, f]
+            DPHI[j, f] += dA[g, f]
     dbeta_part[g, c] = hash_bwd_rows(DPHI, phik[g, lo:hi], tk[g, lo:hi], W, beta, dk[g, lo:hi])
 
 
@@ -721,8 +722,7 @@ def _queries_fwd_task(task, keep, q, W, beta, chunk, A, B, phiq, tq, den, out):
     L = W.shape[0]
     nc = (n + chunk - 1) // chunk
     g, c, lo, hi = _bounds(task, nc, chunk, n)
-    U, a, b = _scratch(W)
-    hash_range(q[g], lo, hi, W, beta, keep, tq[g], phiq[g], U, a, b)
+    hash_range(q[g], lo, hi, W, beta, keep, tq[g], phiq[g])
     readout_rows(phiq[g, lo:hi], A[g], B[g], L, den[g, lo:hi], out[g, lo:hi])
 
 
@@ -769,13 +769,13 @@ def _queries_bwd_task(task, grad, phiq, tq, den, A, B, W, beta, chunk, dq, partd
     F = phiq.shape[2]
     nc = partdA.shape[1]
     g, c, lo, hi = _bounds(task, nc, chunk, n)
-    dphi, wq, wblock, dA, DPHI = _query_bwd_buffers(grad, F, hi - lo)
+    _, wq, wblock, dA, DPHI = _query_bwd_buffers(grad, F, hi - lo)
+    dot_rows(B[g], grad[g, lo:hi], DPHI)  # y_i = B g_i, turned into dphi_i in place
     for i in range(lo, hi):
-        dden = readout_row_bwd(phiq[g, i], A[g], B[g], grad[g, i], den[g, i], L, dphi, wq)
+        dden = dphi_from_y(phiq[g, i], A[g], den[g, i], L, DPHI[i - lo], wq)
         for f in range(F):
             dA[f] += phiq[g, i, f] * dden / L
             wblock[i - lo, f] = wq[f]
-        DPHI[i - lo] = dphi  # the hash backward runs once per chunk, SIMD over tokens
     dbeta_part[g, c] = queries_chunk_end(g, c, lo, hi, grad, phiq, tq, wblock, DPHI, dA, W, beta,
                                          dq, partdA, partdB)
 
@@ -840,8 +840,7 @@ def _causal_fwd_task(task, keep, q, v, phik, carryA, carryB, W, beta, chunk, phi
     F = phik.shape[2]
     dv = v.shape[2]
     g, c, lo, hi = _bounds(task, nc, chunk, n)
-    U, a, b = _scratch(W)
-    hash_range(q[g], lo, hi, W, beta, keep, tq[g], phiq[g], U, a, b)
+    hash_range(q[g], lo, hi, W, beta, keep, tq[g], phiq[g])
     A = carryA[g, c].copy()
     S = carryB[g, c].astype(v.dtype)  # the carried-in state, in the compute dtype
     H, _, _, _, _, X, dS = _step_buffers(v, F, min(SCAN_BLOCK, hi - lo))
