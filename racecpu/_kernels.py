@@ -34,7 +34,8 @@ import numba
 import numpy as np
 import scipy.linalg.cython_blas  # noqa: F401  (the BLAS that np.dot in these kernels calls)
 from numba import njit, prange, types
-from numba.extending import overload
+from numba.extending import intrinsic, overload
+from llvmlite import ir
 from numba.core.errors import NumbaPerformanceWarning
 
 # Callers that pass views ('A' layout at compile time) make Numba warn about
@@ -140,29 +141,34 @@ _LN2_LO = 1.90821492927058770002e-10
 _EXP_MIN = -708.0  # exp(x) for x below is returned as ~3e-308, not 0
 
 
+@intrinsic
+def _pow2(typingctx, k, like):
+    """2.0**k in the float type of ``like``, for an integer k of that type's
+    normal exponents, by writing k + bias into the exponent bits: SIMD integer
+    ops where selecting the powers 2**-(2**i) by the bits of -k took a
+    multiply and a blend each (float32 exp 0.94 -> 0.36 ns per value)."""
+    mant, bias, width = (23, 127, 32) if like == types.float32 else (52, 1023, 64)
+
+    def codegen(context, builder, sig, args):
+        it = ir.IntType(width)
+        v = args[0]
+        v = builder.trunc(v, it) if v.type.width > width else builder.sext(v, it) if v.type.width < width else v
+        e = builder.shl(builder.add(v, ir.Constant(it, bias)), ir.Constant(it, mant))
+        return builder.bitcast(e, context.get_value_type(sig.return_type))
+    return like(k, like), codegen
+
+
 @njit(inline="always", **_JIT)
 def _exp_neg_f64(x):
     """exp(x), x <= 0, float64: x = k ln2 + g, exp(g) by its Taylor series to
-    degree 13 (|g| <= ln2/2), 2**k by selecting powers 2**-(2**i)."""
+    degree 13 (|g| <= ln2/2), times 2**k (k >= -1022, a normal)."""
     x = x if x > _EXP_MIN else _EXP_MIN
     k = float(int(x * _LOG2E - 0.5))  # round to nearest: truncation of y - 1/2 for y <= 0
     g = (x - k * _LN2_HI) - k * _LN2_LO
     p = 1.0 + g * (1.0 + g * (1 / 2 + g * (1 / 6 + g * (1 / 24 + g * (1 / 120 + g * (1 / 720 + g * (
         1 / 5040 + g * (1 / 40320 + g * (1 / 362880 + g * (1 / 3628800 + g * (1 / 39916800 + g * (
             1 / 479001600 + g * (1 / 6227020800)))))))))))))
-    m = int(-k)
-    r = 1.0
-    r *= 0.5 if m & 1 else 1.0
-    r *= 0.25 if m & 2 else 1.0
-    r *= 0.0625 if m & 4 else 1.0
-    r *= 0.00390625 if m & 8 else 1.0
-    r *= 1.52587890625e-05 if m & 16 else 1.0
-    r *= 2.3283064365386963e-10 if m & 32 else 1.0
-    r *= 5.421010862427522e-20 if m & 64 else 1.0
-    r *= 2.938735877055719e-39 if m & 128 else 1.0
-    r *= 8.636168555094445e-78 if m & 256 else 1.0
-    r *= 7.458340731200207e-155 if m & 512 else 1.0
-    return p * r
+    return p * _pow2(int(k), x)
 
 
 # float32 constants (globals are frozen with their type, so the arithmetic stays float32)
@@ -172,7 +178,6 @@ _LN2_HI_F, _LN2_LO_F = _f(0.693359375), _f(-2.12194440e-4)  # Cody-Waite split o
 _EXP_MIN_F = _f(-87.0)  # above the smallest normal float32, 2**-126 ~ exp(-87.3)
 _EXP_C_F = tuple(_f(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3,
                                 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1))
-_POW2_F = tuple(_f(2.0 ** -(1 << i)) for i in range(7))
 
 
 @njit(inline="always", **_JIT)
@@ -183,27 +188,17 @@ def _exp_neg_f32(x):
     c0, c1, c2, c3, c4, c5 = _EXP_C_F
     under = x < _EXP_MIN_F  # 0 below, as float64's ~1e-308 is once stored in float32
     x = x if x > _EXP_MIN_F else _EXP_MIN_F
-    k = _f(int(x * _LOG2E_F - _HALF_F))  # round to nearest, as in _exp_neg_f64
+    k = _f(int(x * _LOG2E_F - _HALF_F))  # round to nearest, as in _exp_neg_f64; k >= -126
     g = (x - k * _LN2_HI_F) - k * _LN2_LO_F
     p = (((((c0 * g + c1) * g + c2) * g + c3) * g + c4) * g + c5) * (g * g) + g + _ONE_F
-    m = int(-k)  # 0..126
-    q0, q1, q2, q3, q4, q5, q6 = _POW2_F
-    r = _ONE_F
-    r *= q0 if m & 1 else _ONE_F
-    r *= q1 if m & 2 else _ONE_F
-    r *= q2 if m & 4 else _ONE_F
-    r *= q3 if m & 8 else _ONE_F
-    r *= q4 if m & 16 else _ONE_F
-    r *= q5 if m & 32 else _ONE_F
-    r *= q6 if m & 64 else _ONE_F
-    return _ZERO_F if under else p * r
+    return _ZERO_F if under else p * _pow2(int(k), x)
 
 
 def exp_neg(x):
     """exp(x) for x <= 0, branch-free so that loops over it vectorise.
 
-    libm's exp is a scalar call (~9 ns); this is ~1.5 ns per float64 value
-    in a SIMD loop and ~0.5 ns per float32 value: the precision follows the
+    libm's exp is a scalar call (~9 ns); this is ~0.6 ns per float64 value
+    in a SIMD loop and ~0.4 ns per float32 value: the precision follows the
     argument's type (see the overload below).  Relative error: float32 <= 3
     ulp, and 0 below -87; float64 ~1 ulp near 0 growing to ~110 ulp (2.4e-14)
     near -708 (fastmath reassociates the Cody-Waite reduction), and ~3e-308
