@@ -338,7 +338,7 @@ def hash_rows_du(dphi, phi, t, P, beta, du):
     R = 1 << P
     L = F // R
     T = DU_BLOCK
-    ph = np.empty((R, T))
+    ph = np.empty((R, T), phi.dtype)  # phi's values exactly, in half the bytes for float32
     z = np.empty((R, T))
     dot = np.empty(T)
     s = np.empty(T)
@@ -347,8 +347,8 @@ def hash_rows_du(dphi, phi, t, P, beta, du):
         m = min(T, n - j0)
         for l in range(L):
             base = l * R
-            for r in range(R):
-                for j in range(m):
+            for j in range(m):  # a token's R values are contiguous: read them in order
+                for r in range(R):
                     ph[r, j] = phi[j0 + j, base + r]
                     z[r, j] = dphi[j0 + j, base + r]
             for j in range(m):
