@@ -305,16 +305,17 @@ def hash_block(x, W, beta, keep, U, a, b, ph, t, phi):
 def rows_dot(X, S, out):
     """out = X S for ``X (n, F)``, ``S (F, dv)``, overwriting ``out (n, dv)``.
 
-    One sgemm for a chunk of rows (readout 100 vs 150 ns, dq from du 52 vs
-    84 ns per row); :func:`combine_rows` per row below BLAS_ROWS rows.
+    One sgemm for a chunk of rows with F >= 16 (readout 100 vs 150 ns per
+    row); :func:`combine_rows` below BLAS_ROWS rows, and for fewer than 16
+    rows of S (dq = du W from the hash's 9 planes: 55 vs 62 ns per row, the
+    sgemm being poor at such a thin inner dimension).
     """
     if out.shape[1] == 0:
         return
-    if X.shape[0] >= BLAS_ROWS:
+    if X.shape[0] >= BLAS_ROWS and X.shape[1] >= 16:
         np.dot(X, S, out)
     else:
-        for j in range(X.shape[0]):
-            combine_rows(X[j], S, out[j])
+        combine_rows(X, S, out)
 
 
 #: Tokens per SIMD block of :func:`hash_rows_du`.
@@ -416,28 +417,42 @@ def soft_hash_rows(x, W, beta, t, phi):
 # ---------------------------------------------------------------------------
 
 @njit(**_JIT)
-def combine_rows(w, S, out):
-    """out = sum_f w[f] S[f, :], overwriting ``out``.
+def combine_rows(X, S, out):
+    """out[j] = sum_f X[j, f] S[f, :] for every row j, overwriting ``out``.
 
-    Eight rows of S per sweep over ``out``: the dv-long loop is then bound by
-    FMAs, not by reloading and storing ``out`` once per row (2.8x faster).
+    Eight rows of S per sweep over out[j], the first sweep assigning: the
+    dv-long loop is then bound by FMAs, not by reloading and storing out[j]
+    once per row of S (2.8x faster).
     """
-    F, dv = S.shape
-    for c in range(dv):
-        out[c] = 0.0
-    f = 0
-    while f + 8 <= F:
-        w0, w1, w2, w3, w4, w5, w6, w7 = w[f], w[f + 1], w[f + 2], w[f + 3], w[f + 4], w[f + 5], w[f + 6], w[f + 7]
-        s0, s1, s2, s3, s4, s5, s6, s7 = S[f], S[f + 1], S[f + 2], S[f + 3], S[f + 4], S[f + 5], S[f + 6], S[f + 7]
-        for c in range(dv):
-            out[c] += (((w0 * s0[c] + w1 * s1[c]) + (w2 * s2[c] + w3 * s3[c]))
-                       + ((w4 * s4[c] + w5 * s5[c]) + (w6 * s6[c] + w7 * s7[c])))
-        f += 8
-    while f < F:
-        wf = w[f]
-        for c in range(dv):
-            out[c] += wf * S[f, c]
-        f += 1
+    n, F = X.shape
+    dv = S.shape[1]
+    for j in range(n):
+        w = X[j]
+        o = out[j]
+        f = 0
+        if F >= 8:
+            w0, w1, w2, w3, w4, w5, w6, w7 = w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]
+            s0, s1, s2, s3, s4, s5, s6, s7 = S[0], S[1], S[2], S[3], S[4], S[5], S[6], S[7]
+            for c in range(dv):
+                o[c] = (((w0 * s0[c] + w1 * s1[c]) + (w2 * s2[c] + w3 * s3[c]))
+                        + ((w4 * s4[c] + w5 * s5[c]) + (w6 * s6[c] + w7 * s7[c])))
+            f = 8
+        else:
+            for c in range(dv):
+                o[c] = 0.0
+        while f + 8 <= F:
+            w0, w1, w2, w3, w4, w5, w6, w7 = w[f], w[f + 1], w[f + 2], w[f + 3], w[f + 4], w[f + 5], w[f + 6], w[f + 7]
+            s0, s1, s2, s3, s4, s5, s6, s7 = S[f], S[f + 1], S[f + 2], S[f + 3], S[f + 4], S[f + 5], S[f + 6], S[f + 7]
+            for c in range(dv):
+                o[c] += (((w0 * s0[c] + w1 * s1[c]) + (w2 * s2[c] + w3 * s3[c]))
+                         + ((w4 * s4[c] + w5 * s5[c]) + (w6 * s6[c] + w7 * s7[c])))
+            f += 8
+        while f < F:
+            wf = w[f]
+            sf = S[f]
+            for c in range(dv):
+                o[c] += wf * sf[c]
+            f += 1
 
 
 @njit(**_JIT)
@@ -445,42 +460,55 @@ def dot_rows(S, X, Y):
     """Y[j, f] = S[f, :] . X[j, :] for every row j of ``X (n, dv)`` and f of ``S (F, dv)``.
 
     ``Y (n, F)`` may be float64 or strided; the sums run in X's dtype (its
-    SIMD width).  Eight rows of S per sweep over X[j], each with its own
-    accumulator: X[j] is loaded once per eight products and the horizontal
-    sums overlap (2.4x faster than one row at a time).  A whole block per
-    call, not a row: the call per row cost ~15 ns of a ~60 ns row (hash).
+    SIMD width).  Two rows of X and four of S per sweep, each product with
+    its own accumulator: every load feeds two FMAs and the horizontal sums
+    overlap (the hash's 9 planes: 45 vs 53 ns per row against eight rows of
+    S and one of X; 2.4x one product at a time).  A whole block per call,
+    not a row: the call per row cost ~15 ns of a ~60 ns row.
     """
     F, dv = S.shape
-    for j in range(X.shape[0]):
-        x = X[j]
-        y = Y[j]
-        if dv == 0:
+    n = X.shape[0]
+    if dv == 0:
+        for j in range(n):
             for f in range(F):
-                y[f] = 0.0
-            continue
-        zero = x[0] - x[0]  # typed zero (NaN with a non-finite row, whose sums are NaN anyway)
+                Y[j, f] = 0.0
+        return
+    for j in range(0, n, 2):
+        x = X[j]
+        u = X[j + 1] if j + 1 < n else x  # an odd last row is summed twice, stored once
+        y = Y[j]
+        zx = x[0] - x[0]  # typed zeros (NaN with a non-finite row, whose sums are NaN anyway)
+        zu = u[0] - u[0]
         f = 0
-        while f + 8 <= F:
-            a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = zero
-            s0, s1, s2, s3, s4, s5, s6, s7 = S[f], S[f + 1], S[f + 2], S[f + 3], S[f + 4], S[f + 5], S[f + 6], S[f + 7]
+        while f + 4 <= F:
+            a0 = a1 = a2 = a3 = zx
+            b0 = b1 = b2 = b3 = zu
+            s0, s1, s2, s3 = S[f], S[f + 1], S[f + 2], S[f + 3]
             for c in range(dv):
                 xc = x[c]
+                uc = u[c]
                 a0 += s0[c] * xc
                 a1 += s1[c] * xc
                 a2 += s2[c] * xc
                 a3 += s3[c] * xc
-                a4 += s4[c] * xc
-                a5 += s5[c] * xc
-                a6 += s6[c] * xc
-                a7 += s7[c] * xc
+                b0 += s0[c] * uc
+                b1 += s1[c] * uc
+                b2 += s2[c] * uc
+                b3 += s3[c] * uc
             y[f], y[f + 1], y[f + 2], y[f + 3] = a0, a1, a2, a3
-            y[f + 4], y[f + 5], y[f + 6], y[f + 7] = a4, a5, a6, a7
-            f += 8
+            if j + 1 < n:
+                z = Y[j + 1]
+                z[f], z[f + 1], z[f + 2], z[f + 3] = b0, b1, b2, b3
+            f += 4
         while f < F:
-            a = zero
+            a = zx
+            b = zu
             for c in range(dv):
                 a += S[f, c] * x[c]
+                b += S[f, c] * u[c]
             y[f] = a
+            if j + 1 < n:
+                Y[j + 1, f] = b
             f += 1
 
 
