@@ -232,6 +232,24 @@ def test_exp_neg_matches_numpy_in_its_dtype(dtype, lo, tol):
         np.testing.assert_array_equal(out[:3], 0.0)
 
 
+@pytest.mark.parametrize("n", [1, 2, 7, 40])
+@pytest.mark.parametrize("F", [1, 3, 8, 9, 24])
+def test_block_products_match_numpy(rng, n, F):
+    # The kernels' small products: dot_rows (Y = X S^T, two rows of X per sweep, odd n
+    # included, into strided and float64 outputs) and rows_dot (X S, BLAS or combine_rows).
+    from racecpu._kernels import dot_rows, rows_dot
+
+    X = rng.standard_normal((n, 33)).astype(np.float32)
+    S = rng.standard_normal((F, 33)).astype(np.float32)
+    Y = np.full((F, n), np.nan).T  # strided view, float64
+    dot_rows(S, X, Y)
+    np.testing.assert_allclose(Y, X.astype(np.float64) @ S.T.astype(np.float64), rtol=1e-5, atol=1e-5)
+    W = rng.standard_normal((n, F)).astype(np.float32)
+    out = np.full((n, 33), np.nan, np.float32)
+    rows_dot(W, S, out)
+    np.testing.assert_allclose(out, W.astype(np.float64) @ S.astype(np.float64), rtol=1e-5, atol=1e-5)
+
+
 def test_soft_buckets_dtypes(rng):
     W = racecpu.hyperplanes(4, 2, 2)
     x = rng.standard_normal((3, 4))
