@@ -305,14 +305,14 @@ def hash_block(x, W, beta, keep, U, a, b, ph, t, phi):
 def rows_dot(X, S, out):
     """out = X S for ``X (n, F)``, ``S (F, dv)``, overwriting ``out (n, dv)``.
 
-    One sgemm for a chunk of rows with F >= 16 (readout 100 vs 150 ns per
-    row); :func:`combine_rows` below BLAS_ROWS rows, and for fewer than 16
-    rows of S (dq = du W from the hash's 9 planes: 55 vs 62 ns per row, the
-    sgemm being poor at such a thin inner dimension).
+    One sgemm for a chunk of rows (readout 100 vs 150 ns per row);
+    :func:`combine_rows` below BLAS_ROWS rows, and below BLAS_INNER rows of S
+    (dq = du W from the hash's 9 planes: 55 vs 62 ns per row, the sgemm
+    being poor at such a thin inner dimension).
     """
     if out.shape[1] == 0:
         return
-    if X.shape[0] >= BLAS_ROWS and X.shape[1] >= 16:
+    if X.shape[0] >= BLAS_ROWS and X.shape[1] >= BLAS_INNER:
         np.dot(X, S, out)
     else:
         combine_rows(X, S, out)
@@ -539,6 +539,9 @@ def outer_add(w, x, B):
 #: Rows from which a rank-k update goes to BLAS (np.dot: single-threaded sgemm,
 #: see blas_one_thread) rather than :func:`outer_add`; below it, call overhead wins.
 BLAS_ROWS = 16
+#: Inner dimension from which :func:`rows_dot` goes to BLAS; below it (the hash's
+#: L * P planes) the sgemm is slower than :func:`combine_rows`.
+BLAS_INNER = 16
 BLAS_SPAN = 256
 
 
@@ -762,9 +765,9 @@ def queries_fwd(q, W, beta, chunk, A, B, phiq, tq, den, out):
 
 @njit(**_JIT)
 def _query_bwd_buffers(grad, F, n):
-    """Per-task buffers of a query chunk's backward: ``dphi``, ``wq`` (F,), the
-    weights ``wblock (n, F)`` of g in dB, ``dA`` (F,) and the dphi rows ``DPHI (n, F)``."""
-    return (np.empty(F, np.float64), np.empty(F, np.float64), np.empty((n, F), grad.dtype),
+    """Per-task buffers of a query chunk's backward: ``wq`` (F,), the weights
+    ``wblock (n, F)`` of g in dB, ``dA`` (F,) and the dphi rows ``DPHI (n, F)``."""
+    return (np.empty(F, np.float64), np.empty((n, F), grad.dtype),
             np.zeros(F, np.float64), np.empty((n, F), np.float64))
 
 
@@ -792,7 +795,7 @@ def _queries_bwd_task(task, grad, phiq, tq, den, A, B, W, beta, chunk, dq, partd
     F = phiq.shape[2]
     nc = partdA.shape[1]
     g, c, lo, hi = _bounds(task, nc, chunk, n)
-    _, wq, wblock, dA, DPHI = _query_bwd_buffers(grad, F, hi - lo)
+    wq, wblock, dA, DPHI = _query_bwd_buffers(grad, F, hi - lo)
     dot_rows(B[g], grad[g, lo:hi], DPHI)  # y_i = B g_i, turned into dphi_i in place
     for i in range(lo, hi):
         dden = dphi_from_y(phiq[g, i], A[g], den[g, i], L, DPHI[i - lo], wq)
@@ -923,7 +926,7 @@ def _causal_queries_bwd_task(task, grad, v, phik, phiq, tq, den, carryA, carryB,
     g, c, lo, hi = _bounds(task, nc, chunk, n)
     A = carryA[g, c].copy()
     S = carryB[g, c].astype(v.dtype)  # the carried-in state, in the compute dtype
-    dphi, wq, wblock, dA, DPHI = _query_bwd_buffers(grad, F, hi - lo)
+    wq, wblock, dA, DPHI = _query_bwd_buffers(grad, F, hi - lo)
     M, _, _, Y, Z, _, dS = _step_buffers(v, F, min(SCAN_BLOCK, hi - lo))
     for i0 in range(lo, hi, SCAN_BLOCK):
         i1 = min(i0 + SCAN_BLOCK, hi)
@@ -937,6 +940,7 @@ def _causal_queries_bwd_task(task, grad, v, phik, phiq, tq, den, carryA, carryB,
             _zero_above(M)
             np.dot(M, Pk, Z)
         for i in range(m):
+            dphi = DPHI[i0 + i - lo]  # the hash backward runs once per chunk, SIMD over tokens
             for f in range(F):
                 A[f] += Pk[i, f]
                 dphi[f] = Y[i, f] + Z[i, f]
@@ -945,7 +949,6 @@ def _causal_queries_bwd_task(task, grad, v, phik, phiq, tq, den, carryA, carryB,
             for f in range(F):
                 dA[f] += Pq[i, f] * dden / L
                 wblock[i0 + i - lo, f] = wq[f]
-            DPHI[i0 + i - lo] = dphi  # the hash backward runs once per chunk, SIMD over tokens
         rank_update(Pk, V, S, dS)
     dbeta_part[g, c] = queries_chunk_end(g, c, lo, hi, grad, phiq, tq, wblock, DPHI, dA, W, beta,
                                          dq, partdA, partdB)
