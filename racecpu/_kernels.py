@@ -233,7 +233,7 @@ def hash_block(x, W, beta, keep, U, a, b, ph, t, phi):
     overflow for any beta.  Plane 0 is the most significant bit of the corner
     index.  Rows with ``keep[j]`` False (masked keys) get phi = 0 (t is still
     written).  A projection that is NaN or +-Inf gives t = NaN (see
-    attention._check_hashed).  ``U``, ``a``, ``b`` (T * L * P values) and
+    attention._check_derived).  ``U``, ``a``, ``b`` (T * L * P values) and
     ``ph`` (T * L * 2**P) are scratch in the planes' dtype, which sets the
     precision of the tanh/logistic math (float32 inputs: float32, ~1e-7
     absolute in t and phi, the rounding of storing them); only their first

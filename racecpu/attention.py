@@ -141,16 +141,17 @@ def _check_args(q, k, v, planes, beta, causal, key_mask):
     return cdt, odt, lead, G, planes, beta
 
 
-def _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, defer_qk=False):
-    """Check and lay out the arguments.  ``defer_qk``: the NaN/Inf check of q and k
-    is left to :func:`_check_hashed`, after the kernels hashed them."""
-    eager = check_finite and not defer_qk
+def _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, defer=False):
+    """Check and lay out the arguments.  ``defer``: the NaN/Inf checks of q, k
+    and v are left to :func:`_check_derived`, after the kernels read them."""
+    eager = check_finite and not defer
     q, qdt, _ = _check_array("q", q, eager)
     passed = [("q", q)]
     try:
         k, kdt, _ = _check_array("k", k, eager)
         passed.append(("k", k))
-        v, vdt, _ = _check_array("v", v, check_finite)
+        v, vdt, _ = _check_array("v", v, eager)
+        passed.append(("v", v))
         cdt, odt, lead, G, planes, beta = _check_args(q, k, v, planes, beta, causal, key_mask)
     except (TypeError, ValueError):
         if check_finite and not eager:  # errors in the eager order: q's NaN before anything about k
@@ -170,27 +171,29 @@ def _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, defer_qk=Fal
                  bool(causal), bool(check_finite))
 
 
-def _check_hashed(check_finite, *named):
-    """NaN/Inf check of hashed inputs, from their tanh projections ``t``.
+def _check_derived(check_finite, *named):
+    """NaN/Inf check of inputs from small arrays that the kernels derived from them.
 
-    ``named``: ``(name, x (G, N, d), t (G, N, L*P))`` in the order the errors
-    are raised.  The soft hash leaves NaN in t wherever a projection W x is
-    non-finite, and a NaN/Inf anywhere in a row of x makes all of them
-    non-finite: reading t (9 values per row at P = L = 3) finds every bad row
-    that reading x (d values) would, for a fraction of the memory traffic.  A
-    flagged array is then checked itself, so the error is the eager one.  A
-    flagged array that is finite overflowed its projections (|x| ~ 1e37 in
-    float32): its soft hash is meaningless, which is an error too.
+    ``named``: ``(name, x, derived, overflow)`` in the order the errors are
+    raised, where a NaN/Inf anywhere in ``x`` leaves some in ``derived``:
+    for q and k the tanh projections t (the soft hash leaves NaN in t where
+    W x is non-finite, and a NaN/Inf in a row of x makes all of its W x so;
+    9 values per row at P = L = 3 instead of d); for v and grad_out the
+    float64 sums over all rows that the kernels form anyway (every row
+    enters them with a weight, and 0 * NaN is NaN).  This saves a pass over
+    each input.  A flagged array is then checked itself, so the error is the
+    eager one; a flagged array that is finite overflowed what was derived
+    from it (``overflow`` says what), which is an error too.
     """
     if not check_finite:
         return
-    for name, x, t in named:
-        if _all_finite(t):
+    for name, x, derived, overflow in named:
+        if _all_finite(derived):
             continue
         if not _all_finite(x):
             raise ValueError(f"{name} contains NaN or Inf (pass check_finite=False to skip this check)")
-        raise ValueError(f"{name} is too large: its projections onto the planes overflow {x.dtype} "
-                         f"(max |{name}| = {np.abs(x).max():.3g}); scale it down or pass float64")
+        raise ValueError(f"{name} is too large: {overflow} (max |{name}| = {np.abs(x).max():.3g}); "
+                         f"scale it down{' or pass float64' if x.dtype != np.float64 else ''}")
 
 
 def _check_out(name, out, shape, dtype, reads):
@@ -276,7 +279,7 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
 
     Arguments are those of :func:`race_attention`.
     """
-    a = _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, defer_qk=True)
+    a = _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, defer=True)
     if out is not None:
         out = _check_out("out", out, a.lead + (a.q.shape[1], a.v.shape[2]), a.out_dtype,
                          [("q", q), ("k", k), ("v", v), ("key_mask", key_mask)])
@@ -297,15 +300,18 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
     o = _target(out, (G, nq, dv), cdt)  # the kernels write every row
     if G and nk:
         K.sketch_chunks(a.k, a.v, a.mask, a.planes, a.beta, chunk, phik, tk, partA, partB)
+    sums_v = partB.sum(1)  # over every key: the NaN/Inf check of v (_check_derived)
     if causal:
         A, B = K.exclusive_scan(partA, out=partA), K.exclusive_scan(partB, out=partB)  # in place
         if G and nq:
             K.causal_fwd(a.q, a.v, phik, A, B, a.planes, a.beta, chunk, phiq, tq, den, o)
     else:
-        A, B = partA.sum(1), partB.sum(1)
+        A, B = partA.sum(1), sums_v
         if G and nq:
             K.queries_fwd(a.q, a.planes, a.beta, chunk, A, B.astype(cdt), phiq, tq, den, o)
-    _check_hashed(a.check_finite, ("q", a.q, tq), ("k", a.k, tk))
+    overflow = f"its projections onto the planes overflow {cdt}"
+    _check_derived(a.check_finite, ("q", a.q, tq, overflow), ("k", a.k, tk, overflow),
+                   ("v", a.v, sums_v, "its weighted sums overflow float64"))
     res = Residuals(a.planes, a.beta, a.causal, chunk, a.v, phiq, tq, phik, tk, den, A, B,
                     a.lead, a.in_dtypes, a.out_dtype, a.check_finite)
     return _deliver(o, out, res.out_shape, a.out_dtype), res
@@ -334,9 +340,7 @@ def race_attention_bwd(residuals, grad_out, *, out=None):
     r = residuals
     if not isinstance(r, Residuals):
         raise TypeError(f"residuals must come from race_attention_fwd, got {type(r).__name__}")
-    g, _, _ = _check_array("grad_out", grad_out, r.check_finite)
-    if g.shape != r.out_shape:
-        raise ValueError(f"grad_out must have the output's shape {r.out_shape}, got {g.shape}")
+    g, _, _ = _check_array("grad_out", grad_out, False)  # NaN/Inf: from what the kernels sum (below)
     G, nq, F = r.phiq.shape
     nk, dv = r.v.shape[1:]
     d = r.planes.shape[2]
@@ -344,17 +348,23 @@ def race_attention_bwd(residuals, grad_out, *, out=None):
     qdt, kdt, vdt = r.in_dtypes
     lead = r.lead
     shapes = (lead + (nq, d), lead + (nk, d), lead + (nk, dv))
-    if out is not None:
-        if not isinstance(out, (tuple, list)) or len(out) != 3:
-            raise TypeError(f"out must be a tuple of three arrays (dq, dk, dv), got {type(out).__name__}")
-        reads = [("grad_out", grad_out), ("the forward's v", r.v)]
-        checked = []
-        for name, buf, shape, dt in zip(("dq", "dk", "dv"), out, shapes, (qdt, kdt, vdt)):
-            checked.append(_check_out(f"out {name}", buf, shape, dt, reads))
-            reads.append((f"out {name}", buf))
-        out = checked
-    else:
-        out = (None, None, None)
+    try:
+        if g.shape != r.out_shape:
+            raise ValueError(f"grad_out must have the output's shape {r.out_shape}, got {g.shape}")
+        if out is not None:
+            if not isinstance(out, (tuple, list)) or len(out) != 3:
+                raise TypeError(f"out must be a tuple of three arrays (dq, dk, dv), got {type(out).__name__}")
+            reads = [("grad_out", grad_out), ("the forward's v", r.v)]
+            checked = []
+            for name, buf, shape, dt in zip(("dq", "dk", "dv"), out, shapes, (qdt, kdt, vdt)):
+                checked.append(_check_out(f"out {name}", buf, shape, dt, reads))
+                reads.append((f"out {name}", buf))
+            out = checked
+        else:
+            out = (None, None, None)
+    except (TypeError, ValueError):
+        _check_array("grad_out", g, r.check_finite)  # errors in the eager order: grad_out's NaN first
+        raise
     g = np.ascontiguousarray(g.reshape(G, nq, dv), dtype=cdt)
     chunk = r.chunk
     ncq, nck = -(-nq // chunk), -(-nk // chunk)
@@ -362,6 +372,7 @@ def race_attention_bwd(residuals, grad_out, *, out=None):
     dq, dk, dv_ = (_target(buf, (G,) + shape[-2:], cdt) for buf, shape in zip(out, shapes))
     dbeta = 0.0
     if not (G and nq and nk):
+        _check_array("grad_out", g, r.check_finite)  # no kernel sums it
         for x in (dq, dk, dv_):
             x[...] = 0
     else:
@@ -373,17 +384,26 @@ def race_attention_bwd(residuals, grad_out, *, out=None):
             dden = np.zeros((G, nq))
             K.causal_queries_bwd(g, r.v, r.phik, r.phiq, r.tq, r.den, r.A, r.B, r.planes, r.beta, chunk,
                                  dq, dden, partdA, partdB, dbq)
+            _check_grad(r.check_finite, g, partdB.sum(1))
             cA, cB = K.exclusive_scan(partdA, True, partdA), K.exclusive_scan(partdB, True, partdB)  # in place
             K.causal_keys_bwd(g, r.v, r.phik, r.tk, r.phiq, r.den, dden, cA, cB, r.planes, r.beta, chunk,
                               dk, dv_, dbk)
         else:
             K.queries_bwd(g, r.phiq, r.tq, r.den, r.A, r.B.astype(cdt), r.planes, r.beta, chunk,
                           dq, partdA, partdB, dbq)
-            K.keys_bwd(r.v, r.phik, r.tk, partdA.sum(1), partdB.sum(1).astype(cdt), r.planes, r.beta, chunk,
+            dB = partdB.sum(1)
+            _check_grad(r.check_finite, g, dB)
+            K.keys_bwd(r.v, r.phik, r.tk, partdA.sum(1), dB.astype(cdt), r.planes, r.beta, chunk,
                        dk, dv_, dbk)
         dbeta = float(dbq.sum() + dbk.sum())
     return tuple(_deliver(x, buf, shape, dt)
                  for x, buf, shape, dt in zip((dq, dk, dv_), out, shapes, (qdt, kdt, vdt))) + (dbeta,)
+
+
+def _check_grad(check_finite, g, dB):
+    """grad_out's NaN/Inf check from dB = sum_i wq_i g_i^T (see :func:`_check_derived`),
+    before the keys' backward runs."""
+    _check_derived(check_finite, ("grad_out", g, dB, "its weighted sums overflow float64"))
 
 
 def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None, check_finite=True,
@@ -405,9 +425,13 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
     key_mask : bool array, shape (..., Nk), optional
         False keys contribute nothing.
     check_finite : bool, default True
-        Raise ValueError on NaN/Inf in q, k, v, and on q or k so large that
-        their projections onto the planes overflow.  q and k are checked from
-        their hash (9 values per token at P = L = 3, not d), after the kernels.
+        Raise ValueError on NaN/Inf in q, k, v, on q or k so large that
+        their projections onto the planes overflow, and on v so large that
+        the sketch's float64 sums overflow.  The inputs are checked after the
+        kernels, from what they derived (q and k from their hash, 9 values
+        per token at P = L = 3 instead of d; v from the sketch): no extra
+        pass over them, but ``out`` may have been written when it raises.
+        :func:`race_attention_bwd` checks ``grad_out`` the same way.
     out : ndarray, shape (..., Nq, dv), optional
         Buffer for the result, in the result's dtype; it must not share
         memory with q, k, v.  Reusing one across calls (a training loop)

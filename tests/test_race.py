@@ -537,8 +537,9 @@ def test_bad_inputs(rng):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_nonfinite_q_k_found_from_their_hash(rng, causal, dtype):
-    # q and k are checked after hashing, from t (attention._check_hashed): same errors, same order.
+def test_nonfinite_inputs_found_from_what_the_kernels_derive(rng, causal, dtype):
+    # q and k are checked from t, v from the sketch's sums and grad_out from dB, after the
+    # kernels (attention._check_derived): the same errors, in the same order, as checking first.
     q, k, v, W = make(rng, (2, 3), 700, 700, 16, 8, 3, 3, dtype)
     mask = rng.random((2, 3, 700)) > 0.5
     orig = [x.copy() for x in (q, k, v)]
@@ -555,10 +556,32 @@ def test_nonfinite_q_k_found_from_their_hash(rng, causal, dtype):
         a = {"q": q2, "k": k, "v": v, "planes": W, **bad_args}
         with pytest.raises(ValueError, match="q contains NaN or Inf"):
             racecpu.race_attention(a["q"], a["k"], a["v"], a["planes"], causal=causal)
-    k2 = k.copy()
-    k2[0, 0, np.nonzero(~mask[0, 0])[0][0], 0] = np.nan  # a masked key is still checked
-    with pytest.raises(ValueError, match="k contains NaN or Inf"):
-        racecpu.race_attention(q, k2, v, W, causal=causal, key_mask=mask)
+    v2 = v.copy()
+    v2[0, 1, 2, 3] = np.inf
+    with pytest.raises(ValueError, match="v contains NaN or Inf"):  # v's Inf before the bad planes
+        racecpu.race_attention(q, k, v2, W[..., :3], causal=causal)
+    masked = np.nonzero(~mask[0, 0])[0][0]
+    for name, x in (("k", k), ("v", v)):  # a masked key is still checked
+        x2 = x.copy()
+        x2[0, 0, masked, 0] = np.nan
+        a = {"k": k, "v": v, name: x2}
+        with pytest.raises(ValueError, match=f"{name} contains NaN or Inf"):
+            racecpu.race_attention(q, a["k"], a["v"], W, causal=causal, key_mask=mask)
+    out, res = racecpu.race_attention_fwd(q, k, v, W, causal=causal, key_mask=mask)
+    for bad in (np.nan, np.inf, -np.inf):
+        g = np.ones_like(out)
+        g[tuple(rng.integers(0, n) for n in g.shape)] = bad
+        with pytest.raises(ValueError, match="grad_out contains NaN or Inf"):
+            racecpu.race_attention_bwd(res, g)
+        bufs = tuple(np.empty_like(x) for x in (q, k, v))
+        with pytest.raises(ValueError, match="grad_out contains NaN or Inf"):  # before the bad buffer
+            racecpu.race_attention_bwd(res, g, out=bufs[:2] + (bufs[2][..., :1],))
+        with pytest.raises(ValueError, match="grad_out contains NaN or Inf"):
+            racecpu.race_attention_bwd(res, g, out=bufs)
+    g = np.ones_like(out)
+    g[0, 0, 0, 0] = np.nan
+    res_unchecked = racecpu.race_attention_fwd(q, k, v, W, causal=causal, check_finite=False)[1]
+    assert np.isnan(racecpu.race_attention_bwd(res_unchecked, g)[0]).any()  # the check is what catches it
     for x, o in zip((q, k, v), orig):
         np.testing.assert_array_equal(x, o)
 
@@ -572,6 +595,21 @@ def test_projection_overflow_is_an_error(rng):
         racecpu.race_attention(q, k, v, W)
     racecpu.race_attention(q, k, v, W, check_finite=False)  # unchecked: no error
     racecpu.race_attention(*f64(q, k, v, W))  # float64 has the range
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sums_overflow_is_an_error(rng, causal):
+    # v and grad_out are checked from the float64 sums the kernels form: finite values
+    # whose sums overflow float64 would give Inf/NaN outputs, so they are an error too.
+    q, k, v, W = f64(*make(rng, (2,), 300, 300, 8, 4, 3, 2))
+    with pytest.raises(ValueError, match=r"v is too large: its weighted sums overflow float64 \(max \|v\| = 1e\+308\); scale it down$"):
+        racecpu.race_attention(q, k, np.full_like(v, 1e308), W, causal=causal)
+    if not causal:  # dB = sum_i g_i phiq_i / (L den_i): many queries on few keys make it large
+        q, k, v, W = f64(*make(rng, (2,), 3000, 10, 8, 4, 3, 2))
+    out, res = racecpu.race_attention_fwd(q, k, v, W, causal=causal)
+    with pytest.raises(ValueError, match="grad_out is too large: its weighted sums overflow float64"):
+        racecpu.race_attention_bwd(res, np.full_like(out, 1e308))
+    racecpu.race_attention_bwd(res, np.full_like(out, 1e300))  # large, but its sums fit
 
 
 def test_hyperplanes():
