@@ -171,6 +171,10 @@ def _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, defer=False)
                  bool(causal), bool(check_finite))
 
 
+#: Why a finite v or grad_out whose sums are not finite is an error (:func:`_check_derived`).
+_SUMS_OVERFLOW = "its weighted sums overflow float64"
+
+
 def _check_derived(check_finite, *named):
     """NaN/Inf check of inputs from small arrays that the kernels derived from them.
 
@@ -300,18 +304,19 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
     o = _target(out, (G, nq, dv), cdt)  # the kernels write every row
     if G and nk:
         K.sketch_chunks(a.k, a.v, a.mask, a.planes, a.beta, chunk, phik, tk, partA, partB)
-    sums_v = partB.sum(1)  # over every key: the NaN/Inf check of v (_check_derived)
     if causal:
-        A, B = K.exclusive_scan(partA, out=partA), K.exclusive_scan(partB, out=partB)  # in place
+        sums_v = partB.sum(1) if a.check_finite else None  # for the check of v: the scans are in place
+        A, B = K.exclusive_scan(partA, out=partA), K.exclusive_scan(partB, out=partB)
         if G and nq:
             K.causal_fwd(a.q, a.v, phik, A, B, a.planes, a.beta, chunk, phiq, tq, den, o)
     else:
-        A, B = partA.sum(1), sums_v
+        A, B = partA.sum(1), partB.sum(1)
+        sums_v = B
         if G and nq:
             K.queries_fwd(a.q, a.planes, a.beta, chunk, A, B.astype(cdt), phiq, tq, den, o)
     overflow = f"its projections onto the planes overflow {cdt}"
     _check_derived(a.check_finite, ("q", a.q, tq, overflow), ("k", a.k, tk, overflow),
-                   ("v", a.v, sums_v, "its weighted sums overflow float64"))
+                   ("v", a.v, sums_v, _SUMS_OVERFLOW))
     res = Residuals(a.planes, a.beta, a.causal, chunk, a.v, phiq, tq, phik, tk, den, A, B,
                     a.lead, a.in_dtypes, a.out_dtype, a.check_finite)
     return _deliver(o, out, res.out_shape, a.out_dtype), res
@@ -384,7 +389,8 @@ def race_attention_bwd(residuals, grad_out, *, out=None):
             dden = np.zeros((G, nq))
             K.causal_queries_bwd(g, r.v, r.phik, r.phiq, r.tq, r.den, r.A, r.B, r.planes, r.beta, chunk,
                                  dq, dden, partdA, partdB, dbq)
-            _check_grad(r.check_finite, g, partdB.sum(1))
+            if r.check_finite:
+                _check_derived(True, ("grad_out", g, partdB.sum(1), _SUMS_OVERFLOW))
             cA, cB = K.exclusive_scan(partdA, True, partdA), K.exclusive_scan(partdB, True, partdB)  # in place
             K.causal_keys_bwd(g, r.v, r.phik, r.tk, r.phiq, r.den, dden, cA, cB, r.planes, r.beta, chunk,
                               dk, dv_, dbk)
@@ -392,18 +398,12 @@ def race_attention_bwd(residuals, grad_out, *, out=None):
             K.queries_bwd(g, r.phiq, r.tq, r.den, r.A, r.B.astype(cdt), r.planes, r.beta, chunk,
                           dq, partdA, partdB, dbq)
             dB = partdB.sum(1)
-            _check_grad(r.check_finite, g, dB)
+            _check_derived(r.check_finite, ("grad_out", g, dB, _SUMS_OVERFLOW))  # before the keys' backward
             K.keys_bwd(r.v, r.phik, r.tk, partdA.sum(1), dB.astype(cdt), r.planes, r.beta, chunk,
                        dk, dv_, dbk)
         dbeta = float(dbq.sum() + dbk.sum())
     return tuple(_deliver(x, buf, shape, dt)
                  for x, buf, shape, dt in zip((dq, dk, dv_), out, shapes, (qdt, kdt, vdt))) + (dbeta,)
-
-
-def _check_grad(check_finite, g, dB):
-    """grad_out's NaN/Inf check from dB = sum_i wq_i g_i^T (see :func:`_check_derived`),
-    before the keys' backward runs."""
-    _check_derived(check_finite, ("grad_out", g, dB, "its weighted sums overflow float64"))
 
 
 def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None, check_finite=True,
