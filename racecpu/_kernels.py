@@ -6,10 +6,11 @@ all tables of one token is one row ``phi (F,)`` with ``F = L * R``, table ``l``
 at ``phi[l*R:(l+1)*R]``; its tanh projections are ``t (L * P,)``.
 
 Work is split into *chunks* of at most ``chunk`` consecutive tokens of one
-group, and ``prange`` runs over all (group, chunk) tasks, so a single head
-still uses every core.  Each task keeps its sketch ``(A, B)`` (``A (F,)``,
-``B (F, dv)``) in the compute dtype for at most ``chunk`` tokens; sums across
-chunks are carried in float64, so no long sum drifts in float32.  Partial
+group, and :func:`run_tasks` runs all (group, chunk) tasks in one ``prange``
+loop, so a single head still uses every core.  Each task keeps its sketch
+``(A, B)`` (``A (F,)``, ``B (F, dv)``) in the compute dtype for at most
+``chunk`` tokens; sums across chunks are carried in float64, so no long sum
+drifts in float32.  Partial
 sketches are per chunk, not per thread: results do not depend on the thread
 count.
 
@@ -34,6 +35,8 @@ import numba
 import numpy as np
 import scipy.linalg.cython_blas  # noqa: F401  (the BLAS that np.dot in these kernels calls)
 from numba import njit, prange, types
+from numba._dispatcher import compute_fingerprint
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 from llvmlite import ir
 from numba.core.errors import NumbaPerformanceWarning
@@ -75,7 +78,7 @@ def blas_tasks(kernel):
     and calls on fewer than SERIAL_TOKENS tokens (the kernel's first argument
     is ``(G, n, ...)``) do not wake the other threads at all.
     """
-    chunk_at = list(inspect.signature(kernel.py_func).parameters).index("chunk")
+    chunk_at = list(inspect.signature(kernel).parameters).index("chunk")
 
     def call(args):
         global _blas_controller
@@ -87,7 +90,7 @@ def blas_tasks(kernel):
         with _blas_controller.limit(limits=1, user_api="blas"):
             return kernel(*args)
 
-    @functools.wraps(kernel.py_func)
+    @functools.wraps(kernel)
     def run(*args):
         if args[0].shape[0] * args[0].shape[1] >= SERIAL_TOKENS:
             return call(args)
@@ -98,8 +101,61 @@ def blas_tasks(kernel):
         finally:
             numba.set_num_threads(threads)
 
-    run.kernel = kernel
     return run
+
+
+@intrinsic
+def _call_task(typingctx, addr, t, args):
+    """Call the compiled function at ``addr`` as ``f(t, *args)`` (Numba's native calling convention)."""
+    argtypes = (t,) + tuple(args)
+
+    def codegen(context, builder, sig, llargs):
+        fnty = context.call_conv.get_function_type(types.none, argtypes)
+        fn = builder.inttoptr(llargs[0], fnty.as_pointer())
+        vals = [llargs[1], *cgutils.unpack_tuple(builder, llargs[2], len(args))]
+        status, _ = context.call_conv.call_function(builder, fn, types.none, argtypes, vals)
+        with cgutils.if_unlikely(builder, status.is_error):
+            context.call_conv.return_status_propagate(builder, status)
+        return context.get_dummy_value()
+
+    return types.none(addr, t, args), codegen
+
+
+@njit(**_PJIT)
+def _run_tasks(addr, ntasks, args):
+    for t in prange(ntasks):
+        _call_task(addr, np.int64(t), args)
+
+
+_task_runners = {}  # (task, fingerprint of the argument types) -> (task address, compiled _run_tasks)
+
+
+def run_tasks(task, ntasks, *args):
+    """Run the jitted ``task(t, *args)`` for every ``t`` in ``range(ntasks)`` on all threads.
+
+    The parallel loop calls ``task`` through its address.  As a plain
+    callee, Numba links the task's whole call tree into the loop's module and
+    optimises it and generates its machine code twice more (the gufunc and
+    its wrapper): that was half of the cold compile (67 s -> 29 s).  Each
+    task is compiled once, on its own.  Unlike a Numba first-class function
+    (same call, but resolved from Python on every call: ~50 us), the address
+    and the compiled loop are looked up once per argument types, by the
+    fingerprint Numba's own dispatcher keys its type cache with (0.3 us for
+    all arguments; ``numba.typeof`` takes ~9 us per array).  It does not see
+    alignment: code compiled for aligned arrays is run on unaligned ones,
+    which x86-64 and AArch64 load and store alike.
+    """
+    key = (task, compute_fingerprint(args))
+    runner = _task_runners.get(key)
+    if runner is None:
+        argtypes = tuple(numba.typeof(a) for a in args)
+        cres = task.get_compile_result(types.none(types.int64, *argtypes))
+        addr = cres.library.get_pointer_to_function(cres.fndesc.llvm_func_name)
+        sig = (types.intp, types.int64, types.Tuple(argtypes))
+        _run_tasks.compile(sig)
+        runner = _task_runners[key] = addr, _run_tasks.overloads[sig].entry_point
+    addr, entry = runner
+    entry(addr, ntasks, args)
 
 
 # ---------------------------------------------------------------------------
@@ -404,14 +460,15 @@ def hash_range(x, lo, hi, W, beta, keep, t, phi):
         hash_block(x[b0:b1], W, beta, keep[b0:b1], U, a, b, ph, t[b0:b1], phi[b0:b1])
 
 
-@njit(**_PJIT)
+@njit(**_JIT)
+def _hash_rows_task(blk, x, W, beta, keep, t, phi):
+    hash_range(x, blk * 1024, min(x.shape[0], blk * 1024 + 1024), W, beta, keep, t, phi)
+
+
 def soft_hash_rows(x, W, beta, t, phi):
     """phi and t of every row of ``x (N, d)`` (the public ``soft_buckets``)."""
     n = x.shape[0]
-    keep = np.ones(n, np.bool_)
-    nb = (n + 1023) // 1024
-    for blk in prange(nb):
-        hash_range(x, blk * 1024, min(n, blk * 1024 + 1024), W, beta, keep, t, phi)
+    run_tasks(_hash_rows_task, (n + 1023) // 1024, x, W, beta, np.ones(n, np.bool_), t, phi)
 
 
 # ---------------------------------------------------------------------------
@@ -679,8 +736,8 @@ def exclusive_scan(part, reverse=False, out=None):
 
 @njit(**_JIT)
 def _sketch_chunks_task(task, k, v, mask, W, beta, chunk, phik, tk, partA, partB):
-    """One (group, chunk) task of :func:`sketch_chunks` (a plain function: loops inlined
-    into a prange body were not vectorised)."""
+    """One (group, chunk) task of :func:`sketch_chunks` (run by :func:`run_tasks`;
+    loops inlined into a prange body were not vectorised)."""
     G, n, _ = k.shape
     nc = partA.shape[1]
     F = phik.shape[2]
@@ -697,7 +754,6 @@ def _sketch_chunks_task(task, k, v, mask, W, beta, chunk, phik, tk, partA, partB
 
 
 @blas_tasks
-@njit(**_PJIT)
 def sketch_chunks(k, v, mask, W, beta, chunk, phik, tk, partA, partB):
     """Hash every key and sum its sketch per chunk.
 
@@ -705,16 +761,14 @@ def sketch_chunks(k, v, mask, W, beta, chunk, phik, tk, partA, partB):
     and the chunk totals ``partA (G, nc, F)``, ``partB (G, nc, F, dv)`` in
     float64.  Non-causal attention sums them; the causal scan carries them.
     """
-    G, n, _ = k.shape
-    nc = partA.shape[1]
-    for task in prange(G * nc):
-        _sketch_chunks_task(task, k, v, mask, W, beta, chunk, phik, tk, partA, partB)
+    G, nc = partA.shape[:2]
+    run_tasks(_sketch_chunks_task, G * nc, k, v, mask, W, beta, chunk, phik, tk, partA, partB)
 
 
 @njit(**_JIT)
 def _keys_bwd_task(task, v, phik, tk, dA, dB, W, beta, chunk, dk, dv_out, dbeta_part):
-    """One (group, chunk) task of :func:`keys_bwd` (a plain function: loops inlined
-    into a prange body were not vectorised)."""
+    """One (group, chunk) task of :func:`keys_bwd` (run by :func:`run_tasks`;
+    loops inlined into a prange body were not vectorised)."""
     G, n, _ = v.shape
     F = phik.shape[2]
     nc = dbeta_part.shape[1]
@@ -729,13 +783,10 @@ def _keys_bwd_task(task, v, phik, tk, dA, dB, W, beta, chunk, dk, dv_out, dbeta_
 
 
 @blas_tasks
-@njit(**_PJIT)
 def keys_bwd(v, phik, tk, dA, dB, W, beta, chunk, dk, dv_out, dbeta_part):
     """Non-causal cotangents of every key from the summed (dA, dB)."""
-    G, n, _ = v.shape
-    nc = dbeta_part.shape[1]
-    for task in prange(G * nc):
-        _keys_bwd_task(task, v, phik, tk, dA, dB, W, beta, chunk, dk, dv_out, dbeta_part)
+    G, nc = dbeta_part.shape[:2]
+    run_tasks(_keys_bwd_task, G * nc, v, phik, tk, dA, dB, W, beta, chunk, dk, dv_out, dbeta_part)
 
 
 # ---------------------------------------------------------------------------
@@ -744,8 +795,8 @@ def keys_bwd(v, phik, tk, dA, dB, W, beta, chunk, dk, dv_out, dbeta_part):
 
 @njit(**_JIT)
 def _queries_fwd_task(task, keep, q, W, beta, chunk, A, B, phiq, tq, den, out):
-    """One (group, chunk) task of :func:`queries_fwd` (a plain function: loops inlined
-    into a prange body were not vectorised)."""
+    """One (group, chunk) task of :func:`queries_fwd` (run by :func:`run_tasks`;
+    loops inlined into a prange body were not vectorised)."""
     G, n, _ = q.shape
     L = W.shape[0]
     nc = (n + chunk - 1) // chunk
@@ -755,14 +806,11 @@ def _queries_fwd_task(task, keep, q, W, beta, chunk, A, B, phiq, tq, den, out):
 
 
 @blas_tasks
-@njit(**_PJIT)
 def queries_fwd(q, W, beta, chunk, A, B, phiq, tq, den, out):
     """Hash every query and read the summed sketch ``A (G, F)``, ``B (G, F, dv)``."""
     G, n, _ = q.shape
-    nc = (n + chunk - 1) // chunk
     keep = np.ones(n, np.bool_)  # queries are never masked
-    for task in prange(G * nc):
-        _queries_fwd_task(task, keep, q, W, beta, chunk, A, B, phiq, tq, den, out)
+    run_tasks(_queries_fwd_task, G * ((n + chunk - 1) // chunk), keep, q, W, beta, chunk, A, B, phiq, tq, den, out)
 
 
 @njit(**_JIT)
@@ -790,8 +838,8 @@ def queries_chunk_end(g, c, lo, hi, grad, phiq, tq, wblock, DPHI, dA, W, beta, d
 
 @njit(**_JIT)
 def _queries_bwd_task(task, grad, phiq, tq, den, A, B, W, beta, chunk, dq, partdA, partdB, dbeta_part):
-    """One (group, chunk) task of :func:`queries_bwd` (a plain function: loops inlined
-    into a prange body were not vectorised)."""
+    """One (group, chunk) task of :func:`queries_bwd` (run by :func:`run_tasks`;
+    loops inlined into a prange body were not vectorised)."""
     G, n, dv = grad.shape
     L = W.shape[0]
     F = phiq.shape[2]
@@ -809,13 +857,10 @@ def _queries_bwd_task(task, grad, phiq, tq, den, A, B, W, beta, chunk, dq, partd
 
 
 @blas_tasks
-@njit(**_PJIT)
 def queries_bwd(grad, phiq, tq, den, A, B, W, beta, chunk, dq, partdA, partdB, dbeta_part):
     """Non-causal cotangents of every query, and chunk sums of (dA, dB)."""
-    G, n, dv = grad.shape
-    nc = partdA.shape[1]
-    for task in prange(G * nc):
-        _queries_bwd_task(task, grad, phiq, tq, den, A, B, W, beta, chunk, dq, partdA, partdB, dbeta_part)
+    G, nc = partdA.shape[:2]
+    run_tasks(_queries_bwd_task, G * nc, grad, phiq, tq, den, A, B, W, beta, chunk, dq, partdA, partdB, dbeta_part)
 
 
 # ---------------------------------------------------------------------------
@@ -860,8 +905,8 @@ def _step_buffers(like, F, m):
 
 @njit(**_JIT)
 def _causal_fwd_task(task, keep, q, v, phik, carryA, carryB, W, beta, chunk, phiq, tq, den, out):
-    """One (group, chunk) task of :func:`causal_fwd` (a plain function: loops inlined
-    into a prange body were not vectorised)."""
+    """One (group, chunk) task of :func:`causal_fwd` (run by :func:`run_tasks`;
+    loops inlined into a prange body were not vectorised)."""
     G, n, _ = q.shape
     L = W.shape[0]
     nc = carryA.shape[1]
@@ -901,7 +946,6 @@ def _causal_fwd_task(task, keep, q, v, phik, carryA, carryB, W, beta, chunk, phi
 
 
 @blas_tasks
-@njit(**_PJIT)
 def causal_fwd(q, v, phik, carryA, carryB, W, beta, chunk, phiq, tq, den, out):
     """Rescan every chunk from its carried-in state; query i sees keys j <= i.
 
@@ -911,16 +955,14 @@ def causal_fwd(q, v, phik, carryA, carryB, W, beta, chunk, phiq, tq, den, out):
     then B += Phik^T V.
     """
     G, n, _ = q.shape
-    nc = carryA.shape[1]
     keep = np.ones(n, np.bool_)  # queries are never masked
-    for task in prange(G * nc):
-        _causal_fwd_task(task, keep, q, v, phik, carryA, carryB, W, beta, chunk, phiq, tq, den, out)
+    run_tasks(_causal_fwd_task, G * carryA.shape[1], keep, q, v, phik, carryA, carryB, W, beta, chunk, phiq, tq, den, out)
 
 
 @njit(**_JIT)
 def _causal_queries_bwd_task(task, grad, v, phik, phiq, tq, den, carryA, carryB, W, beta, chunk, dq, dden_out, partdA, partdB, dbeta_part):
-    """One (group, chunk) task of :func:`causal_queries_bwd` (a plain function: loops inlined
-    into a prange body were not vectorised)."""
+    """One (group, chunk) task of :func:`causal_queries_bwd` (run by :func:`run_tasks`;
+    loops inlined into a prange body were not vectorised)."""
     G, n, dv = grad.shape
     L = W.shape[0]
     nc = carryA.shape[1]
@@ -957,7 +999,6 @@ def _causal_queries_bwd_task(task, grad, v, phik, phiq, tq, den, carryA, carryB,
 
 
 @blas_tasks
-@njit(**_PJIT)
 def causal_queries_bwd(grad, v, phik, phiq, tq, den, carryA, carryB, W, beta, chunk,
                        dq, dden_out, partdA, partdB, dbeta_part):
     """Backward pass 1: rebuild prefix states by rescanning; cotangents of queries.
@@ -966,16 +1007,15 @@ def causal_queries_bwd(grad, v, phik, phiq, tq, den, carryA, carryB, W, beta, ch
     are y_i = B_i g_i.  Also stores dden per query and the chunk totals of
     (dA, dB) for the reverse scan.
     """
-    G, n, dv = grad.shape
-    nc = carryA.shape[1]
-    for task in prange(G * nc):
-        _causal_queries_bwd_task(task, grad, v, phik, phiq, tq, den, carryA, carryB, W, beta, chunk, dq, dden_out, partdA, partdB, dbeta_part)
+    G, nc = carryA.shape[:2]
+    run_tasks(_causal_queries_bwd_task, G * nc, grad, v, phik, phiq, tq, den, carryA, carryB, W, beta, chunk,
+              dq, dden_out, partdA, partdB, dbeta_part)
 
 
 @njit(**_JIT)
 def _causal_keys_bwd_task(task, grad, v, phik, tk, phiq, den, dden, carrydA, carrydB, W, beta, chunk, dk, dv_out, dbeta_part):
-    """One (group, chunk) task of :func:`causal_keys_bwd` (a plain function: loops inlined
-    into a prange body were not vectorised)."""
+    """One (group, chunk) task of :func:`causal_keys_bwd` (run by :func:`run_tasks`;
+    loops inlined into a prange body were not vectorised)."""
     G, n, dv = grad.shape
     L = W.shape[0]
     nc = carrydA.shape[1]
@@ -1023,7 +1063,6 @@ def _causal_keys_bwd_task(task, grad, v, phik, tk, phiq, den, dden, carrydA, car
 
 
 @blas_tasks
-@njit(**_PJIT)
 def causal_keys_bwd(grad, v, phik, tk, phiq, den, dden, carrydA, carrydB, W, beta, chunk,
                     dk, dv_out, dbeta_part):
     """Backward pass 2: suffix sums over queries i >= j by a reverse rescan.
@@ -1032,7 +1071,7 @@ def causal_keys_bwd(grad, v, phik, tk, phiq, den, dden, carrydA, carrydB, W, bet
     dPhik = V dB^T + triu(V G^T) Wq + dA (suffix sums),
     dV = Phik dB + triu(Phik Wq^T) G, then dB += Wq^T G.
     """
-    G, n, dv = grad.shape
-    nc = carrydA.shape[1]
-    for task in prange(G * nc):
-        _causal_keys_bwd_task(task, grad, v, phik, tk, phiq, den, dden, carrydA, carrydB, W, beta, chunk, dk, dv_out, dbeta_part)
+    G, nc = carrydA.shape[:2]
+    run_tasks(_causal_keys_bwd_task, G * nc, grad, v, phik, tk, phiq, den, dden, carrydA, carrydB, W, beta, chunk,
+              dk, dv_out, dbeta_part)
+

@@ -140,6 +140,33 @@ def test_small_calls_run_on_one_thread(rng, monkeypatch, causal):
     assert numba.get_num_threads() == threads
 
 
+def test_run_tasks_compiles_per_argument_types():
+    # run_tasks reuses a compiled loop per fingerprint of the argument types: a
+    # loop compiled for other types would read these arrays wrongly.
+    from numba import njit
+    from racecpu._kernels import run_tasks
+
+    @njit
+    def task(t, src, scale, dst):
+        for j in range(src.shape[1]):
+            dst[t, j] = src[t, j] * scale + t
+
+    base = np.arange(40.0).reshape(8, 5)
+    wide = np.zeros((8, 10))
+    wide[:, ::2] = base
+    readonly = base.copy()
+    readonly.flags.writeable = False
+    for src, scale, dtype in [(base, 2.0, np.float64), (base.astype(np.float32), 2.0, np.float32),
+                              (base.astype(np.float32), 3, np.float64), (wide[:, ::2], 0.5, np.float64),
+                              (np.asfortranarray(base), 2.0, np.float32), (readonly, 1.5, np.float64)]:
+        dst = np.full(src.shape, np.nan, dtype)
+        run_tasks(task, src.shape[0], src, scale, dst)
+        np.testing.assert_array_equal(dst, (base * scale + np.arange(8)[:, None]).astype(dtype))
+    dst = np.zeros((8, 5))
+    run_tasks(task, 0, base, 1.0, dst)  # no tasks: nothing written
+    assert not dst.any()
+
+
 @pytest.mark.parametrize("reverse", [False, True])
 def test_exclusive_scan_sums_in_chunk_order(rng, reverse):
     # The carries of the causal scan: np.cumsum's sums, in the same order (bit for bit).
