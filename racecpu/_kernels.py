@@ -10,9 +10,8 @@ group, and :func:`run_tasks` runs all (group, chunk) tasks in one ``prange``
 loop, so a single head still uses every core.  Each task keeps its sketch
 ``(A, B)`` (``A (F,)``, ``B (F, dv)``) in the compute dtype for at most
 ``chunk`` tokens; sums across chunks are carried in float64, so no long sum
-drifts in float32.  Partial
-sketches are per chunk, not per thread: results do not depend on the thread
-count.
+drifts in float32.  Partial sketches are per chunk, not per thread: results
+do not depend on the thread count.
 
 The causal scan is chunk-parallel around an explicit carried state:
 (1) chunk totals in parallel (:func:`sketch_chunks`), (2) an exclusive scan of
@@ -954,9 +953,10 @@ def causal_fwd(q, v, phik, carryA, carryB, W, beta, chunk, phiq, tq, den, out):
     tokens with state B before it: out = (Phiq B + tril(Phiq Phik^T) V) / ...,
     then B += Phik^T V.
     """
-    G, n, _ = q.shape
-    keep = np.ones(n, np.bool_)  # queries are never masked
-    run_tasks(_causal_fwd_task, G * carryA.shape[1], keep, q, v, phik, carryA, carryB, W, beta, chunk, phiq, tq, den, out)
+    G, nc = carryA.shape[:2]
+    keep = np.ones(q.shape[1], np.bool_)  # queries are never masked
+    run_tasks(_causal_fwd_task, G * nc, keep, q, v, phik, carryA, carryB, W, beta, chunk,
+              phiq, tq, den, out)
 
 
 @njit(**_JIT)
