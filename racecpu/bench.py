@@ -20,7 +20,9 @@ What it measures
    vectorised torch statement with autograd (:func:`torch_race`) and
    ``torch.nn.functional.scaled_dot_product_attention`` (SDPA).
 3. **Thread scaling**: RACE forward+backward at batch = 1, heads = 1, largest N,
-   ``NUMBA_NUM_THREADS`` = 1 and ``--threads``.
+   ``NUMBA_NUM_THREADS`` = 1 and ``--threads``, both ``race`` and ``race-out``:
+   with fresh outputs the kernel's first touch of new pages is part of the time,
+   and that part scales with the OS and hypervisor, not with the kernels.
 4. **Compile / first-call cost**: a fresh process with an empty ``NUMBA_CACHE_DIR``
    (cold: compiles every kernel the public API uses in float32) and a fresh
    process with that now warm cache (time from ``import racecpu`` to the first
@@ -127,6 +129,8 @@ __all__ = ["add_arguments", "run", "roofline_counts", "numpy_race_fwd", "numpy_r
 IMPLS = {"cpu": ("race", "race-out", "numpy-vec", "torch-vec", "sdpa"), "cuda": ("race-cuda", "sdpa-cuda")}
 TORCH_IMPLS = {"torch-vec", "sdpa", "sdpa-cuda"}
 CONFIGS = (("fwd", False), ("fwd", True), ("fwdbwd", False), ("fwdbwd", True))
+#: Thread scaling runs both: fresh outputs (what a plain call gets) and out= buffers (the kernels alone).
+THREAD_IMPLS = ("race", "race-out")
 _MARK = "@@racecpu-bench@@"
 #: Calls predicted to take at most this long get one untimed call at full size first.
 _FULL_WARMUP_S = 10.0
@@ -833,7 +837,7 @@ class _Suite:
 
         st = self.st
         n_scaling = len(self.ns) * len(CONFIGS) * len(self.impls) * st["rounds"]
-        n_threads = 2 * len({1, st["threads"]}) * st["rounds"] if "threads" in self.sections else 0
+        n_threads = len(THREAD_IMPLS) * 2 * len({1, st["threads"]}) * st["rounds"] if "threads" in self.sections else 0
         n_compile = (1 if st["no_cold"] else 2) if "compile" in self.sections else 0
         total = 2 + n_scaling + n_threads + n_compile
         t0 = time.perf_counter()
@@ -979,44 +983,45 @@ class _Suite:
         if not fits:
             self._note(f"thread scaling skipped: even N=2^{st['min_log2n']} at one head is predicted above the "
                        f"{st['mem_cap'] / _GIB:.1f} GiB cap")
-            self.bar.update(2 * len(counts) * st["rounds"])
+            self.bar.update(len(THREAD_IMPLS) * 2 * len(counts) * st["rounds"])
             return
         n = fits[-1]
         shape = (1, 1, n, st["d"], st["dv"])
         got = {}
         for rnd in range(st["rounds"]):
             for causal in (False, True):
-                for th in (counts if (rnd + causal) % 2 == 0 else counts[::-1]):
-                    self.bar.set_description(f"threads={th} fwdbwd{' causal' if causal else ''} N=2^{n.bit_length() - 1}")
-                    spec = self._spec(impl="race", mode="fwdbwd", causal=causal, n=n, batch=1, heads=1, threads=th,
-                                      full_warmup=True)
-                    res, _ = _spawn(_CHILD, spec, _env(th), self._timeout(None))
-                    self.bar.update()
-                    acc = got.setdefault((causal, th), dict(times=[], peak=0, err=None))
-                    if res.get("ok"):
-                        acc["times"] += res["times"]
-                        acc["peak"] = max(acc["peak"], res["peak_rss"] or 0)
-                    else:
-                        acc["err"] = res.get("error")
+                for impl in THREAD_IMPLS:
+                    for th in (counts if (rnd + causal) % 2 == 0 else counts[::-1]):
+                        self.bar.set_description(f"threads={th} {impl} fwdbwd{' causal' if causal else ''} "
+                                                 f"N=2^{n.bit_length() - 1}")
+                        spec = self._spec(impl=impl, mode="fwdbwd", causal=causal, n=n, batch=1, heads=1,
+                                          threads=th, full_warmup=True)
+                        res, _ = _spawn(_CHILD, spec, _env(th), self._timeout(None))
+                        self.bar.update()
+                        acc = got.setdefault((causal, impl, th), dict(times=[], peak=0, err=None))
+                        if res.get("ok"):
+                            acc["times"] += res["times"]
+                            acc["peak"] = max(acc["peak"], res["peak_rss"] or 0)
+                        else:
+                            acc["err"] = res.get("error")
         io = io_bytes("fwdbwd", shape, self.itemsize)
         for causal in (False, True):
-            meds = {}
-            for th in counts:
-                acc = got.get((causal, th))
-                if not acc or not acc["times"]:
-                    err = acc["err"] if acc else "not run"
-                    self._row("threads", impl="race", mode="fwdbwd", causal=int(causal), n=n, batch=1, heads=1,
-                              threads=th, status="failed", note=str(err))
-                    continue
-                meds[th] = statistics.median(acc["times"])
-                self._row("threads", impl="race", mode="fwdbwd", causal=int(causal), n=n, batch=1, heads=1,
-                          threads=th, calls=len(acc["times"]), median_s=f"{meds[th]:.6g}",
-                          ns_per_token_head=f"{meds[th] / n * 1e9:.2f}", peak_rss_bytes=acc["peak"], io_bytes=io,
-                          mem_ratio=f"{acc['peak'] / io:.3f}")
-            if len(meds) == 2:
-                self._row("threads", impl="race", mode="fwdbwd", causal=int(causal), n=n, batch=1, heads=1,
-                          threads=counts[-1], value=f"{meds[1] / meds[counts[-1]]:.3f}",
-                          unit=f"speedup {counts[-1]} vs 1 thread")
+            for impl in THREAD_IMPLS:
+                meds = {}
+                row = dict(impl=impl, mode="fwdbwd", causal=int(causal), n=n, batch=1, heads=1)
+                for th in counts:
+                    acc = got.get((causal, impl, th))
+                    if not acc or not acc["times"]:
+                        err = acc["err"] if acc else "not run"
+                        self._row("threads", **row, threads=th, status="failed", note=str(err))
+                        continue
+                    meds[th] = statistics.median(acc["times"])
+                    self._row("threads", **row, threads=th, calls=len(acc["times"]), median_s=f"{meds[th]:.6g}",
+                              ns_per_token_head=f"{meds[th] / n * 1e9:.2f}", peak_rss_bytes=acc["peak"], io_bytes=io,
+                              mem_ratio=f"{acc['peak'] / io:.3f}")
+                if len(meds) == 2:
+                    self._row("threads", **row, threads=counts[-1], value=f"{meds[1] / meds[counts[-1]]:.3f}",
+                              unit=f"speedup {counts[-1]} vs 1 thread")
 
     def _compile_section(self):
         st = self.st
@@ -1099,9 +1104,9 @@ class _Suite:
         lines += ["", self._scaling_table()]
         thr = [r for r in self.rows if r["section"] == "threads"]
         if thr:
-            lines += ["", "thread scaling (race fwdbwd, B=1 H=1):"]
+            lines += ["", "thread scaling (fwdbwd, B=1 H=1; race-out: into out= buffers, no first touch of pages):"]
             for r in thr:
-                c = "causal" if r["causal"] else "non-causal"
+                c = f"{r['impl']} {'causal' if r['causal'] else 'non-causal'}"
                 if r["value"]:
                     lines.append(f"  N={r['n']} {c}: {r['unit']} = {r['value']}")
                 elif r["status"] == "ok":

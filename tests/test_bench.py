@@ -101,7 +101,8 @@ def test_suite_runs_end_to_end(tmp_path, capsys):
         assert float(r["ns_per_token_head"]) > float(r["roof_ns"]) * float(r["roof_frac"]) * 0.999
         assert int(r["peak_rss_bytes"]) > int(r["io_bytes"]) > 0
     threads = [r for r in rows if r["section"] == "threads"]
-    assert sum(1 for r in threads if r["unit"].startswith("speedup")) == 2
+    speedups = {(r["impl"], r["causal"]) for r in threads if r["unit"].startswith("speedup")}
+    assert speedups == {(i, c) for i in ("race", "race-out") for c in ("0", "1")}
     compile_ = {r["impl"]: float(r["value"]) for r in rows if r["section"] == "compile"}
     assert 0 < compile_["warm:import"] <= compile_["warm:first-result"] <= compile_["warm:all-kernels"]
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
