@@ -837,7 +837,8 @@ class _Suite:
 
         st = self.st
         n_scaling = len(self.ns) * len(CONFIGS) * len(self.impls) * st["rounds"]
-        n_threads = len(THREAD_IMPLS) * 2 * len({1, st["threads"]}) * st["rounds"] if "threads" in self.sections else 0
+        n_threads = len(THREAD_IMPLS) * 2 * len({1, st["threads"]}) * st["rounds"]
+        n_threads = n_threads if "threads" in self.sections else 0
         n_compile = (1 if st["no_cold"] else 2) if "compile" in self.sections else 0
         total = 2 + n_scaling + n_threads + n_compile
         t0 = time.perf_counter()
