@@ -1074,4 +1074,3 @@ def causal_keys_bwd(grad, v, phik, tk, phiq, den, dden, carrydA, carrydB, W, bet
     G, nc = carrydA.shape[:2]
     run_tasks(_causal_keys_bwd_task, G * nc, grad, v, phik, tk, phiq, den, dden, carrydA, carrydB, W, beta, chunk,
               dk, dv_out, dbeta_part)
-
