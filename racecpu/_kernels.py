@@ -17,9 +17,12 @@ The causal scan is chunk-parallel around an explicit carried state:
 (1) chunk totals in parallel (:func:`sketch_chunks`), (2) an exclusive scan of
 the totals in float64 (:func:`exclusive_scan`), (3) every chunk rescanned from
 its carried-in state (:func:`causal_fwd`), SCAN_BLOCK tokens per step, each
-step a few small matrix products.  The backward is exact: prefix
-states are rebuilt by rescanning from the stored carries and suffix sums by a
-reverse scan; nothing is obtained by subtracting from a total.
+step a few small matrix products.  Where the groups alone share the threads
+evenly (:func:`sequential_scan`), one task per group instead scans its chunks
+in order and carries the state itself, without the chunk totals of (1): the
+same carries, bit for bit, for a sgemm per token less.  The backward is
+exact: prefix states are rebuilt by rescanning from the stored carries and
+suffix sums by a reverse scan; nothing is obtained by subtracting from a total.
 
 Forward and backward of each step stand side by side.
 """
@@ -79,24 +82,24 @@ def blas_tasks(kernel):
     """
     chunk_at = list(inspect.signature(kernel).parameters).index("chunk")
 
-    def call(args):
+    def call(args, kw):
         global _blas_controller
         if args[chunk_at] < BLAS_ROWS:
-            return kernel(*args)
+            return kernel(*args, **kw)
         if _blas_controller is None:
             from threadpoolctl import ThreadpoolController
             _blas_controller = ThreadpoolController()
         with _blas_controller.limit(limits=1, user_api="blas"):
-            return kernel(*args)
+            return kernel(*args, **kw)
 
     @functools.wraps(kernel)
-    def run(*args):
+    def run(*args, **kw):
         if args[0].shape[0] * args[0].shape[1] >= SERIAL_TOKENS:
-            return call(args)
+            return call(args, kw)
         threads = numba.get_num_threads()
         numba.set_num_threads(1)
         try:
-            return call(args)
+            return call(args, kw)
         finally:
             numba.set_num_threads(threads)
 
@@ -600,40 +603,61 @@ BLAS_ROWS = 16
 #: Inner dimension from which :func:`rows_dot` goes to BLAS; below it (the hash's
 #: L * P planes) the sgemm is slower than :func:`combine_rows`.
 BLAS_INNER = 16
+#: Rows per sgemm of the non-causal chunk totals (:func:`span_totals`): one
+#: sgemm over a whole 1024-token chunk ran 1.8x slower than four of 256.
 BLAS_SPAN = 256
 
 
 @njit(**_JIT)
-def sketch_add(phi, v, lo, hi, A, B):
-    """A += sum_j phi_j, B += sum_j phi_j v_j^T over rows lo..hi."""
-    F = B.shape[0]
-    for j in range(lo, hi):
-        for f in range(F):
-            A[f] += phi[j, f]
-    rank_update(phi[lo:hi], v[lo:hi], B, np.empty_like(B))
+def step_product(w, x, out):
+    """out = w^T x for ``w (m, F)``, ``x (m, dv)``, overwriting ``out (F, dv)``:
+    sgemm from BLAS_ROWS rows, :func:`outer_add` below (call overhead wins)."""
+    if w.shape[0] >= BLAS_ROWS and out.shape[1] > 0:
+        np.dot(w.T, x, out)
+    else:
+        out[:] = 0.0
+        outer_add(w, x, out)
 
 
 @njit(**_JIT)
-def rank_update(w, x, B, tmp):
-    """B += w^T x for ``w (n, F)``, ``x (n, dv)``: sgemm for long runs (2x outer_add at n=256).
+def add_product(w, x, S, tmp, total, track):
+    """S += w^T x (one scan step's state update; ``tmp`` (F, dv) holds the
+    product), and ``total`` (float64) += the same product when ``track``."""
+    step_product(w, x, tmp)
+    F, dv = S.shape
+    if track:  # one pass over tmp for both sums
+        for f in range(F):
+            for c in range(dv):
+                t = tmp[f, c]
+                S[f, c] += t
+                total[f, c] += t
+    else:
+        for f in range(F):
+            for c in range(dv):
+                S[f, c] += tmp[f, c]
 
-    ``tmp`` is scratch shaped like ``B`` that the sgemm writes into, so the
-    causal scans' per-step updates allocate nothing.
+
+@njit(**_JIT)
+def span_totals(w, x, span, reverse, total, tmp):
+    """total (float64) += w^T x, one :func:`step_product` per ``span`` rows
+    (aligned at row 0; the last span first when ``reverse``).
+
+    Each span's product is rounded to the compute dtype, then summed in
+    float64.  With span = SCAN_BLOCK these are, bit for bit, the chunk totals
+    that a sequential scan tracks step by step (:func:`add_product`), so the
+    chunked and the sequential causal scans carry identical states.
     """
     n = w.shape[0]
-    if n < BLAS_ROWS or B.shape[1] == 0:
-        outer_add(w, x, B)
-        return
-    F, dv = B.shape
-    for j0 in range(0, n, BLAS_SPAN):  # 256-row spans: sgemm ran 1.8x slower on 1024 rows at once
-        j1 = min(j0 + BLAS_SPAN, n)
-        if j1 - j0 >= BLAS_ROWS:
-            np.dot(w[j0:j1].T, x[j0:j1], tmp)
-            for f in range(F):
-                for c in range(dv):
-                    B[f, c] += tmp[f, c]
-        else:
-            outer_add(w[j0:j1], x[j0:j1], B)
+    F, dv = total.shape
+    nb = (n + span - 1) // span
+    for b in range(nb):
+        bi = nb - 1 - b if reverse else b
+        j0 = bi * span
+        j1 = min(j0 + span, n)
+        step_product(w[j0:j1], x[j0:j1], tmp)
+        for f in range(F):
+            for c in range(dv):
+                total[f, c] += tmp[f, c]
 
 
 @njit(**_JIT)
@@ -734,34 +758,40 @@ def exclusive_scan(part, reverse=False, out=None):
 # ---------------------------------------------------------------------------
 
 @njit(**_JIT)
-def _sketch_chunks_task(task, k, v, mask, W, beta, chunk, phik, tk, partA, partB):
+def _sketch_chunks_task(task, k, v, mask, W, beta, chunk, span, phik, tk, partA, partB):
     """One (group, chunk) task of :func:`sketch_chunks` (run by :func:`run_tasks`;
     loops inlined into a prange body were not vectorised)."""
     G, n, _ = k.shape
     nc = partA.shape[1]
     F = phik.shape[2]
-    dv = v.shape[2]
     g, c, lo, hi = _bounds(task, nc, chunk, n)
     hash_range(k[g], lo, hi, W, beta, mask[g], tk[g], phik[g])
-    A = np.zeros(F, np.float64)
-    B = np.zeros((F, dv), v.dtype)
-    sketch_add(phik[g], v[g], lo, hi, A, B)
-    partA[g, c] = A
-    for f in range(F):
-        for cc in range(dv):
-            partB[g, c, f, cc] = B[f, cc]
+    A = partA[g, c]
+    for j in range(lo, hi):
+        for f in range(F):
+            A[f] += phik[g, j, f]
+    if span > 0:
+        span_totals(phik[g, lo:hi], v[g, lo:hi], span, False, partB[g, c], np.empty((F, v.shape[2]), v.dtype))
 
 
 @blas_tasks
-def sketch_chunks(k, v, mask, W, beta, chunk, phik, tk, partA, partB):
+def sketch_chunks(k, v, mask, W, beta, chunk, phik, tk, partA, partB, span=None):
     """Hash every key and sum its sketch per chunk.
 
     Writes ``phik (G, Nk, F)`` and ``tk (G, Nk, L*P)`` (masked keys: phi = 0),
-    and the chunk totals ``partA (G, nc, F)``, ``partB (G, nc, F, dv)`` in
-    float64.  Non-causal attention sums them; the causal scan carries them.
+    and adds the chunk totals to ``partA (G, nc, F)``, ``partB (G, nc, F, dv)``
+    (float64, zeros on entry).  Non-causal attention sums them; the causal scan
+    carries them.  ``span``: rows per product of the B totals (default
+    SCAN_BLOCK, the causal scans' steps, see :func:`span_totals`; BLAS_SPAN is
+    faster where no scan has to match).  ``partB`` None: only the A totals
+    (the sequential causal forward tracks B itself).
     """
     G, nc = partA.shape[:2]
-    run_tasks(_sketch_chunks_task, G * nc, k, v, mask, W, beta, chunk, phik, tk, partA, partB)
+    if partB is None:
+        span, partB = 0, np.zeros((G, nc, 0, 0))
+    elif span is None:
+        span = SCAN_BLOCK
+    run_tasks(_sketch_chunks_task, G * nc, k, v, mask, W, beta, chunk, span, phik, tk, partA, partB)
 
 
 @njit(**_JIT)
@@ -821,17 +851,19 @@ def _query_bwd_buffers(grad, F, n):
 
 
 @njit(**_JIT)
-def queries_chunk_end(g, c, lo, hi, grad, phiq, tq, wblock, DPHI, dA, W, beta, dq, partdA, partdB):
+def queries_chunk_end(g, c, lo, hi, grad, phiq, tq, wblock, DPHI, dA, W, beta, dq, partdA, partdB, span):
     """End of a query chunk's backward (causal or not); returns the chunk's hash share of dbeta.
 
-    The chunk's dB = sum_i wq_i g_i^T by sgemm (its total does not depend on
-    order), the chunk totals to ``partdA``/``partdB`` (float64), then the
-    hash backward of every query (``DPHI`` holds dphi rows) with dq (:func:`hash_bwd_rows`).
+    The chunk totals to ``partdA``, and to ``partdB`` (float64, zeros on
+    entry) the chunk's dB = sum_i wq_i g_i^T by :func:`span_totals` over
+    ``span`` rows (last span first, as the reverse scan meets them; span 0:
+    none), then the hash backward of every query (``DPHI`` holds dphi rows)
+    with dq (:func:`hash_bwd_rows`).
     """
-    dB = np.zeros((wblock.shape[1], grad.shape[2]), grad.dtype)
-    rank_update(wblock, grad[g, lo:hi], dB, np.empty_like(dB))
     partdA[g, c] = dA
-    partdB[g, c] = dB
+    if span > 0:
+        span_totals(wblock, grad[g, lo:hi], span, True, partdB[g, c],
+                    np.empty((wblock.shape[1], grad.shape[2]), grad.dtype))
     return hash_bwd_rows(DPHI, phiq[g, lo:hi], tq[g, lo:hi], W, beta, dq[g, lo:hi])
 
 
@@ -852,7 +884,7 @@ def _queries_bwd_task(task, grad, phiq, tq, den, A, B, W, beta, chunk, dq, partd
             dA[f] += phiq[g, i, f] * dden / L
             wblock[i - lo, f] = wq[f]
     dbeta_part[g, c] = queries_chunk_end(g, c, lo, hi, grad, phiq, tq, wblock, DPHI, dA, W, beta,
-                                         dq, partdA, partdB)
+                                         dq, partdA, partdB, BLAS_SPAN)
 
 
 @blas_tasks
@@ -902,65 +934,117 @@ def _step_buffers(like, F, m):
             np.zeros((m, F), dt), np.zeros((m, dv), dt), np.zeros((F, dv), dt))
 
 
+def sequential_scan(G, nc, n):
+    """Whether the causal scans of ``G`` groups of ``n`` tokens in ``nc``
+    chunks run one task per group, its chunks in order (``final`` of
+    :func:`causal_fwd` and :func:`causal_keys_bwd`): where the groups alone
+    share the threads evenly, or there is one chunk.  That saves the chunk
+    totals of B and dB, a sgemm per token each, for a float64 sum per step
+    (the four causal kernels, 2^17 tokens, one thread: median 2400 vs 2540
+    ns per token with the totals; 2 threads, 4 heads x 2^18: 1193 vs 1189
+    per token-head, within this VM's noise); results are the same, bit for bit.
+    """
+    threads = numba.get_num_threads() if G * n >= SERIAL_TOKENS else 1
+    return nc == 1 or G % threads == 0
+
+
 @njit(**_JIT)
-def _causal_fwd_task(task, keep, q, v, phik, carryA, carryB, W, beta, chunk, phiq, tq, den, out):
-    """One (group, chunk) task of :func:`causal_fwd` (run by :func:`run_tasks`;
-    loops inlined into a prange body were not vectorised)."""
+def _task_chunks(task, seq, nc):
+    """Group and chunk range of a causal scan task: every chunk of group
+    ``task`` when ``seq`` (a sequential scan), else the (group, chunk) pair ``task``."""
+    if seq:
+        return task, 0, nc
+    g = task // nc
+    c = task - g * nc
+    return g, c, c + 1
+
+
+@njit(**_JIT)
+def _carry_on(carry, g, c, dst, total, final):
+    """carry[g, dst] = carry[g, c] + total (``final[g]`` when dst is past the
+    chunks) and total = 0: a sequential scan's next carry, summed as
+    :func:`exclusive_scan` sums the chunk totals."""
+    F, dv = total.shape
+    to = carry[g, dst] if 0 <= dst < carry.shape[1] else final[g]
+    for f in range(F):
+        for cc in range(dv):
+            to[f, cc] = carry[g, c, f, cc] + total[f, cc]
+            total[f, cc] = 0.0
+
+
+@njit(**_JIT)
+def _causal_fwd_task(task, seq, keep, q, v, phik, carryA, carryB, W, beta, chunk, phiq, tq, den, out, final):
+    """One task of :func:`causal_fwd` (run by :func:`run_tasks`; loops inlined
+    into a prange body were not vectorised)."""
     G, n, _ = q.shape
     L = W.shape[0]
     nc = carryA.shape[1]
     F = phik.shape[2]
     dv = v.shape[2]
-    g, c, lo, hi = _bounds(task, nc, chunk, n)
-    hash_range(q[g], lo, hi, W, beta, keep, tq[g], phiq[g])
-    A = carryA[g, c].copy()
-    S = carryB[g, c].astype(v.dtype)  # the carried-in state, in the compute dtype
-    H, _, _, _, _, X, dS = _step_buffers(v, F, min(SCAN_BLOCK, hi - lo))
-    for i0 in range(lo, hi, SCAN_BLOCK):
-        i1 = min(i0 + SCAN_BLOCK, hi)
-        m = i1 - i0
-        if m != H.shape[0]:  # the chunk's last, shorter step
-            H, _, _, _, _, X, dS = _step_buffers(v, F, m)
-        Pq, Pk, V, O = phiq[g, i0:i1], phik[g, i0:i1], v[g, i0:i1], out[g, i0:i1]
-        np.dot(Pq, Pk.T, H)  # H_ij = phiq_i . phik_j, kept for j <= i
-        _zero_above(H)
-        if dv > 0:
-            np.dot(Pq, S, O)
-            np.dot(H, V, X)
-        for i in range(m):
-            dn = 0.0
-            for f in range(F):
-                dn += Pq[i, f] * A[f]
-            for j in range(i + 1):
-                dn += H[i, j]
-            dn /= L
-            den[g, i0 + i] = dn
-            inv = 1.0 / (L * dn) if dn > DEN_FLOOR else 0.0  # the floor: zeros
-            for cc in range(dv):
-                O[i, cc] = (O[i, cc] + X[i, cc]) * inv
-        for i in range(m):
-            for f in range(F):
-                A[f] += Pk[i, f]
-        rank_update(Pk, V, S, dS)
+    g, c0, c1 = _task_chunks(task, seq, nc)
+    total = np.zeros((F, dv))  # the chunk's sum of state updates (sequential scan)
+    for c in range(c0, c1):
+        lo = c * chunk
+        hi = min(lo + chunk, n)
+        hash_range(q[g], lo, hi, W, beta, keep, tq[g], phiq[g])
+        A = carryA[g, c].copy()
+        S = carryB[g, c].astype(v.dtype)  # the carried-in state, in the compute dtype
+        H, _, _, _, _, X, dS = _step_buffers(v, F, min(SCAN_BLOCK, hi - lo))
+        for i0 in range(lo, hi, SCAN_BLOCK):
+            i1 = min(i0 + SCAN_BLOCK, hi)
+            m = i1 - i0
+            if m != H.shape[0]:  # the chunk's last, shorter step
+                H, _, _, _, _, X, dS = _step_buffers(v, F, m)
+            Pq, Pk, V, O = phiq[g, i0:i1], phik[g, i0:i1], v[g, i0:i1], out[g, i0:i1]
+            np.dot(Pq, Pk.T, H)  # H_ij = phiq_i . phik_j, kept for j <= i
+            _zero_above(H)
+            if dv > 0:
+                np.dot(Pq, S, O)
+                np.dot(H, V, X)
+            for i in range(m):
+                dn = 0.0
+                for f in range(F):
+                    dn += Pq[i, f] * A[f]
+                for j in range(i + 1):
+                    dn += H[i, j]
+                dn /= L
+                den[g, i0 + i] = dn
+                inv = 1.0 / (L * dn) if dn > DEN_FLOOR else 0.0  # the floor: zeros
+                for cc in range(dv):
+                    O[i, cc] = (O[i, cc] + X[i, cc]) * inv
+            for i in range(m):
+                for f in range(F):
+                    A[f] += Pk[i, f]
+            add_product(Pk, V, S, dS, total, seq)
+        if seq:
+            _carry_on(carryB, g, c, c + 1, total, final)
 
 
 @blas_tasks
-def causal_fwd(q, v, phik, carryA, carryB, W, beta, chunk, phiq, tq, den, out):
+def causal_fwd(q, v, phik, carryA, carryB, W, beta, chunk, phiq, tq, den, out, final=None):
     """Rescan every chunk from its carried-in state; query i sees keys j <= i.
 
     ``carryA (G, nc, F)``, ``carryB (G, nc, F, dv)`` (float64) hold the state
     (A, B) summed over all keys before the chunk.  Per step of SCAN_BLOCK
     tokens with state B before it: out = (Phiq B + tril(Phiq Phik^T) V) / ...,
     then B += Phik^T V.
+
+    ``final (G, F, dv)`` (float64) given: one task per group scans its
+    chunks in order and writes the B carries itself (``carryB``: zeros on
+    entry), and the total B to ``final``.  No chunk totals of B are needed
+    (:func:`sketch_chunks` with ``partB`` None): a sgemm per token less,
+    where the groups alone keep every thread busy.  The carries are those of
+    the chunked scan, bit for bit (:func:`span_totals`).
     """
     G, nc = carryA.shape[:2]
     keep = np.ones(q.shape[1], np.bool_)  # queries are never masked
-    run_tasks(_causal_fwd_task, G * nc, keep, q, v, phik, carryA, carryB, W, beta, chunk,
-              phiq, tq, den, out)
+    seq = final is not None
+    run_tasks(_causal_fwd_task, G if seq else G * nc, seq, keep, q, v, phik, carryA, carryB, W, beta, chunk,
+              phiq, tq, den, out, final if seq else np.zeros((0, 0, 0)))
 
 
 @njit(**_JIT)
-def _causal_queries_bwd_task(task, grad, v, phik, phiq, tq, den, carryA, carryB, W, beta, chunk, dq, dden_out, partdA, partdB, dbeta_part):
+def _causal_queries_bwd_task(task, span, grad, v, phik, phiq, tq, den, carryA, carryB, W, beta, chunk, dq, dden_out, partdA, partdB, dbeta_part):
     """One (group, chunk) task of :func:`causal_queries_bwd` (run by :func:`run_tasks`;
     loops inlined into a prange body were not vectorised)."""
     G, n, dv = grad.shape
@@ -993,9 +1077,9 @@ def _causal_queries_bwd_task(task, grad, v, phik, phiq, tq, den, carryA, carryB,
             for f in range(F):
                 dA[f] += Pq[i, f] * dden / L
                 wblock[i0 + i - lo, f] = wq[f]
-        rank_update(Pk, V, S, dS)
+        add_product(Pk, V, S, dS, dS, False)  # (no total to track)
     dbeta_part[g, c] = queries_chunk_end(g, c, lo, hi, grad, phiq, tq, wblock, DPHI, dA, W, beta,
-                                         dq, partdA, partdB)
+                                         dq, partdA, partdB, span)
 
 
 @blas_tasks
@@ -1005,72 +1089,89 @@ def causal_queries_bwd(grad, v, phik, phiq, tq, den, carryA, carryB, W, beta, ch
 
     Per step with state B before it: Y = G B^T + tril(G V^T) Phik, whose rows
     are y_i = B_i g_i.  Also stores dden per query and the chunk totals of
-    (dA, dB) for the reverse scan.
+    (dA, dB) for the reverse scan (``partdA``, ``partdB``: zeros on entry);
+    ``partdB`` None: only those of dA (a sequential :func:`causal_keys_bwd`
+    tracks dB itself).
     """
     G, nc = carryA.shape[:2]
-    run_tasks(_causal_queries_bwd_task, G * nc, grad, v, phik, phiq, tq, den, carryA, carryB, W, beta, chunk,
+    span = SCAN_BLOCK
+    if partdB is None:
+        span, partdB = 0, np.zeros((G, nc, 0, 0))
+    run_tasks(_causal_queries_bwd_task, G * nc, span, grad, v, phik, phiq, tq, den, carryA, carryB, W, beta, chunk,
               dq, dden_out, partdA, partdB, dbeta_part)
 
 
 @njit(**_JIT)
-def _causal_keys_bwd_task(task, grad, v, phik, tk, phiq, den, dden, carrydA, carrydB, W, beta, chunk, dk, dv_out, dbeta_part):
-    """One (group, chunk) task of :func:`causal_keys_bwd` (run by :func:`run_tasks`;
-    loops inlined into a prange body were not vectorised)."""
+def _causal_keys_bwd_task(task, seq, grad, v, phik, tk, phiq, den, dden, carrydA, carrydB, W, beta, chunk, dk, dv_out, dbeta_part, final):
+    """One task of :func:`causal_keys_bwd` (run by :func:`run_tasks`; loops
+    inlined into a prange body were not vectorised)."""
     G, n, dv = grad.shape
     L = W.shape[0]
     nc = carrydA.shape[1]
     F = phik.shape[2]
-    g, c, lo, hi = _bounds(task, nc, chunk, n)
-    dA = carrydA[g, c].copy()
-    dB = carrydB[g, c].astype(grad.dtype)  # the carried-in state, in the compute dtype
+    g, c0, c1 = _task_chunks(task, seq, nc)
+    total = np.zeros((F, dv))  # the chunk's sum of dB updates (sequential scan)
     ddv = np.zeros(SCAN_BLOCK, np.float64)
-    DPHI = np.empty((hi - lo, F), np.float64)
-    nb = (hi - lo + SCAN_BLOCK - 1) // SCAN_BLOCK
-    M, M2, wb, Y, Z, X, dS = _step_buffers(grad, F, min(SCAN_BLOCK, hi - lo))
-    for bi in range(nb - 1, -1, -1):
-        i0 = lo + bi * SCAN_BLOCK
-        i1 = min(i0 + SCAN_BLOCK, hi)
-        m = i1 - i0
-        if m != M.shape[0]:  # the chunk's last, shorter step
-            M, M2, wb, Y, Z, X, dS = _step_buffers(grad, F, m)
-        Pq, Pk, V, Gb, dV = phiq[g, i0:i1], phik[g, i0:i1], v[g, i0:i1], grad[g, i0:i1], dv_out[g, i0:i1]
-        for i in range(m):
-            dn = den[g, i0 + i]
-            inv = 1.0 / (L * dn) if dn > DEN_FLOOR else 0.0
-            ddv[i] = dden[g, i0 + i] / L if dn > DEN_FLOOR else 0.0
-            for f in range(F):
-                wb[i, f] = Pq[i, f] * inv  # the weights wq_i of g_i in dB
-        if dv > 0:
-            # dphik_j = dB v_j + sum_{i>=j} wq_i (g_i . v_j) + dA_j, dB from after the step
-            np.dot(V, dB.T, Y)
-            np.dot(V, Gb.T, M)  # M_ji = v_j . g_i, kept for i >= j
-            _zero_below(M)
-            np.dot(M, wb, Z)
-            # dv_j = dB^T phik_j + sum_{i>=j} (wq_i . phik_j) g_i
-            np.dot(Pk, dB, dV)
-            np.dot(Pk, wb.T, M2)
-            _zero_below(M2)
-            np.dot(M2, Gb, X)
-            for j in range(m):
-                for cc in range(dv):
-                    dV[j, cc] += X[j, cc]
-        for j in range(m - 1, -1, -1):
-            for f in range(F):
-                dA[f] += Pq[j, f] * ddv[j]
-                DPHI[i0 + j - lo, f] = Y[j, f] + Z[j, f] + dA[f]
-        rank_update(wb, Gb, dB, dS)
-    dbeta_part[g, c] = hash_bwd_rows(DPHI, phik[g, lo:hi], tk[g, lo:hi], W, beta, dk[g, lo:hi])
+    for ci in range(c1 - c0):
+        c = c1 - 1 - ci  # chunks last to first
+        lo = c * chunk
+        hi = min(lo + chunk, n)
+        dA = carrydA[g, c].copy()
+        dB = carrydB[g, c].astype(grad.dtype)  # the carried-in state, in the compute dtype
+        DPHI = np.empty((hi - lo, F), np.float64)
+        nb = (hi - lo + SCAN_BLOCK - 1) // SCAN_BLOCK
+        M, M2, wb, Y, Z, X, dS = _step_buffers(grad, F, min(SCAN_BLOCK, hi - lo))
+        for bi in range(nb - 1, -1, -1):
+            i0 = lo + bi * SCAN_BLOCK
+            i1 = min(i0 + SCAN_BLOCK, hi)
+            m = i1 - i0
+            if m != M.shape[0]:  # the chunk's last, shorter step
+                M, M2, wb, Y, Z, X, dS = _step_buffers(grad, F, m)
+            Pq, Pk, V, Gb, dV = phiq[g, i0:i1], phik[g, i0:i1], v[g, i0:i1], grad[g, i0:i1], dv_out[g, i0:i1]
+            for i in range(m):
+                dn = den[g, i0 + i]
+                inv = 1.0 / (L * dn) if dn > DEN_FLOOR else 0.0
+                ddv[i] = dden[g, i0 + i] / L if dn > DEN_FLOOR else 0.0
+                for f in range(F):
+                    wb[i, f] = Pq[i, f] * inv  # the weights wq_i of g_i in dB
+            if dv > 0:
+                # dphik_j = dB v_j + sum_{i>=j} wq_i (g_i . v_j) + dA_j, dB from after the step
+                np.dot(V, dB.T, Y)
+                np.dot(V, Gb.T, M)  # M_ji = v_j . g_i, kept for i >= j
+                _zero_below(M)
+                np.dot(M, wb, Z)
+                # dv_j = dB^T phik_j + sum_{i>=j} (wq_i . phik_j) g_i
+                np.dot(Pk, dB, dV)
+                np.dot(Pk, wb.T, M2)
+                _zero_below(M2)
+                np.dot(M2, Gb, X)
+                for j in range(m):
+                    for cc in range(dv):
+                        dV[j, cc] += X[j, cc]
+            for j in range(m - 1, -1, -1):
+                for f in range(F):
+                    dA[f] += Pq[j, f] * ddv[j]
+                    DPHI[i0 + j - lo, f] = Y[j, f] + Z[j, f] + dA[f]
+            add_product(wb, Gb, dB, dS, total, seq)
+        dbeta_part[g, c] = hash_bwd_rows(DPHI, phik[g, lo:hi], tk[g, lo:hi], W, beta, dk[g, lo:hi])
+        if seq:
+            _carry_on(carrydB, g, c, c - 1, total, final)
 
 
 @blas_tasks
 def causal_keys_bwd(grad, v, phik, tk, phiq, den, dden, carrydA, carrydB, W, beta, chunk,
-                    dk, dv_out, dbeta_part):
+                    dk, dv_out, dbeta_part, final=None):
     """Backward pass 2: suffix sums over queries i >= j by a reverse rescan.
 
     Per step with dB from after it (queries past the step):
     dPhik = V dB^T + triu(V G^T) Wq + dA (suffix sums),
     dV = Phik dB + triu(Phik Wq^T) G, then dB += Wq^T G.
+
+    ``final (G, F, dv)`` given: one task per group scans its chunks last to
+    first and writes the dB carries itself (``carrydB``: zeros on entry), and
+    the total dB to ``final``, as :func:`causal_fwd` does for B.
     """
     G, nc = carrydA.shape[:2]
-    run_tasks(_causal_keys_bwd_task, G * nc, grad, v, phik, tk, phiq, den, dden, carrydA, carrydB, W, beta, chunk,
-              dk, dv_out, dbeta_part)
+    seq = final is not None
+    run_tasks(_causal_keys_bwd_task, G if seq else G * nc, seq, grad, v, phik, tk, phiq, den, dden, carrydA, carrydB,
+              W, beta, chunk, dk, dv_out, dbeta_part, final if seq else np.zeros((0, 0, 0)))

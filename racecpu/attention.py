@@ -296,19 +296,27 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
     nck = -(-nk // chunk)
     phik = np.empty((G, nk, F), cdt)
     tk = np.empty((G, nk, L * P), cdt)
+    seq = causal and K.sequential_scan(G, nck, nk)
     partA = np.zeros((G, nck, F))
-    partB = np.zeros((G, nck, F, dv))
+    partB = np.zeros((G, nck, F, dv))  # seq: the forward writes the carries
     phiq = np.empty((G, nq, F), cdt)
     tq = np.empty((G, nq, L * P), cdt)
     den = np.zeros((G, nq))
     o = _target(out, (G, nq, dv), cdt)  # the kernels write every row
     if G and nk:
-        K.sketch_chunks(a.k, a.v, a.mask, a.planes, a.beta, chunk, phik, tk, partA, partB)
+        K.sketch_chunks(a.k, a.v, a.mask, a.planes, a.beta, chunk, phik, tk, partA, None if seq else partB,
+                        span=K.SCAN_BLOCK if causal else K.BLAS_SPAN)
     if causal:
-        sums_v = partB.sum(1) if a.check_finite else None  # for the check of v: the scans are in place
-        A, B = K.exclusive_scan(partA, out=partA), K.exclusive_scan(partB, out=partB)
-        if G and nq:
-            K.causal_fwd(a.q, a.v, phik, A, B, a.planes, a.beta, chunk, phiq, tq, den, o)
+        A = K.exclusive_scan(partA, out=partA)
+        if seq:
+            B, sums_v = partB, np.zeros((G, F, dv))
+            if G and nq:
+                K.causal_fwd(a.q, a.v, phik, A, B, a.planes, a.beta, chunk, phiq, tq, den, o, final=sums_v)
+        else:
+            sums_v = partB.sum(1) if a.check_finite else None  # for the check of v: the scan is in place
+            B = K.exclusive_scan(partB, out=partB)
+            if G and nq:
+                K.causal_fwd(a.q, a.v, phik, A, B, a.planes, a.beta, chunk, phiq, tq, den, o)
     else:
         A, B = partA.sum(1), partB.sum(1)
         sums_v = B
@@ -386,14 +394,21 @@ def race_attention_bwd(residuals, grad_out, *, out=None):
         dbq = np.zeros((G, ncq))
         dbk = np.zeros((G, nck))
         if r.causal:
+            seq = K.sequential_scan(G, nck, nk)
             dden = np.zeros((G, nq))
             K.causal_queries_bwd(g, r.v, r.phik, r.phiq, r.tq, r.den, r.A, r.B, r.planes, r.beta, chunk,
-                                 dq, dden, partdA, partdB, dbq)
-            if r.check_finite:
-                _check_derived(True, ("grad_out", g, partdB.sum(1), _SUMS_OVERFLOW))
-            cA, cB = K.exclusive_scan(partdA, True, partdA), K.exclusive_scan(partdB, True, partdB)  # in place
-            K.causal_keys_bwd(g, r.v, r.phik, r.tk, r.phiq, r.den, dden, cA, cB, r.planes, r.beta, chunk,
-                              dk, dv_, dbk)
+                                 dq, dden, partdA, None if seq else partdB, dbq)
+            cA = K.exclusive_scan(partdA, True, partdA)  # in place
+            if seq:  # the keys' scan writes the dB carries and their total
+                dB = np.zeros((G, F, dv))
+                K.causal_keys_bwd(g, r.v, r.phik, r.tk, r.phiq, r.den, dden, cA, partdB, r.planes, r.beta, chunk,
+                                  dk, dv_, dbk, final=dB)
+                _check_derived(r.check_finite, ("grad_out", g, dB, _SUMS_OVERFLOW))
+            else:
+                _check_derived(r.check_finite, ("grad_out", g, partdB.sum(1), _SUMS_OVERFLOW))
+                cB = K.exclusive_scan(partdB, True, partdB)  # in place
+                K.causal_keys_bwd(g, r.v, r.phik, r.tk, r.phiq, r.den, dden, cA, cB, r.planes, r.beta, chunk,
+                                  dk, dv_, dbk)
         else:
             K.queries_bwd(g, r.phiq, r.tq, r.den, r.A, r.B.astype(cdt), r.planes, r.beta, chunk,
                           dq, partdA, partdB, dbq)
