@@ -2,13 +2,16 @@
 
 The roofline of ``racecpu bench`` divides the flops by the square-SGEMM rate.
 RACE's products are thin: per token, a (d x L*P) hash projection and
-(F x dv) sketch / readout products with F = L * 2**P = 24.  This script
-measures what BLAS itself reaches on exactly those shapes (one thread, 1024-row
-blocks as the kernels use), what a page of fresh memory costs to touch, and
-builds from them an *achievable floor* per token-head:
+(F x dv) sketch / readout products with F = L * 2**P = 24; the causal scans
+add products within each step of SCAN_BLOCK = 16 tokens.  This script
+measures what BLAS itself reaches on exactly those shapes (one thread,
+1024-row blocks as the non-causal kernels use them, 16-row steps called from
+Numba as the causal scans do), what racecpu's own soft-hash math costs, what a
+page of fresh memory costs to touch, and builds from them an *achievable
+floor* per token-head, non-causal and causal:
 
     compute  = sum of the thin products the algorithm needs, at BLAS's own
-               rate for each shape, divided by the threads
+               rate for each shape, plus the soft-hash math, divided by the threads
     memory   = bytes streamed / copy bandwidth (threads)
     floor    = max(compute, memory) + first touch of the fresh output bytes
 
@@ -21,9 +24,9 @@ floor it implies for a call that writes fresh outputs.
 It then times each RACE kernel on outputs it has already touched (steady state)
 and the public calls, with fresh outputs (what a user sees by default) and
 with reused ``out=`` buffers (a loop), so the gap to the floor can be read per
-kernel.  Everything not counted (the tanh/logistic math, the
-soft-hash products, the softmax backward, dtype conversions) makes the real
-floor higher: a target below this floor is out of reach.
+kernel.  Everything not counted (the softmax backward, the scans' per-token
+bookkeeping, dtype conversions) makes the real floor higher: a target below
+this floor is out of reach for this algorithm on this machine.
 
     python benchmarks/floor.py [--log2n 20] [--heads 4] [--repeats 3]
 
@@ -40,6 +43,7 @@ from pathlib import Path
 
 import numba
 import numpy as np
+from numba import njit
 from threadpoolctl import threadpool_limits
 from tqdm import tqdm
 
@@ -80,10 +84,31 @@ def memory_limits(reps, mib=1024, wait=4.0):
     return out
 
 
-def thin_gemms(d, dv, F, LP, reps):
-    """ns per token of each product shape RACE needs, one BLAS thread, 1024-row blocks."""
+@njit  # not cached: this file is also loaded under another module name (tests)
+def _steps(kind, a, b, o, m):
+    """The causal scans' product of one shape, once per ``m``-row step of ``a`` (and ``b``)."""
+    for i0 in range(0, a.shape[0], m):
+        i1 = i0 + m
+        if kind == 0:
+            np.dot(a[i0:i1], b, o)  # (m,F)x(F,dv): readout of the state
+        elif kind == 1:
+            np.dot(a[i0:i1].T, b[i0:i1], o)  # (F,m)x(m,dv): state update
+        elif kind == 2:
+            np.dot(a[i0:i1], b.T, o)  # (m,dv)x(dv,F): cotangent through the state
+        elif kind == 3:
+            np.dot(a[i0:i1], b[i0:i1].T, o)  # (m,x)x(x,m): scores within the step
+        else:
+            np.dot(b, a[i0:i1], o)  # (m,m)x(m,x): scores times the step's rows
+
+
+def thin_gemms(W, dv, reps):
+    """ns per token of each product shape RACE needs for ``W (L, P, d)``, one thread, 1024-row
+    blocks (the causal scans' products: SCAN_BLOCK-row steps, called from Numba as the kernels
+    do), and of racecpu's own soft-hash math (its kernel's time less the projection's)."""
+    L, P, d = W.shape
+    F, LP = L * 2 ** P, L * P
     rng = np.random.default_rng(0)
-    n = 1024
+    n, m = 1024, K.SCAN_BLOCK
     x = rng.standard_normal((n, d), dtype=np.float32)
     g = rng.standard_normal((n, dv), dtype=np.float32)
     phi = rng.random((n, F), dtype=np.float32)
@@ -92,64 +117,121 @@ def thin_gemms(d, dv, F, LP, reps):
     du = rng.standard_normal((n, LP), dtype=np.float32)
     W2 = rng.standard_normal((LP, d), dtype=np.float32)
     ST = np.ascontiguousarray(S.T)
-    shapes = {
-        "hash projection   (n,d)x(d,LP)": (lambda o: np.matmul(x, WT, out=o), (n, LP)),
-        "sketch     B += (F,256)x(256,dv)": (lambda o: [np.matmul(phi[i:i + 256].T, g[i:i + 256], out=o)
-                                                    for i in range(0, n, 256)], (F, dv)),
-        "readout        (n,F)x(F,dv)": (lambda o: np.matmul(phi, S, out=o), (n, dv)),
-        "cotangent      (n,dv)x(dv,F)": (lambda o: np.matmul(g, ST, out=o), (n, F)),
-        "dx = du W      (n,LP)x(LP,d)": (lambda o: np.matmul(du, W2, out=o), (n, d)),
+    mm = rng.random((m, m), dtype=np.float32)
+    shapes = {  # key: (label, call, output shape)
+        "proj": ("hash projection   (n,d)x(d,LP)", lambda o: np.matmul(x, WT, out=o), (n, LP)),
+        "sketch": ("sketch     B += (F,256)x(256,dv)", lambda o: [np.matmul(phi[i:i + 256].T, g[i:i + 256], out=o)
+                                                         for i in range(0, n, 256)], (F, dv)),
+        "readout": ("readout        (n,F)x(F,dv)", lambda o: np.matmul(phi, S, out=o), (n, dv)),
+        "cot": ("cotangent      (n,dv)x(dv,F)", lambda o: np.matmul(g, ST, out=o), (n, F)),
+        "dx": ("dx = du W      (n,LP)x(LP,d)", lambda o: np.matmul(du, W2, out=o), (n, d)),
+        "s_readout": ("causal readout    (m,F)x(F,dv)", lambda o: _steps(0, phi, S, o, m), (m, dv)),
+        "s_update": ("causal update     (F,m)x(m,dv)", lambda o: _steps(1, phi, g, o, m), (F, dv)),
+        "s_cot": ("causal cotangent  (m,dv)x(dv,F)", lambda o: _steps(2, g, S, o, m), (m, F)),
+        "s_scoresF": ("causal scores     (m,F)x(F,m)", lambda o: _steps(3, phi, phi, o, m), (m, m)),
+        "s_scoresV": ("causal scores     (m,dv)x(dv,m)", lambda o: _steps(3, g, g, o, m), (m, m)),
+        "s_mixV": ("causal mix        (m,m)x(m,dv)", lambda o: _steps(4, g, mm, o, m), (m, dv)),
+        "s_mixF": ("causal mix        (m,m)x(m,F)", lambda o: _steps(4, phi, mm, o, m), (m, F)),
     }
     res = {}
     with threadpool_limits(1, "blas"):
-        for name, (f, oshape) in shapes.items():
+        for key, (label, f, oshape) in shapes.items():
             o = np.empty(oshape, np.float32)
-            res[name] = best(lambda: f(o), reps) / n
+            res[key] = (label, best(lambda: f(o), reps) / n)
+        # the soft hash forward (projection + math) and backward (math + dx), one thread
+        t, ph, dx = np.empty((n, LP), np.float32), np.empty((n, F), np.float32), np.empty((n, d), np.float32)
+        dphi = rng.standard_normal((n, F))  # overwritten by each call: every call sees finite numbers
+        numba.set_num_threads(1)
+        hash_f = best(lambda: K.soft_hash_rows(x, W, racecpu.DEFAULT_BETA, t, ph), reps) / n
+        hash_b = best(lambda: K.hash_bwd_rows(dphi, ph, t, W, racecpu.DEFAULT_BETA, dx), reps) / n
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    res["hash_f"] = ("soft-hash math, fwd (racecpu's)", max(hash_f - res["proj"][1], 0.0))
+    res["hash_b"] = ("soft-hash math, bwd (racecpu's)", max(hash_b - res["dx"][1], 0.0))
     return res
 
 
+def _kernel_calls(causal, q, k, v, g, W, beta):
+    """The four kernels of one forward+backward on outputs they overwrite (the forward's own
+    arrays, rewritten with the same values: memory already touched); causal scans in the mode
+    the public calls pick for the current thread count (:func:`racecpu._kernels.sequential_scan`)."""
+    G, N, d = q.shape
+    out, r = racecpu.race_attention_fwd(q, k, v, W, beta, causal=causal)
+    F, chunk = r.phik.shape[2], r.chunk
+    nc = -(-N // chunk)
+    seq = K.sequential_scan(G, nc, N)
+    mask = np.ones((G, N), np.bool_)
+    partA, partB = np.zeros((G, nc, F)), np.zeros((G, nc, F, d))
+    phik, tk, phiq, tq, den, o = r.phik, r.tk, r.phiq, r.tq, r.den, out.reshape(G, N, d)
+    dq, dk, dv = (np.zeros((G, N, d), np.float32) for _ in range(3))
+    pdA, pdB, dbq, dbk = np.zeros((G, nc, F)), np.zeros((G, nc, F, d)), np.zeros((G, nc)), np.zeros((G, nc))
+
+    def totals():
+        for x in (partA, partB, pdA, pdB):
+            x[...] = 0
+    if not causal:
+        A, B = r.A, r.B.astype(np.float32)
+        rng = np.random.default_rng(1)
+        dA, dB = rng.random((G, F)), rng.standard_normal((G, F, d)).astype(np.float32)
+        return {
+            "sketch_chunks (hash k, sketch)": lambda: K.sketch_chunks(k, v, mask, W, beta, chunk, phik, tk,
+                                                                      partA, partB, span=K.BLAS_SPAN),
+            "queries_fwd (hash q, readout)": lambda: K.queries_fwd(q, W, beta, chunk, A, B, phiq, tq, den, o),
+            "queries_bwd (y, dB, dq)": lambda: K.queries_bwd(g, phiq, tq, den, A, B, W, beta, chunk,
+                                                             dq, pdA, pdB, dbq),
+            "keys_bwd (dphik, dv, dk)": lambda: K.keys_bwd(v, phik, tk, dA, dB, W, beta, chunk, dk, dv, dbk),
+        }
+    dden = np.zeros((G, N))
+    K.causal_queries_bwd(g, v, phik, phiq, tq, den, r.A, r.B, W, beta, chunk, dq, dden, pdA, pdB, dbq)
+    cdA = K.exclusive_scan(pdA, True)
+    cdB = np.zeros_like(pdB) if seq else K.exclusive_scan(pdB, True)
+    B, final = (np.zeros_like(r.B), np.zeros((G, F, d))) if seq else (r.B, None)
+
+    def carries():  # the sequential scans write their carries into zeros
+        totals()
+        if seq:
+            B[...] = 0
+            cdB[...] = 0
+    return {
+        "causal sketch_chunks (hash k)": lambda: (totals(), K.sketch_chunks(
+            k, v, mask, W, beta, chunk, phik, tk, partA, None if seq else partB)),
+        "causal_fwd (hash q, scan)": lambda: (carries(), K.causal_fwd(
+            q, v, phik, r.A, B, W, beta, chunk, phiq, tq, den, o, final=final)),
+        "causal_queries_bwd (rescan, dq)": lambda: (totals(), K.causal_queries_bwd(
+            g, v, phik, phiq, tq, den, r.A, r.B, W, beta, chunk, dq, dden, pdA, None if seq else pdB, dbq)),
+        "causal_keys_bwd (reverse scan, dk, dv)": lambda: (carries(), K.causal_keys_bwd(
+            g, v, phik, tk, phiq, den, dden, cdA, cdB, W, beta, chunk, dk, dv, dbk, final=final)),
+    }
+
+
 def kernels(N, H, d, threads, reps):
-    """Seconds per token-head of each non-causal kernel on touched outputs, and of the public
-    calls with fresh outputs and with reused ``out=`` buffers."""
+    """Seconds per token-head of each kernel, non-causal and causal, on touched outputs, and of
+    the public calls with fresh outputs and with reused ``out=`` buffers."""
     rng = np.random.default_rng(0)
     q, k, v, g = (rng.standard_normal((H, N, d), dtype=np.float32) for _ in range(4))
     W = racecpu.hyperplanes(d, 3, 3)
     beta = racecpu.DEFAULT_BETA
-    out, r = racecpu.race_attention_fwd(q, k, v, W, beta)
-    G, F, chunk = H, r.phik.shape[2], r.chunk
-    nc = -(-N // chunk)
-    mask = np.ones((G, N), np.bool_)
-    partA, partB = np.zeros((G, nc, F)), np.zeros((G, nc, F, d))
-    A, B = r.A, r.B.astype(np.float32)
-    # the forward's own arrays are the outputs (rewritten with the same values): memory
-    phik, tk, phiq, tq, den, o = r.phik, r.tk, r.phiq, r.tq, r.den, out.reshape(G, N, d)
-    dq, dk, dv = (np.zeros((G, N, d), np.float32) for _ in range(3))
-    pdA, pdB, dbq, dbk = np.zeros((G, nc, F)), np.zeros((G, nc, F, d)), np.zeros((G, nc)), np.zeros((G, nc))
-    dA, dB = rng.random((G, F)), rng.standard_normal((G, F, d)).astype(np.float32)
-    calls = {
-        "sketch_chunks (hash k, sketch)": lambda: K.sketch_chunks(k, v, mask, W, beta, chunk, phik, tk, partA, partB),
-        "queries_fwd (hash q, readout)": lambda: K.queries_fwd(q, W, beta, chunk, A, B, phiq, tq, den, o),
-        "queries_bwd (y, dB, dq)": lambda: K.queries_bwd(g, r.phiq, r.tq, r.den, A, B, W, beta, chunk,
-                                                         dq, pdA, pdB, dbq),
-        "keys_bwd (dphik, dv, dk)": lambda: K.keys_bwd(v, r.phik, r.tk, dA, dB, W, beta, chunk, dk, dv, dbk),
-    }
     res = {}
-    for th in threads:
-        numba.set_num_threads(th)
-        for name, f in calls.items():
-            res[(name, th)] = best(f, reps) / (N * H)
-    del calls, out, r, phik, tk, phiq, tq, den, o, dq, dk, dv  # room for the public calls' fresh outputs
-
-    def public(label, o=None, grads=None):
-        def fwd():
-            return racecpu.race_attention_fwd(q, k, v, W, beta, out=o)
-
-        def fwdbwd():
-            return racecpu.race_attention_bwd(fwd()[1], g, out=grads)
+    for causal in (False, True):
         for th in threads:
             numba.set_num_threads(th)
-            res[(f"public fwd ({label})", th)] = best(fwd, reps) / (N * H)
-            res[(f"public fwd+bwd ({label})", th)] = best(fwdbwd, reps) / (N * H)
+            calls = _kernel_calls(causal, q, k, v, g, W, beta)
+            for name, f in calls.items():
+                res[(name, th)] = best(f, reps) / (N * H)
+            del calls  # room for the next set (and for the public calls' fresh outputs)
+
+    def public(label, o=None, grads=None):
+        for causal in (False, True):
+            c = "causal " if causal else ""
+
+            def fwd():
+                return racecpu.race_attention_fwd(q, k, v, W, beta, causal=causal, out=o)
+
+            def fwdbwd():
+                return racecpu.race_attention_bwd(fwd()[1], g, out=grads)
+            for th in threads:
+                numba.set_num_threads(th)
+                res[(f"public {c}fwd ({label})", th)] = best(fwd, reps) / (N * H)
+                res[(f"public {c}fwd+bwd ({label})", th)] = best(fwdbwd, reps) / (N * H)
     public("fresh outputs")
     # touched once, then reused (allocated only now: with the fresh outputs they would not fit at 2^20 x 4)
     public("out= buffers", np.ones_like(v), tuple(np.ones_like(x) for x in (q, k, v)))
@@ -179,26 +261,39 @@ def main(argv=None):
     mem = memory_limits(a.repeats, a.copy_mib, a.wait)
     bar.update()
     bar.set_description("thin GEMMs")
-    gm = thin_gemms(d, dv, F, LP, a.repeats * 3)
+    gm = thin_gemms(racecpu.hyperplanes(d, L, P), dv, a.repeats * 3)
     bar.update()
     bar.set_description(f"kernels at N=2^{a.log2n} x {H} heads")
     kr = kernels(N, H, d, threads, a.repeats)
     bar.update()
     bar.close()
 
-    names = list(gm)
-    proj, sketch, readout, cot, dx = (gm[n] for n in names)
-    compute = {"fwd": 2 * proj + sketch + readout,
-               "bwd": cot + sketch + dx + cot + readout + dx}
-    compute["fwd+bwd"] = compute["fwd"] + compute["bwd"]
-    # bytes streamed per token-head (read + write; see racecpu.bench's roofline) and fresh bytes touched
+    # how many of each product (and soft hash) one token-head needs, per mode; the causal
+    # scans as in their sequential mode (chunked: + one update each way for the chunk totals)
+    uses = {
+        "fwd": dict(proj=2, sketch=1, readout=1, hash_f=2),
+        "bwd": dict(cot=2, sketch=1, readout=1, dx=2, hash_b=2),
+        "causal fwd": dict(proj=2, s_readout=1, s_update=1, s_scoresF=1, s_mixV=1, hash_f=2),
+        "causal bwd": dict(s_cot=2, s_scoresV=2, s_mixF=2, s_update=2, s_readout=1, s_scoresF=1, s_mixV=1,
+                           dx=2, hash_b=2),
+    }
+    # bytes streamed per token-head (read + write; see racecpu.bench's roofline); the causal
+    # backward's two passes both read grad_out, v, phik, phiq and den, and it keeps dden
     stream = {"fwd": s * (2 * d + 2 * dv + 2 * F + 2 * LP) + 8, "bwd": s * (2 * d + 3 * dv + 2 * F + 2 * LP) + 8}
-    stream["fwd+bwd"] = stream["fwd"] + stream["bwd"]
+    stream["causal fwd"] = stream["fwd"]
+    stream["causal bwd"] = stream["bwd"] + s * (2 * dv + 2 * F) + 16
     # fresh bytes: the residuals (phi, t of q and k, den) always; the outputs unless out= buffers are reused
-    resid = {"fwd": s * (2 * F + 2 * LP) + 8, "bwd": 0}
-    fresh = {"fwd": resid["fwd"] + s * dv, "bwd": s * (2 * d + dv)}
-    for x in (resid, fresh):
-        x["fwd+bwd"] = x["fwd"] + x["bwd"]
+    resid = {"fwd": s * (2 * F + 2 * LP) + 8, "bwd": 0, "causal fwd": s * (2 * F + 2 * LP) + 8, "causal bwd": 8}
+    fresh = {m: resid[m] + (s * dv if m.endswith("fwd") else s * (2 * d + dv)) for m in resid}
+    for c in ("", "causal "):
+        uses[c + "fwd+bwd"] = {key: uses[c + "fwd"].get(key, 0) + uses[c + "bwd"].get(key, 0)
+                               for key in gm}
+        for x in (stream, resid, fresh):
+            x[c + "fwd+bwd"] = x[c + "fwd"] + x[c + "bwd"]
+    modes = [c + m for c in ("", "causal ") for m in ("fwd", "bwd", "fwd+bwd")]
+    hash_keys = ("hash_f", "hash_b")
+    products = {m: sum(n * gm[key][1] for key, n in u.items() if key not in hash_keys) for m, u in uses.items()}
+    hashing = {m: sum(u.get(key, 0) * gm[key][1] for key in hash_keys) for m, u in uses.items()}
 
     lines = [f"command: python benchmarks/floor.py --log2n {a.log2n} --heads {H} --repeats {a.repeats}",
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, {nt} threads, "
@@ -210,28 +305,31 @@ def main(argv=None):
                      f"{m['touch'] * 1e9 * s * d:5.1f} ns per {s * d} B row best, "
                      f"{m['touch_med'] * 1e9 * s * d:5.1f} median ({m['touch'] * 1e12:.1f} ps/B best), "
                      f"taken back {m['touch_back'] * 1e9 * s * d:5.1f}")
-    lines += ["", "thin products, one BLAS thread, ns per token (square SGEMM for comparison: racecpu bench):"]
-    lines += [f"  {n:34s} {t * 1e9:6.1f}" for n, t in gm.items()]
-    lines += ["", f"achievable floor per token-head at {nt} threads (compute / threads, memory at the {nt}-thread copy rate):",
-              f"  {'':8s} {'compute':>8s} {'memory':>8s} {'1st touch':>9s} {'floor':>7s} "
+    lines += ["", "thin products and the soft hash, one thread, ns per token (square SGEMM for comparison: "
+              f"racecpu bench; m = SCAN_BLOCK = {K.SCAN_BLOCK}):"]
+    lines += [f"  {label:34s} {t * 1e9:6.1f}" for label, t in gm.values()]
+    lines += ["", f"achievable floor per token-head at {nt} threads (compute / threads, memory at the {nt}-thread "
+              "copy rate;", "products: BLAS on RACE's shapes, hash: racecpu's own soft-hash math):",
+              f"  {'':15s} {'products':>8s} {'hash':>6s} {'memory':>7s} {'1st touch':>9s} {'floor':>7s} "
               f"{'taken back':>10s} {'floor':>7s} {'out= floor':>10s}   (ns)"]
     floor, floor_back, floor_buf = {}, {}, {}
-    for mode in ("fwd", "bwd", "fwd+bwd"):
-        c = compute[mode] / nt
+    for mode in modes:
+        c = (products[mode] + hashing[mode]) / nt
         mm = stream[mode] / mem[nt]["bw"]
         ft, fb = fresh[mode] * mem[nt]["touch"], fresh[mode] * mem[nt]["touch_back"]
         floor[mode] = max(c, mm) + ft
         floor_back[mode] = max(c, mm) + fb
         floor_buf[mode] = max(c, mm) + resid[mode] * mem[nt]["touch"]
-        lines.append(f"  {mode:8s} {c * 1e9:8.1f} {mm * 1e9:8.1f} {ft * 1e9:9.1f} {floor[mode] * 1e9:7.1f} "
-                     f"{fb * 1e9:10.1f} {floor_back[mode] * 1e9:7.1f} {floor_buf[mode] * 1e9:10.1f}")
+        lines.append(f"  {mode:15s} {products[mode] / nt * 1e9:8.1f} {hashing[mode] / nt * 1e9:6.1f} {mm * 1e9:7.1f} "
+                     f"{ft * 1e9:9.1f} {floor[mode] * 1e9:7.1f} {fb * 1e9:10.1f} {floor_back[mode] * 1e9:7.1f} "
+                     f"{floor_buf[mode] * 1e9:10.1f}")
     lines.append("  (out= floor: reused output buffers, only the residuals are fresh)")
     lines += ["", f"RACE at N = 2^{a.log2n}, {H} heads, ns per token-head "
               f"(kernels: outputs already touched; public: input checks, fresh or reused outputs):",
-              f"  {'':34s}" + "".join(f"{str(th) + ' thr':>9s}" for th in threads)]
+              f"  {'':38s}" + "".join(f"{str(th) + ' thr':>9s}" for th in threads)]
     for name in dict.fromkeys(n for n, _ in kr):
-        lines.append(f"  {name:34s}" + "".join(f"{kr[(name, th)] * 1e9:9.1f}" for th in threads))
-    for mode in ("fwd", "fwd+bwd"):
+        lines.append(f"  {name:38s}" + "".join(f"{kr[(name, th)] * 1e9:9.1f}" for th in threads))
+    for mode in ("fwd", "fwd+bwd", "causal fwd", "causal fwd+bwd"):
         fr, ob = kr[(f"public {mode} (fresh outputs)", nt)], kr[(f"public {mode} (out= buffers)", nt)]
         lines.append(f"  {mode}: fresh outputs / floor = {fr / floor[mode]:.2f} "
                      f"(/ floor with pages taken back = {fr / floor_back[mode]:.2f}); "

@@ -139,11 +139,22 @@ def test_floor_script_writes_its_table(tmp_path):
     assert floor.main(["--log2n", "10", "--heads", "1", "--repeats", "1", "--copy-mib", "16", "--wait", "0",
                        "--out", str(out)]) == 0
     text = out.read_text()
-    for row in ("hash projection", "fwd+bwd", "keys_bwd", "public fwd+bwd (fresh outputs)",
-                "public fwd+bwd (out= buffers)", "fresh outputs / floor", "out= buffers / out= floor",
+    for row in ("hash projection", "causal update", "soft-hash math, bwd", "fwd+bwd", "keys_bwd",
+                "causal_keys_bwd", "public fwd+bwd (fresh outputs)", "public causal fwd+bwd (out= buffers)",
+                "fresh outputs / floor", "out= buffers / out= floor", "causal fwd+bwd: fresh outputs / floor",
                 "taken back = pages freed 0 s before"):
         assert row in text
-    ns = [float(line.split()[-1]) for line in text.splitlines() if line.strip().startswith(("fwd ", "bwd "))]
-    assert len(ns) == 2 and all(x > 0 for x in ns)  # floors of fwd and bwd
+    floors = {}  # mode -> products, hash, memory, 1st touch, floor, taken back, floor, out= floor
+    for line in text.splitlines():
+        words = line.split()
+        if words[:1] in (["fwd"], ["bwd"], ["fwd+bwd"], ["causal"]) and len(words) in (9, 10) \
+                and ":" not in line:
+            floors[" ".join(words[:-8])] = [float(x) for x in words[-8:]]
+    assert sorted(floors) == sorted(c + m for c in ("", "causal ") for m in ("fwd", "bwd", "fwd+bwd"))
+    for c in ("", "causal "):
+        fwd, bwd, both = (floors[c + m] for m in ("fwd", "bwd", "fwd+bwd"))
+        assert all(x > 0 for x in fwd[:2] + bwd[:1])  # products and the hash math cost something
+        assert both[0] == pytest.approx(fwd[0] + bwd[0], abs=0.15)  # the products add up
+    assert floors["causal fwd+bwd"][0] > floors["fwd+bwd"][0]  # the scans need more products
     with pytest.raises(SystemExit):
         floor.main(["--log2n", "3"])
