@@ -215,9 +215,9 @@ def kernels(N, H, d, threads, reps):
         for th in threads:
             numba.set_num_threads(th)
             calls = _kernel_calls(causal, q, k, v, g, W, beta)
-            for name, f in calls.items():
-                res[(name, th)] = best(f, reps) / (N * H)
-            del calls  # room for the next set (and for the public calls' fresh outputs)
+            for name in list(calls):
+                res[(name, th)] = best(calls.pop(name), reps) / (N * H)
+            # the calls held the arrays: room for the next set (and the public calls' fresh outputs)
 
     def public(label, o=None, grads=None):
         for causal in (False, True):
