@@ -150,6 +150,13 @@ def thin_gemms(W, dv, reps):
     return res
 
 
+def _zero(*arrays):
+    """Zero each array given (None: skipped)."""
+    for x in arrays:
+        if x is not None:
+            x[...] = 0
+
+
 def _kernel_calls(causal, q, k, v, g, W, beta):
     """The four kernels of one forward+backward on outputs they overwrite (the forward's own
     arrays, rewritten with the same values: memory already touched); causal scans in the mode
@@ -164,10 +171,6 @@ def _kernel_calls(causal, q, k, v, g, W, beta):
     phik, tk, phiq, tq, den, o = r.phik, r.tk, r.phiq, r.tq, r.den, out.reshape(G, N, d)
     dq, dk, dv = (np.zeros((G, N, d), np.float32) for _ in range(3))
     pdA, pdB, dbq, dbk = np.zeros((G, nc, F)), np.zeros((G, nc, F, d)), np.zeros((G, nc)), np.zeros((G, nc))
-
-    def totals():
-        for x in (partA, partB, pdA, pdB):
-            x[...] = 0
     if not causal:
         A, B = r.A, r.B.astype(np.float32)
         rng = np.random.default_rng(1)
@@ -185,20 +188,17 @@ def _kernel_calls(causal, q, k, v, g, W, beta):
     cdA = K.exclusive_scan(pdA, True)
     cdB = np.zeros_like(pdB) if seq else K.exclusive_scan(pdB, True)
     B, final = (np.zeros_like(r.B), np.zeros((G, F, d))) if seq else (r.B, None)
-
-    def carries():  # the sequential scans write their carries into zeros
-        totals()
-        if seq:
-            B[...] = 0
-            cdB[...] = 0
-    return {
-        "causal sketch_chunks (hash k)": lambda: (totals(), K.sketch_chunks(
-            k, v, mask, W, beta, chunk, phik, tk, partA, None if seq else partB)),
-        "causal_fwd (hash q, scan)": lambda: (carries(), K.causal_fwd(
+    # totals of B and dB: only the chunked scans; carries written by a scan: only the sequential ones
+    tB, tdB = (None, None) if seq else (partB, pdB)
+    sB, sdB = (B, cdB) if seq else (None, None)
+    return {  # each call first zeroes the sums it adds to
+        "causal sketch_chunks (hash k)": lambda: (_zero(partA, tB), K.sketch_chunks(
+            k, v, mask, W, beta, chunk, phik, tk, partA, tB)),
+        "causal_fwd (hash q, scan)": lambda: (_zero(sB), K.causal_fwd(
             q, v, phik, r.A, B, W, beta, chunk, phiq, tq, den, o, final=final)),
-        "causal_queries_bwd (rescan, dq)": lambda: (totals(), K.causal_queries_bwd(
-            g, v, phik, phiq, tq, den, r.A, r.B, W, beta, chunk, dq, dden, pdA, None if seq else pdB, dbq)),
-        "causal_keys_bwd (reverse scan, dk, dv)": lambda: (carries(), K.causal_keys_bwd(
+        "causal_queries_bwd (rescan, dq)": lambda: (_zero(pdA, tdB), K.causal_queries_bwd(
+            g, v, phik, phiq, tq, den, r.A, r.B, W, beta, chunk, dq, dden, pdA, tdB, dbq)),
+        "causal_keys_bwd (reverse scan, dk, dv)": lambda: (_zero(sdB), K.causal_keys_bwd(
             g, v, phik, tk, phiq, den, dden, cdA, cdB, W, beta, chunk, dk, dv, dbk, final=final)),
     }
 
