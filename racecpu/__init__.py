@@ -15,6 +15,7 @@ from importlib.metadata import PackageNotFoundError, version as _version
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from . import reference
+from ._memory import pool_stats, release_memory, set_pool_limit
 from .attention import RaceAttention, Residuals, race_attention, race_attention_bwd, race_attention_fwd
 from .hashing import DEFAULT_BETA, DEN_FLOOR, corners, hyperplanes, soft_buckets
 from .streaming import RaceState
@@ -27,4 +28,5 @@ except PackageNotFoundError:  # running from a source tree
 __all__ = [
     "hyperplanes", "corners", "soft_buckets", "race_attention", "race_attention_fwd", "race_attention_bwd",
     "RaceAttention", "Residuals", "RaceState", "reference", "DEFAULT_BETA", "DEN_FLOOR", "__version__",
+    "set_pool_limit", "release_memory", "pool_stats",
 ]

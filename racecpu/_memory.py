@@ -1,8 +1,15 @@
-"""Resident-memory readings of this process (used by the demo, out-of-core runs and the benchmarks)."""
+"""Resident-memory readings of this process (used by the demo, out-of-core runs and the
+benchmarks) and the pool that reuses the memory of racecpu's large results."""
 
 from __future__ import annotations
 
+import math
+import os
 import resource
+import sys
+import threading
+
+import numpy as np
 
 
 def proc_status(field):
@@ -31,3 +38,173 @@ def reset_peak_rss():
         return True
     except OSError:
         return False
+
+
+# ---------------------------------------------------------------------------
+# the pool of racecpu's large results
+# ---------------------------------------------------------------------------
+
+def _physical_memory():
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return 8 << 30
+
+
+class BufferPool:
+    """Reuses the memory of racecpu's large results once the caller has dropped them.
+
+    NumPy hands a large array's pages back to the kernel when it is freed, so
+    every call on long inputs faults its results (``out``, ``dq``, ``dk``,
+    ``dv`` and the residuals) in afresh.  On a VM that returns freed memory to
+    its host that cost more than the kernels did (README, "Memory").  The
+    pool keeps each block it handed out; a block is idle once no array views
+    it any more (its reference count, the only sign that covers every view),
+    and the next request of about its size (at most 25% larger) reuses it.
+
+    Idle blocks are released when they have not been reused for
+    ``MAX_IDLE_CALLS`` calls (:meth:`tick`), when idle bytes would exceed
+    ``limit``, and by :meth:`release`.  Arrays below ``MIN_BYTES`` and every
+    request while ``limit`` is 0 come from ``np.empty`` as before.
+    """
+
+    MIN_BYTES = 1 << 20
+    MAX_IDLE_CALLS = 4
+
+    def __init__(self, limit):
+        self.limit = int(limit)
+        self._blocks = []  # entries [block (uint8 ndarray), call of last use]
+        self._call = 0
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+        # Without the GIL reference counts are not exact: the pool stays off.
+        self._enabled = getattr(sys, "_is_gil_enabled", lambda: True)()
+        self._free_refs = self._refs([np.empty(0, np.uint8), 0])
+
+    @staticmethod
+    def _refs(entry):
+        # References to the block: the entry's, this call's, and one per view.
+        return sys.getrefcount(entry[0])
+
+    def _idle(self, entry):
+        return self._refs(entry) <= self._free_refs
+
+    def _drop_idle(self, keep_bytes, max_age=None):
+        """Release idle blocks, oldest first, until at most ``keep_bytes`` stay idle;
+        also every idle block unused for more than ``max_age`` calls."""
+        idle = [e for e in self._blocks if self._idle(e)]
+        idle.sort(key=lambda e: e[1], reverse=True)
+        kept = 0
+        dropped = set()
+        for e in idle:
+            if kept + e[0].nbytes > keep_bytes or (max_age is not None and self._call - e[1] > max_age):
+                dropped.add(id(e))
+            else:
+                kept += e[0].nbytes
+        if dropped:
+            self._blocks = [e for e in self._blocks if id(e) not in dropped]
+
+    def empty(self, shape, dtype):
+        """An uninitialised C-contiguous array, on a reused block where one fits."""
+        dtype = np.dtype(dtype)
+        shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes < self.MIN_BYTES or self.limit <= 0 or not self._enabled:
+            return np.empty(shape, dtype)
+        with self._lock:
+            best = None
+            for e in self._blocks:
+                size = e[0].nbytes
+                if nbytes <= size <= nbytes + nbytes // 4 and self._idle(e):
+                    if best is None or size < best[0].nbytes:
+                        best = e
+            if best is None:
+                self.misses += 1
+                # Idle blocks that would still fit under the limit beside the new one stay.
+                self._drop_idle(max(self.limit - nbytes, 0))
+                best = [np.empty(nbytes, np.uint8), self._call]
+                self._blocks.append(best)
+            else:
+                self.hits += 1
+            best[1] = self._call
+            return best[0][:nbytes].view(dtype).reshape(shape)
+
+    def zeros(self, shape, dtype=np.float64):
+        """Like :meth:`empty`, filled with zeros."""
+        x = self.empty(shape, dtype)
+        x.fill(0)
+        return x
+
+    def tick(self):
+        """Start of a public call: age the idle blocks and apply the limit."""
+        with self._lock:
+            self._call += 1
+            for e in self._blocks:  # a block's age counts the calls it has been idle
+                if not self._idle(e):
+                    e[1] = self._call
+            self._drop_idle(self.limit, self.MAX_IDLE_CALLS)
+
+    def release(self):
+        """Release every idle block; returns the bytes released."""
+        with self._lock:
+            before = sum(e[0].nbytes for e in self._blocks)
+            self._drop_idle(0)
+            return before - sum(e[0].nbytes for e in self._blocks)
+
+    def stats(self):
+        """Bytes held (``live``: still viewed by some array, ``idle``: reusable), the limit, hits and misses."""
+        with self._lock:
+            idle = sum(e[0].nbytes for e in self._blocks if self._idle(e))
+            live = sum(e[0].nbytes for e in self._blocks) - idle
+            return dict(live_bytes=live, idle_bytes=idle, limit=self.limit, hits=self.hits, misses=self.misses)
+
+
+def _default_limit():
+    env = os.environ.get("RACECPU_POOL_BYTES")
+    if env:
+        try:
+            return int(float(env))
+        except ValueError:
+            raise ValueError(f"RACECPU_POOL_BYTES must be a number of bytes, got {env!r}") from None
+    return _physical_memory() // 2
+
+
+POOL = BufferPool(_default_limit())
+
+
+def set_pool_limit(nbytes):
+    """Set how many bytes of idle result memory racecpu may keep for reuse.
+
+    racecpu keeps the memory of the large arrays it returns (outputs,
+    gradients, residuals) after you drop them, so that the next call on
+    inputs of about the same size does not fault fresh pages in (README,
+    "Memory").  Idle memory unused for four calls is released at the next
+    call.  The default limit is half the physical memory, or the environment
+    variable ``RACECPU_POOL_BYTES`` read at import.
+
+    Parameters
+    ----------
+    nbytes : int
+        The new limit; 0 turns reuse off (and releases what is idle).
+
+    Returns
+    -------
+    int
+        The previous limit.
+    """
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
+        raise ValueError(f"nbytes must be a non-negative integer, got {nbytes!r}")
+    with POOL._lock:
+        old, POOL.limit = POOL.limit, int(nbytes)
+        POOL._drop_idle(POOL.limit)
+    return old
+
+
+def release_memory():
+    """Release the idle result memory racecpu keeps for reuse; returns the bytes released."""
+    return POOL.release()
+
+
+def pool_stats():
+    """What racecpu's result pool holds: ``live_bytes``, ``idle_bytes``, ``limit``, ``hits``, ``misses``."""
+    return POOL.stats()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _kernels as K
+from ._memory import POOL
 from .hashing import DEFAULT_BETA, MAX_PLANES, hyperplanes
 
 __all__ = ["race_attention", "race_attention_fwd", "race_attention_bwd", "RaceAttention", "Residuals"]
@@ -223,7 +224,7 @@ def _target(out, shape, cdt):
     pages to fault in: see README, "Memory"), else a new array."""
     if out is not None and out.dtype == cdt and out.flags.c_contiguous:
         return out.reshape(shape)
-    return np.empty(shape, cdt)
+    return POOL.empty(shape, cdt)
 
 
 def _deliver(result, out, shape, dtype):
@@ -283,6 +284,7 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
 
     Arguments are those of :func:`race_attention`.
     """
+    POOL.tick()
     a = _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, defer=True)
     if out is not None:
         out = _check_out("out", out, a.lead + (a.q.shape[1], a.v.shape[2]), a.out_dtype,
@@ -294,14 +296,14 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
     cdt = a.q.dtype
     chunk = _chunk(max(nq, nk), G, F, dv)
     nck = -(-nk // chunk)
-    phik = np.empty((G, nk, F), cdt)
-    tk = np.empty((G, nk, L * P), cdt)
+    phik = POOL.empty((G, nk, F), cdt)
+    tk = POOL.empty((G, nk, L * P), cdt)
     seq = causal and K.sequential_scan(G, nck, nk)
-    partA = np.zeros((G, nck, F))
-    partB = np.zeros((G, nck, F, dv))  # seq: the forward writes the carries
-    phiq = np.empty((G, nq, F), cdt)
-    tq = np.empty((G, nq, L * P), cdt)
-    den = np.zeros((G, nq))
+    partA = POOL.zeros((G, nck, F))
+    partB = POOL.zeros((G, nck, F, dv))  # seq: the forward writes the carries
+    phiq = POOL.empty((G, nq, F), cdt)
+    tq = POOL.empty((G, nq, L * P), cdt)
+    den = POOL.zeros((G, nq))
     o = _target(out, (G, nq, dv), cdt)  # the kernels write every row
     if G and nk:
         K.sketch_chunks(a.k, a.v, a.mask, a.planes, a.beta, chunk, phik, tk, partA, None if seq else partB,
@@ -309,7 +311,7 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
     if causal:
         A = K.exclusive_scan(partA, out=partA)
         if seq:
-            B, sums_v = partB, np.zeros((G, F, dv))
+            B, sums_v = partB, POOL.zeros((G, F, dv))
             if G and nq:
                 K.causal_fwd(a.q, a.v, phik, A, B, a.planes, a.beta, chunk, phiq, tq, den, o, final=sums_v)
         else:
@@ -350,6 +352,7 @@ def race_attention_bwd(residuals, grad_out, *, out=None):
     dbeta : float
         Gradient w.r.t. beta, summed over every batch, head and token.
     """
+    POOL.tick()
     r = residuals
     if not isinstance(r, Residuals):
         raise TypeError(f"residuals must come from race_attention_fwd, got {type(r).__name__}")
@@ -389,18 +392,18 @@ def race_attention_bwd(residuals, grad_out, *, out=None):
         for x in (dq, dk, dv_):
             x[...] = 0
     else:
-        partdA = np.zeros((G, ncq, F))
-        partdB = np.zeros((G, ncq, F, dv))
-        dbq = np.zeros((G, ncq))
-        dbk = np.zeros((G, nck))
+        partdA = POOL.zeros((G, ncq, F))
+        partdB = POOL.zeros((G, ncq, F, dv))
+        dbq = POOL.zeros((G, ncq))
+        dbk = POOL.zeros((G, nck))
         if r.causal:
             seq = K.sequential_scan(G, nck, nk)
-            dden = np.zeros((G, nq))
+            dden = POOL.zeros((G, nq))
             K.causal_queries_bwd(g, r.v, r.phik, r.phiq, r.tq, r.den, r.A, r.B, r.planes, r.beta, chunk,
                                  dq, dden, partdA, None if seq else partdB, dbq)
             cA = K.exclusive_scan(partdA, True, partdA)  # in place
             if seq:  # the keys' scan writes the dB carries and their total
-                dB = np.zeros((G, F, dv))
+                dB = POOL.zeros((G, F, dv))
                 K.causal_keys_bwd(g, r.v, r.phik, r.tk, r.phiq, r.den, dden, cA, partdB, r.planes, r.beta, chunk,
                                   dk, dv_, dbk, final=dB)
                 _check_derived(r.check_finite, ("grad_out", g, dB, _SUMS_OVERFLOW))

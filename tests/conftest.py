@@ -23,3 +23,13 @@ def _parallel_kernels(monkeypatch):
     # serial path against it.
     from racecpu import _kernels
     monkeypatch.setattr(_kernels, "SERIAL_TOKENS", 0)
+
+
+@pytest.fixture(autouse=True)
+def _pool_every_result(monkeypatch):
+    # racecpu reuses the memory of results of 1 MiB or more once they are
+    # dropped; the tests' arrays are all smaller.  Pool every one of them, so
+    # that the whole suite runs on reused blocks and would see one handed out
+    # while an array still views it.
+    from racecpu._memory import POOL
+    monkeypatch.setattr(POOL, "MIN_BYTES", 0)

@@ -1,0 +1,134 @@
+"""The pool that reuses the memory of racecpu's results: reuse, safety, limits."""
+
+import numpy as np
+import pytest
+
+import racecpu
+from racecpu._memory import POOL, BufferPool
+
+
+def addr(x):
+    return x.__array_interface__["data"][0]
+
+
+def test_a_dropped_block_is_reused_and_a_viewed_one_is_not():
+    pool = BufferPool(1 << 30)
+    a = pool.empty((256, 1024), np.float32)
+    p = addr(a)
+    view = a[3:5, ::2].T  # keeps the block: only the view is left after del
+    del a
+    view[...] = 7.0
+    b = pool.empty((256, 1024), np.float32)
+    assert addr(b) != p
+    b[...] = 1.0
+    assert np.all(view == 7.0)
+    del view
+    c = pool.empty((1024, 256), np.float32)  # same bytes, other shape
+    assert addr(c) == p and c.shape == (1024, 256) and c.flags.c_contiguous
+    assert pool.stats()["hits"] == 1 and pool.stats()["misses"] == 2
+
+
+def test_sizes_dtypes_and_slack():
+    pool = BufferPool(1 << 30)
+    a = pool.empty((1 << 18,), np.float64)  # 2 MiB
+    p = addr(a)
+    del a
+    small = pool.empty((1 << 18,), np.float32)  # 1 MiB: would waste half the block
+    assert addr(small) != p
+    del small
+    z = pool.zeros((1 << 18,), np.float32)
+    assert z.dtype == np.float32 and not z.any()
+    big = pool.empty((int(1.2 * (1 << 18)),), np.float32)  # 1.2 MiB <= 2 MiB? no: > 25% slack
+    assert addr(big) != p
+    near = pool.empty((1 << 18) - 1000, np.float64)  # a little smaller: reuses it
+    assert addr(near) == p and near.dtype == np.float64
+
+
+def test_small_arrays_and_a_zero_limit_bypass_the_pool():
+    pool = BufferPool(1 << 30)
+    x = pool.empty((10,), np.float32)
+    assert x.base is None and not pool._blocks
+    off = BufferPool(0)
+    y = off.empty((1 << 20,), np.float32)
+    assert y.base is None and not off._blocks
+
+
+def test_idle_blocks_age_out_and_respect_the_limit():
+    pool = BufferPool(3 << 20)
+    a, b = pool.empty((1 << 20,), np.uint8), pool.empty((2 << 20,), np.uint8)
+    kept = pool.empty((1 << 20,), np.uint8)
+    del a, b
+    assert pool.stats()["idle_bytes"] == 3 << 20 and pool.stats()["live_bytes"] == 1 << 20
+    for _ in range(BufferPool.MAX_IDLE_CALLS):
+        pool.tick()
+    assert pool.stats()["idle_bytes"] == 3 << 20  # a live block's age does not count
+    pool.tick()
+    assert pool.stats()["idle_bytes"] == 0 and pool.stats()["live_bytes"] == 1 << 20
+    del kept
+    assert pool.release() == 1 << 20 and pool.stats()["idle_bytes"] == 0
+    # A new block lets older idle ones go where the limit would be passed.
+    c = pool.empty((2 << 20,), np.uint8)
+    del c
+    d = pool.empty((3 << 20,), np.uint8)
+    assert pool.stats()["idle_bytes"] == 0 and pool.stats()["live_bytes"] == 3 << 20
+    del d
+    pool.tick()
+    assert pool.stats()["idle_bytes"] == 3 << 20
+
+
+def test_results_kept_by_the_caller_are_never_overwritten(rng):
+    # One call's outputs and gradients, and views of them, stay as they were
+    # while later calls of the same shapes reuse what was dropped.
+    q, k, v, g = (rng.standard_normal((2, 64, 8)) for _ in range(4))
+    W = racecpu.hyperplanes(8, 3, 3, seed=0, dtype=np.float64)
+    for causal in (False, True):
+        out, res = racecpu.race_attention_fwd(q, k, v, W, causal=causal)
+        grads = racecpu.race_attention_bwd(res, g)[:3]
+        saved = [x.copy() for x in (out,) + grads]
+        view = grads[1][1, ::3]
+        saved_view = view.copy()
+        del res
+        for _ in range(3):
+            o2, r2 = racecpu.race_attention_fwd(2 * q, -k, v[::-1].copy(), W, causal=causal)
+            racecpu.race_attention_bwd(r2, -g)
+            del o2, r2
+        for x, s in zip((out,) + grads, saved):
+            np.testing.assert_array_equal(x, s)
+        del grads
+        for _ in range(2):
+            racecpu.race_attention_bwd(racecpu.race_attention_fwd(q, k, v, W, causal=causal)[1], g)
+        np.testing.assert_array_equal(view, saved_view)
+        # And a repeat on reused blocks gives the same numbers, zero-initialised sums included.
+        np.testing.assert_array_equal(racecpu.race_attention(q, k, v, W, causal=causal), saved[0])
+    assert POOL.stats()["hits"] > 0
+
+
+def test_public_limit_and_release(monkeypatch):
+    monkeypatch.setattr(POOL, "limit", POOL.limit)
+    monkeypatch.setattr(POOL, "_blocks", [])
+    x = POOL.empty((1 << 20,), np.float32)
+    del x
+    assert racecpu.pool_stats()["idle_bytes"] == 4 << 20
+    old = racecpu.set_pool_limit(0)  # off: what is idle goes at once
+    assert old == POOL.limit or old > 0
+    assert racecpu.pool_stats()["idle_bytes"] == 0 and racecpu.pool_stats()["limit"] == 0
+    y = POOL.empty((1 << 20,), np.float32)
+    assert y.base is None
+    racecpu.set_pool_limit(1 << 30)
+    z = POOL.empty((1 << 20,), np.float32)
+    del z
+    assert racecpu.release_memory() == 4 << 20
+    for bad in (-1, 1.5, "1", True):
+        with pytest.raises(ValueError, match="non-negative integer"):
+            racecpu.set_pool_limit(bad)
+
+
+def test_the_environment_sets_the_default_limit(monkeypatch):
+    from racecpu import _memory
+    monkeypatch.setenv("RACECPU_POOL_BYTES", "2e9")
+    assert _memory._default_limit() == 2_000_000_000
+    monkeypatch.setenv("RACECPU_POOL_BYTES", "lots")
+    with pytest.raises(ValueError, match="RACECPU_POOL_BYTES"):
+        _memory._default_limit()
+    monkeypatch.delenv("RACECPU_POOL_BYTES")
+    assert 0 < _memory._default_limit()
