@@ -220,8 +220,8 @@ def _check_out(name, out, shape, dtype, reads):
 
 def _target(out, shape, cdt):
     """Where a kernel writes a result of ``shape`` in the compute dtype: the
-    caller's buffer ``out`` when it is C-contiguous in that dtype (no fresh
-    pages to fault in: see README, "Memory"), else a new array."""
+    caller's buffer ``out`` when it is C-contiguous in that dtype, else an
+    array from the pool (README, "Memory")."""
     if out is not None and out.dtype == cdt and out.flags.c_contiguous:
         return out.reshape(shape)
     return POOL.empty(shape, cdt)
@@ -452,9 +452,9 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
         :func:`race_attention_bwd` checks ``grad_out`` the same way.
     out : ndarray, shape (..., Nq, dv), optional
         Buffer for the result, in the result's dtype; it must not share
-        memory with q, k, v.  Reusing one across calls (a training loop)
-        saves writing fresh pages: the first write to new memory costs about
-        as much as the kernels on long inputs (README, "Memory").  A
+        memory with q, k, v.  Without one, the result's memory comes from
+        racecpu's pool, which reuses that of dropped results so that a loop
+        does not fault fresh pages in every call (README, "Memory").  A
         C-contiguous float32/float64 buffer is written directly.
 
     Returns

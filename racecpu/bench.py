@@ -20,9 +20,9 @@ What it measures
    vectorised torch statement with autograd (:func:`torch_race`) and
    ``torch.nn.functional.scaled_dot_product_attention`` (SDPA).
 3. **Thread scaling**: RACE forward+backward at batch = 1, heads = 1, largest N,
-   ``NUMBA_NUM_THREADS`` = 1 and ``--threads``, both ``race`` and ``race-out``:
-   with fresh outputs the kernel's first touch of new pages is part of the time,
-   and that part scales with the OS and hypervisor, not with the kernels.
+   ``NUMBA_NUM_THREADS`` = 1 and ``--threads``, both ``race`` and ``race-out``
+   (fresh outputs reuse the previous call's dropped results through racecpu's
+   pool, so only the first call's page faults, untimed, differ between them).
 4. **Compile / first-call cost**: a fresh process with an empty ``NUMBA_CACHE_DIR``
    (cold: compiles every kernel the public API uses in float32) and a fresh
    process with that now warm cache (time from ``import racecpu`` to the first
@@ -129,7 +129,7 @@ __all__ = ["add_arguments", "run", "roofline_counts", "numpy_race_fwd", "numpy_r
 IMPLS = {"cpu": ("race", "race-out", "numpy-vec", "torch-vec", "sdpa"), "cuda": ("race-cuda", "sdpa-cuda")}
 TORCH_IMPLS = {"torch-vec", "sdpa", "sdpa-cuda"}
 CONFIGS = (("fwd", False), ("fwd", True), ("fwdbwd", False), ("fwdbwd", True))
-#: Thread scaling runs both: fresh outputs (what a plain call gets) and out= buffers (the kernels alone).
+#: Thread scaling runs both: fresh outputs (what a plain call gets) and out= buffers allocated once.
 THREAD_IMPLS = ("race", "race-out")
 _MARK = "@@racecpu-bench@@"
 #: Calls predicted to take at most this long get one untimed call at full size first.
@@ -1105,7 +1105,7 @@ class _Suite:
         lines += ["", self._scaling_table()]
         thr = [r for r in self.rows if r["section"] == "threads"]
         if thr:
-            lines += ["", "thread scaling (fwdbwd, B=1 H=1; race-out: into out= buffers, no first touch of pages):"]
+            lines += ["", "thread scaling (fwdbwd, B=1 H=1; race-out: into out= buffers allocated once):"]
             for r in thr:
                 c = f"{r['impl']} {'causal' if r['causal'] else 'non-causal'}"
                 if r["value"]:
