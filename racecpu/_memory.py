@@ -64,8 +64,8 @@ class BufferPool:
 
     Idle blocks are released when they have not been reused for
     ``MAX_IDLE_CALLS`` calls (:meth:`tick`), when idle bytes would exceed
-    ``limit``, and by :meth:`release`.  Arrays below ``MIN_BYTES`` and every
-    request while ``limit`` is 0 come from ``np.empty`` as before.
+    ``limit``, and by :meth:`release`.  Arrays below ``MIN_BYTES`` or above
+    ``limit`` (so every one while it is 0) come from ``np.empty`` as before.
     """
 
     MIN_BYTES = 1 << 20
@@ -109,7 +109,7 @@ class BufferPool:
         dtype = np.dtype(dtype)
         shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
         nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes < self.MIN_BYTES or self.limit <= 0 or not self._enabled:
+        if not self.MIN_BYTES <= nbytes <= self.limit or not self._enabled:
             return np.empty(shape, dtype)
         with self._lock:
             best = None
@@ -143,6 +143,13 @@ class BufferPool:
                 if not self._idle(e):
                     e[1] = self._call
             self._drop_idle(self.limit, self.MAX_IDLE_CALLS)
+
+    def set_limit(self, nbytes):
+        """Set ``limit`` (releasing idle blocks beyond it); returns the previous one."""
+        with self._lock:
+            old, self.limit = self.limit, int(nbytes)
+            self._drop_idle(self.limit)
+            return old
 
     def release(self):
         """Release every idle block; returns the bytes released."""
@@ -194,10 +201,7 @@ def set_pool_limit(nbytes):
     """
     if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
         raise ValueError(f"nbytes must be a non-negative integer, got {nbytes!r}")
-    with POOL._lock:
-        old, POOL.limit = POOL.limit, int(nbytes)
-        POOL._drop_idle(POOL.limit)
-    return old
+    return POOL.set_limit(nbytes)
 
 
 def release_memory():

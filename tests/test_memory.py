@@ -51,6 +51,9 @@ def test_small_arrays_and_a_zero_limit_bypass_the_pool():
     off = BufferPool(0)
     y = off.empty((1 << 20,), np.float32)
     assert y.base is None and not off._blocks
+    capped = BufferPool(2 << 20)  # more than the limit could never be kept idle
+    z = capped.empty((1 << 20,), np.float32)
+    assert z.base is None and not capped._blocks
 
 
 def test_idle_blocks_age_out_and_respect_the_limit():
