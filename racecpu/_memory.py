@@ -3,11 +3,13 @@ benchmarks) and the pool that reuses the memory of racecpu's large results."""
 
 from __future__ import annotations
 
+import ctypes
 import math
+import mmap
 import os
 import resource
-import sys
 import threading
+import weakref
 
 import numpy as np
 
@@ -51,16 +53,35 @@ def _physical_memory():
         return 8 << 30
 
 
+class _Block:
+    """An anonymous mapping the pool hands out; each hand-out is a *lease*, a
+    ctypes view of it that every array made from it keeps alive."""
+
+    __slots__ = ("mem", "size", "lease_type", "idle", "last")
+
+    def __init__(self, size, call):
+        self.size = size
+        self.mem = mmap.mmap(-1, size)
+        if hasattr(mmap, "MADV_HUGEPAGE"):  # what NumPy asks for its own large arrays
+            self.mem.madvise(mmap.MADV_HUGEPAGE)
+        self.lease_type = type("_Lease", (ctypes.c_char * size,), {})
+        self.idle, self.last = False, call
+
+
 class BufferPool:
     """Reuses the memory of racecpu's large results once the caller has dropped them.
 
     NumPy hands a large array's pages back to the kernel when it is freed, so
     every call on long inputs faults its results (``out``, ``dq``, ``dk``,
     ``dv`` and the residuals) in afresh.  On a VM that returns freed memory to
-    its host that cost more than the kernels did (README, "Memory").  The
-    pool keeps each block it handed out; a block is idle once no array views
-    it any more (its reference count, the only sign that covers every view),
-    and the next request of about its size (at most 25% larger) reuses it.
+    its host that cost more than the kernels did (README, "Memory").  The pool
+    hands out arrays on blocks it keeps.  Every array made from a hand-out
+    (views, reshapes, memoryviews) keeps its lease alive; when the last one
+    dies the block is idle, and the next request of about its size (at most
+    25% larger) reuses it.  An idle block's pages are marked ``MADV_FREE``:
+    the kernel may take them back when memory runs short (a later write then
+    faults fresh pages in, as without the pool), and otherwise they are
+    reused as they are.
 
     Idle blocks are released when they have not been reused for
     ``MAX_IDLE_CALLS`` calls (:meth:`tick`), when idle bytes would exceed
@@ -73,61 +94,59 @@ class BufferPool:
 
     def __init__(self, limit):
         self.limit = int(limit)
-        self._blocks = []  # entries [block (uint8 ndarray), call of last use]
+        self._blocks = []
         self._call = 0
         self._lock = threading.Lock()
         self.hits = self.misses = 0
-        # Without the GIL reference counts are not exact: the pool stays off.
-        self._enabled = getattr(sys, "_is_gil_enabled", lambda: True)()
-        self._free_refs = self._refs([np.empty(0, np.uint8), 0])
 
-    @staticmethod
-    def _refs(entry):
-        # References to the block: the entry's, this call's, and one per view.
-        return sys.getrefcount(entry[0])
-
-    def _idle(self, entry):
-        return self._refs(entry) <= self._free_refs
+    def _released(self, block):
+        # The last array on the block died (any thread, no lock: plain stores).
+        if hasattr(mmap, "MADV_FREE"):
+            try:
+                block.mem.madvise(mmap.MADV_FREE)
+            except (OSError, ValueError):  # a kernel without it: the pages stay as they are
+                pass
+        block.last = self._call
+        block.idle = True
 
     def _drop_idle(self, keep_bytes, max_age=None):
         """Release idle blocks, oldest first, until at most ``keep_bytes`` stay idle;
-        also every idle block unused for more than ``max_age`` calls."""
-        idle = [e for e in self._blocks if self._idle(e)]
-        idle.sort(key=lambda e: e[1], reverse=True)
-        kept = 0
-        dropped = set()
-        for e in idle:
-            if kept + e[0].nbytes > keep_bytes or (max_age is not None and self._call - e[1] > max_age):
-                dropped.add(id(e))
+        also every idle block unused for more than ``max_age`` calls.  A dropped
+        block is unmapped when its last reference goes (a lease being torn down
+        may still export it)."""
+        kept, drop = 0, set()
+        for b in sorted((b for b in self._blocks if b.idle), key=lambda b: b.last, reverse=True):
+            if kept + b.size > keep_bytes or (max_age is not None and self._call - b.last > max_age):
+                drop.add(id(b))
             else:
-                kept += e[0].nbytes
-        if dropped:
-            self._blocks = [e for e in self._blocks if id(e) not in dropped]
+                kept += b.size
+        if drop:
+            self._blocks = [b for b in self._blocks if id(b) not in drop]
 
     def empty(self, shape, dtype):
         """An uninitialised C-contiguous array, on a reused block where one fits."""
         dtype = np.dtype(dtype)
         shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
         nbytes = math.prod(shape) * dtype.itemsize
-        if not self.MIN_BYTES <= nbytes <= self.limit or not self._enabled:
+        if not max(self.MIN_BYTES, 1) <= nbytes <= self.limit:
             return np.empty(shape, dtype)
         with self._lock:
             best = None
-            for e in self._blocks:
-                size = e[0].nbytes
-                if nbytes <= size <= nbytes + nbytes // 4 and self._idle(e):
-                    if best is None or size < best[0].nbytes:
-                        best = e
+            for b in self._blocks:
+                if b.idle and nbytes <= b.size <= nbytes + nbytes // 4 and (best is None or b.size < best.size):
+                    best = b
             if best is None:
                 self.misses += 1
                 # Idle blocks that would still fit under the limit beside the new one stay.
                 self._drop_idle(max(self.limit - nbytes, 0))
-                best = [np.empty(nbytes, np.uint8), self._call]
+                best = _Block(-(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE, self._call)
                 self._blocks.append(best)
             else:
                 self.hits += 1
-            best[1] = self._call
-            return best[0][:nbytes].view(dtype).reshape(shape)
+            best.idle = False
+            lease = best.lease_type.from_buffer(best.mem)
+            weakref.finalize(lease, self._released, best).atexit = False
+        return np.frombuffer(lease, dtype, count=nbytes // dtype.itemsize).reshape(shape)
 
     def zeros(self, shape, dtype=np.float64):
         """Like :meth:`empty`, filled with zeros."""
@@ -139,9 +158,6 @@ class BufferPool:
         """Start of a public call: age the idle blocks and apply the limit."""
         with self._lock:
             self._call += 1
-            for e in self._blocks:  # a block's age counts the calls it has been idle
-                if not self._idle(e):
-                    e[1] = self._call
             self._drop_idle(self.limit, self.MAX_IDLE_CALLS)
 
     def set_limit(self, nbytes):
@@ -154,15 +170,15 @@ class BufferPool:
     def release(self):
         """Release every idle block; returns the bytes released."""
         with self._lock:
-            before = sum(e[0].nbytes for e in self._blocks)
+            before = sum(b.size for b in self._blocks)
             self._drop_idle(0)
-            return before - sum(e[0].nbytes for e in self._blocks)
+            return before - sum(b.size for b in self._blocks)
 
     def stats(self):
-        """Bytes held (``live``: still viewed by some array, ``idle``: reusable), the limit, hits and misses."""
+        """Bytes held (``live``: some array still uses them, ``idle``: reusable), the limit, hits and misses."""
         with self._lock:
-            idle = sum(e[0].nbytes for e in self._blocks if self._idle(e))
-            live = sum(e[0].nbytes for e in self._blocks) - idle
+            idle = sum(b.size for b in self._blocks if b.idle)
+            live = sum(b.size for b in self._blocks) - idle
             return dict(live_bytes=live, idle_bytes=idle, limit=self.limit, hits=self.hits, misses=self.misses)
 
 
