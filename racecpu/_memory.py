@@ -61,7 +61,7 @@ class _Block:
 
     def __init__(self, size, call):
         self.size = size
-        self.mem = mmap.mmap(-1, size)
+        self.mem = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)  # private: MADV_FREE needs it
         if hasattr(mmap, "MADV_HUGEPAGE"):  # what NumPy asks for its own large arrays
             self.mem.madvise(mmap.MADV_HUGEPAGE)
         self.lease_type = type("_Lease", (ctypes.c_char * size,), {})
@@ -104,7 +104,7 @@ class BufferPool:
         if hasattr(mmap, "MADV_FREE"):
             try:
                 block.mem.madvise(mmap.MADV_FREE)
-            except (OSError, ValueError):  # a kernel without it: the pages stay as they are
+            except OSError:  # a kernel without it: the pages stay as they are
                 pass
         block.last = self._call
         block.idle = True

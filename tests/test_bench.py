@@ -140,11 +140,11 @@ def test_floor_script_writes_its_table(tmp_path):
                        "--out", str(out)]) == 0
     text = out.read_text()
     for row in ("hash projection", "causal update", "soft-hash math, bwd", "fwd+bwd", "keys_bwd",
-                "causal_keys_bwd", "public fwd+bwd (fresh outputs)", "public causal fwd+bwd (out= buffers)",
-                "fresh outputs / floor", "out= buffers / out= floor", "causal fwd+bwd: fresh outputs / floor",
+                "causal_keys_bwd", "public fwd+bwd (no out=)", "public causal fwd+bwd (out= buffers)",
+                "no out= / reused floor", "out= buffers / reused floor", "causal fwd+bwd: no out= / reused floor",
                 "taken back = pages freed 0 s before"):
         assert row in text
-    floors = {}  # mode -> products, hash, memory, 1st touch, floor, taken back, floor, out= floor
+    floors = {}  # mode -> products, hash, memory, 1st touch, floor, taken back, floor, reused floor
     for line in text.splitlines():
         words = line.split()
         if words[:1] in (["fwd"], ["bwd"], ["fwd+bwd"], ["causal"]) and len(words) in (9, 10) \

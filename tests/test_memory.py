@@ -138,3 +138,16 @@ def test_the_environment_sets_the_default_limit(monkeypatch):
         _memory._default_limit()
     monkeypatch.delenv("RACECPU_POOL_BYTES")
     assert 0 < _memory._default_limit()
+
+
+@pytest.mark.skipif(not hasattr(__import__("mmap"), "MADV_FREE"), reason="no MADV_FREE on this platform")
+def test_idle_blocks_can_be_marked_free():
+    # MADV_FREE works on private anonymous mappings only; the pool ignores its
+    # OSError (old kernels), so check that the call really succeeds on a block.
+    import mmap
+    pool = BufferPool(1 << 30)
+    a = pool.empty((1 << 20,), np.float32)
+    a[:] = 1.0
+    pool._blocks[0].mem.madvise(mmap.MADV_FREE)
+    del a
+    assert pool.stats()["idle_bytes"] == 4 << 20
