@@ -62,8 +62,10 @@ class _Block:
     def __init__(self, size, call):
         self.size = size
         self.mem = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)  # private: MADV_FREE needs it
-        if hasattr(mmap, "MADV_HUGEPAGE"):  # what NumPy asks for its own large arrays
+        try:  # what NumPy asks for its own large arrays
             self.mem.madvise(mmap.MADV_HUGEPAGE)
+        except (AttributeError, OSError):  # no transparent huge pages here
+            pass
         self.lease_type = type("_Lease", (ctypes.c_char * size,), {})
         self.idle, self.last = False, call
 
@@ -86,7 +88,8 @@ class BufferPool:
     Idle blocks are released when they have not been reused for
     ``MAX_IDLE_CALLS`` calls (:meth:`tick`), when idle bytes would exceed
     ``limit``, and by :meth:`release`.  Arrays below ``MIN_BYTES`` or above
-    ``limit`` (so every one while it is 0) come from ``np.empty`` as before.
+    ``limit`` (so every one while it is 0), and every one where ``mmap`` has no
+    private anonymous mappings (Windows), come from ``np.empty`` as before.
     """
 
     MIN_BYTES = 1 << 20
@@ -128,7 +131,7 @@ class BufferPool:
         dtype = np.dtype(dtype)
         shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
         nbytes = math.prod(shape) * dtype.itemsize
-        if not max(self.MIN_BYTES, 1) <= nbytes <= self.limit:
+        if not max(self.MIN_BYTES, 1) <= nbytes <= self.limit or not hasattr(mmap, "MAP_PRIVATE"):
             return np.empty(shape, dtype)
         with self._lock:
             best = None
