@@ -120,11 +120,11 @@ class BufferPool:
         kept, drop = 0, set()
         for b in sorted((b for b in self._blocks if b.idle), key=lambda b: b.last, reverse=True):
             if kept + b.size > keep_bytes or (max_age is not None and self._call - b.last > max_age):
-                drop.add(id(b))
+                drop.add(b)
             else:
                 kept += b.size
         if drop:
-            self._blocks = [b for b in self._blocks if id(b) not in drop]
+            self._blocks = [b for b in self._blocks if b not in drop]
 
     def empty(self, shape, dtype):
         """An uninitialised C-contiguous array, on a reused block where one fits."""
