@@ -158,3 +158,26 @@ def test_floor_script_writes_its_table(tmp_path):
     assert floors["causal fwd+bwd"][0] > floors["fwd+bwd"][0]  # the scans need more products
     with pytest.raises(SystemExit):
         floor.main(["--log2n", "3"])
+
+
+def test_ab_script_compares_two_checkouts():
+    # benchmarks/ab.py against this checkout itself: same code, so the results of the two sides
+    # must agree exactly (a side that did not write its buffers would leave np.empty garbage).
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    script = root / "benchmarks" / "ab.py"
+    run = subprocess.run([sys.executable, str(script), str(root), "--log2n", "10", "--heads", "1", "--rounds", "1",
+                          "--repeats", "1"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    text = run.stdout
+    assert text.count("max |B - A| / max |A| over out, dq, dk, dv: 0.00e+00") == 2, text
+    rows = [line.split() for line in text.splitlines() if "B/A" in line]
+    assert [r[0] for r in rows] == ["fwd", "fwdbwd"] * 2
+    for r in rows:
+        a, b = float(r[2]), float(r[4])
+        assert a > 0 and b > 0 and float(r[6]) == pytest.approx(b / a, abs=2e-3)  # one round: its ratio is B/A
+    bad = subprocess.run([sys.executable, str(script), str(root / "tests")], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "not a racecpu checkout" in bad.stderr

@@ -1,0 +1,113 @@
+"""A/B of two racecpu checkouts in one process, calls alternating.
+
+On a shared, noisy machine the same code measured in two processes an hour
+apart differs by up to 1.3x, which hides any change smaller than that.  This
+script imports this checkout's racecpu (A) and another checkout's (B, e.g. a
+``git worktree`` of the change) side by side in one process, gives both the
+same inputs and ``out=`` buffers allocated once (no page faults: the kernels
+are compared, not the allocator), and alternates them call by call, A first
+in even rounds and B first in odd ones.  It reports medians per side and the
+median of the per-round ratios B/A, with their range: a change is real when
+that range stays on one side of 1.
+
+    git worktree add /tmp/b HEAD && (edit /tmp/b)
+    python benchmarks/ab.py /tmp/b [--log2n 18] [--heads 4] [--rounds 7] [--repeats 3]
+
+It also prints the largest difference between A's and B's results
+(relative to the largest |value| of A's), which a pure speed change keeps
+at float32 rounding.  B's kernels compile into B's own cache on its first run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load(tree, name):
+    """Import the racecpu package of checkout ``tree`` as module ``name``."""
+    pkg = Path(tree).resolve() / "racecpu"
+    if not (pkg / "__init__.py").is_file():
+        raise SystemExit(f"{tree} is not a racecpu checkout (no racecpu/__init__.py)")
+    spec = importlib.util.spec_from_file_location(name, pkg / "__init__.py", submodule_search_locations=[str(pkg)])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def side(rc, q, k, v, g, planes, causal):
+    """Forward and forward+backward calls of racecpu module ``rc`` into buffers it owns."""
+    out = np.empty_like(q)
+    grads = tuple(np.empty_like(x) for x in (q, k, v))
+    state = {}
+
+    def fwd():
+        state["res"] = rc.race_attention_fwd(q, k, v, planes, causal=causal, out=out)[1]
+
+    def fwdbwd():
+        fwd()
+        rc.race_attention_bwd(state["res"], g, out=grads)
+
+    return {"fwd": fwd, "fwdbwd": fwdbwd}, (out,) + grads
+
+
+def best(f, repeats):
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f()
+        ts.append(time.perf_counter() - t0)
+    return min(ts)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("other", help="path of the other checkout (B)")
+    p.add_argument("--log2n", type=int, default=18)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--repeats", type=int, default=3, help="calls per side and round; the best counts")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    if a.rounds < 1 or a.repeats < 1:
+        p.error("--rounds and --repeats must be >= 1")
+
+    A, B = load(ROOT, "racecpu"), load(a.other, "racecpu_ab_other")
+    n, H = 1 << a.log2n, a.heads
+    rng = np.random.default_rng(a.seed)
+    q, k, v, g = (rng.standard_normal((H, n, a.dim), dtype=np.float32) for _ in range(4))
+    planes = A.hyperplanes(a.dim, 3, 3, seed=a.seed)
+    print(f"A: {Path(A.__file__).parents[1]}\nB: {Path(B.__file__).parents[1]}\n"
+          f"N = 2^{a.log2n}, {H} heads, d = dv = {a.dim}, P = L = 3, float32; "
+          f"{a.rounds} rounds, best of {a.repeats} calls per side and round; ns per token-head")
+    for causal in (False, True):
+        fa, outs_a = side(A, q, k, v, g, planes, causal)
+        fb, outs_b = side(B, q, k, v, g, planes, causal)
+        fa["fwdbwd"]()  # compile / load caches, and the results to compare
+        fb["fwdbwd"]()
+        diff = max(float(np.abs(x - y).max() / max(np.abs(x).max(), 1e-30)) for x, y in zip(outs_a, outs_b))
+        times = {m: ([], []) for m in fa}
+        for r in tqdm(range(a.rounds), desc="causal" if causal else "non-causal", leave=False):
+            for m in fa:
+                order = ((0, fa), (1, fb)) if r % 2 == 0 else ((1, fb), (0, fa))
+                for i, f in order:
+                    times[m][i].append(best(f[m], a.repeats) / (n * H) * 1e9)
+        print(f"{'causal' if causal else 'non-causal'} (max |B - A| / max |A| over out, dq, dk, dv: {diff:.2e})")
+        for m, (ta, tb) in times.items():
+            ratio = np.array(tb) / np.array(ta)
+            print(f"  {m:7s} A {np.median(ta):8.1f}  B {np.median(tb):8.1f}  "
+                  f"B/A {np.median(ratio):.3f} (rounds: {ratio.min():.3f} .. {ratio.max():.3f})")
+
+
+if __name__ == "__main__":
+    main()
