@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -60,15 +59,6 @@ def side(rc, q, k, v, g, planes, causal):
     return {"fwd": fwd, "fwdbwd": fwdbwd}, (out,) + grads
 
 
-def best(f, repeats):
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f()
-        ts.append(time.perf_counter() - t0)
-    return min(ts)
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("other", help="path of the other checkout (B)")
@@ -76,13 +66,14 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--repeats", type=int, default=3, help="calls per side and round; the best counts")
+    p.add_argument("--repeats", type=int, default=3, help="timed calls per side and round (after an untimed one); the best counts")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     if a.rounds < 1 or a.repeats < 1:
         p.error("--rounds and --repeats must be >= 1")
 
     A, B = load(ROOT, "racecpu"), load(a.other, "racecpu_ab_other")
+    from racecpu.bench import best_time  # this checkout's (A is imported as racecpu)
     n, H = 1 << a.log2n, a.heads
     rng = np.random.default_rng(a.seed)
     q, k, v, g = (rng.standard_normal((H, n, a.dim), dtype=np.float32) for _ in range(4))
@@ -101,7 +92,7 @@ def main(argv=None):
             for m in fa:
                 order = ((0, fa), (1, fb)) if r % 2 == 0 else ((1, fb), (0, fa))
                 for i, f in order:
-                    times[m][i].append(best(f[m], a.repeats) / (n * H) * 1e9)
+                    times[m][i].append(best_time(f[m], a.repeats) / (n * H) * 1e9)
         print(f"{'causal' if causal else 'non-causal'} (max |B - A| / max |A| over out, dq, dk, dv: {diff:.2e})")
         for m, (ta, tb) in times.items():
             ratio = np.array(tb) / np.array(ta)
