@@ -66,7 +66,8 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--repeats", type=int, default=3, help="timed calls per side and round (after an untimed one); the best counts")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed calls per side and round (after an untimed one); the best counts")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     if a.rounds < 1 or a.repeats < 1:
