@@ -157,8 +157,8 @@ def thin_gemms(W, dv, reps):
         for key, (label, f, oshape) in shapes.items():
             o = np.empty(oshape, np.float32)
             res[key] = (label, best(lambda: f(o), reps) / n)
-        # the soft hash forward (projection + math) and backward (math + dx), one thread
-        t, ph = np.empty((n, LP), np.float32), np.empty((n, F), np.float32)
+        # the soft hash forward (projection + math) and the backward's math (to du), one thread
+        t, ph, du_out = np.empty((n, LP), np.float32), np.empty((n, F), np.float32), np.empty((n, LP), np.float32)
         dphi = rng.standard_normal((n, F))  # overwritten by each call: every call sees finite numbers
         numba.set_num_threads(1)
         # Both sides of the forward's difference are racecpu's code timed alike: the BLAS
@@ -166,7 +166,7 @@ def thin_gemms(W, dv, reps):
         U = np.empty(LP * K.HASH_BLOCK, np.float32)
         own_proj = best(lambda: _projection(x, W.reshape(LP, d), U), reps) / n
         hash_f = best(lambda: K.soft_hash_rows(x, W, racecpu.DEFAULT_BETA, t, ph), reps) / n
-        hash_b = best(lambda: K.hash_rows_du(dphi, ph, t, P, racecpu.DEFAULT_BETA, du), reps) / n
+        hash_b = best(lambda: K.hash_rows_du(dphi, ph, t, P, racecpu.DEFAULT_BETA, du_out), reps) / n
         numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
     res["proj_own"] = ("hash projection   racecpu's loop", own_proj)
     res["hash_f"] = ("soft-hash math, fwd (racecpu's)", max(hash_f - own_proj, 0.0))
