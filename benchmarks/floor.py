@@ -183,13 +183,13 @@ def _zero(*arrays):
 
 def _kernel_calls(causal, q, k, v, g, W, beta):
     """The four kernels of one forward+backward on outputs they overwrite (the forward's own
-    arrays, rewritten with the same values: memory already touched); causal scans in the mode
-    the public calls pick for the current thread count (:func:`racecpu._kernels.sequential_scan`)."""
+    arrays, rewritten with the same values: memory already touched); causal scans in the
+    segments the public calls pick for the current thread count (:func:`racecpu._kernels.scan_segments`)."""
     G, N, d = q.shape
     out, r = racecpu.race_attention_fwd(q, k, v, W, beta, causal=causal)
     F, chunk = r.phik.shape[2], r.chunk
     nc = -(-N // chunk)
-    seq = K.sequential_scan(G, nc, N)
+    seg = K.scan_segments(G, nc, N)
     mask = np.ones((G, N), np.bool_)
     partA, partB = np.zeros((G, nc, F)), np.zeros((G, nc, F, d))
     phik, tk, phiq, tq, den, o = r.phik, r.tk, r.phiq, r.tq, r.den, out.reshape(G, N, d)
@@ -208,22 +208,20 @@ def _kernel_calls(causal, q, k, v, g, W, beta):
             "keys_bwd (dphik, dv, dk)": lambda: K.keys_bwd(v, phik, tk, dA, dB, W, beta, chunk, dk, dv, dbk),
         }
     dden = np.zeros((G, N))
-    K.causal_queries_bwd(g, v, phik, phiq, tq, den, r.A, r.B, W, beta, chunk, dq, dden, pdA, pdB, dbq)
-    cdA = K.exclusive_scan(pdA, True)
-    cdB = np.zeros_like(pdB) if seq else K.exclusive_scan(pdB, True)
-    B, final = (np.zeros_like(r.B), np.zeros((G, F, d))) if seq else (r.B, None)
-    # totals of B and dB: only the chunked scans; carries written by a scan: only the sequential ones
-    tB, tdB = (None, None) if seq else (partB, pdB)
-    sB, sdB = (B, cdB) if seq else (None, None)
+    # totals of B (dB) before the last (after the first) segment: none with one segment per group
+    tB, tdB = (0, K.segment_start(seg - 1, seg, nc)), (K.segment_start(1, seg, nc), nc)
+    K.causal_queries_bwd(g, v, phik, phiq, tq, den, r.A, r.B, W, beta, chunk, dq, dden, pdA, pdB, dbq, totals=tdB)
+    cdA, cdB = K.exclusive_scan(pdA, True), K.exclusive_scan(pdB, True)
+    B, final = r.B.copy(), np.zeros((G, F, d))  # the scans rewrite the carries within segments
     return {  # each call first zeroes the sums it adds to
-        "causal sketch_chunks (hash k)": lambda: (_zero(partA, tB), K.sketch_chunks(
-            k, v, mask, W, beta, chunk, phik, tk, partA, tB)),
-        "causal_fwd (hash q, scan)": lambda: (_zero(sB), K.causal_fwd(
-            q, v, phik, r.A, B, W, beta, chunk, phiq, tq, den, o, final=final)),
-        "causal_queries_bwd (rescan, dq)": lambda: (_zero(pdA, tdB), K.causal_queries_bwd(
-            g, v, phik, phiq, tq, den, r.A, r.B, W, beta, chunk, dq, dden, pdA, tdB, dbq)),
-        "causal_keys_bwd (reverse scan, dk, dv)": lambda: (_zero(sdB), K.causal_keys_bwd(
-            g, v, phik, tk, phiq, den, dden, cdA, cdB, W, beta, chunk, dk, dv, dbk, final=final)),
+        "causal sketch_chunks (hash k)": lambda: (_zero(partA, partB), K.sketch_chunks(
+            k, v, mask, W, beta, chunk, phik, tk, partA, partB, totals=tB)),
+        "causal_fwd (hash q, scan)": lambda: K.causal_fwd(
+            q, v, phik, r.A, B, W, beta, chunk, phiq, tq, den, o, final=final, segments=seg),
+        "causal_queries_bwd (rescan, dq)": lambda: (_zero(pdA, pdB), K.causal_queries_bwd(
+            g, v, phik, phiq, tq, den, r.A, r.B, W, beta, chunk, dq, dden, pdA, pdB, dbq, totals=tdB)),
+        "causal_keys_bwd (reverse scan, dk, dv)": lambda: K.causal_keys_bwd(
+            g, v, phik, tk, phiq, den, dden, cdA, cdB, W, beta, chunk, dk, dv, dbk, final=final, segments=seg),
     }
 
 

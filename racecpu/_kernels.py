@@ -13,16 +13,17 @@ loop, so a single head still uses every core.  Each task keeps its sketch
 drifts in float32.  Partial sketches are per chunk, not per thread: results
 do not depend on the thread count.
 
-The causal scan is chunk-parallel around an explicit carried state:
-(1) chunk totals in parallel (:func:`sketch_chunks`), (2) an exclusive scan of
-the totals in float64 (:func:`exclusive_scan`), (3) every chunk rescanned from
-its carried-in state (:func:`causal_fwd`), SCAN_BLOCK tokens per step, each
-step a few small matrix products.  Where the groups alone share the threads
-evenly (:func:`sequential_scan`), one task per group instead scans its chunks
-in order and carries the state itself, without the chunk totals of (1): the
-same carries, bit for bit, for a sgemm per token less.  The backward is
-exact: prefix states are rebuilt by rescanning from the stored carries and
-suffix sums by a reverse scan; nothing is obtained by subtracting from a total.
+The causal scan runs in *segments* of consecutive chunks around an explicit
+carried state (:func:`scan_segments`: one per group where the groups alone
+share the threads evenly, else a few per group): (1) the chunk totals of the
+chunks before the last segment, in parallel (:func:`sketch_chunks`), (2) an
+exclusive scan of the totals in float64 (:func:`exclusive_scan`), (3) every
+segment scanned from its carried-in state, carrying it on through its own
+chunks (:func:`causal_fwd`), SCAN_BLOCK tokens per step, each step a few
+small matrix products.  The carries are the same, bit for bit, however many
+segments.  The backward is exact: prefix states are rebuilt by rescanning
+from the stored carries and suffix sums by a reverse scan; nothing is
+obtained by subtracting from a total.
 
 Forward and backward of each step stand side by side.
 """
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import warnings
 
 import numba
@@ -644,8 +646,8 @@ def span_totals(w, x, span, reverse, total, tmp):
 
     Each span's product is rounded to the compute dtype, then summed in
     float64.  With span = SCAN_BLOCK these are, bit for bit, the chunk totals
-    that a sequential scan tracks step by step (:func:`add_product`), so the
-    chunked and the sequential causal scans carry identical states.
+    that a segment's scan tracks step by step (:func:`add_product`), so the
+    causal scans carry identical states however many segments they run in.
     """
     n = w.shape[0]
     F, dv = total.shape
@@ -721,6 +723,23 @@ def _bounds(task, nc, chunk, n):
     return g, c, lo, hi
 
 
+def spread_order(G, nc, t0, t1):
+    """Order of the ``G * nc`` (group, chunk) tasks of a parallel kernel in which
+    the chunks ``t0 <= c < t1`` of every group cost more (they also sum a
+    product total): those and the others each spread evenly over the order.
+    ``prange`` hands every thread a contiguous share of the tasks, so in group
+    and chunk order one thread would get all the costly chunks of one head.
+    """
+    heavy = np.zeros((G, nc), np.bool_)
+    heavy[:, t0:t1] = True
+    heavy = heavy.ravel()
+    key = np.empty(G * nc)
+    for m in (heavy, ~heavy):
+        count = np.count_nonzero(m)
+        key[m] = (np.arange(count) + 0.5) / max(count, 1)
+    return np.argsort(key, kind="stable")
+
+
 @njit(**_JIT)
 def _scan_chunks(part, reverse, out):
     """out[g, c] = sum of part[g, c'] over c' < c (c' > c: ``reverse``), in chunk order."""
@@ -758,24 +777,24 @@ def exclusive_scan(part, reverse=False, out=None):
 # ---------------------------------------------------------------------------
 
 @njit(**_JIT)
-def _sketch_chunks_task(task, k, v, mask, W, beta, chunk, span, phik, tk, partA, partB):
+def _sketch_chunks_task(task, order, k, v, mask, W, beta, chunk, span, t0, t1, phik, tk, partA, partB):
     """One (group, chunk) task of :func:`sketch_chunks` (run by :func:`run_tasks`;
     loops inlined into a prange body were not vectorised)."""
     G, n, _ = k.shape
     nc = partA.shape[1]
     F = phik.shape[2]
-    g, c, lo, hi = _bounds(task, nc, chunk, n)
+    g, c, lo, hi = _bounds(order[task], nc, chunk, n)
     hash_range(k[g], lo, hi, W, beta, mask[g], tk[g], phik[g])
     A = partA[g, c]
     for j in range(lo, hi):
         for f in range(F):
             A[f] += phik[g, j, f]
-    if span > 0:
+    if t0 <= c < t1:
         span_totals(phik[g, lo:hi], v[g, lo:hi], span, False, partB[g, c], np.empty((F, v.shape[2]), v.dtype))
 
 
 @blas_tasks
-def sketch_chunks(k, v, mask, W, beta, chunk, phik, tk, partA, partB, span=None):
+def sketch_chunks(k, v, mask, W, beta, chunk, phik, tk, partA, partB, span=None, totals=None):
     """Hash every key and sum its sketch per chunk.
 
     Writes ``phik (G, Nk, F)`` and ``tk (G, Nk, L*P)`` (masked keys: phi = 0),
@@ -783,15 +802,14 @@ def sketch_chunks(k, v, mask, W, beta, chunk, phik, tk, partA, partB, span=None)
     (float64, zeros on entry).  Non-causal attention sums them; the causal scan
     carries them.  ``span``: rows per product of the B totals (default
     SCAN_BLOCK, the causal scans' steps, see :func:`span_totals`; BLAS_SPAN is
-    faster where no scan has to match).  ``partB`` None: only the A totals
-    (the sequential causal forward tracks B itself).
+    faster where no scan has to match).  ``totals``: the chunks ``(c0, c1)``
+    of every group whose B totals are summed (default all; the causal forward
+    needs those before its last segment, see :func:`scan_segments`).
     """
     G, nc = partA.shape[:2]
-    if partB is None:
-        span, partB = 0, np.zeros((G, nc, 0, 0))
-    elif span is None:
-        span = SCAN_BLOCK
-    run_tasks(_sketch_chunks_task, G * nc, k, v, mask, W, beta, chunk, span, phik, tk, partA, partB)
+    t0, t1 = (0, nc) if totals is None else totals
+    run_tasks(_sketch_chunks_task, G * nc, spread_order(G, nc, t0, t1), k, v, mask, W, beta, chunk,
+              SCAN_BLOCK if span is None else span, t0, t1, phik, tk, partA, partB)
 
 
 @njit(**_JIT)
@@ -934,35 +952,39 @@ def _step_buffers(like, F, m):
             np.zeros((m, F), dt), np.zeros((m, dv), dt), np.zeros((F, dv), dt))
 
 
-def sequential_scan(G, nc, n):
-    """Whether the causal scans of ``G`` groups of ``n`` tokens in ``nc``
-    chunks run one task per group, its chunks in order (``final`` of
-    :func:`causal_fwd` and :func:`causal_keys_bwd`): where the groups alone
-    share the threads evenly, or there is one chunk.  That saves the chunk
-    totals of B and dB, a sgemm per token each, for a float64 sum per step
-    (the four causal kernels, 2^17 tokens, one thread: median 2400 vs 2540
-    ns per token with the totals; 2 threads, 4 heads x 2^18: 1193 vs 1189
-    per token-head, within this VM's noise); results are the same, bit for bit.
+def scan_segments(G, nc, n):
+    """Segments per group of the causal scans of ``G`` groups of ``n`` tokens in ``nc`` chunks.
+
+    A segment is a run of consecutive chunks that one task scans in order,
+    carrying the state itself (:func:`causal_fwd`, :func:`causal_keys_bwd`);
+    only its first carry comes from the chunk totals of the segments before
+    it (after it: the reverse scan), and every total costs a sgemm per token.
+    So: one segment per group (no totals at all) where the groups alone share
+    the threads evenly, else the fewest that do, ``threads / gcd(G, threads)``
+    (one head on 2 threads: 2, the totals of half the chunks), at most one per
+    chunk.  Results do not depend on it, bit for bit (:func:`span_totals`).
     """
     threads = numba.get_num_threads() if G * n >= SERIAL_TOKENS else 1
-    return nc == 1 or G % threads == 0
+    return max(1, min(nc, threads // math.gcd(G, threads)))
+
+
+def segment_start(s, segments, nc):
+    """First chunk of segment ``s`` of ``segments`` over ``nc`` chunks (``nc`` for s = segments)."""
+    return s * nc // segments
 
 
 @njit(**_JIT)
-def _task_chunks(task, seq, nc):
-    """Group and chunk range of a causal scan task: every chunk of group
-    ``task`` when ``seq`` (a sequential scan), else the (group, chunk) pair ``task``."""
-    if seq:
-        return task, 0, nc
-    g = task // nc
-    c = task - g * nc
-    return g, c, c + 1
+def _segment(task, segments, nc):
+    """Group and chunk range ``[c0, c1)`` of causal scan task ``task`` (:func:`segment_start`)."""
+    g = task // segments
+    s = task - g * segments
+    return g, s * nc // segments, (s + 1) * nc // segments
 
 
 @njit(**_JIT)
 def _carry_on(carry, g, c, dst, total, final):
     """carry[g, dst] = carry[g, c] + total (``final[g]`` when dst is past the
-    chunks) and total = 0: a sequential scan's next carry, summed as
+    chunks) and total = 0: a segment's next carry, summed as
     :func:`exclusive_scan` sums the chunk totals."""
     F, dv = total.shape
     to = carry[g, dst] if 0 <= dst < carry.shape[1] else final[g]
@@ -973,16 +995,18 @@ def _carry_on(carry, g, c, dst, total, final):
 
 
 @njit(**_JIT)
-def _causal_fwd_task(task, seq, keep, q, v, phik, carryA, carryB, W, beta, chunk, phiq, tq, den, out, final):
-    """One task of :func:`causal_fwd` (run by :func:`run_tasks`; loops inlined
+def _causal_fwd_task(task, segments, keep, q, v, phik, carryA, carryB, W, beta, chunk, phiq, tq, den, out, final):
+    """One segment of :func:`causal_fwd` (run by :func:`run_tasks`; loops inlined
     into a prange body were not vectorised)."""
     G, n, _ = q.shape
     L = W.shape[0]
     nc = carryA.shape[1]
     F = phik.shape[2]
     dv = v.shape[2]
-    g, c0, c1 = _task_chunks(task, seq, nc)
-    total = np.zeros((F, dv))  # the chunk's sum of state updates (sequential scan)
+    g, c0, c1 = _segment(task, segments, nc)
+    last = c1 == nc and final.shape[0] > 0  # this segment writes the total to final
+    track = last or c1 - c0 > 1
+    total = np.zeros((F, dv))  # the chunk's sum of state updates, for the next carry
     for c in range(c0, c1):
         lo = c * chunk
         hi = min(lo + chunk, n)
@@ -1015,43 +1039,39 @@ def _causal_fwd_task(task, seq, keep, q, v, phik, carryA, carryB, W, beta, chunk
             for i in range(m):
                 for f in range(F):
                     A[f] += Pk[i, f]
-            add_product(Pk, V, S, dS, total, seq)
-        if seq:
+            add_product(Pk, V, S, dS, total, track)
+        if c + 1 < c1 or last:
             _carry_on(carryB, g, c, c + 1, total, final)
 
 
 @blas_tasks
-def causal_fwd(q, v, phik, carryA, carryB, W, beta, chunk, phiq, tq, den, out, final=None):
-    """Rescan every chunk from its carried-in state; query i sees keys j <= i.
+def causal_fwd(q, v, phik, carryA, carryB, W, beta, chunk, phiq, tq, den, out, final=None, segments=None):
+    """Scan every segment of chunks from its carried-in state; query i sees keys j <= i.
 
     ``carryA (G, nc, F)``, ``carryB (G, nc, F, dv)`` (float64) hold the state
-    (A, B) summed over all keys before the chunk.  Per step of SCAN_BLOCK
-    tokens with state B before it: out = (Phiq B + tril(Phiq Phik^T) V) / ...,
-    then B += Phik^T V.
-
-    ``final (G, F, dv)`` (float64) given: one task per group scans its
-    chunks in order and writes the B carries itself (``carryB``: zeros on
-    entry), and the total B to ``final``.  No chunk totals of B are needed
-    (:func:`sketch_chunks` with ``partB`` None): a sgemm per token less,
-    where the groups alone keep every thread busy.  The carries are those of
-    the chunked scan, bit for bit (:func:`span_totals`).
+    (A, B) summed over all keys before each chunk; of B, only the carry at
+    the first chunk of each of the ``segments`` per group (default: one per
+    chunk) is read, and the scan writes the others, bit for bit those of the
+    chunk totals (:func:`span_totals`).  Per step of SCAN_BLOCK tokens with
+    state B before it: out = (Phiq B + tril(Phiq Phik^T) V) / ..., then
+    B += Phik^T V.  ``final (G, F, dv)`` (float64) given: the total B too.
     """
     G, nc = carryA.shape[:2]
     keep = np.ones(q.shape[1], np.bool_)  # queries are never masked
-    seq = final is not None
-    run_tasks(_causal_fwd_task, G if seq else G * nc, seq, keep, q, v, phik, carryA, carryB, W, beta, chunk,
-              phiq, tq, den, out, final if seq else np.zeros((0, 0, 0)))
+    segments = nc if segments is None else segments
+    run_tasks(_causal_fwd_task, G * segments, segments, keep, q, v, phik, carryA, carryB, W, beta, chunk,
+              phiq, tq, den, out, np.zeros((0, 0, 0)) if final is None else final)
 
 
 @njit(**_JIT)
-def _causal_queries_bwd_task(task, span, grad, v, phik, phiq, tq, den, carryA, carryB, W, beta, chunk, dq, dden_out, partdA, partdB, dbeta_part):
+def _causal_queries_bwd_task(task, order, t0, t1, grad, v, phik, phiq, tq, den, carryA, carryB, W, beta, chunk, dq, dden_out, partdA, partdB, dbeta_part):
     """One (group, chunk) task of :func:`causal_queries_bwd` (run by :func:`run_tasks`;
     loops inlined into a prange body were not vectorised)."""
     G, n, dv = grad.shape
     L = W.shape[0]
     nc = carryA.shape[1]
     F = phik.shape[2]
-    g, c, lo, hi = _bounds(task, nc, chunk, n)
+    g, c, lo, hi = _bounds(order[task], nc, chunk, n)
     A = carryA[g, c].copy()
     S = carryB[g, c].astype(v.dtype)  # the carried-in state, in the compute dtype
     wq, wblock, dA, DPHI = _query_bwd_buffers(grad, F, hi - lo)
@@ -1079,38 +1099,38 @@ def _causal_queries_bwd_task(task, span, grad, v, phik, phiq, tq, den, carryA, c
                 wblock[i0 + i - lo, f] = wq[f]
         add_product(Pk, V, S, dS, dS, False)  # (no total to track)
     dbeta_part[g, c] = queries_chunk_end(g, c, lo, hi, grad, phiq, tq, wblock, DPHI, dA, W, beta,
-                                         dq, partdA, partdB, span)
+                                         dq, partdA, partdB, SCAN_BLOCK if t0 <= c < t1 else 0)
 
 
 @blas_tasks
 def causal_queries_bwd(grad, v, phik, phiq, tq, den, carryA, carryB, W, beta, chunk,
-                       dq, dden_out, partdA, partdB, dbeta_part):
+                       dq, dden_out, partdA, partdB, dbeta_part, totals=None):
     """Backward pass 1: rebuild prefix states by rescanning; cotangents of queries.
 
     Per step with state B before it: Y = G B^T + tril(G V^T) Phik, whose rows
     are y_i = B_i g_i.  Also stores dden per query and the chunk totals of
-    (dA, dB) for the reverse scan (``partdA``, ``partdB``: zeros on entry);
-    ``partdB`` None: only those of dA (a sequential :func:`causal_keys_bwd`
-    tracks dB itself).
+    (dA, dB) for the reverse scan (``partdA``, ``partdB``: zeros on entry),
+    those of dB for the chunks ``totals = (c0, c1)`` of every group only
+    (default all; :func:`causal_keys_bwd` needs those after its first segment).
     """
     G, nc = carryA.shape[:2]
-    span = SCAN_BLOCK
-    if partdB is None:
-        span, partdB = 0, np.zeros((G, nc, 0, 0))
-    run_tasks(_causal_queries_bwd_task, G * nc, span, grad, v, phik, phiq, tq, den, carryA, carryB, W, beta, chunk,
-              dq, dden_out, partdA, partdB, dbeta_part)
+    t0, t1 = (0, nc) if totals is None else totals
+    run_tasks(_causal_queries_bwd_task, G * nc, spread_order(G, nc, t0, t1), t0, t1, grad, v, phik, phiq, tq, den,
+              carryA, carryB, W, beta, chunk, dq, dden_out, partdA, partdB, dbeta_part)
 
 
 @njit(**_JIT)
-def _causal_keys_bwd_task(task, seq, grad, v, phik, tk, phiq, den, dden, carrydA, carrydB, W, beta, chunk, dk, dv_out, dbeta_part, final):
-    """One task of :func:`causal_keys_bwd` (run by :func:`run_tasks`; loops
+def _causal_keys_bwd_task(task, segments, grad, v, phik, tk, phiq, den, dden, carrydA, carrydB, W, beta, chunk, dk, dv_out, dbeta_part, final):
+    """One segment of :func:`causal_keys_bwd` (run by :func:`run_tasks`; loops
     inlined into a prange body were not vectorised)."""
     G, n, dv = grad.shape
     L = W.shape[0]
     nc = carrydA.shape[1]
     F = phik.shape[2]
-    g, c0, c1 = _task_chunks(task, seq, nc)
-    total = np.zeros((F, dv))  # the chunk's sum of dB updates (sequential scan)
+    g, c0, c1 = _segment(task, segments, nc)
+    last = c0 == 0 and final.shape[0] > 0  # this segment writes the total to final
+    track = last or c1 - c0 > 1
+    total = np.zeros((F, dv))  # the chunk's sum of dB updates, for the next carry
     ddv = np.zeros(SCAN_BLOCK, np.float64)
     for ci in range(c1 - c0):
         c = c1 - 1 - ci  # chunks last to first
@@ -1152,26 +1172,27 @@ def _causal_keys_bwd_task(task, seq, grad, v, phik, tk, phiq, den, dden, carrydA
                 for f in range(F):
                     dA[f] += Pq[j, f] * ddv[j]
                     DPHI[i0 + j - lo, f] = Y[j, f] + Z[j, f] + dA[f]
-            add_product(wb, Gb, dB, dS, total, seq)
+            add_product(wb, Gb, dB, dS, total, track)
         dbeta_part[g, c] = hash_bwd_rows(DPHI, phik[g, lo:hi], tk[g, lo:hi], W, beta, dk[g, lo:hi])
-        if seq:
+        if c - 1 >= c0 or last:
             _carry_on(carrydB, g, c, c - 1, total, final)
 
 
 @blas_tasks
 def causal_keys_bwd(grad, v, phik, tk, phiq, den, dden, carrydA, carrydB, W, beta, chunk,
-                    dk, dv_out, dbeta_part, final=None):
+                    dk, dv_out, dbeta_part, final=None, segments=None):
     """Backward pass 2: suffix sums over queries i >= j by a reverse rescan.
 
     Per step with dB from after it (queries past the step):
     dPhik = V dB^T + triu(V G^T) Wq + dA (suffix sums),
     dV = Phik dB + triu(Phik Wq^T) G, then dB += Wq^T G.
 
-    ``final (G, F, dv)`` given: one task per group scans its chunks last to
-    first and writes the dB carries itself (``carrydB``: zeros on entry), and
-    the total dB to ``final``, as :func:`causal_fwd` does for B.
+    Each of the ``segments`` per group (default: one per chunk) scans its
+    chunks last to first from the dB carry of its last chunk and writes the
+    others, and ``final (G, F, dv)``, if given, gets the total dB, as
+    :func:`causal_fwd` does for B.
     """
     G, nc = carrydA.shape[:2]
-    seq = final is not None
-    run_tasks(_causal_keys_bwd_task, G if seq else G * nc, seq, grad, v, phik, tk, phiq, den, dden, carrydA, carrydB,
-              W, beta, chunk, dk, dv_out, dbeta_part, final if seq else np.zeros((0, 0, 0)))
+    segments = nc if segments is None else segments
+    run_tasks(_causal_keys_bwd_task, G * segments, segments, grad, v, phik, tk, phiq, den, dden, carrydA, carrydB,
+              W, beta, chunk, dk, dv_out, dbeta_part, np.zeros((0, 0, 0)) if final is None else final)

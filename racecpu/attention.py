@@ -298,27 +298,25 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
     nck = -(-nk // chunk)
     phik = POOL.empty((G, nk, F), cdt)
     tk = POOL.empty((G, nk, L * P), cdt)
-    seq = causal and K.sequential_scan(G, nck, nk)
+    seg = K.scan_segments(G, nck, nk) if causal else 1
     partA = POOL.zeros((G, nck, F))
-    partB = POOL.zeros((G, nck, F, dv))  # seq: the forward writes the carries
+    partB = POOL.zeros((G, nck, F, dv))  # causal: the carries, the scan writes those within segments
     phiq = POOL.empty((G, nq, F), cdt)
     tq = POOL.empty((G, nq, L * P), cdt)
     den = POOL.zeros((G, nq))
     o = _target(out, (G, nq, dv), cdt)  # the kernels write every row
     if G and nk:
-        K.sketch_chunks(a.k, a.v, a.mask, a.planes, a.beta, chunk, phik, tk, partA, None if seq else partB,
-                        span=K.SCAN_BLOCK if causal else K.BLAS_SPAN)
+        # causal: the B totals of the chunks before the last segment give the segments' carries
+        K.sketch_chunks(a.k, a.v, a.mask, a.planes, a.beta, chunk, phik, tk, partA, partB,
+                        span=K.SCAN_BLOCK if causal else K.BLAS_SPAN,
+                        totals=(0, K.segment_start(seg - 1, seg, nck)) if causal else None)
     if causal:
         A = K.exclusive_scan(partA, out=partA)
-        if seq:
-            B, sums_v = partB, POOL.zeros((G, F, dv))
-            if G and nq:
-                K.causal_fwd(a.q, a.v, phik, A, B, a.planes, a.beta, chunk, phiq, tq, den, o, final=sums_v)
-        else:
-            sums_v = partB.sum(1) if a.check_finite else None  # for the check of v: the scan is in place
-            B = K.exclusive_scan(partB, out=partB)
-            if G and nq:
-                K.causal_fwd(a.q, a.v, phik, A, B, a.planes, a.beta, chunk, phiq, tq, den, o)
+        B = K.exclusive_scan(partB, out=partB) if seg > 1 else partB  # one segment: zeros
+        sums_v = POOL.zeros((G, F, dv))  # the scan's total of B, for the check of v
+        if G and nq:
+            K.causal_fwd(a.q, a.v, phik, A, B, a.planes, a.beta, chunk, phiq, tq, den, o, final=sums_v,
+                         segments=seg)
     else:
         A, B = partA.sum(1), partB.sum(1)
         sums_v = B
@@ -397,21 +395,17 @@ def race_attention_bwd(residuals, grad_out, *, out=None):
         dbq = POOL.zeros((G, ncq))
         dbk = POOL.zeros((G, nck))
         if r.causal:
-            seq = K.sequential_scan(G, nck, nk)
+            seg = K.scan_segments(G, nck, nk)
             dden = POOL.zeros((G, nq))
+            # the dB totals of the chunks after the first segment give the reverse segments' carries
             K.causal_queries_bwd(g, r.v, r.phik, r.phiq, r.tq, r.den, r.A, r.B, r.planes, r.beta, chunk,
-                                 dq, dden, partdA, None if seq else partdB, dbq)
+                                 dq, dden, partdA, partdB, dbq, totals=(K.segment_start(1, seg, nck), nck))
             cA = K.exclusive_scan(partdA, True, partdA)  # in place
-            if seq:  # the keys' scan writes the dB carries and their total
-                dB = POOL.zeros((G, F, dv))
-                K.causal_keys_bwd(g, r.v, r.phik, r.tk, r.phiq, r.den, dden, cA, partdB, r.planes, r.beta, chunk,
-                                  dk, dv_, dbk, final=dB)
-                _check_derived(r.check_finite, ("grad_out", g, dB, _SUMS_OVERFLOW))
-            else:
-                _check_derived(r.check_finite, ("grad_out", g, partdB.sum(1), _SUMS_OVERFLOW))
-                cB = K.exclusive_scan(partdB, True, partdB)  # in place
-                K.causal_keys_bwd(g, r.v, r.phik, r.tk, r.phiq, r.den, dden, cA, cB, r.planes, r.beta, chunk,
-                                  dk, dv_, dbk)
+            cB = K.exclusive_scan(partdB, True, partdB) if seg > 1 else partdB  # one segment: zeros
+            dB = POOL.zeros((G, F, dv))  # the scan's total of dB, for the check of grad_out
+            K.causal_keys_bwd(g, r.v, r.phik, r.tk, r.phiq, r.den, dden, cA, cB, r.planes, r.beta, chunk,
+                              dk, dv_, dbk, final=dB, segments=seg)
+            _check_derived(r.check_finite, ("grad_out", g, dB, _SUMS_OVERFLOW))
         else:
             K.queries_bwd(g, r.phiq, r.tq, r.den, r.A, r.B.astype(cdt), r.planes, r.beta, chunk,
                           dq, partdA, partdB, dbq)

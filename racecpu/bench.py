@@ -91,11 +91,10 @@ At d = dv = 128, P = L = 3 (F = 24): 2,320 + 2,832 = 5,152 bytes and
 ~40 GB/s and ~200 GFLOP/s that is 129 ns (memory) vs 230 ns (compute): the
 kernels are compute-bound, roof = max(bytes / bandwidth, flops / SGEMM rate).
 Causal attention has the same counts: a sequential scan costs nothing extra.
-A chunk-parallel scan (what lets one head use two cores) re-reads the keys of
-each chunk and adds ``2 F dv`` flops per token per scan (one forward, two
-backward: +6,144 and +18,432 flops): the roofline does not include them, so it
-is a lower bound on time and the causal roof fraction is at most ~0.73 for such
-a kernel.  Fractions are ``roof / measured`` (1 = at the roof).  The roof uses
+A scan in segments (what lets one head use two cores) sums the chunk totals of
+all segments but one: ``2 F dv`` flops (6,144) per token of those chunks, in
+the forward and in the backward; at one head on 2 threads, half the tokens.
+The roofline does not include them, so it is a lower bound on time.  Fractions are ``roof / measured`` (1 = at the roof).  The roof uses
 the SGEMM rate, which fused per-token loops can rarely reach; it is what the
 machine could do, not a promise.
 

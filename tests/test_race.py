@@ -116,10 +116,11 @@ def test_blas_and_loop_paths_match_reference(rng, monkeypatch, causal, dtype, to
 
 @pytest.mark.parametrize("chunk", [7, 40])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_sequential_and_chunked_causal_scans_agree_bit_for_bit(rng, monkeypatch, chunk, dtype):
-    # One task per group scanning its chunks in order (no chunk totals of B
-    # and dB) or one task per chunk from scanned totals: the same carries,
-    # so the same results to the last bit, and both match the reference.
+def test_causal_scans_agree_bit_for_bit_over_segment_counts(rng, monkeypatch, chunk, dtype):
+    # One task per group scanning all its chunks (no chunk totals of B and
+    # dB), a few segments each from carries summed from the totals of the
+    # chunks before (after) it, or one task per chunk: the same carries, so
+    # the same results to the last bit, and all match the reference.
     # Chunks of 40 reach the sgemm steps and end on a 4-token step; 7, the loop path.
     from racecpu import _kernels, attention
     monkeypatch.setattr(attention, "CHUNK", chunk)
@@ -128,18 +129,50 @@ def test_sequential_and_chunked_causal_scans_agree_bit_for_bit(rng, monkeypatch,
     g = rng.standard_normal((3, 124, 5)).astype(dtype)
     want, wres = ref.race_attention_dense_fwd(*f64(q, k, v, W), 2.0, causal=True, key_mask=mask)
     wgrads = ref.race_attention_dense_bwd(wres, f64(g)[0])
+    nc = -(-124 // chunk)
     runs = []
-    for seq in (True, False):
-        monkeypatch.setattr(_kernels, "sequential_scan", lambda G, nc, n, seq=seq: seq)
+    for seg in sorted({1, 2, 3, nc}):
+        monkeypatch.setattr(_kernels, "scan_segments", lambda G, nc, n, seg=seg: seg)
         out, res = racecpu.race_attention_fwd(q, k, v, W, 2.0, causal=True, key_mask=mask)
         grads = racecpu.race_attention_bwd(res, g)
         tol = 1e-5 if dtype == np.float32 else 1e-10
         assert rel_err(out, want) < tol
         for name, a, b in zip(("dq", "dk", "dv", "dbeta"), grads, wgrads):
-            assert rel_err(a, b, floor=1e-3) < 10 * tol, (seq, name)
+            assert rel_err(a, b, floor=1e-3) < 10 * tol, (seg, name)
         runs.append((out, res.A, res.B, *grads))
-    for a, b in zip(*runs):
-        np.testing.assert_array_equal(a, b)
+    assert len(runs) == 4
+    for run in runs[1:]:
+        for a, b in zip(runs[0], run):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("G, threads, want", [(1, 2, 2), (2, 2, 1), (3, 2, 2), (4, 2, 1), (1, 4, 4), (2, 4, 2),
+                                              (6, 4, 2), (3, 1, 1)])
+def test_scan_segments_share_threads_evenly(monkeypatch, G, threads, want):
+    # G * segments tasks are a multiple of the threads, with the fewest
+    # segments (chunk totals) that make them so; never more than the chunks.
+    import numba
+    from racecpu import _kernels
+    monkeypatch.setattr(numba, "get_num_threads", lambda: threads)
+    monkeypatch.setattr(_kernels, "SERIAL_TOKENS", 512)  # conftest sets 0
+    assert _kernels.scan_segments(G, 64, 2 ** 16) == want
+    assert (G * want) % threads == 0
+    assert _kernels.scan_segments(G, 1, 2 ** 16) == 1
+    assert _kernels.scan_segments(G, 64, 8) == 1  # below SERIAL_TOKENS: one thread
+
+
+@pytest.mark.parametrize("G, nc, t0, t1", [(1, 10, 0, 5), (1, 9, 4, 9), (3, 7, 0, 4), (2, 8, 0, 0), (2, 8, 0, 8),
+                                           (1, 1024, 0, 512)])
+def test_spread_order_spreads_costly_chunks_over_every_threads_share(G, nc, t0, t1):
+    # prange hands each thread a contiguous share of the tasks: each share of
+    # the order gets its part of the chunks that also sum a total.
+    from racecpu._kernels import spread_order
+    order = spread_order(G, nc, t0, t1)
+    np.testing.assert_array_equal(np.sort(order), np.arange(G * nc))
+    heavy = np.isin(order % nc, np.arange(t0, t1))
+    for threads in (2, 3, 4):
+        for share in np.array_split(heavy, threads):
+            assert abs(share.sum() - heavy.sum() * share.size / heavy.size) <= 1
 
 
 @pytest.mark.parametrize("causal", [False, True])
