@@ -211,7 +211,7 @@ def _kernel_calls(causal, q, k, v, g, W, beta):
     # totals of B (dB) before the last (after the first) segment: none with one segment per group
     tB, tdB = (0, K.segment_start(seg - 1, seg, nc)), (K.segment_start(1, seg, nc), nc)
     K.causal_queries_bwd(g, v, phik, phiq, tq, den, r.A, r.B, W, beta, chunk, dq, dden, pdA, pdB, dbq, totals=tdB)
-    cdA, cdB = K.exclusive_scan(pdA, True), K.exclusive_scan(pdB, True)
+    cdA, cdB = K.exclusive_scan(pdA, True), K.exclusive_scan(pdB, True, segments=seg)
     B, final = r.B.copy(), np.zeros((G, F, d))  # the scans rewrite the carries within segments
     return {  # each call first zeroes the sums it adds to
         "causal sketch_chunks (hash k)": lambda: (_zero(partA, partB), K.sketch_chunks(

@@ -643,12 +643,12 @@ def add_product(w, x, S, tmp, total, track):
 
 @njit(**_JIT)
 def span_totals(w, x, span, reverse, total, tmp):
-    """total (float64) += w^T x, one :func:`step_product` per ``span`` rows
+    """total (float64) = w^T x, one :func:`step_product` per ``span`` rows
     (aligned at row 0; the last span first when ``reverse``).
 
     The span products are summed in the compute dtype of ``tmp`` (a chunk's
-    rows at most, as the scans' states), and that sum is added to ``total``
-    in float64.  With span = SCAN_BLOCK these are, bit for bit, the chunk
+    rows at most, as the scans' states), and that sum is written to ``total``
+    as float64.  With span = SCAN_BLOCK these are, bit for bit, the chunk
     totals that a segment's scan tracks step by step (:func:`add_product`,
     :func:`_carry_on`), so the causal scans carry identical states however
     many segments they run in.
@@ -667,7 +667,7 @@ def span_totals(w, x, span, reverse, total, tmp):
                 acc[f, c] += tmp[f, c]
     for f in range(F):
         for c in range(dv):
-            total[f, c] += acc[f, c]
+            total[f, c] = acc[f, c]
 
 
 @njit(**_JIT)
@@ -749,34 +749,52 @@ def spread_order(G, nc, t0, t1):
 
 
 @njit(**_JIT)
-def _scan_chunks(part, reverse, out):
-    """out[g, c] = sum of part[g, c'] over c' < c (c' > c: ``reverse``), in chunk order."""
+def _scan_chunks(part, segments, reverse, out):
+    """out[g, c] = sum of part[g, c'] over c' < c (c' > c: ``reverse``), in chunk
+    order, for the first chunk c (in scan order) of each segment only."""
     G, nc, E = part.shape
     acc = np.empty(E)
     for g in range(G):
         acc[:] = 0.0
-        for i in range(nc):
-            c = nc - 1 - i if reverse else i
-            for e in range(E):
-                x = part[g, c, e]  # read before the write: out may be part
-                out[g, c, e] = acc[e]
-                acc[e] += x
+        for i in range(segments):
+            s = segments - 1 - i if reverse else i
+            c0 = s * nc // segments
+            c1 = (s + 1) * nc // segments
+            for j in range(c1 - c0):
+                c = c1 - 1 - j if reverse else c0 + j
+                if j > 0:
+                    for e in range(E):
+                        acc[e] += part[g, c, e]
+                elif i == segments - 1:  # the last segment: no total of it is summed (nor read)
+                    for e in range(E):
+                        out[g, c, e] = acc[e]
+                    break
+                else:
+                    for e in range(E):
+                        x = part[g, c, e]  # read before the write: out may be part
+                        out[g, c, e] = acc[e]
+                        acc[e] += x
 
 
-def exclusive_scan(part, reverse=False, out=None):
+def exclusive_scan(part, reverse=False, out=None, segments=None):
     """Exclusive prefix (or suffix, ``reverse``) sums over axis 1 of float64 ``part (G, nc, ...)``.
 
     Sums run in chunk order, as ``np.cumsum`` would.  ``out`` (optional, like
     ``part``) may be ``part`` itself: the scan then allocates nothing.  At
     2^20 tokens x 4 heads the partials are 100 MB; np.cumsum through
     temporaries took 70-150 ns per token-head, this one pass ~3 (memory-bound
-    and short: one thread, no parallel kernel to compile).
+    and short: one thread, no parallel kernel to compile).  ``segments``
+    (default: one per chunk): only the sums at the first chunk, in scan
+    order, of each segment (:func:`scan_segments`) are written, and only the
+    chunks of the other segments are read (those :func:`sketch_chunks` and
+    :func:`causal_queries_bwd` sum with their ``totals``); the same bits.
     """
     if out is None:
         out = np.empty_like(part)
     if part.size:
         G, nc = part.shape[:2]
-        _scan_chunks(part.reshape(G, nc, -1), reverse, out.reshape(G, nc, -1))
+        _scan_chunks(part.reshape(G, nc, -1), nc if segments is None else segments, reverse,
+                     out.reshape(G, nc, -1))
     return out
 
 
@@ -806,9 +824,9 @@ def sketch_chunks(k, v, mask, W, beta, chunk, phik, tk, partA, partB, span=None,
     """Hash every key and sum its sketch per chunk.
 
     Writes ``phik (G, Nk, F)`` and ``tk (G, Nk, L*P)`` (masked keys: phi = 0),
-    and adds the chunk totals to ``partA (G, nc, F)``, ``partB (G, nc, F, dv)``
-    (float64, zeros on entry).  Non-causal attention sums them; the causal scan
-    carries them.  ``span``: rows per product of the B totals (default
+    adds the chunk totals of A to ``partA (G, nc, F)`` (float64, zeros on
+    entry) and writes those of B to ``partB (G, nc, F, dv)`` (float64).
+    Non-causal attention sums them; the causal scan carries them.  ``span``: rows per product of the B totals (default
     SCAN_BLOCK, the causal scans' steps, see :func:`span_totals`; BLAS_SPAN is
     faster where no scan has to match).  ``totals``: the chunks ``(c0, c1)``
     of every group whose B totals are summed (default all; the causal forward
@@ -880,8 +898,8 @@ def _query_bwd_buffers(grad, F, n):
 def queries_chunk_end(g, c, lo, hi, grad, phiq, tq, wblock, DPHI, dA, W, beta, dq, partdA, partdB, span):
     """End of a query chunk's backward (causal or not); returns the chunk's hash share of dbeta.
 
-    The chunk totals to ``partdA``, and to ``partdB`` (float64, zeros on
-    entry) the chunk's dB = sum_i wq_i g_i^T by :func:`span_totals` over
+    The chunk totals to ``partdA``, and to ``partdB`` (float64) the
+    chunk's dB = sum_i wq_i g_i^T by :func:`span_totals` over
     ``span`` rows (last span first, as the reverse scan meets them; span 0:
     none), then the hash backward of every query (``DPHI`` holds dphi rows)
     with dq (:func:`hash_bwd_rows`).
@@ -1117,7 +1135,7 @@ def causal_queries_bwd(grad, v, phik, phiq, tq, den, carryA, carryB, W, beta, ch
 
     Per step with state B before it: Y = G B^T + tril(G V^T) Phik, whose rows
     are y_i = B_i g_i.  Also stores dden per query and the chunk totals of
-    (dA, dB) for the reverse scan (``partdA``, ``partdB``: zeros on entry),
+    (dA, dB) for the reverse scan (``partdA``, ``partdB``: written, not added),
     those of dB for the chunks ``totals = (c0, c1)`` of every group only
     (default all; :func:`causal_keys_bwd` needs those after its first segment).
     """

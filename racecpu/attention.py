@@ -300,7 +300,7 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
     tk = POOL.empty((G, nk, L * P), cdt)
     seg = K.scan_segments(G, nck, nk) if causal else 1
     partA = POOL.zeros((G, nck, F))
-    partB = POOL.zeros((G, nck, F, dv))  # causal: the carries, the scan writes those within segments
+    partB = POOL.empty((G, nck, F, dv), np.float64)  # the kernels write every value read (causal: the carries)
     phiq = POOL.empty((G, nq, F), cdt)
     tq = POOL.empty((G, nq, L * P), cdt)
     den = POOL.zeros((G, nq))
@@ -312,7 +312,7 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
                         totals=(0, K.segment_start(seg - 1, seg, nck)) if causal else None)
     if causal:
         A = K.exclusive_scan(partA, out=partA)
-        B = K.exclusive_scan(partB, out=partB) if seg > 1 else partB  # one segment: zeros
+        B = K.exclusive_scan(partB, out=partB, segments=seg)  # the segments' first carries; the scan the rest
         sums_v = POOL.zeros((G, F, dv))  # the scan's total of B, for the check of v
         if G and nq:
             K.causal_fwd(a.q, a.v, phik, A, B, a.planes, a.beta, chunk, phiq, tq, den, o, final=sums_v,
@@ -391,7 +391,7 @@ def race_attention_bwd(residuals, grad_out, *, out=None):
             x[...] = 0
     else:
         partdA = POOL.zeros((G, ncq, F))
-        partdB = POOL.zeros((G, ncq, F, dv))
+        partdB = POOL.empty((G, ncq, F, dv), np.float64)  # the kernels write every value read
         dbq = POOL.zeros((G, ncq))
         dbk = POOL.zeros((G, nck))
         if r.causal:
@@ -401,7 +401,7 @@ def race_attention_bwd(residuals, grad_out, *, out=None):
             K.causal_queries_bwd(g, r.v, r.phik, r.phiq, r.tq, r.den, r.A, r.B, r.planes, r.beta, chunk,
                                  dq, dden, partdA, partdB, dbq, totals=(K.segment_start(1, seg, nck), nck))
             cA = K.exclusive_scan(partdA, True, partdA)  # in place
-            cB = K.exclusive_scan(partdB, True, partdB) if seg > 1 else partdB  # one segment: zeros
+            cB = K.exclusive_scan(partdB, True, partdB, segments=seg)  # the segments' last chunks; the scan the rest
             dB = POOL.zeros((G, F, dv))  # the scan's total of dB, for the check of grad_out
             K.causal_keys_bwd(g, r.v, r.phik, r.tk, r.phiq, r.den, dden, cA, cB, r.planes, r.beta, chunk,
                               dk, dv_, dbk, final=dB, segments=seg)

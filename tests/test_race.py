@@ -120,10 +120,18 @@ def test_causal_scans_agree_bit_for_bit_over_segment_counts(rng, monkeypatch, ch
     # One task per group scanning all its chunks (no chunk totals of B and
     # dB), a few segments each from carries summed from the totals of the
     # chunks before (after) it, or one task per chunk: the same carries, so
-    # the same results to the last bit, and all match the reference.
-    # Chunks of 40 reach the sgemm steps and end on a 4-token step; 7, the loop path.
+    # the same results to the last bit, and all match the reference, with
+    # no value read that the kernels did not write.  Chunks of 40 reach the sgemm steps and end on a 4-token step; 7, the loop path.
     from racecpu import _kernels, attention
     monkeypatch.setattr(attention, "CHUNK", chunk)
+    empty = attention.POOL.empty
+
+    def nan_empty(shape, dtype):  # uninitialised memory is NaN: a value read before written shows
+        x = empty(shape, dtype)
+        if x.dtype.kind == "f":
+            x.fill(np.nan)
+        return x
+    monkeypatch.setattr(attention.POOL, "empty", nan_empty)
     q, k, v, W = make(rng, (3,), 124, 124, 6, 5, 3, 2, dtype)
     mask = rng.random((3, 124)) > 0.2
     g = rng.standard_normal((3, 124, 5)).astype(dtype)
@@ -243,6 +251,26 @@ def test_exclusive_scan_sums_in_chunk_order(rng, reverse):
     assert K.exclusive_scan(part, reverse, part) is part  # in place
     np.testing.assert_array_equal(part, want)
     assert K.exclusive_scan(np.zeros((2, 0, 4)), reverse).shape == (2, 0, 4)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("segments", [1, 2, 5, 37])
+def test_exclusive_scan_of_segments_writes_their_first_carries_only(rng, reverse, segments):
+    # Segments' carried-in states: the full scan's values at each segment's first
+    # chunk in scan order, bit for bit; the last segment's totals (never summed
+    # by the kernels: NaN here) are not read, and no other chunk is written.
+    from racecpu import _kernels as K
+    part = rng.standard_normal((3, 37, 5, 30))
+    want = K.exclusive_scan(part, reverse)
+    firsts = [K.segment_start(s + reverse, segments, 37) - reverse for s in range(segments)]
+    last = range(K.segment_start(0 if reverse else segments - 1, segments, 37),
+                 K.segment_start(1 if reverse else segments, segments, 37))
+    part[:, list(last)] = np.nan
+    out = part.copy()
+    assert K.exclusive_scan(part, reverse, out, segments=segments) is out
+    np.testing.assert_array_equal(out[:, firsts], want[:, firsts])
+    rest = np.setdiff1d(np.arange(37), firsts)
+    np.testing.assert_array_equal(out[:, rest], part[:, rest])
 
 
 @pytest.mark.parametrize("causal", [False, True])
