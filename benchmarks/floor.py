@@ -214,11 +214,11 @@ def _kernel_calls(causal, q, k, v, g, W, beta):
     cdA, cdB = K.exclusive_scan(pdA, True), K.exclusive_scan(pdB, True, segments=seg)
     B, final = r.B.copy(), np.zeros((G, F, d))  # the scans rewrite the carries within segments
     return {  # each call first zeroes the sums it adds to
-        "causal sketch_chunks (hash k)": lambda: (_zero(partA, partB), K.sketch_chunks(
+        "causal sketch_chunks (hash k)": lambda: (_zero(partA), K.sketch_chunks(
             k, v, mask, W, beta, chunk, phik, tk, partA, partB, totals=tB)),
         "causal_fwd (hash q, scan)": lambda: K.causal_fwd(
             q, v, phik, r.A, B, W, beta, chunk, phiq, tq, den, o, final=final, segments=seg),
-        "causal_queries_bwd (rescan, dq)": lambda: (_zero(pdA, pdB), K.causal_queries_bwd(
+        "causal_queries_bwd (rescan, dq)": lambda: (_zero(pdA), K.causal_queries_bwd(
             g, v, phik, phiq, tq, den, r.A, r.B, W, beta, chunk, dq, dden, pdA, pdB, dbq, totals=tdB)),
         "causal_keys_bwd (reverse scan, dk, dv)": lambda: K.causal_keys_bwd(
             g, v, phik, tk, phiq, den, dden, cdA, cdB, W, beta, chunk, dk, dv, dbk, final=final, segments=seg),

@@ -749,6 +749,13 @@ def spread_order(G, nc, t0, t1):
 
 
 @njit(**_JIT)
+def segment_start(s, segments, nc):
+    """First chunk of segment ``s`` of ``segments`` over ``nc`` chunks (``nc`` for s = segments;
+    see :func:`scan_segments`)."""
+    return s * nc // segments
+
+
+@njit(**_JIT)
 def _scan_chunks(part, segments, reverse, out):
     """out[g, c] = sum of part[g, c'] over c' < c (c' > c: ``reverse``), in chunk
     order, for the first chunk c (in scan order) of each segment only."""
@@ -758,8 +765,8 @@ def _scan_chunks(part, segments, reverse, out):
         acc[:] = 0.0
         for i in range(segments):
             s = segments - 1 - i if reverse else i
-            c0 = s * nc // segments
-            c1 = (s + 1) * nc // segments
+            c0 = segment_start(s, segments, nc)
+            c1 = segment_start(s + 1, segments, nc)
             for j in range(c1 - c0):
                 c = c1 - 1 - j if reverse else c0 + j
                 if j > 0:
@@ -994,17 +1001,12 @@ def scan_segments(G, nc, n):
     return max(1, min(nc, threads // math.gcd(G, threads)))
 
 
-def segment_start(s, segments, nc):
-    """First chunk of segment ``s`` of ``segments`` over ``nc`` chunks (``nc`` for s = segments)."""
-    return s * nc // segments
-
-
 @njit(**_JIT)
 def _segment(task, segments, nc):
     """Group and chunk range ``[c0, c1)`` of causal scan task ``task`` (:func:`segment_start`)."""
     g = task // segments
     s = task - g * segments
-    return g, s * nc // segments, (s + 1) * nc // segments
+    return g, segment_start(s, segments, nc), segment_start(s + 1, segments, nc)
 
 
 @njit(**_JIT)
