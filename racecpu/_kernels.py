@@ -50,6 +50,7 @@ from numba.core.errors import NumbaPerformanceWarning
 warnings.filterwarnings("ignore", message=r".*np\.v?dot\(\) is faster on contiguous arrays",
                         category=NumbaPerformanceWarning)
 
+from ._simd import COMB_VECTORS, TILE_ROWS, VECTOR_BYTES, comb_tile, dot_tile_cols, dot_tile_cols1, dot_tile_rows
 from .hashing import DEN_FLOOR
 
 # Reassociation lets LLVM vectorise the dv-long inner loops and dot products.
@@ -483,10 +484,33 @@ def soft_hash_rows(x, W, beta, t, phi):
 def combine_rows(X, S, out):
     """out[j] = sum_f X[j, f] S[f, :] for every row j, overwriting ``out``.
 
-    Eight rows of S per sweep over out[j], the first sweep assigning: the
-    dv-long loop is then bound by FMAs, not by reloading and storing out[j]
-    once per row of S (2.8x faster).
+    Register tiles (:func:`racecpu._simd.comb_tile`: two rows of X by
+    COMB_VECTORS vectors of S's columns) where the rows are contiguous, and
+    :func:`_combine_rows_loop` at the edges.
     """
+    n, F = X.shape
+    dv = S.shape[1]
+    width = COMB_VECTORS * (VECTOR_BYTES // X.itemsize)
+    n2 = n - n % 2
+    c1 = dv - dv % width
+    if (n2 == 0 or c1 == 0 or X.strides[1] != X.itemsize or S.strides[1] != S.itemsize
+            or out.strides[1] != out.itemsize):
+        _combine_rows_loop(X, S, out)
+        return
+    for i in range(0, n2, 2):
+        for c in range(0, c1, width):
+            comb_tile(X, S, out, i, c)
+    if c1 < dv:
+        _combine_rows_loop(X[:n2], S[:, c1:], out[:n2, c1:])
+    if n2 < n:
+        _combine_rows_loop(X[n2:], S, out[n2:])
+
+
+@njit(**_JIT)
+def _combine_rows_loop(X, S, out):
+    """:func:`combine_rows` by loops: eight rows of S per sweep over out[j],
+    the first sweep assigning, so that the dv-long loop is bound by FMAs,
+    not by reloading and storing out[j] once per row of S (2.8x faster)."""
     n, F = X.shape
     dv = S.shape[1]
     for j in range(n):
@@ -522,8 +546,53 @@ def combine_rows(X, S, out):
 def dot_rows(S, X, Y):
     """Y[j, f] = S[f, :] . X[j, :] for every row j of ``X (n, dv)`` and f of ``S (F, dv)``.
 
-    ``Y (n, F)`` may be float64 or strided; the sums run in X's dtype (its
-    SIMD width).  Two rows of X and four of S per sweep, each product with
+    ``Y (n, F)`` may be float64 or strided (the projection writes its
+    transpose); the sums run in X's dtype.  Register tiles
+    (:func:`racecpu._simd.dot_tile_rows` / ``dot_tile_cols``: TILE_ROWS rows
+    of X by a few rows of S, over whole vectors of the dv columns) where rows
+    are contiguous and Y is contiguous along either axis;
+    :func:`_dot_rows_loop` for the edges (last rows of X or of S, last
+    columns).
+    """
+    F, dv = S.shape
+    n = X.shape[0]
+    lanes = VECTOR_BYTES // X.itemsize
+    ms = lanes // TILE_ROWS
+    n1 = n - n % TILE_ROWS  # rows of X in tiles
+    f1 = F - F % ms  # rows of S in tiles
+    d1 = dv - dv % lanes  # columns the tiles sum
+    by_row = Y.strides[1] == Y.itemsize
+    if (n1 == 0 or f1 == 0 or d1 == 0 or X.strides[1] != X.itemsize or S.strides[1] != S.itemsize
+            or not (by_row or Y.strides[0] == Y.itemsize)):
+        _dot_rows_loop(S, X, Y)
+        return
+    for j in range(0, n1, TILE_ROWS):
+        for f in range(0, f1, ms):
+            if by_row:
+                dot_tile_rows(S, X, Y, j, f, d1)
+            else:
+                dot_tile_cols(S, X, Y, j, f, d1)
+    # The last rows of S: one at a time where Y's columns are contiguous.
+    n2 = 0 if by_row else n - n % lanes
+    for j in range(0, n2, lanes):
+        for f in range(f1, F):
+            dot_tile_cols1(S, X, Y, j, f, d1)
+    if d1 < dv:  # the last columns, added to the tiles' sums
+        for j in range(n1):
+            for f in range(f1 if j >= n2 else F):
+                acc = X[j, d1] - X[j, d1]
+                for c in range(d1, dv):
+                    acc += S[f, c] * X[j, c]
+                Y[j, f] += acc
+    if f1 < F and n2 < n1:
+        _dot_rows_loop(S[f1:], X[n2:n1], Y[n2:n1, f1:])
+    if n1 < n:
+        _dot_rows_loop(S, X[n1:], Y[n1:])
+
+
+@njit(**_JIT)
+def _dot_rows_loop(S, X, Y):
+    """:func:`dot_rows` by loops.  Two rows of X and four of S per sweep, each product with
     its own accumulator: every load feeds two FMAs and the horizontal sums
     overlap (the hash's 9 planes: 45 vs 53 ns per row against eight rows of
     S and one of X; 2.4x one product at a time).  A whole block per call,

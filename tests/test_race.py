@@ -350,20 +350,33 @@ def test_exp_neg_matches_numpy_in_its_dtype(dtype, lo, tol):
 
 @pytest.mark.parametrize("n", [1, 2, 7, 40])
 @pytest.mark.parametrize("F", [1, 3, 8, 9, 24])
-def test_block_products_match_numpy(rng, n, F):
-    # The kernels' small products: dot_rows (Y = X S^T, two rows of X per sweep, odd n
-    # included, into strided and float64 outputs) and rows_dot (X S, BLAS or combine_rows).
-    from racecpu._kernels import dot_rows, rows_dot
+@pytest.mark.parametrize("d", [33, 128])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_block_products_match_numpy(rng, n, F, d, dtype):
+    # The kernels' small products: dot_rows (Y = X S^T) and rows_dot (X S, BLAS or
+    # combine_rows), through their register tiles (racecpu._simd) and the loops at
+    # the edges: rows of X past the last tile (n = 7, 40 not a multiple of 4), rows of
+    # S past it (F = 9), columns past the last vector (d = 33), too small for any tile
+    # (n = 1, F = 1); into outputs strided both ways and of another dtype.
+    from racecpu._kernels import combine_rows, dot_rows, rows_dot
 
-    X = rng.standard_normal((n, 33)).astype(np.float32)
-    S = rng.standard_normal((F, 33)).astype(np.float32)
-    Y = np.full((F, n), np.nan).T  # strided view, float64
-    dot_rows(S, X, Y)
-    np.testing.assert_allclose(Y, X.astype(np.float64) @ S.T.astype(np.float64), rtol=1e-5, atol=1e-5)
-    W = rng.standard_normal((n, F)).astype(np.float32)
-    out = np.full((n, 33), np.nan, np.float32)
+    X = rng.standard_normal((n, d)).astype(dtype)
+    S = rng.standard_normal((F, d)).astype(dtype)
+    want = X.astype(np.float64) @ S.T.astype(np.float64)
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    for Y in (np.full((F, n), np.nan).T,  # float64, contiguous along rows of X (the projection's)
+              np.full((n, F), np.nan, dtype),  # contiguous along rows of S
+              np.full((n, 2 * F), np.nan)[:, ::2]):  # neither: the loops
+        dot_rows(S, X, Y)
+        np.testing.assert_allclose(Y, want, rtol=tol, atol=tol)
+    W = rng.standard_normal((n, F)).astype(dtype)
+    want = W.astype(np.float64) @ S.astype(np.float64)
+    out = np.full((n, d), np.nan, dtype)
     rows_dot(W, S, out)
-    np.testing.assert_allclose(out, W.astype(np.float64) @ S.astype(np.float64), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out, want, rtol=tol, atol=tol)
+    out = np.full((n, 2 * d), np.nan, dtype)[:, ::2]  # strided: combine_rows's loops
+    combine_rows(W, S, out)
+    np.testing.assert_allclose(out, want, rtol=tol, atol=tol)
 
 
 def test_soft_buckets_dtypes(rng):

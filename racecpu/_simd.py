@@ -1,0 +1,230 @@
+"""Register tiles of the kernels' thin products, written as LLVM vector IR.
+
+Numba's loops reach the hash projection (``(n, d) x (d, L*P)``), the
+cotangents ``y = S g`` (``(n, dv) x (dv, F)``) and ``dx = du W``
+(``(n, L*P) x (L*P, d)``) only through LLVM's auto-vectoriser, which keeps
+each dot product's partial sums in 256-bit vectors and sums every one of
+them across its lanes on its own.  These intrinsics hold a whole tile of
+outputs in 64-byte vectors (16 float32 or 8 float64 lanes: two registers
+each on AVX2, one on AVX-512) and, for dot products, sum a tile's partial
+sums across lanes together, in one tree of shuffles.  Measured on 4096 rows
+of 128 (one thread, in cache, ns per row): projection to 9 planes 38 ->
+25, y for F = 24: 95 -> 64, du W: 37 -> 20.
+
+The tiles compute in the dtype of ``X``; ``S`` is converted to it on load,
+``Y`` from it on store.  Callers (``_kernels.dot_rows``,
+``_kernels.combine_rows``) pick the tiles, check the layouts they need and
+handle the edges with plain loops.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+#: Bytes of one vector of a tile.
+VECTOR_BYTES = 64
+#: Rows of X in a dot-product tile; it has VECTOR_BYTES / itemsize outputs, so
+#: TILE_ROWS rows times (lanes / TILE_ROWS) rows of S (4 x 4 for float32).
+TILE_ROWS = 4
+#: Vectors of S's columns in a :func:`comb_tile`, for each of its two rows of X.
+COMB_VECTORS = 4
+
+
+def _lanes(dtype):
+    return VECTOR_BYTES // (dtype.bitwidth // 8)
+
+
+def _float(context, dtype):
+    return context.get_data_type(dtype)
+
+
+def _convert(builder, value, to):
+    """fpext / fptrunc of a scalar or vector float to the float type (or vector of it) ``to``."""
+    frm = value.type.element if isinstance(value.type, ir.VectorType) else value.type
+    dst = to.element if isinstance(to, ir.VectorType) else to
+    if frm == dst:
+        return value
+    wider = isinstance(dst, ir.DoubleType)
+    return builder.fpext(value, to) if wider else builder.fptrunc(value, to)
+
+
+class _Arrays:
+    """Element pointers into Numba arrays by (row, column), from their byte strides."""
+
+    def __init__(self, context, builder, arrtypes, values):
+        self.builder = builder
+        self.arrays = [context.make_array(t)(context, builder, v) for t, v in zip(arrtypes, values)]
+        self.strides = [cgutils.unpack_tuple(builder, a.strides) for a in self.arrays]
+        self.intp = context.get_value_type(types.intp)
+
+    def const(self, v):
+        return ir.Constant(self.intp, v)
+
+    def ptr(self, i, row, col, ty):
+        b = self.builder
+        st = self.strides[i]
+        off = b.add(b.mul(row, st[0]), b.mul(col, st[1]))
+        base = b.bitcast(self.arrays[i].data, ir.IntType(8).as_pointer())
+        return b.bitcast(b.gep(base, [off]), ty.as_pointer())
+
+
+def _fma(builder, vty):
+    suffix = "v%d%s" % (vty.count, "f64" if isinstance(vty.element, ir.DoubleType) else "f32")
+    fnty = ir.FunctionType(vty, [vty] * 3)
+    return cgutils.get_or_insert_function(builder.module, fnty, "llvm.fma." + suffix)
+
+
+def _accumulators(builder, vty, count):
+    zero = ir.Constant(vty, [ir.Constant(vty.element, 0.0)] * vty.count)
+    return [cgutils.alloca_once_value(builder, zero) for _ in range(count)]
+
+
+def tree_order(lanes):
+    """Input order of :func:`tree_sum`: lane ``i`` of its result sums input ``tree_order(lanes)[i]``."""
+    return _tree(None, [None] * lanes, lanes)[1]
+
+
+def tree_sum(builder, vectors):
+    """One vector whose lane i is the sum of the lanes of ``vectors[tree_order(n)[i]]``,
+    for n vectors of n lanes: log2(n) levels, each adding the halves of pairs
+    of vectors (two shuffles and an add per pair), n - 1 adds in all against
+    n * log2(n) for summing each vector across its lanes on its own."""
+    return _tree(builder, vectors, len(vectors))[0]
+
+
+def _tree(builder, vectors, n):
+    cur = [(v, [i]) for i, v in enumerate(vectors)]  # (vector, the input each group of lanes sums)
+    width = n
+    while width > 1:
+        h = width // 2
+        nxt = []
+        for (a, ga), (b, gb) in zip(cur[0::2], cur[1::2]):
+            lo, hi, groups = [], [], []
+            for g in range(n // width):  # group g (width lanes) of a and of b -> two groups of h lanes
+                base = g * width
+                lo += list(range(base, base + h)) + list(range(n + base, n + base + h))
+                hi += list(range(base + h, base + width)) + list(range(n + base + h, n + base + width))
+                groups += [ga[g], gb[g]]
+            s = None
+            if builder is not None:
+                mask = lambda idx: ir.Constant(ir.VectorType(ir.IntType(32), n), idx)  # noqa: E731
+                s = builder.fadd(builder.shuffle_vector(a, b, mask(lo)),
+                                 builder.shuffle_vector(a, b, mask(hi)), flags=("fast",))
+            nxt.append((s, groups))
+        cur = nxt
+        width = h
+    return cur[0]
+
+
+def _dot_tile(by_row, single=False):
+    """Intrinsic ``tile(S, X, Y, j0, m0, dmain)``: Y[j0 + r, m0 + m] = S[m0 + m, :dmain] . X[j0 + r, :dmain]
+    for r < TILE_ROWS, m < lanes / TILE_ROWS (``single``: r < lanes, m = 0);
+    ``dmain`` a multiple of the lanes.
+
+    ``by_row``: Y's columns are contiguous (each row of X gets one vector
+    store); else Y's rows are (each row of S gets one).
+    """
+
+    @intrinsic
+    def tile(typingctx, S, X, Y, j0, m0, dmain):
+        if not all(isinstance(a, types.Array) and isinstance(a.dtype, types.Float) for a in (S, X, Y)):
+            return None
+        sig = types.void(S, X, Y, types.intp, types.intp, types.intp)
+
+        def codegen(context, builder, sig, args):
+            arr = _Arrays(context, builder, sig.args[:3], args[:3])
+            j0v, m0v, dv = args[3:]
+            fty = _float(context, sig.args[1].dtype)
+            n = _lanes(sig.args[1].dtype)
+            rows, cols = (n, 1) if single else (TILE_ROWS, n // TILE_ROWS)
+            vty = ir.VectorType(fty, n)
+            sty = ir.VectorType(_float(context, sig.args[0].dtype), n)
+            fma = _fma(builder, vty)
+            acc = _accumulators(builder, vty, rows * cols)  # acc[r * cols + m]; promoted to registers
+            steps = builder.udiv(dv, arr.const(n))
+            with cgutils.for_range(builder, steps) as loop:
+                c = builder.mul(loop.index, arr.const(n))
+                xs = [builder.load(arr.ptr(1, builder.add(j0v, arr.const(r)), c, vty), align=1)
+                      for r in range(rows)]
+                for m in range(cols):
+                    s = builder.load(arr.ptr(0, builder.add(m0v, arr.const(m)), c, sty), align=1)
+                    s = _convert(builder, s, vty)
+                    for r in range(rows):
+                        a = acc[r * cols + m]
+                        builder.store(builder.call(fma, [xs[r], s, builder.load(a)]), a)
+            # lane i of the sum holds output i (row-major: i = r cols + m, else i = m rows + r)
+            order = tree_order(n)
+            inputs = [None] * n
+            for i in range(n):
+                r, m = divmod(i, cols) if by_row else divmod(i, rows)[::-1]
+                inputs[order[i]] = builder.load(acc[r * cols + m])
+            total = tree_sum(builder, inputs)
+            yty = _float(context, sig.args[2].dtype)
+            width, count = (cols, rows) if by_row else (rows, cols)
+            part_ty = ir.VectorType(yty, width)
+            for o in range(count):
+                idx = ir.Constant(ir.VectorType(ir.IntType(32), width), list(range(o * width, (o + 1) * width)))
+                part = _convert(builder, builder.shuffle_vector(total, total, idx), part_ty)
+                if by_row:
+                    p = arr.ptr(2, builder.add(j0v, arr.const(o)), m0v, part_ty)
+                else:
+                    p = arr.ptr(2, j0v, builder.add(m0v, arr.const(o)), part_ty)
+                builder.store(part, p, align=1)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile
+
+
+#: Dot-product tiles storing along Y's rows / along Y's columns (see :func:`_dot_tile`).
+dot_tile_rows = _dot_tile(True)
+dot_tile_cols = _dot_tile(False)
+#: One row of S by a vector's worth of rows of X, storing along Y's columns
+#: (the 9th plane of the hash's 9, where TILE_ROWS x 4 tiles cover 8).
+dot_tile_cols1 = _dot_tile(False, single=True)
+
+
+@intrinsic
+def comb_tile(typingctx, X, S, out, i0, c0):
+    """out[i0 + r, c0:c0 + w] = X[i0 + r, :] S[:, c0:c0 + w] for r < 2, w = COMB_VECTORS lanes
+    (overwriting): per row of S, its w columns are loaded once and feed both rows."""
+    if not all(isinstance(a, types.Array) and isinstance(a.dtype, types.Float) for a in (X, S, out)):
+        return None
+    sig = types.void(X, S, out, types.intp, types.intp)
+
+    def codegen(context, builder, sig, args):
+        arr = _Arrays(context, builder, sig.args[:3], args[:3])
+        i0v, c0v = args[3:]
+        fty = _float(context, sig.args[0].dtype)
+        n = _lanes(sig.args[0].dtype)
+        vty = ir.VectorType(fty, n)
+        sty = ir.VectorType(_float(context, sig.args[1].dtype), n)
+        oty = ir.VectorType(_float(context, sig.args[2].dtype), n)
+        fma = _fma(builder, vty)
+        rows, cols = 2, COMB_VECTORS
+        acc = _accumulators(builder, vty, rows * cols)
+        K = cgutils.unpack_tuple(builder, arr.arrays[0].shape)[1]
+        undef = ir.Constant(vty, ir.Undefined)
+        splat = ir.Constant(ir.VectorType(ir.IntType(32), n), [0] * n)
+        with cgutils.for_range(builder, K) as loop:
+            k = loop.index
+            s = [_convert(builder, builder.load(arr.ptr(1, k, builder.add(c0v, arr.const(v * n)), sty), align=1), vty)
+                 for v in range(cols)]
+            for r in range(rows):
+                x = builder.load(arr.ptr(0, builder.add(i0v, arr.const(r)), k, fty))
+                xb = builder.shuffle_vector(builder.insert_element(undef, x, ir.Constant(ir.IntType(32), 0)),
+                                            undef, splat)
+                for v in range(cols):
+                    a = acc[r * cols + v]
+                    builder.store(builder.call(fma, [xb, s[v], builder.load(a)]), a)
+        for r in range(rows):
+            for v in range(cols):
+                p = arr.ptr(2, builder.add(i0v, arr.const(r)), builder.add(c0v, arr.const(v * n)), oty)
+                builder.store(_convert(builder, builder.load(acc[r * cols + v]), oty), p, align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
