@@ -1019,7 +1019,8 @@ def queries_bwd(grad, phiq, tq, den, A, B, W, beta, chunk, dq, partdA, partdB, d
 # ---------------------------------------------------------------------------
 
 #: Tokens per step of the causal scans.  A step is a few small matrix
-#: products (BLAS runs them at ~100 GFLOP/s from 16 rows up): queries read
+#: products (BLAS runs them at ~100 GFLOP/s from 16 rows up; the dot-shaped
+#: ones, X S^T with dv-long rows, go to :func:`dot_rows`'s tiles): queries read
 #: the state from before the step, plus the step's own keys through a
 #: triangular (SCAN_BLOCK, SCAN_BLOCK) block, and the state takes one rank-16
 #: update.  Per-token vector loops instead ran at 8-40 GFLOP/s.
@@ -1180,8 +1181,8 @@ def _causal_queries_bwd_task(task, order, t0, t1, grad, v, phik, phiq, tq, den, 
             M, _, _, Y, Z, _, dS = _step_buffers(v, F, m)
         Pq, Pk, V, Gb = phiq[g, i0:i1], phik[g, i0:i1], v[g, i0:i1], grad[g, i0:i1]
         if dv > 0:  # y_i = B_i g_i = B g_i + sum_{j<=i} phik_j (v_j . g_i)
-            np.dot(Gb, S.T, Y)
-            np.dot(Gb, V.T, M)  # M_ij = g_i . v_j, kept for j <= i
+            dot_rows(S, Gb, Y)
+            dot_rows(V, Gb, M)  # M_ij = g_i . v_j, kept for j <= i
             _zero_above(M)
             np.dot(M, Pk, Z)
         for i in range(m):
@@ -1253,8 +1254,8 @@ def _causal_keys_bwd_task(task, segments, grad, v, phik, tk, phiq, den, dden, ca
                     wb[i, f] = Pq[i, f] * inv  # the weights wq_i of g_i in dB
             if dv > 0:
                 # dphik_j = dB v_j + sum_{i>=j} wq_i (g_i . v_j) + dA_j, dB from after the step
-                np.dot(V, dB.T, Y)
-                np.dot(V, Gb.T, M)  # M_ji = v_j . g_i, kept for i >= j
+                dot_rows(dB, V, Y)
+                dot_rows(Gb, V, M)  # M_ji = v_j . g_i, kept for i >= j
                 _zero_below(M)
                 np.dot(M, wb, Z)
                 # dv_j = dB^T phik_j + sum_{i>=j} (wq_i . phik_j) g_i
