@@ -1121,8 +1121,8 @@ def _causal_fwd_task(task, segments, keep, q, v, phik, carryA, carryB, W, beta, 
             np.dot(Pq, Pk.T, H)  # H_ij = phiq_i . phik_j, kept for j <= i
             _zero_above(H)
             if dv > 0:
-                np.dot(Pq, S, O)
-                np.dot(H, V, X)
+                combine_rows(Pq, S, O)
+                combine_rows(H, V, X)
             for i in range(m):
                 dn = 0.0
                 for f in range(F):
