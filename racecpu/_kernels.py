@@ -1020,7 +1020,8 @@ def queries_bwd(grad, phiq, tq, den, A, B, W, beta, chunk, dq, partdA, partdB, d
 
 #: Tokens per step of the causal scans.  A step is a few small matrix
 #: products (BLAS runs them at ~100 GFLOP/s from 16 rows up; the dot-shaped
-#: ones, X S^T with dv-long rows, go to :func:`dot_rows`'s tiles): queries read
+#: ones, X S^T over dv-long rows, and the forward's readouts run in the
+#: register tiles of :func:`dot_rows` and :func:`combine_rows`): queries read
 #: the state from before the step, plus the step's own keys through a
 #: triangular (SCAN_BLOCK, SCAN_BLOCK) block, and the state takes one rank-16
 #: update.  Per-token vector loops instead ran at 8-40 GFLOP/s.

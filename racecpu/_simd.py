@@ -5,8 +5,8 @@ cotangents ``y = S g`` (``(n, dv) x (dv, F)``) and ``dx = du W``
 (``(n, L*P) x (L*P, d)``) only through LLVM's auto-vectoriser, which keeps
 each dot product's partial sums in 256-bit vectors and sums every one of
 them across its lanes on its own.  These intrinsics hold a whole tile of
-outputs in 64-byte vectors (16 float32 or 8 float64 lanes: two registers
-each on AVX2, one on AVX-512) and, for dot products, sum a tile's partial
+outputs in VECTOR_BYTES-byte vectors (64 with AVX-512: 16 float32 or 8
+float64 lanes; 32 otherwise) and, for dot products, sum a tile's partial
 sums across lanes together, in one tree of shuffles.  Measured on 4096 rows
 of 128 (one thread, in cache, ns per row): projection to 9 planes 38 ->
 25, y for F = 24: 95 -> 64, du W: 37 -> 20.
@@ -24,8 +24,25 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+
+
+def _vector_bytes():
+    """64 where the CPU Numba compiles for has AVX-512, else 32: a tile of
+    16 64-byte vectors would take 32 of AVX2's 16 vector registers."""
+    from numba.core import config
+    if config.CPU_FEATURES:  # NUMBA_CPU_FEATURES: what the code is compiled for
+        return 64 if "+avx512f" in config.CPU_FEATURES else 32
+    if config.CPU_NAME and config.CPU_NAME != "host":
+        return 32
+    try:
+        import llvmlite.binding as ll
+        return 64 if ll.get_host_cpu_features().get("avx512f") else 32
+    except Exception:  # no feature list on this platform
+        return 32
+
+
 #: Bytes of one vector of a tile.
-VECTOR_BYTES = 64
+VECTOR_BYTES = _vector_bytes()
 #: Rows of X in a dot-product tile; it has VECTOR_BYTES / itemsize outputs, so
 #: TILE_ROWS rows times (lanes / TILE_ROWS) rows of S (4 x 4 for float32).
 TILE_ROWS = 4
