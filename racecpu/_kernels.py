@@ -485,7 +485,8 @@ def combine_rows(X, S, out):
     """out[j] = sum_f X[j, f] S[f, :] for every row j, overwriting ``out``.
 
     Register tiles (:func:`racecpu._simd.comb_tile`: two rows of X by
-    COMB_VECTORS vectors of S's columns) where the rows are contiguous, and
+    COMB_VECTORS vectors of S's columns) where S's and out's rows are
+    contiguous (X's elements are read one at a time), and
     :func:`_combine_rows_loop` at the edges.
     """
     n, F = X.shape
@@ -493,8 +494,7 @@ def combine_rows(X, S, out):
     width = COMB_VECTORS * (VECTOR_BYTES // X.itemsize)
     n2 = n - n % 2
     c1 = dv - dv % width
-    if (n2 == 0 or c1 == 0 or X.strides[1] != X.itemsize or S.strides[1] != S.itemsize
-            or out.strides[1] != out.itemsize):
+    if n2 == 0 or c1 == 0 or S.strides[1] != S.itemsize or out.strides[1] != out.itemsize:
         _combine_rows_loop(X, S, out)
         return
     for i in range(0, n2, 2):
@@ -549,10 +549,9 @@ def dot_rows(S, X, Y):
     ``Y (n, F)`` may be float64 or strided (the projection writes its
     transpose); the sums run in X's dtype.  Register tiles
     (:func:`racecpu._simd.dot_tile_rows` / ``dot_tile_cols``: TILE_ROWS rows
-    of X by a few rows of S, over whole vectors of the dv columns) where rows
-    are contiguous and Y is contiguous along either axis;
-    :func:`_dot_rows_loop` for the edges (last rows of X or of S, last
-    columns).
+    of X by a few rows of S) where rows are contiguous, dv is a whole number
+    of vectors and Y is contiguous along either axis; :func:`_dot_rows_loop`
+    for the edges (last rows of X or of S) and everything else.
     """
     F, dv = S.shape
     n = X.shape[0]
@@ -560,30 +559,22 @@ def dot_rows(S, X, Y):
     ms = lanes // TILE_ROWS
     n1 = n - n % TILE_ROWS  # rows of X in tiles
     f1 = F - F % ms  # rows of S in tiles
-    d1 = dv - dv % lanes  # columns the tiles sum
     by_row = Y.strides[1] == Y.itemsize
-    if (n1 == 0 or f1 == 0 or d1 == 0 or X.strides[1] != X.itemsize or S.strides[1] != S.itemsize
-            or not (by_row or Y.strides[0] == Y.itemsize)):
+    if (n1 == 0 or f1 == 0 or dv == 0 or dv % lanes or X.strides[1] != X.itemsize
+            or S.strides[1] != S.itemsize or not (by_row or Y.strides[0] == Y.itemsize)):
         _dot_rows_loop(S, X, Y)
         return
     for j in range(0, n1, TILE_ROWS):
         for f in range(0, f1, ms):
             if by_row:
-                dot_tile_rows(S, X, Y, j, f, d1)
+                dot_tile_rows(S, X, Y, j, f)
             else:
-                dot_tile_cols(S, X, Y, j, f, d1)
+                dot_tile_cols(S, X, Y, j, f)
     # The last rows of S: one at a time where Y's columns are contiguous.
     n2 = 0 if by_row else n - n % lanes
     for j in range(0, n2, lanes):
         for f in range(f1, F):
-            dot_tile_cols1(S, X, Y, j, f, d1)
-    if d1 < dv:  # the last columns, added to the tiles' sums
-        for j in range(n1):
-            for f in range(f1 if j >= n2 else F):
-                acc = X[j, d1] - X[j, d1]
-                for c in range(d1, dv):
-                    acc += S[f, c] * X[j, c]
-                Y[j, f] += acc
+            dot_tile_cols1(S, X, Y, j, f)
     if f1 < F and n2 < n1:
         _dot_rows_loop(S[f1:], X[n2:n1], Y[n2:n1, f1:])
     if n1 < n:

@@ -137,23 +137,24 @@ def _tree(builder, vectors, n):
 
 
 def _dot_tile(by_row, single=False):
-    """Intrinsic ``tile(S, X, Y, j0, m0, dmain)``: Y[j0 + r, m0 + m] = S[m0 + m, :dmain] . X[j0 + r, :dmain]
+    """Intrinsic ``tile(S, X, Y, j0, m0)``: Y[j0 + r, m0 + m] = S[m0 + m, :] . X[j0 + r, :]
     for r < TILE_ROWS, m < lanes / TILE_ROWS (``single``: r < lanes, m = 0);
-    ``dmain`` a multiple of the lanes.
+    the rows' length a multiple of the lanes.
 
     ``by_row``: Y's columns are contiguous (each row of X gets one vector
     store); else Y's rows are (each row of S gets one).
     """
 
     @intrinsic
-    def tile(typingctx, S, X, Y, j0, m0, dmain):
+    def tile(typingctx, S, X, Y, j0, m0):
         if not all(isinstance(a, types.Array) and isinstance(a.dtype, types.Float) for a in (S, X, Y)):
             return None
-        sig = types.void(S, X, Y, types.intp, types.intp, types.intp)
+        sig = types.void(S, X, Y, types.intp, types.intp)
 
         def codegen(context, builder, sig, args):
             arr = _Arrays(context, builder, sig.args[:3], args[:3])
-            j0v, m0v, dv = args[3:]
+            j0v, m0v = args[3:]
+            dv = cgutils.unpack_tuple(builder, arr.arrays[0].shape)[1]
             fty = _float(context, sig.args[1].dtype)
             n = _lanes(sig.args[1].dtype)
             rows, cols = (n, 1) if single else (TILE_ROWS, n // TILE_ROWS)

@@ -356,8 +356,9 @@ def test_block_products_match_numpy(rng, n, F, d, dtype):
     # The kernels' small products: dot_rows (Y = X S^T) and rows_dot (X S, BLAS or
     # combine_rows), through their register tiles (racecpu._simd) and the loops at
     # the edges: rows of X past the last tile (n = 7, 40 not a multiple of 4), rows of
-    # S past it (F = 9), columns past the last vector (d = 33), too small for any tile
-    # (n = 1, F = 1); into outputs strided both ways and of another dtype.
+    # S past it (F = 9); rows not a whole number of vectors (d = 33) and too few rows for
+    # any tile (n = 1, F = 1) go to the loops; into outputs strided both ways and of
+    # another dtype.
     from racecpu._kernels import combine_rows, dot_rows, rows_dot
 
     X = rng.standard_normal((n, d)).astype(dtype)
