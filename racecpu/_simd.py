@@ -88,6 +88,14 @@ class _Arrays:
         return b.bitcast(b.gep(base, [off]), ty.as_pointer())
 
 
+def _tile_signature(*arrays):
+    """Typing of a tile ``(three float arrays, two intp offsets) -> None``, or
+    None (no match: Numba's typing error) for other argument types."""
+    if not all(isinstance(a, types.Array) and isinstance(a.dtype, types.Float) for a in arrays):
+        return None
+    return types.void(*arrays, types.intp, types.intp)
+
+
 def _fma(builder, vty):
     suffix = "v%d%s" % (vty.count, "f64" if isinstance(vty.element, ir.DoubleType) else "f32")
     fnty = ir.FunctionType(vty, [vty] * 3)
@@ -147,9 +155,7 @@ def _dot_tile(by_row, single=False):
 
     @intrinsic
     def tile(typingctx, S, X, Y, j0, m0):
-        if not all(isinstance(a, types.Array) and isinstance(a.dtype, types.Float) for a in (S, X, Y)):
-            return None
-        sig = types.void(S, X, Y, types.intp, types.intp)
+        sig = _tile_signature(S, X, Y)
 
         def codegen(context, builder, sig, args):
             arr = _Arrays(context, builder, sig.args[:3], args[:3])
@@ -193,7 +199,7 @@ def _dot_tile(by_row, single=False):
                 builder.store(part, p, align=1)
             return context.get_dummy_value()
 
-        return sig, codegen
+        return None if sig is None else (sig, codegen)
 
     return tile
 
@@ -210,9 +216,7 @@ dot_tile_cols1 = _dot_tile(False, single=True)
 def comb_tile(typingctx, X, S, out, i0, c0):
     """out[i0 + r, c0:c0 + w] = X[i0 + r, :] S[:, c0:c0 + w] for r < 2, w = COMB_VECTORS lanes
     (overwriting): per row of S, its w columns are loaded once and feed both rows."""
-    if not all(isinstance(a, types.Array) and isinstance(a.dtype, types.Float) for a in (X, S, out)):
-        return None
-    sig = types.void(X, S, out, types.intp, types.intp)
+    sig = _tile_signature(X, S, out)
 
     def codegen(context, builder, sig, args):
         arr = _Arrays(context, builder, sig.args[:3], args[:3])
@@ -245,4 +249,4 @@ def comb_tile(typingctx, X, S, out, i0, c0):
                 builder.store(_convert(builder, builder.load(acc[r * cols + v]), oty), p, align=1)
         return context.get_dummy_value()
 
-    return sig, codegen
+    return None if sig is None else (sig, codegen)
