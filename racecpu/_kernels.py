@@ -50,7 +50,8 @@ from numba.core.errors import NumbaPerformanceWarning
 warnings.filterwarnings("ignore", message=r".*np\.v?dot\(\) is faster on contiguous arrays",
                         category=NumbaPerformanceWarning)
 
-from ._simd import COMB_VECTORS, TILE_ROWS, VECTOR_BYTES, comb_tile, dot_tile_cols, dot_tile_cols1, dot_tile_rows
+from ._simd import (COMB_VECTORS, TILE_ROWS, VECTOR_BYTES, comb_tile, comb_tile_stream, dot_tile_cols, dot_tile_cols1,
+                    dot_tile_rows, stream_fence)
 from .hashing import DEN_FLOOR
 
 # Reassociation lets LLVM vectorise the dv-long inner loops and dot products.
@@ -130,6 +131,7 @@ def _call_task(typingctx, addr, t, args):
 def _run_tasks(addr, ntasks, args):
     for t in prange(ntasks):
         _call_task(addr, np.int64(t), args)
+        stream_fence()  # the task's streamed stores (combine_rows) done before the join
 
 
 _task_runners = {}  # (task, fingerprint of the argument types) -> (task address, compiled _run_tasks)
@@ -364,23 +366,6 @@ def hash_block(x, W, beta, keep, U, a, b, ph, t, phi):
                 phi[j, f] = 0.0
 
 
-@njit(**_JIT)
-def rows_dot(X, S, out):
-    """out = X S for ``X (n, F)``, ``S (F, dv)``, overwriting ``out (n, dv)``.
-
-    One sgemm for a chunk of rows (readout 100 vs 150 ns per row);
-    :func:`combine_rows` below BLAS_ROWS rows, and below BLAS_INNER rows of S
-    (dq = du W from the hash's 9 planes: 55 vs 62 ns per row, the sgemm
-    being poor at such a thin inner dimension).
-    """
-    if out.shape[1] == 0:
-        return
-    if X.shape[0] >= BLAS_ROWS and X.shape[1] >= BLAS_INNER:
-        np.dot(X, S, out)
-    else:
-        combine_rows(X, S, out)
-
-
 #: Tokens per SIMD block of :func:`hash_rows_du`.
 DU_BLOCK = 64
 
@@ -445,11 +430,12 @@ def hash_rows_du(dphi, phi, t, P, beta, du):
 def hash_bwd_rows(dphi, phi, t, W, beta, dx):
     """dx = (cotangent of the projections) W for rows with soft-hash cotangents
     ``dphi (n, F)`` (float64, overwritten); returns their share of dbeta.
-    The hash backward runs SIMD over the rows, then one sgemm gives dx."""
+    The hash backward runs SIMD over the rows, then :func:`combine_rows` gives
+    dx, streamed (a result of the backward, not read again)."""
     L, P, d = W.shape
     du = np.empty((dphi.shape[0], L * P), W.dtype)
     acc = hash_rows_du(dphi, phi, t, P, beta, du)
-    rows_dot(du, W.reshape(L * P, d), dx)
+    combine_rows(du, W.reshape(L * P, d), dx, True)
     return acc
 
 
@@ -481,13 +467,20 @@ def soft_hash_rows(x, W, beta, t, phi):
 # ---------------------------------------------------------------------------
 
 @njit(**_JIT)
-def combine_rows(X, S, out):
+def combine_rows(X, S, out, stream=False):
     """out[j] = sum_f X[j, f] S[f, :] for every row j, overwriting ``out``.
 
     Register tiles (:func:`racecpu._simd.comb_tile`: two rows of X by
     COMB_VECTORS vectors of S's columns) where S's and out's rows are
     contiguous (X's elements are read one at a time), and
-    :func:`_combine_rows_loop` at the edges.
+    :func:`_combine_rows_loop` at the edges.  ``stream``: a result that
+    nothing reads soon (a kernel's output rows, at scale far larger than
+    the caches) is written with non-temporal stores where out's rows start
+    on 16 bytes (:func:`racecpu._simd.comb_tile_stream`; :func:`_run_tasks`
+    fences them after each task).  Streamed in one call over many rows:
+    an atomic, such as Numba's reference counts in a call with arrays,
+    waits for the streamed stores in flight (batches of 16 rows between
+    such calls were written at half the rate).
     """
     n, F = X.shape
     dv = S.shape[1]
@@ -497,13 +490,26 @@ def combine_rows(X, S, out):
     if n2 == 0 or c1 == 0 or S.strides[1] != S.itemsize or out.strides[1] != out.itemsize:
         _combine_rows_loop(X, S, out)
         return
-    for i in range(0, n2, 2):
-        for c in range(0, c1, width):
-            comb_tile(X, S, out, i, c)
+    if stream and streams_to(out[:, :c1]):
+        for i in range(0, n2, 2):
+            for c in range(0, c1, width):
+                comb_tile_stream(X, S, out, i, c)
+    else:
+        for i in range(0, n2, 2):
+            for c in range(0, c1, width):
+                comb_tile(X, S, out, i, c)
     if c1 < dv:
         _combine_rows_loop(X[:n2], S[:, c1:], out[:n2, c1:])
     if n2 < n:
         _combine_rows_loop(X[n2:], S, out[n2:])
+
+
+@njit(**_JIT)
+def streams_to(out):
+    """Whether non-temporal stores of 16 bytes can write ``out``'s rows (2-D,
+    contiguous rows, each starting on 16 bytes and a whole number of them)."""
+    return (out.strides[1] == out.itemsize and out.ctypes.data % 16 == 0 and out.strides[0] % 16 == 0
+            and (out.shape[1] * out.itemsize) % 16 == 0)
 
 
 @njit(**_JIT)
@@ -662,9 +668,6 @@ def outer_add(w, x, B):
 #: Rows from which a rank-k update goes to BLAS (np.dot: single-threaded sgemm,
 #: see blas_one_thread) rather than :func:`outer_add`; below it, call overhead wins.
 BLAS_ROWS = 16
-#: Inner dimension from which :func:`rows_dot` goes to BLAS; below it (the hash's
-#: L * P planes) the sgemm is slower than :func:`combine_rows`.
-BLAS_INNER = 16
 #: Rows per sgemm of the non-causal chunk totals (:func:`span_totals`): one
 #: sgemm over a whole 1024-token chunk ran 1.8x slower than four of 256.
 BLAS_SPAN = 256
@@ -735,11 +738,13 @@ def readout_rows(phiq, A, S, L, den, out):
     """out_i = (phiq_i S) / (phiq_i . A) with the 1/L of both, den_i = phiq_i . A / L, every row.
 
     A is float64; S is (F, dv) in the compute dtype.  Rows whose den is at
-    most DEN_FLOOR get zeros (see hashing.DEN_FLOOR).
+    most DEN_FLOOR get zeros (see hashing.DEN_FLOOR).  The rows of phiq are
+    scaled first, so that out is written once, streamed
+    (:func:`combine_rows`): an sgemm and a pass scaling its result read and
+    wrote every row of out twice.
     """
     n, F = phiq.shape
-    dv = S.shape[1]
-    rows_dot(phiq, S, out)
+    w = np.empty((n, F), phiq.dtype)
     for i in range(n):
         dn = 0.0
         for f in range(F):
@@ -747,9 +752,9 @@ def readout_rows(phiq, A, S, L, den, out):
         dn /= L
         den[i] = dn
         inv = 1.0 / (L * dn) if dn > DEN_FLOOR else 0.0  # the floor: zeros
-        o = out[i]
-        for c in range(dv):
-            o[c] *= inv
+        for f in range(F):
+            w[i, f] = phiq[i, f] * inv
+    combine_rows(w, S, out, True)
 
 
 @njit(**_JIT)
@@ -914,7 +919,7 @@ def _keys_bwd_task(task, v, phik, tk, dA, dB, W, beta, chunk, dk, dv_out, dbeta_
     nc = dbeta_part.shape[1]
     g, c, lo, hi = _bounds(task, nc, chunk, n)
     DPHI = np.empty((hi - lo, F), np.float64)
-    rows_dot(phik[g, lo:hi], dB[g], dv_out[g, lo:hi])  # dv_j = dB^T phik_j (masked keys: 0)
+    combine_rows(phik[g, lo:hi], dB[g], dv_out[g, lo:hi], True)  # dv_j = dB^T phik_j (masked keys: 0)
     dot_rows(dB[g], v[g, lo:hi], DPHI)  # dphik_j = dB v_j + dA
     for j in range(hi - lo):
         for f in range(F):

@@ -353,13 +353,13 @@ def test_exp_neg_matches_numpy_in_its_dtype(dtype, lo, tol):
 @pytest.mark.parametrize("d", [33, 128])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_block_products_match_numpy(rng, n, F, d, dtype):
-    # The kernels' small products: dot_rows (Y = X S^T) and rows_dot (X S, BLAS or
-    # combine_rows), through their register tiles (racecpu._simd) and the loops at
-    # the edges: rows of X past the last tile (n = 7, 40 not a multiple of 4), rows of
-    # S past it (F = 9); rows not a whole number of vectors (d = 33) and too few rows for
-    # any tile (n = 1, F = 1) go to the loops; into outputs strided both ways and of
-    # another dtype.
-    from racecpu._kernels import combine_rows, dot_rows, rows_dot
+    # The kernels' small products: dot_rows (Y = X S^T) and combine_rows (X S, plain
+    # or streamed stores), through their register tiles (racecpu._simd) and the loops
+    # at the edges: rows of X past the last tile (n = 7, 40 not a multiple of 4), rows
+    # of S past it (F = 9); rows not a whole number of vectors (d = 33) and too few
+    # rows for any tile (n = 1, F = 1) go to the loops; into outputs strided both ways,
+    # of another dtype, and (streamed) not on 16 bytes.
+    from racecpu._kernels import combine_rows, dot_rows
 
     X = rng.standard_normal((n, d)).astype(dtype)
     S = rng.standard_normal((F, d)).astype(dtype)
@@ -372,12 +372,15 @@ def test_block_products_match_numpy(rng, n, F, d, dtype):
         np.testing.assert_allclose(Y, want, rtol=tol, atol=tol)
     W = rng.standard_normal((n, F)).astype(dtype)
     want = W.astype(np.float64) @ S.astype(np.float64)
-    out = np.full((n, d), np.nan, dtype)
-    rows_dot(W, S, out)
-    np.testing.assert_allclose(out, want, rtol=tol, atol=tol)
-    out = np.full((n, 2 * d), np.nan, dtype)[:, ::2]  # strided: combine_rows's loops
-    combine_rows(W, S, out)
-    np.testing.assert_allclose(out, want, rtol=tol, atol=tol)
+    other = np.float64 if dtype == np.float32 else np.float32
+    for stream in (False, True):
+        for out in (np.full((n, d), np.nan, dtype),
+                    np.full((n, d), np.nan, other),
+                    np.full(n * d + 1, np.nan, dtype)[1:].reshape(n, d),  # rows off 16 bytes: plain stores
+                    np.full((n, 2 * d), np.nan, dtype)[:, ::2]):  # strided: combine_rows's loops
+            combine_rows(W, S, out, stream)
+            np.testing.assert_allclose(out, want, rtol=max(tol, np.finfo(out.dtype).eps * 10),
+                                       atol=max(tol, np.finfo(out.dtype).eps * 10))
 
 
 def test_soft_buckets_dtypes(rng):
