@@ -92,12 +92,23 @@ class _Arrays:
         return b.bitcast(b.gep(base, [off]), ty.as_pointer())
 
 
-def _tile_signature(*arrays):
-    """Typing of a tile ``(three float arrays, two intp offsets) -> None``, or
-    None (no match: Numba's typing error) for other argument types."""
-    if not all(isinstance(a, types.Array) and isinstance(a.dtype, types.Float) for a in arrays):
-        return None
-    return types.void(*arrays, types.intp, types.intp)
+def _tile_intrinsic(emit):
+    """A Numba intrinsic ``tile(A, B, C, o0, o1)`` over three float arrays and two
+    intp offsets (other argument types: Numba's typing error) whose body is
+    ``emit(context, builder, sig, arr, o0, o1)``, ``arr`` an :class:`_Arrays` of A, B, C."""
+
+    @intrinsic
+    def tile(typingctx, A, B, C, o0, o1):
+        if not all(isinstance(a, types.Array) and isinstance(a.dtype, types.Float) for a in (A, B, C)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            emit(context, builder, sig, _Arrays(context, builder, sig.args[:3], args[:3]), *args[3:])
+            return context.get_dummy_value()
+
+        return types.void(A, B, C, types.intp, types.intp), codegen
+
+    return tile
 
 
 def _fma(builder, vty):
@@ -157,55 +168,46 @@ def _dot_tile(by_row, single=False):
     store); else Y's rows are (each row of S gets one).
     """
 
-    @intrinsic
-    def tile(typingctx, S, X, Y, j0, m0):
-        sig = _tile_signature(S, X, Y)
+    def emit(context, builder, sig, arr, j0v, m0v):  # arrays S, X, Y
+        dv = cgutils.unpack_tuple(builder, arr.arrays[0].shape)[1]
+        fty = _float(context, sig.args[1].dtype)
+        n = _lanes(sig.args[1].dtype)
+        rows, cols = (n, 1) if single else (TILE_ROWS, n // TILE_ROWS)
+        vty = ir.VectorType(fty, n)
+        sty = ir.VectorType(_float(context, sig.args[0].dtype), n)
+        fma = _fma(builder, vty)
+        acc = _accumulators(builder, vty, rows * cols)  # acc[r * cols + m]; promoted to registers
+        steps = builder.udiv(dv, arr.const(n))
+        with cgutils.for_range(builder, steps) as loop:
+            c = builder.mul(loop.index, arr.const(n))
+            xs = [builder.load(arr.ptr(1, builder.add(j0v, arr.const(r)), c, vty), align=1)
+                  for r in range(rows)]
+            for m in range(cols):
+                s = builder.load(arr.ptr(0, builder.add(m0v, arr.const(m)), c, sty), align=1)
+                s = _convert(builder, s, vty)
+                for r in range(rows):
+                    a = acc[r * cols + m]
+                    builder.store(builder.call(fma, [xs[r], s, builder.load(a)]), a)
+        # lane i of the sum holds output i (row-major: i = r cols + m, else i = m rows + r)
+        order = tree_order(n)
+        inputs = [None] * n
+        for i in range(n):
+            r, m = divmod(i, cols) if by_row else divmod(i, rows)[::-1]
+            inputs[order[i]] = builder.load(acc[r * cols + m])
+        total = tree_sum(builder, inputs)
+        yty = _float(context, sig.args[2].dtype)
+        width, count = (cols, rows) if by_row else (rows, cols)
+        part_ty = ir.VectorType(yty, width)
+        for o in range(count):
+            idx = ir.Constant(ir.VectorType(ir.IntType(32), width), list(range(o * width, (o + 1) * width)))
+            part = _convert(builder, builder.shuffle_vector(total, total, idx), part_ty)
+            if by_row:
+                p = arr.ptr(2, builder.add(j0v, arr.const(o)), m0v, part_ty)
+            else:
+                p = arr.ptr(2, j0v, builder.add(m0v, arr.const(o)), part_ty)
+            builder.store(part, p, align=1)
 
-        def codegen(context, builder, sig, args):
-            arr = _Arrays(context, builder, sig.args[:3], args[:3])
-            j0v, m0v = args[3:]
-            dv = cgutils.unpack_tuple(builder, arr.arrays[0].shape)[1]
-            fty = _float(context, sig.args[1].dtype)
-            n = _lanes(sig.args[1].dtype)
-            rows, cols = (n, 1) if single else (TILE_ROWS, n // TILE_ROWS)
-            vty = ir.VectorType(fty, n)
-            sty = ir.VectorType(_float(context, sig.args[0].dtype), n)
-            fma = _fma(builder, vty)
-            acc = _accumulators(builder, vty, rows * cols)  # acc[r * cols + m]; promoted to registers
-            steps = builder.udiv(dv, arr.const(n))
-            with cgutils.for_range(builder, steps) as loop:
-                c = builder.mul(loop.index, arr.const(n))
-                xs = [builder.load(arr.ptr(1, builder.add(j0v, arr.const(r)), c, vty), align=1)
-                      for r in range(rows)]
-                for m in range(cols):
-                    s = builder.load(arr.ptr(0, builder.add(m0v, arr.const(m)), c, sty), align=1)
-                    s = _convert(builder, s, vty)
-                    for r in range(rows):
-                        a = acc[r * cols + m]
-                        builder.store(builder.call(fma, [xs[r], s, builder.load(a)]), a)
-            # lane i of the sum holds output i (row-major: i = r cols + m, else i = m rows + r)
-            order = tree_order(n)
-            inputs = [None] * n
-            for i in range(n):
-                r, m = divmod(i, cols) if by_row else divmod(i, rows)[::-1]
-                inputs[order[i]] = builder.load(acc[r * cols + m])
-            total = tree_sum(builder, inputs)
-            yty = _float(context, sig.args[2].dtype)
-            width, count = (cols, rows) if by_row else (rows, cols)
-            part_ty = ir.VectorType(yty, width)
-            for o in range(count):
-                idx = ir.Constant(ir.VectorType(ir.IntType(32), width), list(range(o * width, (o + 1) * width)))
-                part = _convert(builder, builder.shuffle_vector(total, total, idx), part_ty)
-                if by_row:
-                    p = arr.ptr(2, builder.add(j0v, arr.const(o)), m0v, part_ty)
-                else:
-                    p = arr.ptr(2, j0v, builder.add(m0v, arr.const(o)), part_ty)
-                builder.store(part, p, align=1)
-            return context.get_dummy_value()
-
-        return None if sig is None else (sig, codegen)
-
-    return tile
+    return _tile_intrinsic(emit)
 
 
 #: Dot-product tiles storing along Y's rows / along Y's columns (see :func:`_dot_tile`).
@@ -228,51 +230,42 @@ def _comb_tile(stream):
     (512-byte rows, one thread: 59 -> 21 ns).
     """
 
-    @intrinsic
-    def tile(typingctx, X, S, out, i0, c0):
-        sig = _tile_signature(X, S, out)
-
-        def codegen(context, builder, sig, args):
-            arr = _Arrays(context, builder, sig.args[:3], args[:3])
-            i0v, c0v = args[3:]
-            fty = _float(context, sig.args[0].dtype)
-            n = _lanes(sig.args[0].dtype)
-            vty = ir.VectorType(fty, n)
-            sty = ir.VectorType(_float(context, sig.args[1].dtype), n)
-            oty = ir.VectorType(_float(context, sig.args[2].dtype), n)
-            fma = _fma(builder, vty)
-            rows, cols = 2, COMB_VECTORS
-            acc = _accumulators(builder, vty, rows * cols)
-            K = cgutils.unpack_tuple(builder, arr.arrays[0].shape)[1]
-            undef = ir.Constant(vty, ir.Undefined)
-            splat = ir.Constant(ir.VectorType(ir.IntType(32), n), [0] * n)
-            with cgutils.for_range(builder, K) as loop:
-                k = loop.index
-                s = [_convert(builder, builder.load(arr.ptr(1, k, builder.add(c0v, arr.const(v * n)), sty), align=1),
-                              vty) for v in range(cols)]
-                for r in range(rows):
-                    x = builder.load(arr.ptr(0, builder.add(i0v, arr.const(r)), k, fty))
-                    xb = builder.shuffle_vector(builder.insert_element(undef, x, ir.Constant(ir.IntType(32), 0)),
-                                                undef, splat)
-                    for v in range(cols):
-                        a = acc[r * cols + v]
-                        builder.store(builder.call(fma, [xb, s[v], builder.load(a)]), a)
-            nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+    def emit(context, builder, sig, arr, i0v, c0v):  # arrays X, S, out
+        fty = _float(context, sig.args[0].dtype)
+        n = _lanes(sig.args[0].dtype)
+        vty = ir.VectorType(fty, n)
+        sty = ir.VectorType(_float(context, sig.args[1].dtype), n)
+        oty = ir.VectorType(_float(context, sig.args[2].dtype), n)
+        fma = _fma(builder, vty)
+        rows, cols = 2, COMB_VECTORS
+        acc = _accumulators(builder, vty, rows * cols)
+        K = cgutils.unpack_tuple(builder, arr.arrays[0].shape)[1]
+        undef = ir.Constant(vty, ir.Undefined)
+        splat = ir.Constant(ir.VectorType(ir.IntType(32), n), [0] * n)
+        with cgutils.for_range(builder, K) as loop:
+            k = loop.index
+            s = [_convert(builder, builder.load(arr.ptr(1, k, builder.add(c0v, arr.const(v * n)), sty), align=1),
+                          vty) for v in range(cols)]
             for r in range(rows):
-                row = builder.add(i0v, arr.const(r))
+                x = builder.load(arr.ptr(0, builder.add(i0v, arr.const(r)), k, fty))
+                xb = builder.shuffle_vector(builder.insert_element(undef, x, ir.Constant(ir.IntType(32), 0)),
+                                            undef, splat)
                 for v in range(cols):
-                    val = _convert(builder, builder.load(acc[r * cols + v]), oty)
-                    col = builder.add(c0v, arr.const(v * n))
-                    if stream:
-                        _store_stream(builder, val, lambda q, ty: arr.ptr(2, row, builder.add(col, arr.const(q)), ty),
-                                      nontemporal)
-                    else:
-                        builder.store(val, arr.ptr(2, row, col, oty), align=1)
-            return context.get_dummy_value()
+                    a = acc[r * cols + v]
+                    builder.store(builder.call(fma, [xb, s[v], builder.load(a)]), a)
+        nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+        for r in range(rows):
+            row = builder.add(i0v, arr.const(r))
+            for v in range(cols):
+                val = _convert(builder, builder.load(acc[r * cols + v]), oty)
+                col = builder.add(c0v, arr.const(v * n))
+                if stream:
+                    _store_stream(builder, val, lambda q, ty: arr.ptr(2, row, builder.add(col, arr.const(q)), ty),
+                                  nontemporal)
+                else:
+                    builder.store(val, arr.ptr(2, row, col, oty), align=1)
 
-        return None if sig is None else (sig, codegen)
-
-    return tile
+    return _tile_intrinsic(emit)
 
 
 #: Combine tiles with plain / non-temporal stores (see :func:`_comb_tile`).
