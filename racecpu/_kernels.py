@@ -490,7 +490,8 @@ def combine_rows(X, S, out, stream=False):
     if n2 == 0 or c1 == 0 or S.strides[1] != S.itemsize or out.strides[1] != out.itemsize:
         _combine_rows_loop(X, S, out)
         return
-    if stream and streams_to(out[:, :c1]):
+    # streamed in 16-byte stores: out's rows must start on 16 bytes (the tiles' columns do)
+    if stream and out.ctypes.data % 16 == 0 and out.strides[0] % 16 == 0:
         for i in range(0, n2, 2):
             for c in range(0, c1, width):
                 comb_tile_stream(X, S, out, i, c)
@@ -502,14 +503,6 @@ def combine_rows(X, S, out, stream=False):
         _combine_rows_loop(X[:n2], S[:, c1:], out[:n2, c1:])
     if n2 < n:
         _combine_rows_loop(X[n2:], S, out[n2:])
-
-
-@njit(**_JIT)
-def streams_to(out):
-    """Whether non-temporal stores of 16 bytes can write ``out``'s rows (2-D,
-    contiguous rows, each starting on 16 bytes and a whole number of them)."""
-    return (out.strides[1] == out.itemsize and out.ctypes.data % 16 == 0 and out.strides[0] % 16 == 0
-            and (out.shape[1] * out.itemsize) % 16 == 0)
 
 
 @njit(**_JIT)

@@ -218,6 +218,18 @@ dot_tile_cols = _dot_tile(False)
 dot_tile_cols1 = _dot_tile(False, single=True)
 
 
+def _store_stream(builder, arr, i, row, col, value):
+    """Store vector ``value`` at (row, col) of array ``i`` of ``arr`` (an :class:`_Arrays`)
+    as non-temporal 16-byte pieces; the address must be on 16 bytes."""
+    piece = 2 if isinstance(value.type.element, ir.DoubleType) else 4  # lanes in 16 bytes
+    pty = ir.VectorType(value.type.element, piece)
+    nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+    for q in range(0, value.type.count, piece):
+        idx = ir.Constant(ir.VectorType(ir.IntType(32), piece), list(range(q, q + piece)))
+        p = arr.ptr(i, row, builder.add(col, arr.const(q)), pty)
+        builder.store(builder.shuffle_vector(value, value, idx), p, align=16).set_metadata("nontemporal", nontemporal)
+
+
 def _comb_tile(stream):
     """Intrinsic ``tile(X, S, out, i0, c0)``: out[i0 + r, c0:c0 + w] = X[i0 + r, :] S[:, c0:c0 + w]
     for r < 2, w = COMB_VECTORS vectors (overwriting): per row of S, its w
@@ -253,15 +265,13 @@ def _comb_tile(stream):
                 for v in range(cols):
                     a = acc[r * cols + v]
                     builder.store(builder.call(fma, [xb, s[v], builder.load(a)]), a)
-        nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
         for r in range(rows):
             row = builder.add(i0v, arr.const(r))
             for v in range(cols):
                 val = _convert(builder, builder.load(acc[r * cols + v]), oty)
                 col = builder.add(c0v, arr.const(v * n))
                 if stream:
-                    _store_stream(builder, val, lambda q, ty: arr.ptr(2, row, builder.add(col, arr.const(q)), ty),
-                                  nontemporal)
+                    _store_stream(builder, arr, 2, row, col, val)
                 else:
                     builder.store(val, arr.ptr(2, row, col, oty), align=1)
 
@@ -271,18 +281,6 @@ def _comb_tile(stream):
 #: Combine tiles with plain / non-temporal stores (see :func:`_comb_tile`).
 comb_tile = _comb_tile(False)
 comb_tile_stream = _comb_tile(True)
-
-
-def _store_stream(builder, value, ptr_of, nontemporal):
-    """Store vector ``value`` as non-temporal 16-byte pieces; ``ptr_of(q, ty)``
-    points at its lane q, as type ty."""
-    n = value.type.count
-    piece = 2 if isinstance(value.type.element, ir.DoubleType) else 4  # lanes in 16 bytes
-    pty = ir.VectorType(value.type.element, piece)
-    for q in range(0, n, piece):
-        idx = ir.Constant(ir.VectorType(ir.IntType(32), piece), list(range(q, q + piece)))
-        st = builder.store(builder.shuffle_vector(value, value, idx), ptr_of(q, pty), align=16)
-        st.set_metadata("nontemporal", nontemporal)
 
 
 @intrinsic
