@@ -47,14 +47,13 @@ def side(rc, q, k, v, g, planes, causal):
     """Forward and forward+backward calls of racecpu module ``rc`` into buffers it owns."""
     out = np.empty_like(q)
     grads = tuple(np.empty_like(x) for x in (q, k, v))
-    state = {}
 
-    def fwd():
-        state["res"] = rc.race_attention_fwd(q, k, v, planes, causal=causal, out=out)[1]
+    def fwd():  # the forward alone, as inference runs it
+        rc.race_attention(q, k, v, planes, causal=causal, out=out)
 
     def fwdbwd():
-        fwd()
-        rc.race_attention_bwd(state["res"], g, out=grads)
+        res = rc.race_attention_fwd(q, k, v, planes, causal=causal, out=out)[1]
+        rc.race_attention_bwd(res, g, out=grads)
 
     return {"fwd": fwd, "fwdbwd": fwdbwd}, (out,) + grads
 

@@ -462,6 +462,26 @@ def soft_hash_rows(x, W, beta, t, phi):
     run_tasks(_hash_rows_task, (n + 1023) // 1024, x, W, beta, np.ones(n, np.bool_), t, phi)
 
 
+@njit(**_JIT)
+def residual_rows(res, g, lo, hi):
+    """Rows lo..hi of group ``g`` of a residual ``res (G, N, ...)``, or scratch
+    for them where the caller keeps none (``res`` has no rows: a forward with
+    no backward, which then writes no phi, t or den to memory)."""
+    if res.shape[1] == 0:
+        return np.empty((hi - lo,) + res.shape[2:], res.dtype)
+    return res[g, lo:hi]
+
+
+@njit(**_JIT)
+def count_nan(t):
+    """NaNs in ``t (n, L*P)``: the hash leaves one per projection of a row with a NaN/Inf."""
+    cnt = 0
+    for j in range(t.shape[0]):
+        for m in range(t.shape[1]):
+            cnt += t[j, m] != t[j, m]
+    return cnt
+
+
 # ---------------------------------------------------------------------------
 # per-token readout of a sketch: forward and backward
 # ---------------------------------------------------------------------------
@@ -868,39 +888,45 @@ def exclusive_scan(part, reverse=False, out=None, segments=None):
 # ---------------------------------------------------------------------------
 
 @njit(**_JIT)
-def _sketch_chunks_task(task, order, k, v, mask, W, beta, chunk, span, t0, t1, phik, tk, partA, partB):
+def _sketch_chunks_task(task, order, k, v, mask, W, beta, chunk, span, t0, t1, phik, tk, partA, partB, nan):
     """One (group, chunk) task of :func:`sketch_chunks` (run by :func:`run_tasks`;
     loops inlined into a prange body were not vectorised)."""
     G, n, _ = k.shape
     nc = partA.shape[1]
     F = phik.shape[2]
     g, c, lo, hi = _bounds(order[task], nc, chunk, n)
-    hash_range(k[g], lo, hi, W, beta, mask[g], tk[g], phik[g])
+    phi, t = residual_rows(phik, g, lo, hi), residual_rows(tk, g, lo, hi)
+    hash_range(k[g, lo:hi], 0, hi - lo, W, beta, mask[g, lo:hi], t, phi)
+    nan[task] = count_nan(t)
     A = partA[g, c]
-    for j in range(lo, hi):
+    for j in range(hi - lo):
         for f in range(F):
-            A[f] += phik[g, j, f]
+            A[f] += phi[j, f]
     if t0 <= c < t1:
-        span_totals(phik[g, lo:hi], v[g, lo:hi], span, False, partB[g, c], np.empty((F, v.shape[2]), v.dtype))
+        span_totals(phi, v[g, lo:hi], span, False, partB[g, c], np.empty((F, v.shape[2]), v.dtype))
 
 
 @blas_tasks
 def sketch_chunks(k, v, mask, W, beta, chunk, phik, tk, partA, partB, span=None, totals=None):
     """Hash every key and sum its sketch per chunk.
 
-    Writes ``phik (G, Nk, F)`` and ``tk (G, Nk, L*P)`` (masked keys: phi = 0),
-    adds the chunk totals of A to ``partA (G, nc, F)`` (float64, zeros on
+    Writes ``phik (G, Nk, F)`` and ``tk (G, Nk, L*P)`` (masked keys: phi = 0;
+    either may have no rows, when nothing reads it later: see
+    :func:`residual_rows`), adds the chunk totals of A to ``partA (G, nc, F)`` (float64, zeros on
     entry) and writes those of B to ``partB (G, nc, F, dv)`` (float64).
     Non-causal attention sums them; the causal scan carries them.  ``span``: rows per product of the B totals (default
     SCAN_BLOCK, the causal scans' steps, see :func:`span_totals`; BLAS_SPAN is
     faster where no scan has to match).  ``totals``: the chunks ``(c0, c1)``
     of every group whose B totals are summed (default all; the causal forward
     needs those before its last segment, see :func:`scan_segments`).
+    Returns the number of NaNs in the keys' t (see :func:`hash_block`).
     """
     G, nc = partA.shape[:2]
     t0, t1 = (0, nc) if totals is None else totals
+    nan = np.zeros(G * nc, np.int64)
     run_tasks(_sketch_chunks_task, G * nc, spread_order(G, nc, t0, t1), k, v, mask, W, beta, chunk,
-              SCAN_BLOCK if span is None else span, t0, t1, phik, tk, partA, partB)
+              SCAN_BLOCK if span is None else span, t0, t1, phik, tk, partA, partB, nan)
+    return int(nan.sum())
 
 
 @njit(**_JIT)
@@ -932,23 +958,31 @@ def keys_bwd(v, phik, tk, dA, dB, W, beta, chunk, dk, dv_out, dbeta_part):
 # ---------------------------------------------------------------------------
 
 @njit(**_JIT)
-def _queries_fwd_task(task, keep, q, W, beta, chunk, A, B, phiq, tq, den, out):
+def _queries_fwd_task(task, keep, q, W, beta, chunk, A, B, phiq, tq, den, out, nan):
     """One (group, chunk) task of :func:`queries_fwd` (run by :func:`run_tasks`;
     loops inlined into a prange body were not vectorised)."""
     G, n, _ = q.shape
     L = W.shape[0]
     nc = (n + chunk - 1) // chunk
     g, c, lo, hi = _bounds(task, nc, chunk, n)
-    hash_range(q[g], lo, hi, W, beta, keep, tq[g], phiq[g])
-    readout_rows(phiq[g, lo:hi], A[g], B[g], L, den[g, lo:hi], out[g, lo:hi])
+    phi, t = residual_rows(phiq, g, lo, hi), residual_rows(tq, g, lo, hi)
+    hash_range(q[g, lo:hi], 0, hi - lo, W, beta, keep[lo:hi], t, phi)
+    nan[task] = count_nan(t)
+    readout_rows(phi, A[g], B[g], L, residual_rows(den, g, lo, hi), out[g, lo:hi])
 
 
 @blas_tasks
 def queries_fwd(q, W, beta, chunk, A, B, phiq, tq, den, out):
-    """Hash every query and read the summed sketch ``A (G, F)``, ``B (G, F, dv)``."""
+    """Hash every query and read the summed sketch ``A (G, F)``, ``B (G, F, dv)``.
+
+    ``phiq``, ``tq``, ``den`` may have no rows (:func:`residual_rows`).
+    Returns the number of NaNs in the queries' t (see :func:`hash_block`).
+    """
     G, n, _ = q.shape
     keep = np.ones(n, np.bool_)  # queries are never masked
-    run_tasks(_queries_fwd_task, G * ((n + chunk - 1) // chunk), keep, q, W, beta, chunk, A, B, phiq, tq, den, out)
+    nan = np.zeros(G * ((n + chunk - 1) // chunk), np.int64)
+    run_tasks(_queries_fwd_task, nan.size, keep, q, W, beta, chunk, A, B, phiq, tq, den, out, nan)
+    return int(nan.sum())
 
 
 @njit(**_JIT)
@@ -1083,7 +1117,7 @@ def _carry_on(carry, g, c, dst, total, final):
 
 
 @njit(**_JIT)
-def _causal_fwd_task(task, segments, keep, q, v, phik, carryA, carryB, W, beta, chunk, phiq, tq, den, out, final):
+def _causal_fwd_task(task, segments, keep, q, v, phik, carryA, carryB, W, beta, chunk, phiq, tq, den, out, final, nan):
     """One segment of :func:`causal_fwd` (run by :func:`run_tasks`; loops inlined
     into a prange body were not vectorised)."""
     G, n, _ = q.shape
@@ -1098,7 +1132,9 @@ def _causal_fwd_task(task, segments, keep, q, v, phik, carryA, carryB, W, beta, 
     for c in range(c0, c1):
         lo = c * chunk
         hi = min(lo + chunk, n)
-        hash_range(q[g], lo, hi, W, beta, keep, tq[g], phiq[g])
+        phi, t, dnc = residual_rows(phiq, g, lo, hi), residual_rows(tq, g, lo, hi), residual_rows(den, g, lo, hi)
+        hash_range(q[g, lo:hi], 0, hi - lo, W, beta, keep[lo:hi], t, phi)
+        nan[task] += count_nan(t)
         A = carryA[g, c].copy()
         S = carryB[g, c].astype(v.dtype)  # the carried-in state, in the compute dtype
         H, _, _, _, _, X, dS = _step_buffers(v, F, min(SCAN_BLOCK, hi - lo))
@@ -1107,7 +1143,7 @@ def _causal_fwd_task(task, segments, keep, q, v, phik, carryA, carryB, W, beta, 
             m = i1 - i0
             if m != H.shape[0]:  # the chunk's last, shorter step
                 H, _, _, _, _, X, dS = _step_buffers(v, F, m)
-            Pq, Pk, V, O = phiq[g, i0:i1], phik[g, i0:i1], v[g, i0:i1], out[g, i0:i1]
+            Pq, Pk, V, O = phi[i0 - lo:i1 - lo], phik[g, i0:i1], v[g, i0:i1], out[g, i0:i1]
             np.dot(Pq, Pk.T, H)  # H_ij = phiq_i . phik_j, kept for j <= i
             _zero_above(H)
             if dv > 0:
@@ -1120,7 +1156,7 @@ def _causal_fwd_task(task, segments, keep, q, v, phik, carryA, carryB, W, beta, 
                 for j in range(i + 1):
                     dn += H[i, j]
                 dn /= L
-                den[g, i0 + i] = dn
+                dnc[i0 - lo + i] = dn
                 inv = 1.0 / (L * dn) if dn > DEN_FLOOR else 0.0  # the floor: zeros
                 for cc in range(dv):
                     O[i, cc] = (O[i, cc] + X[i, cc]) * inv
@@ -1143,12 +1179,16 @@ def causal_fwd(q, v, phik, carryA, carryB, W, beta, chunk, phiq, tq, den, out, f
     chunk totals (:func:`span_totals`).  Per step of SCAN_BLOCK tokens with
     state B before it: out = (Phiq B + tril(Phiq Phik^T) V) / ..., then
     B += Phik^T V.  ``final (G, F, dv)`` (float64) given: the total B too.
+    ``phiq``, ``tq``, ``den`` may have no rows (:func:`residual_rows`).
+    Returns the number of NaNs in the queries' t (see :func:`hash_block`).
     """
     G, nc = carryA.shape[:2]
     keep = np.ones(q.shape[1], np.bool_)  # queries are never masked
     segments = nc if segments is None else segments
+    nan = np.zeros(G * segments, np.int64)
     run_tasks(_causal_fwd_task, G * segments, segments, keep, q, v, phik, carryA, carryB, W, beta, chunk,
-              phiq, tq, den, out, np.zeros((0, 0, 0)) if final is None else final)
+              phiq, tq, den, out, np.zeros((0, 0, 0)) if final is None else final, nan)
+    return int(nan.sum())
 
 
 @njit(**_JIT)

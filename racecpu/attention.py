@@ -181,9 +181,10 @@ def _check_derived(check_finite, *named):
 
     ``named``: ``(name, x, derived, overflow)`` in the order the errors are
     raised, where a NaN/Inf anywhere in ``x`` leaves some in ``derived``:
-    for q and k the tanh projections t (the soft hash leaves NaN in t where
-    W x is non-finite, and a NaN/Inf in a row of x makes all of its W x so;
-    9 values per row at P = L = 3 instead of d); for v and grad_out the
+    for q and k the number of NaNs the kernels counted in the tanh
+    projections t (the soft hash leaves NaN in t where W x is non-finite,
+    and a NaN/Inf in a row of x makes all of its W x so; 9 values per row at
+    P = L = 3 instead of d, counted while in cache); for v and grad_out the
     float64 sums over all rows that the kernels form anyway (every row
     enters them with a weight, and 0 * NaN is NaN).  This saves a pass over
     each input.  A flagged array is then checked itself, so the error is the
@@ -193,7 +194,7 @@ def _check_derived(check_finite, *named):
     if not check_finite:
         return
     for name, x, derived, overflow in named:
-        if _all_finite(derived):
+        if (derived == 0) if isinstance(derived, int) else _all_finite(derived):
             continue
         if not _all_finite(x):
             raise ValueError(f"{name} contains NaN or Inf (pass check_finite=False to skip this check)")
@@ -282,8 +283,18 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
                        out=None):
     """RACE attention forward; returns ``(out, residuals)`` for :func:`race_attention_bwd`.
 
-    Arguments are those of :func:`race_attention`.
+    Arguments are those of :func:`race_attention`, which computes the same
+    ``out`` (bit for bit) without keeping residuals.
     """
+    return _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residuals=True)
+
+
+def _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residuals):
+    """The forward; ``residuals=False``: the soft buckets, projections and
+    denominators that only the backward reads stay in per-chunk scratch (the
+    kernels get arrays with no rows, see ``_kernels.residual_rows``) and
+    ``(out, None)`` is returned.  The causal scan still keeps the keys' phi
+    (it reads them after the keys' pass)."""
     POOL.tick()
     a = _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, defer=True)
     if out is not None:
@@ -296,38 +307,43 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
     cdt = a.q.dtype
     chunk = _chunk(max(nq, nk), G, F, dv)
     nck = -(-nk // chunk)
-    phik = POOL.empty((G, nk, F), cdt)
-    tk = POOL.empty((G, nk, L * P), cdt)
+    rq, rk = (nq, nk) if residuals else (0, 0)  # rows kept of the queries' and keys' residuals
+    phik = POOL.empty((G, nk if causal else rk, F), cdt)
+    tk = POOL.empty((G, rk, L * P), cdt)
     seg = K.scan_segments(G, nck, nk) if causal else 1
     partA = POOL.zeros((G, nck, F))
     partB = POOL.empty((G, nck, F, dv), np.float64)  # the kernels write every value read (causal: the carries)
-    phiq = POOL.empty((G, nq, F), cdt)
-    tq = POOL.empty((G, nq, L * P), cdt)
-    den = POOL.zeros((G, nq))
+    phiq = POOL.empty((G, rq, F), cdt)
+    tq = POOL.empty((G, rq, L * P), cdt)
+    den = POOL.zeros((G, rq))
     o = _target(out, (G, nq, dv), cdt)  # the kernels write every row
+    nan_q = nan_k = 0  # NaNs in the hashes' t: a NaN/Inf in q or k, or an overflow
     if G and nk:
         # causal: the B totals of the chunks before the last segment give the segments' carries
-        K.sketch_chunks(a.k, a.v, a.mask, a.planes, a.beta, chunk, phik, tk, partA, partB,
-                        span=K.SCAN_BLOCK if causal else K.BLAS_SPAN,
-                        totals=(0, K.segment_start(seg - 1, seg, nck)) if causal else None)
+        nan_k = K.sketch_chunks(a.k, a.v, a.mask, a.planes, a.beta, chunk, phik, tk, partA, partB,
+                                span=K.SCAN_BLOCK if causal else K.BLAS_SPAN,
+                                totals=(0, K.segment_start(seg - 1, seg, nck)) if causal else None)
     if causal:
         A = K.exclusive_scan(partA, out=partA)
         B = K.exclusive_scan(partB, out=partB, segments=seg)  # the segments' first carries; the scan the rest
         sums_v = POOL.zeros((G, F, dv))  # the scan's total of B, for the check of v
         if G and nq:
-            K.causal_fwd(a.q, a.v, phik, A, B, a.planes, a.beta, chunk, phiq, tq, den, o, final=sums_v,
-                         segments=seg)
+            nan_q = K.causal_fwd(a.q, a.v, phik, A, B, a.planes, a.beta, chunk, phiq, tq, den, o, final=sums_v,
+                                 segments=seg)
     else:
         A, B = partA.sum(1), partB.sum(1)
         sums_v = B
         if G and nq:
-            K.queries_fwd(a.q, a.planes, a.beta, chunk, A, B.astype(cdt), phiq, tq, den, o)
+            nan_q = K.queries_fwd(a.q, a.planes, a.beta, chunk, A, B.astype(cdt), phiq, tq, den, o)
     overflow = f"its projections onto the planes overflow {cdt}"
-    _check_derived(a.check_finite, ("q", a.q, tq, overflow), ("k", a.k, tk, overflow),
+    _check_derived(a.check_finite, ("q", a.q, nan_q, overflow), ("k", a.k, nan_k, overflow),
                    ("v", a.v, sums_v, _SUMS_OVERFLOW))
+    shape = a.lead + (nq, dv)
+    if not residuals:
+        return _deliver(o, out, shape, a.out_dtype), None
     res = Residuals(a.planes, a.beta, a.causal, chunk, a.v, phiq, tq, phik, tk, den, A, B,
                     a.lead, a.in_dtypes, a.out_dtype, a.check_finite)
-    return _deliver(o, out, res.out_shape, a.out_dtype), res
+    return _deliver(o, out, shape, a.out_dtype), res
 
 
 def race_attention_bwd(residuals, grad_out, *, out=None):
@@ -422,6 +438,11 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
                    out=None):
     """RACE attention: linear-time soft-LSH estimate of sharpened angular attention.
 
+    The forward alone: it keeps none of the residuals that
+    :func:`race_attention_fwd` returns for the backward (the per-token soft
+    buckets, projections and denominators stay in per-chunk scratch), so it
+    writes less memory and needs less; the output is the same, bit for bit.
+
     Parameters
     ----------
     q : array_like, shape (..., Nq, d)
@@ -464,8 +485,7 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
         from . import cuda  # noqa: F401  (the CUDA path registers itself lazily)
         return cuda.race_attention(q, k, v, planes, beta, causal=causal, key_mask=key_mask,
                                    check_finite=check_finite)
-    return race_attention_fwd(q, k, v, planes, beta, causal=causal, key_mask=key_mask,
-                              check_finite=check_finite, out=out)[0]
+    return _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residuals=False)[0]
 
 
 def _is_cupy(x):

@@ -11,8 +11,9 @@ What it measures
    end of the run (the roof uses the best; a drift over 20 % is flagged as a
    noisy machine): a roof, not a typical value.
 2. **Scaling** over ``N = 2**min_log2n .. 2**max_log2n``: forward and
-   forward+backward, causal and not, of ``racecpu.race_attention_fwd`` /
-   ``race_attention_bwd`` (``race``; ``race-out`` is the same call writing into
+   forward+backward, causal and not, of ``racecpu.race_attention`` (the forward
+   alone, keeping no residuals, as the torch peers run under ``no_grad``) and
+   ``race_attention_fwd`` / ``race_attention_bwd`` (``race``; ``race-out`` is the same call writing into
    ``out=`` buffers allocated once per measurement, as a training loop would) against,
    in the same run and back to back (the order of
    implementations rotates), a vectorised NumPy statement of the same math
@@ -337,10 +338,12 @@ def _setup(spec, n):
         grads = tuple(np.ones_like(x) for x in (q, k, v)) if impl == "race-out" and g is not None else None
 
         def call():
+            if g is None:  # the forward alone keeps no residuals
+                racecpu.race_attention(q, k, v, W, beta, causal=causal, check_finite=check, out=out_buf)
+                return
             out, res = racecpu.race_attention_fwd(q, k, v, W, beta, causal=causal, check_finite=check,
                                                   out=out_buf)
-            if g is not None:
-                racecpu.race_attention_bwd(res, g, out=grads)
+            racecpu.race_attention_bwd(res, g, out=grads)
         return call, None
 
     if impl == "numpy-vec":

@@ -148,10 +148,36 @@ def test_causal_scans_agree_bit_for_bit_over_segment_counts(rng, monkeypatch, ch
         for name, a, b in zip(("dq", "dk", "dv", "dbeta"), grads, wgrads):
             assert rel_err(a, b, floor=1e-3) < 10 * tol, (seg, name)
         runs.append((out, res.A, res.B, *grads))
+        # the forward alone (no residuals kept) gives the same bits and reads nothing unwritten
+        np.testing.assert_array_equal(racecpu.race_attention(q, k, v, W, 2.0, causal=True, key_mask=mask), out)
     assert len(runs) == 4
     for run in runs[1:]:
         for a, b in zip(runs[0], run):
             np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_forward_alone_keeps_no_residuals(rng, monkeypatch, causal, dtype):
+    # race_attention is race_attention_fwd's output, bit for bit, without the per-token
+    # residuals (soft buckets, projections, denominators) in memory; the causal scan
+    # alone keeps the keys' buckets, which it reads after the keys' pass.
+    from racecpu import attention
+    monkeypatch.setattr(attention, "CHUNK", 16)
+    G, n, F, LP = 6, 100, 2 ** 3 * 2, 3 * 2
+    q, k, v, W = make(rng, (2, 3), n, n, 5, 4, 3, 2, dtype)
+    mask = rng.random((2, 3, n)) > 0.2
+    want = racecpu.race_attention_fwd(q, k, v, W, 2.0, causal=causal, key_mask=mask)[0]
+    shapes = []
+    for kind in ("empty", "zeros"):
+        def record(shape, dtype=np.float64, f=getattr(attention.POOL, kind)):
+            shapes.append(tuple(shape))
+            return f(shape, dtype)
+        monkeypatch.setattr(attention.POOL, kind, record)
+    out = racecpu.race_attention(q, k, v, W, 2.0, causal=causal, key_mask=mask)
+    np.testing.assert_array_equal(out, want)
+    per_token = [s for s in shapes if len(s) >= 2 and s[:2] == (G, n) and s[2:] != (4,)]  # all but out
+    assert per_token == ([(G, n, F)] if causal else [])
 
 
 @pytest.mark.parametrize("G, threads, want", [(1, 2, 2), (2, 2, 1), (3, 2, 2), (4, 2, 1), (1, 4, 4), (2, 4, 2),
@@ -668,11 +694,17 @@ def test_bad_inputs(rng):
         racecpu.race_attention_bwd((1, 2), out)
 
 
+def _forward_with_residuals(*args, **kw):
+    return racecpu.race_attention_fwd(*args, **kw)[0]
+
+
+@pytest.mark.parametrize("forward", [racecpu.race_attention, _forward_with_residuals])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_nonfinite_inputs_found_from_what_the_kernels_derive(rng, causal, dtype):
-    # q and k are checked from t, v from the sketch's sums and grad_out from dB, after the
-    # kernels (attention._check_derived): the same errors, in the same order, as checking first.
+def test_nonfinite_inputs_found_from_what_the_kernels_derive(rng, forward, causal, dtype):
+    # q and k are checked from the NaNs the kernels count in t, v from the sketch's sums
+    # and grad_out from dB, after the kernels (attention._check_derived): the same
+    # errors, in the same order, as checking first; with residuals kept or not.
     q, k, v, W = make(rng, (2, 3), 700, 700, 16, 8, 3, 3, dtype)
     mask = rng.random((2, 3, 700)) > 0.5
     orig = [x.copy() for x in (q, k, v)]
@@ -682,24 +714,24 @@ def test_nonfinite_inputs_found_from_what_the_kernels_derive(rng, causal, dtype)
             for a in bad_arrays:
                 args[a][tuple(rng.integers(0, n) for n in args[a].shape)] = bad
             with pytest.raises(ValueError, match=f"{name} contains NaN or Inf"):
-                racecpu.race_attention(args["q"], args["k"], args["v"], W, causal=causal, key_mask=mask)
+                forward(args["q"], args["k"], args["v"], W, causal=causal, key_mask=mask)
     q2 = q.copy()
     q2[1, 2, 3, 4] = np.nan
     for bad_args in ({"k": k.astype(int)}, {"v": v[:, :1]}, {"planes": W[..., :3]}):  # q's NaN comes first
         a = {"q": q2, "k": k, "v": v, "planes": W, **bad_args}
         with pytest.raises(ValueError, match="q contains NaN or Inf"):
-            racecpu.race_attention(a["q"], a["k"], a["v"], a["planes"], causal=causal)
+            forward(a["q"], a["k"], a["v"], a["planes"], causal=causal)
     v2 = v.copy()
     v2[0, 1, 2, 3] = np.inf
     with pytest.raises(ValueError, match="v contains NaN or Inf"):  # v's Inf before the bad planes
-        racecpu.race_attention(q, k, v2, W[..., :3], causal=causal)
+        forward(q, k, v2, W[..., :3], causal=causal)
     masked = np.nonzero(~mask[0, 0])[0][0]
     for name, x in (("k", k), ("v", v)):  # a masked key is still checked
         x2 = x.copy()
         x2[0, 0, masked, 0] = np.nan
         a = {"k": k, "v": v, name: x2}
         with pytest.raises(ValueError, match=f"{name} contains NaN or Inf"):
-            racecpu.race_attention(q, a["k"], a["v"], W, causal=causal, key_mask=mask)
+            forward(q, a["k"], a["v"], W, causal=causal, key_mask=mask)
     out, res = racecpu.race_attention_fwd(q, k, v, W, causal=causal, key_mask=mask)
     for bad in (np.nan, np.inf, -np.inf):
         g = np.ones_like(out)
