@@ -473,13 +473,19 @@ def residual_rows(res, g, lo, hi):
 
 
 @njit(**_JIT)
-def count_nan(t):
-    """NaNs in ``t (n, L*P)``: the hash leaves one per projection of a row with a NaN/Inf."""
-    cnt = 0
+def hash_chunk(x, g, lo, hi, W, beta, keep, t_res, phi_res):
+    """:func:`hash_range` of rows lo..hi of group ``g`` of ``x (G, N, d)`` into
+    their rows of the residuals ``t_res``, ``phi_res`` (or scratch:
+    :func:`residual_rows`).  Returns ``(phi, t, nan)``, ``nan`` the NaNs in t,
+    counted while in cache: the hash leaves one per projection of a row with
+    a NaN/Inf (attention._check_derived)."""
+    phi, t = residual_rows(phi_res, g, lo, hi), residual_rows(t_res, g, lo, hi)
+    hash_range(x[g, lo:hi], 0, hi - lo, W, beta, keep, t, phi)
+    nan = 0
     for j in range(t.shape[0]):
         for m in range(t.shape[1]):
-            cnt += t[j, m] != t[j, m]
-    return cnt
+            nan += t[j, m] != t[j, m]
+    return phi, t, nan
 
 
 # ---------------------------------------------------------------------------
@@ -895,9 +901,7 @@ def _sketch_chunks_task(task, order, k, v, mask, W, beta, chunk, span, t0, t1, p
     nc = partA.shape[1]
     F = phik.shape[2]
     g, c, lo, hi = _bounds(order[task], nc, chunk, n)
-    phi, t = residual_rows(phik, g, lo, hi), residual_rows(tk, g, lo, hi)
-    hash_range(k[g, lo:hi], 0, hi - lo, W, beta, mask[g, lo:hi], t, phi)
-    nan[task] = count_nan(t)
+    phi, _, nan[task] = hash_chunk(k, g, lo, hi, W, beta, mask[g, lo:hi], tk, phik)
     A = partA[g, c]
     for j in range(hi - lo):
         for f in range(F):
@@ -965,9 +969,7 @@ def _queries_fwd_task(task, keep, q, W, beta, chunk, A, B, phiq, tq, den, out, n
     L = W.shape[0]
     nc = (n + chunk - 1) // chunk
     g, c, lo, hi = _bounds(task, nc, chunk, n)
-    phi, t = residual_rows(phiq, g, lo, hi), residual_rows(tq, g, lo, hi)
-    hash_range(q[g, lo:hi], 0, hi - lo, W, beta, keep[lo:hi], t, phi)
-    nan[task] = count_nan(t)
+    phi, _, nan[task] = hash_chunk(q, g, lo, hi, W, beta, keep[lo:hi], tq, phiq)
     readout_rows(phi, A[g], B[g], L, residual_rows(den, g, lo, hi), out[g, lo:hi])
 
 
@@ -1132,9 +1134,9 @@ def _causal_fwd_task(task, segments, keep, q, v, phik, carryA, carryB, W, beta, 
     for c in range(c0, c1):
         lo = c * chunk
         hi = min(lo + chunk, n)
-        phi, t, dnc = residual_rows(phiq, g, lo, hi), residual_rows(tq, g, lo, hi), residual_rows(den, g, lo, hi)
-        hash_range(q[g, lo:hi], 0, hi - lo, W, beta, keep[lo:hi], t, phi)
-        nan[task] += count_nan(t)
+        phi, _, bad = hash_chunk(q, g, lo, hi, W, beta, keep[lo:hi], tq, phiq)
+        nan[task] += bad
+        dnc = residual_rows(den, g, lo, hi)
         A = carryA[g, c].copy()
         S = carryB[g, c].astype(v.dtype)  # the carried-in state, in the compute dtype
         H, _, _, _, _, X, dS = _step_buffers(v, F, min(SCAN_BLOCK, hi - lo))

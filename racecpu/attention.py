@@ -179,22 +179,22 @@ _SUMS_OVERFLOW = "its weighted sums overflow float64"
 def _check_derived(check_finite, *named):
     """NaN/Inf check of inputs from small arrays that the kernels derived from them.
 
-    ``named``: ``(name, x, derived, overflow)`` in the order the errors are
-    raised, where a NaN/Inf anywhere in ``x`` leaves some in ``derived``:
-    for q and k the number of NaNs the kernels counted in the tanh
+    ``named``: ``(name, x, finite, overflow)`` in the order the errors are
+    raised, ``finite`` whether what the kernels derived from ``x`` is, where
+    a NaN/Inf anywhere in ``x`` makes it not: for q and k the tanh
     projections t (the soft hash leaves NaN in t where W x is non-finite,
-    and a NaN/Inf in a row of x makes all of its W x so; 9 values per row at
-    P = L = 3 instead of d, counted while in cache); for v and grad_out the
-    float64 sums over all rows that the kernels form anyway (every row
-    enters them with a weight, and 0 * NaN is NaN).  This saves a pass over
-    each input.  A flagged array is then checked itself, so the error is the
+    and a NaN/Inf in a row of x makes all of its W x so; the kernels count
+    those NaNs while t is in cache, 9 values per row at P = L = 3 instead of
+    d); for v and grad_out the float64 sums over all rows that the kernels
+    form anyway (every row enters them with a weight, and 0 * NaN is NaN).
+    This saves a pass over each input.  A flagged array is then checked itself, so the error is the
     eager one; a flagged array that is finite overflowed what was derived
     from it (``overflow`` says what), which is an error too.
     """
     if not check_finite:
         return
-    for name, x, derived, overflow in named:
-        if (derived == 0) if isinstance(derived, int) else _all_finite(derived):
+    for name, x, finite, overflow in named:
+        if finite:
             continue
         if not _all_finite(x):
             raise ValueError(f"{name} contains NaN or Inf (pass check_finite=False to skip this check)")
@@ -336,14 +336,13 @@ def _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residua
         if G and nq:
             nan_q = K.queries_fwd(a.q, a.planes, a.beta, chunk, A, B.astype(cdt), phiq, tq, den, o)
     overflow = f"its projections onto the planes overflow {cdt}"
-    _check_derived(a.check_finite, ("q", a.q, nan_q, overflow), ("k", a.k, nan_k, overflow),
-                   ("v", a.v, sums_v, _SUMS_OVERFLOW))
-    shape = a.lead + (nq, dv)
+    _check_derived(a.check_finite, ("q", a.q, nan_q == 0, overflow), ("k", a.k, nan_k == 0, overflow),
+                   ("v", a.v, _all_finite(sums_v), _SUMS_OVERFLOW))
+    y = _deliver(o, out, a.lead + (nq, dv), a.out_dtype)
     if not residuals:
-        return _deliver(o, out, shape, a.out_dtype), None
-    res = Residuals(a.planes, a.beta, a.causal, chunk, a.v, phiq, tq, phik, tk, den, A, B,
-                    a.lead, a.in_dtypes, a.out_dtype, a.check_finite)
-    return _deliver(o, out, shape, a.out_dtype), res
+        return y, None
+    return y, Residuals(a.planes, a.beta, a.causal, chunk, a.v, phiq, tq, phik, tk, den, A, B,
+                        a.lead, a.in_dtypes, a.out_dtype, a.check_finite)
 
 
 def race_attention_bwd(residuals, grad_out, *, out=None):
@@ -421,12 +420,12 @@ def race_attention_bwd(residuals, grad_out, *, out=None):
             dB = POOL.zeros((G, F, dv))  # the scan's total of dB, for the check of grad_out
             K.causal_keys_bwd(g, r.v, r.phik, r.tk, r.phiq, r.den, dden, cA, cB, r.planes, r.beta, chunk,
                               dk, dv_, dbk, final=dB, segments=seg)
-            _check_derived(r.check_finite, ("grad_out", g, dB, _SUMS_OVERFLOW))
+            _check_derived(r.check_finite, ("grad_out", g, _all_finite(dB), _SUMS_OVERFLOW))
         else:
             K.queries_bwd(g, r.phiq, r.tq, r.den, r.A, r.B.astype(cdt), r.planes, r.beta, chunk,
                           dq, partdA, partdB, dbq)
             dB = partdB.sum(1)
-            _check_derived(r.check_finite, ("grad_out", g, dB, _SUMS_OVERFLOW))  # before the keys' backward
+            _check_derived(r.check_finite, ("grad_out", g, _all_finite(dB), _SUMS_OVERFLOW))  # before the keys' backward
             K.keys_bwd(r.v, r.phik, r.tk, partdA.sum(1), dB.astype(cdt), r.planes, r.beta, chunk,
                        dk, dv_, dbk)
         dbeta = float(dbq.sum() + dbk.sum())
