@@ -181,3 +181,41 @@ def test_ab_script_compares_two_checkouts():
         assert a > 0 and b > 0 and float(r[6]) == pytest.approx(b / a, abs=2e-3)  # one round: its ratio is B/A
     bad = subprocess.run([sys.executable, str(script), str(root / "tests")], capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "not a racecpu checkout" in bad.stderr
+
+
+def test_profile_script_names_compiled_functions(tmp_path):
+    # benchmarks/profile.py's part that does not need perf: Numba's mangled names shortened,
+    # and a perf JIT map with the address of every function compiled for a module's dispatchers.
+    import importlib.util
+    import types
+    from pathlib import Path
+
+    import numba
+
+    path = Path(__file__).parents[1] / "benchmarks" / "profile.py"
+    spec = importlib.util.spec_from_file_location("race_profile", path)
+    prof = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prof)
+    mangled = "_ZN7racecpu8_kernels8dot_rowsB3v55B114c8tJTIeFIjxB2IKSgI4CrvQCk0Z4yRYcWsCAgXrKFt1X1ep5xVXqE5ArrayI"
+    assert prof.short_name(mangled) == "racecpu._kernels.dot_rows[v55]"
+    assert prof.short_name("_ZN5numba2np6linalg5dot_312_3clocals_3e12_3clambda_3eB3v25B1xE") \
+        == "numba.np.linalg.dot_3.<locals>.<lambda>[v25]"
+    assert prof.short_name("sgemm_kernel_SKYLAKEX") == "sgemm_kernel_SKYLAKEX"
+
+    @numba.njit  # not cached: its IR lists the functions compiled
+    def outer(x):
+        return x * 2.0 + 1.0
+
+    assert outer(1.0) == 3.0
+    found = prof.compiled_functions([types.SimpleNamespace(outer=outer, other=1)])
+    names = [prof.short_name(n) for n in found.values()]
+    assert any(n.split("[")[0].endswith("<locals>.outer") for n in names), names
+    assert all(isinstance(addr, int) and addr > 0 for addr in found)
+    mapfile = tmp_path / "perf.map"
+    assert prof.write_perf_map(found, mapfile) == len(found)
+    lines = [line.split(" ", 2) for line in mapfile.read_text().splitlines()]
+    starts = [int(s, 16) for s, _, _ in lines]
+    assert starts == sorted(found) and all(int(size, 16) > 0 for _, size, _ in lines)
+    assert {name for _, _, name in lines} == set(found.values())
+    with pytest.raises(SystemExit):
+        prof.main(["--log2n", "2"])

@@ -1,0 +1,179 @@
+"""Where a RACE call spends its time, per compiled function, with Linux ``perf``.
+
+``perf`` sees Numba's machine code as anonymous JIT memory (``[JIT] tid ...``
+plus an address).  This script compiles racecpu's kernels afresh in this
+process (a temporary ``NUMBA_CACHE_DIR``: code loaded from the on-disk cache
+carries no list of its functions), writes the start address of every
+compiled function to ``/tmp/perf-<pid>.map`` (the file perf reads for JIT
+symbols), runs the chosen call in a loop, and samples this process with
+``perf record -p`` while it does.  It prints the functions that took the
+largest share of the samples, their Numba names shortened
+(``racecpu._kernels.dot_rows[v55]``: the version tells two specialisations of
+one function apart), and the call's ns per token-head.
+
+    python benchmarks/profile.py [--mode fwd|fwdbwd|causal-fwd|causal-fwdbwd] [--log2n 18]
+                                 [--heads 4] [--threads 2] [--seconds 10] [--top 25]
+
+It needs ``perf`` (linux-tools) and a kernel that lets this user sample
+(``/proc/sys/kernel/perf_event_paranoid``); without them it says so and stops.
+The compile takes about a minute.  BLAS (OpenBLAS's ``sgemm_*``) and Numba's
+runtime (``NRT_incref``/``NRT_decref``: reference counts of array views) show
+under their own names.
+
+Found with it (causal fwd+bwd, one head, 2^18 tokens, one thread): a fifth of the time
+is ``dot_rows`` of the scans' small products, ~8 % the runtime's reference counts; in the non-causal
+forward (4 heads, 2 threads), the sketch's sgemm and the hash projection run at
+half their in-cache speed, waiting on the streamed v and x rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+
+def short_name(mangled):
+    """``racecpu._kernels.dot_rows[v55]`` from Numba's Itanium-style mangled
+    name ``_ZN7racecpu8_kernels8dot_rowsB3v55B...E5Array...``; other names as given."""
+    if not mangled.startswith("_ZN"):
+        return mangled
+    parts, i, version = [], 3, ""
+    while i < len(mangled) and mangled[i].isdigit():
+        j = i
+        while j < len(mangled) and mangled[j].isdigit():
+            j += 1
+        n = int(mangled[i:j])
+        parts.append(mangled[j:j + n])
+        i = j + n
+        m = re.match(r"B\d+(v\d+)", mangled[i:])  # the ABI tag: the function's version
+        if m:
+            version = m.group(1)
+            break
+    if not parts:
+        return mangled
+    name = ".".join(p.replace("_3clocals_3e", "<locals>").replace("_3clambda_3e", "<lambda>") for p in parts)
+    return f"{name}[{version}]" if version else name
+
+
+def compiled_functions(modules):
+    """{address: mangled name} of every function compiled so far for the Numba
+    dispatchers found in ``modules`` (each with its callees linked into it)."""
+    from numba.core.registry import CPUDispatcher
+
+    found = {}
+    for mod in modules:
+        for obj in vars(mod).values():
+            if not isinstance(obj, CPUDispatcher):
+                continue
+            for cres in list(obj.overloads.values()):
+                lib = cres.library
+                for fn in lib._final_module.functions:  # empty for code loaded from the cache
+                    if fn.is_declaration:
+                        continue
+                    addr = lib.get_pointer_to_function(fn.name)
+                    if addr:
+                        found[addr] = fn.name
+    return found
+
+
+def write_perf_map(functions, path):
+    """Write ``functions`` ({address: name}) as perf's JIT symbol map: ``start size name``
+    per line, each function taken to end where the next one starts (at most 1 MiB)."""
+    addrs = sorted(functions)
+    with open(path, "w") as f:
+        for i, a in enumerate(addrs):
+            size = addrs[i + 1] - a if i + 1 < len(addrs) and addrs[i + 1] - a < 1 << 20 else 4096
+            f.write(f"{a:x} {size:x} {functions[a]}\n")
+    return len(addrs)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mode", choices=("fwd", "fwdbwd", "causal-fwd", "causal-fwdbwd"), default="causal-fwdbwd")
+    p.add_argument("--log2n", type=int, default=18)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seconds", type=float, default=10.0, help="how long perf samples")
+    p.add_argument("--top", type=int, default=25)
+    a = p.parse_args(argv)
+    if not 4 <= a.log2n <= 24:
+        p.error("--log2n must be in 4..24")
+    perf = shutil.which("perf")
+    if perf is None:
+        raise SystemExit("perf is not installed (linux-tools)")
+
+    cache = tempfile.mkdtemp(prefix="racecpu-profile-")
+    os.environ["NUMBA_CACHE_DIR"] = cache  # before Numba is imported: compile afresh, keep the IR
+    if "numba" in sys.modules:
+        raise SystemExit("run profile.py as a script: Numba was already imported with another cache")
+    import numba
+    import numpy as np
+
+    import racecpu
+    from racecpu import _kernels
+
+    numba.set_num_threads(min(a.threads, numba.config.NUMBA_NUM_THREADS))
+    n, heads, d = 1 << a.log2n, a.heads, 128
+    rng = np.random.default_rng(0)
+    q, k, v, g = (rng.standard_normal((1, heads, n, d), dtype=np.float32) for _ in range(4))
+    planes = rng.standard_normal((3, 3, d)).astype(np.float32)
+    out = np.empty_like(q)
+    grads = tuple(np.empty_like(x) for x in (q, k, v))
+    causal = a.mode.startswith("causal")
+
+    def call():
+        if a.mode.endswith("fwdbwd"):
+            res = racecpu.race_attention_fwd(q, k, v, planes, causal=causal, out=out)[1]
+            racecpu.race_attention_bwd(res, g, out=grads)
+        else:
+            racecpu.race_attention(q, k, v, planes, causal=causal, out=out)
+
+    print(f"compiling ({a.mode}) ...", flush=True)
+    call()
+    call()
+    nmap = write_perf_map(compiled_functions([_kernels]), f"/tmp/perf-{os.getpid()}.map")
+    data = os.path.join(cache, "perf.data")
+    done = threading.Event()
+    times = []
+
+    def loop():
+        while not done.is_set():
+            t = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - t)
+
+    worker = threading.Thread(target=loop)
+    worker.start()
+    try:
+        rec = subprocess.run([perf, "record", "-q", "-F", "2000", "-o", data, "-p", str(os.getpid()), "--",
+                              "sleep", str(a.seconds)], capture_output=True, text=True)
+    finally:
+        done.set()
+        worker.join()
+    if rec.returncode != 0 or not os.path.exists(data):
+        raise SystemExit(f"perf record failed (perf_event_paranoid?): {rec.stderr.strip()[-500:]}")
+    rep = subprocess.run([perf, "report", "-i", data, "--sort", "sym", "--stdio", "--percent-limit", "0.3"],
+                         capture_output=True, text=True)
+    ns = float(np.median(times)) * 1e9 / (n * heads) if times else float("nan")
+    print(f"{a.mode}: N = 2^{a.log2n}, {heads} heads, {a.threads} threads: {ns:.1f} ns per token-head "
+          f"(median of {len(times)} calls); {nmap} compiled functions named")
+    shown = 0
+    for line in rep.stdout.splitlines():
+        m = re.match(r"\s*([\d.]+)%\s+\[[.k]\]\s+(\S+)", line)
+        if m and shown < a.top:
+            print(f"  {float(m.group(1)):6.2f} %  {short_name(m.group(2))}")
+            shown += 1
+    os.remove(f"/tmp/perf-{os.getpid()}.map")
+    shutil.rmtree(cache, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
