@@ -18,12 +18,7 @@ It needs ``perf`` (linux-tools) and a kernel that lets this user sample
 (``/proc/sys/kernel/perf_event_paranoid``); without them it says so and stops.
 The compile takes about a minute.  BLAS (OpenBLAS's ``sgemm_*``) and Numba's
 runtime (``NRT_incref``/``NRT_decref``: reference counts of array views) show
-under their own names.
-
-Found with it (causal fwd+bwd, one head, 2^18 tokens, one thread): a fifth of the time
-is ``dot_rows`` of the scans' small products, ~8 % the runtime's reference counts; in the non-causal
-forward (4 heads, 2 threads), the sketch's sgemm and the hash projection run at
-half their in-cache speed, waiting on the streamed v and x rows.
+under their own names.  What it showed on this machine: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -94,6 +89,33 @@ def write_perf_map(functions, path):
     return len(addrs)
 
 
+def _sample(perf, call, data, seconds):
+    """Run ``call`` in a loop on a thread while ``perf record`` samples this
+    process for ``seconds``; returns the calls' times and perf's report by symbol."""
+    done = threading.Event()
+    times = []
+
+    def loop():
+        while not done.is_set():
+            t = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - t)
+
+    worker = threading.Thread(target=loop)
+    worker.start()
+    try:
+        rec = subprocess.run([perf, "record", "-q", "-F", "2000", "-o", data, "-p", str(os.getpid()), "--",
+                              "sleep", str(seconds)], capture_output=True, text=True)
+    finally:
+        done.set()
+        worker.join()
+    if rec.returncode != 0 or not os.path.exists(data):
+        raise SystemExit(f"perf record failed (perf_event_paranoid?): {rec.stderr.strip()[-500:]}")
+    rep = subprocess.run([perf, "report", "-i", data, "--sort", "sym", "--stdio", "--percent-limit", "0.3"],
+                         capture_output=True, text=True)
+    return times, rep.stdout
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mode", choices=("fwd", "fwdbwd", "causal-fwd", "causal-fwdbwd"), default="causal-fwdbwd")
@@ -109,10 +131,10 @@ def main(argv=None):
     if perf is None:
         raise SystemExit("perf is not installed (linux-tools)")
 
-    cache = tempfile.mkdtemp(prefix="racecpu-profile-")
-    os.environ["NUMBA_CACHE_DIR"] = cache  # before Numba is imported: compile afresh, keep the IR
     if "numba" in sys.modules:
         raise SystemExit("run profile.py as a script: Numba was already imported with another cache")
+    cache = tempfile.mkdtemp(prefix="racecpu-profile-")
+    os.environ["NUMBA_CACHE_DIR"] = cache  # before Numba is imported: compile afresh, keep the IR
     import numba
     import numpy as np
 
@@ -135,43 +157,26 @@ def main(argv=None):
         else:
             racecpu.race_attention(q, k, v, planes, causal=causal, out=out)
 
-    print(f"compiling ({a.mode}) ...", flush=True)
-    call()
-    call()
-    nmap = write_perf_map(compiled_functions([_kernels]), f"/tmp/perf-{os.getpid()}.map")
-    data = os.path.join(cache, "perf.data")
-    done = threading.Event()
-    times = []
-
-    def loop():
-        while not done.is_set():
-            t = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - t)
-
-    worker = threading.Thread(target=loop)
-    worker.start()
+    mapfile = f"/tmp/perf-{os.getpid()}.map"
     try:
-        rec = subprocess.run([perf, "record", "-q", "-F", "2000", "-o", data, "-p", str(os.getpid()), "--",
-                              "sleep", str(a.seconds)], capture_output=True, text=True)
-    finally:
-        done.set()
-        worker.join()
-    if rec.returncode != 0 or not os.path.exists(data):
-        raise SystemExit(f"perf record failed (perf_event_paranoid?): {rec.stderr.strip()[-500:]}")
-    rep = subprocess.run([perf, "report", "-i", data, "--sort", "sym", "--stdio", "--percent-limit", "0.3"],
-                         capture_output=True, text=True)
+        print(f"compiling ({a.mode}) ...", flush=True)
+        call()
+        call()
+        nmap = write_perf_map(compiled_functions([_kernels]), mapfile)
+        times, report = _sample(perf, call, os.path.join(cache, "perf.data"), a.seconds)
+    finally:  # the map and the fresh cache are of this run only
+        if os.path.exists(mapfile):
+            os.remove(mapfile)
+        shutil.rmtree(cache, ignore_errors=True)
     ns = float(np.median(times)) * 1e9 / (n * heads) if times else float("nan")
     print(f"{a.mode}: N = 2^{a.log2n}, {heads} heads, {a.threads} threads: {ns:.1f} ns per token-head "
           f"(median of {len(times)} calls); {nmap} compiled functions named")
     shown = 0
-    for line in rep.stdout.splitlines():
+    for line in report.splitlines():
         m = re.match(r"\s*([\d.]+)%\s+\[[.k]\]\s+(\S+)", line)
         if m and shown < a.top:
             print(f"  {float(m.group(1)):6.2f} %  {short_name(m.group(2))}")
             shown += 1
-    os.remove(f"/tmp/perf-{os.getpid()}.map")
-    shutil.rmtree(cache, ignore_errors=True)
     return 0
 
 
