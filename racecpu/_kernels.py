@@ -23,7 +23,8 @@ chunks (:func:`causal_fwd`), SCAN_BLOCK tokens per step, each step a few
 small matrix products.  The carries are the same, bit for bit, however many
 segments.  The backward is exact: prefix states are rebuilt by rescanning
 from the stored carries and suffix sums by a reverse scan; nothing is
-obtained by subtracting from a total.
+obtained by subtracting from a total.  With one segment per group, both run
+in one pass, chunk by chunk (:func:`causal_bwd`).
 
 Forward and backward of each step stand side by side.
 """
@@ -1194,14 +1195,13 @@ def causal_fwd(q, v, phik, carryA, carryB, W, beta, chunk, phiq, tq, den, out, f
 
 
 @njit(**_JIT)
-def _causal_queries_bwd_task(task, order, t0, t1, grad, v, phik, phiq, tq, den, carryA, carryB, W, beta, chunk, dq, dden_out, partdA, partdB, dbeta_part):
-    """One (group, chunk) task of :func:`causal_queries_bwd` (run by :func:`run_tasks`;
-    loops inlined into a prange body were not vectorised)."""
+def _causal_queries_bwd_chunk(g, c, t0, t1, grad, v, phik, phiq, tq, den, carryA, carryB, W, beta, chunk, dq, dden_out, partdA, partdB, dbeta_part):
+    """Chunk ``c`` of group ``g`` of :func:`causal_queries_bwd`."""
     G, n, dv = grad.shape
     L = W.shape[0]
-    nc = carryA.shape[1]
     F = phik.shape[2]
-    g, c, lo, hi = _bounds(order[task], nc, chunk, n)
+    lo = c * chunk
+    hi = min(lo + chunk, n)
     A = carryA[g, c].copy()
     S = carryB[g, c].astype(v.dtype)  # the carried-in state, in the compute dtype
     wq, wblock, dA, DPHI = _query_bwd_buffers(grad, F, hi - lo)
@@ -1232,6 +1232,16 @@ def _causal_queries_bwd_task(task, order, t0, t1, grad, v, phik, phiq, tq, den, 
                                          dq, partdA, partdB, SCAN_BLOCK if t0 <= c < t1 else 0)
 
 
+@njit(**_JIT)
+def _causal_queries_bwd_task(task, order, t0, t1, grad, v, phik, phiq, tq, den, carryA, carryB, W, beta, chunk, dq, dden_out, partdA, partdB, dbeta_part):
+    """One (group, chunk) task of :func:`causal_queries_bwd` (run by :func:`run_tasks`;
+    loops inlined into a prange body were not vectorised)."""
+    nc = carryA.shape[1]
+    g, c, _, _ = _bounds(order[task], nc, chunk, grad.shape[1])
+    _causal_queries_bwd_chunk(g, c, t0, t1, grad, v, phik, phiq, tq, den, carryA, carryB, W, beta, chunk,
+                              dq, dden_out, partdA, partdB, dbeta_part)
+
+
 @blas_tasks
 def causal_queries_bwd(grad, v, phik, phiq, tq, den, carryA, carryB, W, beta, chunk,
                        dq, dden_out, partdA, partdB, dbeta_part, totals=None):
@@ -1259,53 +1269,63 @@ def _causal_keys_bwd_task(task, segments, grad, v, phik, tk, phiq, den, dden, ca
     F = phik.shape[2]
     g, c0, c1 = _segment(task, segments, nc)
     last = c0 == 0 and final.shape[0] > 0  # this segment writes the total to final
-    track = last or c1 - c0 > 1
     total = np.zeros((F, dv), grad.dtype)  # the chunk's sum of dB updates, for the next carry
-    ddv = np.zeros(SCAN_BLOCK, np.float64)
     for ci in range(c1 - c0):
-        c = c1 - 1 - ci  # chunks last to first
-        lo = c * chunk
-        hi = min(lo + chunk, n)
-        dA = carrydA[g, c].copy()
-        dB = carrydB[g, c].astype(grad.dtype)  # the carried-in state, in the compute dtype
-        DPHI = np.empty((hi - lo, F), np.float64)
-        nb = (hi - lo + SCAN_BLOCK - 1) // SCAN_BLOCK
-        M, M2, wb, Y, Z, X, dS = _step_buffers(grad, F, min(SCAN_BLOCK, hi - lo))
-        for bi in range(nb - 1, -1, -1):
-            i0 = lo + bi * SCAN_BLOCK
-            i1 = min(i0 + SCAN_BLOCK, hi)
-            m = i1 - i0
-            if m != M.shape[0]:  # the chunk's last, shorter step
-                M, M2, wb, Y, Z, X, dS = _step_buffers(grad, F, m)
-            Pq, Pk, V, Gb, dV = phiq[g, i0:i1], phik[g, i0:i1], v[g, i0:i1], grad[g, i0:i1], dv_out[g, i0:i1]
-            for i in range(m):
-                dn = den[g, i0 + i]
-                inv = 1.0 / (L * dn) if dn > DEN_FLOOR else 0.0
-                ddv[i] = dden[g, i0 + i] / L if dn > DEN_FLOOR else 0.0
-                for f in range(F):
-                    wb[i, f] = Pq[i, f] * inv  # the weights wq_i of g_i in dB
-            if dv > 0:
-                # dphik_j = dB v_j + sum_{i>=j} wq_i (g_i . v_j) + dA_j, dB from after the step
-                dot_rows(dB, V, Y)
-                dot_rows(Gb, V, M)  # M_ji = v_j . g_i, kept for i >= j
-                _zero_below(M)
-                np.dot(M, wb, Z)
-                # dv_j = dB^T phik_j + sum_{i>=j} (wq_i . phik_j) g_i
-                np.dot(Pk, dB, dV)
-                np.dot(Pk, wb.T, M2)
-                _zero_below(M2)
-                np.dot(M2, Gb, X)
-                for j in range(m):
-                    for cc in range(dv):
-                        dV[j, cc] += X[j, cc]
-            for j in range(m - 1, -1, -1):
-                for f in range(F):
-                    dA[f] += Pq[j, f] * ddv[j]
-                    DPHI[i0 + j - lo, f] = Y[j, f] + Z[j, f] + dA[f]
-            add_product(wb, Gb, dB, dS, total, track)
-        dbeta_part[g, c] = hash_bwd_rows(DPHI, phik[g, lo:hi], tk[g, lo:hi], W, beta, dk[g, lo:hi])
-        if c - 1 >= c0 or last:
-            _carry_on(carrydB, g, c, c - 1, total, final)
+        _causal_keys_bwd_chunk(g, c1 - 1 - ci, c0, last or c1 - c0 > 1, last, grad, v, phik, tk, phiq, den, dden,
+                               carrydA, carrydB, W, beta, chunk, dk, dv_out, dbeta_part, final, total)
+
+
+@njit(**_JIT)
+def _causal_keys_bwd_chunk(g, c, c0, track, last, grad, v, phik, tk, phiq, den, dden, carrydA, carrydB, W, beta, chunk, dk, dv_out, dbeta_part, final, total):
+    """Chunk ``c`` of group ``g`` of :func:`causal_keys_bwd`, in a segment from
+    chunk ``c0``: its dB total is summed in ``total`` when ``track``, and
+    carried on to chunk c - 1 (``final`` for the first chunk if ``last``)."""
+    G, n, dv = grad.shape
+    L = W.shape[0]
+    F = phik.shape[2]
+    ddv = np.zeros(SCAN_BLOCK, np.float64)
+    lo = c * chunk
+    hi = min(lo + chunk, n)
+    dA = carrydA[g, c].copy()
+    dB = carrydB[g, c].astype(grad.dtype)  # the carried-in state, in the compute dtype
+    DPHI = np.empty((hi - lo, F), np.float64)
+    nb = (hi - lo + SCAN_BLOCK - 1) // SCAN_BLOCK
+    M, M2, wb, Y, Z, X, dS = _step_buffers(grad, F, min(SCAN_BLOCK, hi - lo))
+    for bi in range(nb - 1, -1, -1):
+        i0 = lo + bi * SCAN_BLOCK
+        i1 = min(i0 + SCAN_BLOCK, hi)
+        m = i1 - i0
+        if m != M.shape[0]:  # the chunk's last, shorter step
+            M, M2, wb, Y, Z, X, dS = _step_buffers(grad, F, m)
+        Pq, Pk, V, Gb, dV = phiq[g, i0:i1], phik[g, i0:i1], v[g, i0:i1], grad[g, i0:i1], dv_out[g, i0:i1]
+        for i in range(m):
+            dn = den[g, i0 + i]
+            inv = 1.0 / (L * dn) if dn > DEN_FLOOR else 0.0
+            ddv[i] = dden[g, i0 + i] / L if dn > DEN_FLOOR else 0.0
+            for f in range(F):
+                wb[i, f] = Pq[i, f] * inv  # the weights wq_i of g_i in dB
+        if dv > 0:
+            # dphik_j = dB v_j + sum_{i>=j} wq_i (g_i . v_j) + dA_j, dB from after the step
+            dot_rows(dB, V, Y)
+            dot_rows(Gb, V, M)  # M_ji = v_j . g_i, kept for i >= j
+            _zero_below(M)
+            np.dot(M, wb, Z)
+            # dv_j = dB^T phik_j + sum_{i>=j} (wq_i . phik_j) g_i
+            np.dot(Pk, dB, dV)
+            np.dot(Pk, wb.T, M2)
+            _zero_below(M2)
+            np.dot(M2, Gb, X)
+            for j in range(m):
+                for cc in range(dv):
+                    dV[j, cc] += X[j, cc]
+        for j in range(m - 1, -1, -1):
+            for f in range(F):
+                dA[f] += Pq[j, f] * ddv[j]
+                DPHI[i0 + j - lo, f] = Y[j, f] + Z[j, f] + dA[f]
+        add_product(wb, Gb, dB, dS, total, track)
+    dbeta_part[g, c] = hash_bwd_rows(DPHI, phik[g, lo:hi], tk[g, lo:hi], W, beta, dk[g, lo:hi])
+    if c - 1 >= c0 or last:
+        _carry_on(carrydB, g, c, c - 1, total, final)
 
 
 @blas_tasks
@@ -1326,3 +1346,44 @@ def causal_keys_bwd(grad, v, phik, tk, phiq, den, dden, carrydA, carrydB, W, bet
     segments = nc if segments is None else segments
     run_tasks(_causal_keys_bwd_task, G * segments, segments, grad, v, phik, tk, phiq, den, dden, carrydA, carrydB,
               W, beta, chunk, dk, dv_out, dbeta_part, np.zeros((0, 0, 0)) if final is None else final)
+
+
+@njit(**_JIT)
+def _causal_bwd_task(g, grad, v, phik, tk, phiq, tq, den, carryA, carryB, W, beta, chunk, dq, dk, dv_out, dden,
+                     partdA, partdB, dbq, dbk, final):
+    """Group ``g`` of :func:`causal_bwd`: chunks last to first, each one's
+    queries' backward and then its keys' backward, the reverse carries summed
+    on the way as :func:`exclusive_scan` sums them."""
+    nc = carryA.shape[1]
+    F = phik.shape[2]
+    dv = grad.shape[2]
+    acc = np.zeros(F)
+    partdB[g, nc - 1] = 0.0  # no dB after the last chunk
+    last = final.shape[0] > 0
+    total = np.zeros((F, dv), grad.dtype)
+    for ci in range(nc):
+        c = nc - 1 - ci
+        _causal_queries_bwd_chunk(g, c, nc, nc, grad, v, phik, phiq, tq, den, carryA, carryB, W, beta, chunk,
+                                  dq, dden, partdA, partdB, dbq)
+        for f in range(F):  # partdA[g, c]: from the chunk's total to its carry, the sum of those after it
+            x = partdA[g, c, f]
+            partdA[g, c, f] = acc[f]
+            acc[f] += x
+        _causal_keys_bwd_chunk(g, c, 0, last or nc > 1, last, grad, v, phik, tk, phiq, den, dden,
+                               partdA, partdB, W, beta, chunk, dk, dv_out, dbk, final, total)
+
+
+@blas_tasks
+def causal_bwd(grad, v, phik, tk, phiq, tq, den, carryA, carryB, W, beta, chunk, dq, dk, dv_out, dden,
+               partdA, partdB, dbq, dbk, final=None):
+    """:func:`causal_queries_bwd`, :func:`exclusive_scan` of the carries and
+    :func:`causal_keys_bwd` in one pass, for one segment per group
+    (:func:`scan_segments`): each chunk's keys' backward follows its queries'
+    backward while the chunk's rows of ``v`` and ``grad`` are still in cache
+    (a chunk's 1024 of each: 1 MB, against L2 caches of 1-2 MB per core),
+    instead of reading them from memory again in a second pass.  The same
+    bits as the three calls; ``partdA``, ``partdB`` end as their carries.
+    """
+    G = grad.shape[0]
+    run_tasks(_causal_bwd_task, G, grad, v, phik, tk, phiq, tq, den, carryA, carryB, W, beta, chunk, dq, dk,
+              dv_out, dden, partdA, partdB, dbq, dbk, np.zeros((0, 0, 0)) if final is None else final)

@@ -118,8 +118,9 @@ def test_blas_and_loop_paths_match_reference(rng, monkeypatch, causal, dtype, to
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_causal_scans_agree_bit_for_bit_over_segment_counts(rng, monkeypatch, chunk, dtype):
     # One task per group scanning all its chunks (no chunk totals of B and
-    # dB), a few segments each from carries summed from the totals of the
-    # chunks before (after) it, or one task per chunk: the same carries, so
+    # dB; the backward in one pass, causal_bwd), a few segments each from
+    # carries summed from the totals of the chunks before (after) it, or one
+    # task per chunk (three backward calls): the same carries, so
     # the same results to the last bit, and all match the reference, with
     # no value read that the kernels did not write.  Chunks of 40 reach the sgemm steps and end on a 4-token step; 7, the loop path.
     from racecpu import _kernels, attention
