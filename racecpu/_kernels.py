@@ -1263,8 +1263,7 @@ def causal_queries_bwd(grad, v, phik, phiq, tq, den, carryA, carryB, W, beta, ch
 def _causal_keys_bwd_task(task, segments, grad, v, phik, tk, phiq, den, dden, carrydA, carrydB, W, beta, chunk, dk, dv_out, dbeta_part, final):
     """One segment of :func:`causal_keys_bwd` (run by :func:`run_tasks`; loops
     inlined into a prange body were not vectorised)."""
-    G, n, dv = grad.shape
-    L = W.shape[0]
+    dv = grad.shape[2]
     nc = carrydA.shape[1]
     F = phik.shape[2]
     g, c0, c1 = _segment(task, segments, nc)
