@@ -841,6 +841,15 @@ def segment_start(s, segments, nc):
 
 
 @njit(**_JIT)
+def _exclusive_step(part, out, acc):
+    """out = acc, then acc += part (one chunk of an exclusive scan; ``out`` may be ``part``)."""
+    for e in range(acc.shape[0]):
+        x = part[e]  # read before the write
+        out[e] = acc[e]
+        acc[e] += x
+
+
+@njit(**_JIT)
 def _scan_chunks(part, segments, reverse, out):
     """out[g, c] = sum of part[g, c'] over c' < c (c' > c: ``reverse``), in chunk
     order, for the first chunk c (in scan order) of each segment only."""
@@ -862,10 +871,7 @@ def _scan_chunks(part, segments, reverse, out):
                         out[g, c, e] = acc[e]
                     break
                 else:
-                    for e in range(E):
-                        x = part[g, c, e]  # read before the write: out may be part
-                        out[g, c, e] = acc[e]
-                        acc[e] += x
+                    _exclusive_step(part[g, c], out[g, c], acc)
 
 
 def exclusive_scan(part, reverse=False, out=None, segments=None):
@@ -1364,10 +1370,7 @@ def _causal_bwd_task(g, grad, v, phik, tk, phiq, tq, den, carryA, carryB, W, bet
         c = nc - 1 - ci
         _causal_queries_bwd_chunk(g, c, nc, nc, grad, v, phik, phiq, tq, den, carryA, carryB, W, beta, chunk,
                                   dq, dden, partdA, partdB, dbq)
-        for f in range(F):  # partdA[g, c]: from the chunk's total to its carry, the sum of those after it
-            x = partdA[g, c, f]
-            partdA[g, c, f] = acc[f]
-            acc[f] += x
+        _exclusive_step(partdA[g, c], partdA[g, c], acc)  # the chunk's dA total -> its carry
         _causal_keys_bwd_chunk(g, c, 0, last or nc > 1, last, grad, v, phik, tk, phiq, den, dden,
                                partdA, partdB, W, beta, chunk, dk, dv_out, dbk, final, total)
 
