@@ -686,8 +686,10 @@ def outer_add(w, x, B):
 
 
 #: Rows from which a rank-k update goes to BLAS (np.dot: single-threaded sgemm,
-#: see blas_one_thread) rather than :func:`outer_add`; below it, call overhead wins.
-BLAS_ROWS = 16
+#: see blas_one_thread) rather than :func:`outer_add`; below it, call overhead
+#: wins.  The causal steps' rank-8 updates (SCAN_BLOCK) are faster in sgemm:
+#: causal fwd+bwd 796 against 901 ns per token-head through outer_add.
+BLAS_ROWS = 8
 #: Rows per sgemm of the non-causal chunk totals (:func:`span_totals`): one
 #: sgemm over a whole 1024-token chunk ran 1.8x slower than four of 256.
 BLAS_SPAN = 256
@@ -1051,13 +1053,17 @@ def queries_bwd(grad, phiq, tq, den, A, B, W, beta, chunk, dq, partdA, partdB, d
 # ---------------------------------------------------------------------------
 
 #: Tokens per step of the causal scans.  A step is a few small matrix
-#: products (BLAS runs them at ~100 GFLOP/s from 16 rows up; the dot-shaped
-#: ones, X S^T over dv-long rows, and the forward's readouts run in the
-#: register tiles of :func:`dot_rows` and :func:`combine_rows`): queries read
-#: the state from before the step, plus the step's own keys through a
-#: triangular (SCAN_BLOCK, SCAN_BLOCK) block, and the state takes one rank-16
-#: update.  Per-token vector loops instead ran at 8-40 GFLOP/s.
-SCAN_BLOCK = 16
+#: products (BLAS runs them at ~100 GFLOP/s; the dot-shaped ones, X S^T over
+#: dv-long rows, and the forward's readouts run in the register tiles of
+#: :func:`dot_rows` and :func:`combine_rows`): queries read the state from
+#: before the step, plus the step's own keys through a triangular
+#: (SCAN_BLOCK, SCAN_BLOCK) block, and the state takes one rank-SCAN_BLOCK
+#: update.  The state's products cost the same per token at any step size,
+#: the triangular block's grow with it and the calls' overhead shrinks: 8
+#: (causal fwd+bwd 1.4 % and fwd 3.9 % faster than 16, ``ab.py`` at 2^19;
+#: 32 and 4 slower, 12 not told from 16).  Per-token vector loops instead ran
+#: at 8-40 GFLOP/s.
+SCAN_BLOCK = 8
 
 
 @njit(**_JIT)

@@ -97,13 +97,14 @@ def test_chunked_work_matches_reference(rng, monkeypatch):
 @pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-10), (np.float32, 1e-5)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_blas_and_loop_paths_match_reference(rng, monkeypatch, causal, dtype, tol):
-    # Chunks of 24 tokens reach the sgemm path (>= BLAS_ROWS rows), the last
-    # chunk of 10 the loop path: both in one call, with masked keys.
+    # Chunks of 24 tokens reach the sgemm path (>= BLAS_ROWS rows; causal: in
+    # steps of SCAN_BLOCK), the last chunk of 5 the loop path: both in one
+    # call, with masked keys.
     from racecpu import _kernels, attention
     monkeypatch.setattr(attention, "CHUNK", 24)
-    assert 10 < _kernels.BLAS_ROWS <= 24
-    nk = 58 if causal else 34
-    q, k, v, W = make(rng, (2,), 58, nk, 6, 7, 3, 3, dtype)
+    assert 5 < _kernels.BLAS_ROWS <= min(24, _kernels.SCAN_BLOCK)
+    nk = 53 if causal else 29
+    q, k, v, W = make(rng, (2,), 53, nk, 6, 7, 3, 3, dtype)
     mask = rng.random((2, nk)) > 0.25
     out, res = racecpu.race_attention_fwd(q, k, v, W, 2.5, causal=causal, key_mask=mask)
     want, wres = ref.race_attention_dense_fwd(*f64(q, k, v, W), 2.5, causal=causal, key_mask=mask)
@@ -114,7 +115,7 @@ def test_blas_and_loop_paths_match_reference(rng, monkeypatch, causal, dtype, to
         assert rel_err(a, b, floor=1e-3) < 10 * tol, name
 
 
-@pytest.mark.parametrize("chunk", [7, 40])
+@pytest.mark.parametrize("chunk", [7, 28])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_causal_scans_agree_bit_for_bit_over_segment_counts(rng, monkeypatch, chunk, dtype):
     # One task per group scanning all its chunks (no chunk totals of B and
@@ -122,8 +123,10 @@ def test_causal_scans_agree_bit_for_bit_over_segment_counts(rng, monkeypatch, ch
     # carries summed from the totals of the chunks before (after) it, or one
     # task per chunk (three backward calls): the same carries, so
     # the same results to the last bit, and all match the reference, with
-    # no value read that the kernels did not write.  Chunks of 40 reach the sgemm steps and end on a 4-token step; 7, the loop path.
+    # no value read that the kernels did not write.  Chunks of 28 reach the
+    # sgemm steps and end on a shorter step (28 = 3 * 8 + 4); 7, the loop path.
     from racecpu import _kernels, attention
+    assert chunk < _kernels.BLAS_ROWS or (chunk % _kernels.SCAN_BLOCK and _kernels.SCAN_BLOCK >= _kernels.BLAS_ROWS)
     monkeypatch.setattr(attention, "CHUNK", chunk)
     empty = attention.POOL.empty
 
