@@ -413,6 +413,44 @@ def test_block_products_match_numpy(rng, n, F, d, dtype):
                                        atol=max(tol, np.finfo(out.dtype).eps * 10))
 
 
+def test_tasks_flush_subnormals_and_give_the_threads_mode_back():
+    # run_tasks' tasks flush subnormal results (and inputs) to zero on x86-64
+    # (FLUSH_SUBNORMALS); the calling thread and Numba's workers get their own
+    # mode back, so code run after them on any thread still sees subnormals.
+    import numba
+    from numba import njit, prange
+    from racecpu._kernels import FLUSH_SUBNORMALS, run_tasks
+
+    @njit
+    def product(t, x, y, out):
+        out[t] = x[t] * y[t]
+
+    @njit(parallel=True)
+    def products(x, y, out):
+        for t in prange(x.shape[0]):
+            out[t] = x[t] * y[t]
+
+    small = np.full(64, 1e-20, np.float32)
+    tiny = np.float32(1e-20) * np.float32(1e-20)  # 1e-40: subnormal in float32
+    assert 0 < tiny < np.finfo(np.float32).tiny
+    out = np.full(64, np.nan, np.float32)
+    run_tasks(product, 64, small, small, out)  # a subnormal result: flushed
+    np.testing.assert_array_equal(out, 0.0 if FLUSH_SUBNORMALS else tiny)
+    big = np.full(64, 1e30, np.float32)
+    run_tasks(product, 64, np.full(64, tiny), big, out)  # a subnormal input: read as zero
+    np.testing.assert_array_equal(out, 0.0 if FLUSH_SUBNORMALS else tiny * big)
+    assert (tiny * big > 0).all()
+    for threads in sorted({1, numba.get_num_threads()}):
+        numba.set_num_threads(threads)
+        try:
+            run_tasks(product, 64, small, small, out)
+            products(small, small, out)  # the same threads, outside run_tasks
+        finally:
+            numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+        np.testing.assert_array_equal(out, tiny)
+        assert np.float32(1e-20) * np.float32(1e-20) == tiny  # NumPy on this thread
+
+
 def test_soft_buckets_dtypes(rng):
     W = racecpu.hyperplanes(4, 2, 2)
     x = rng.standard_normal((3, 4))
