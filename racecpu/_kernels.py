@@ -1116,6 +1116,59 @@ def _zero_below(M):
             M[i, j] = 0.0
 
 
+#: Rows of phi (F) from which a step's scores phi_i . phi_j go to BLAS: below,
+#: its NT sgemm takes the copying path (~220 ns per 8 x 8 block of F = 24
+#: against ~115 here, one thread); from 32 on it is as fast or faster.
+BLAS_SCORE_F = 32
+
+
+@njit(**_JIT)
+def step_scores(X, Y, out, lower):
+    """out[i, j] = X[i] . Y[j] where j <= i (``lower``) or j >= i (not), 0 elsewhere.
+
+    The triangular scores of a scan step between rows of phi (``X (m, F)``,
+    ``Y (k, F)``, ``out (m, k)``).  Four rows of Y per sweep over a row of X
+    (each load of X feeds four FMAs; the masked entries of a sweep are
+    overwritten with zeros); np.dot + a mask from BLAS_SCORE_F columns.
+    """
+    m, F = X.shape
+    k = Y.shape[0]
+    if F >= BLAS_SCORE_F:
+        np.dot(X, Y.T, out)
+        if lower:
+            _zero_above(out)
+        else:
+            _zero_below(out)
+        return
+    for i in range(m):
+        x = X[i]
+        o = out[i]
+        lo, hi = (0, min(i + 1, k)) if lower else (i, k)
+        j = lo - lo % 4
+        while j < hi and j + 4 <= k:
+            y0, y1, y2, y3 = Y[j], Y[j + 1], Y[j + 2], Y[j + 3]
+            a0 = a1 = a2 = a3 = x[0] - x[0]  # typed zeros (NaN with a non-finite row, whose sums are NaN anyway)
+            for f in range(F):
+                xf = x[f]
+                a0 += xf * y0[f]
+                a1 += xf * y1[f]
+                a2 += xf * y2[f]
+                a3 += xf * y3[f]
+            o[j], o[j + 1], o[j + 2], o[j + 3] = a0, a1, a2, a3
+            j += 4
+        while j < hi:
+            y0 = Y[j]
+            a0 = x[0] - x[0]
+            for f in range(F):
+                a0 += x[f] * y0[f]
+            o[j] = a0
+            j += 1
+        for j in range(lo):
+            o[j] = 0.0
+        for j in range(hi, k):
+            o[j] = 0.0
+
+
 @njit(**_JIT)
 def _step_buffers(like, F, m):
     """Scratch of one scan step of ``m`` tokens in the compute dtype of ``like``:
@@ -1191,8 +1244,7 @@ def _causal_fwd_task(task, segments, keep, q, v, phik, carryA, carryB, W, beta, 
             if m != H.shape[0]:  # the chunk's last, shorter step
                 H, _, _, _, _, X, dS = _step_buffers(v, F, m)
             Pq, Pk, V, O = phi[i0 - lo:i1 - lo], phik[g, i0:i1], v[g, i0:i1], out[g, i0:i1]
-            np.dot(Pq, Pk.T, H)  # H_ij = phiq_i . phik_j, kept for j <= i
-            _zero_above(H)
+            step_scores(Pq, Pk, H, True)  # H_ij = phiq_i . phik_j, kept for j <= i
             if dv > 0:
                 combine_rows(Pq, S, O)
                 combine_rows(H, V, X)
@@ -1355,8 +1407,7 @@ def _causal_keys_bwd_chunk(g, c, c0, track, last, grad, v, phik, tk, phiq, den, 
             np.dot(M, wb, Z)
             # dv_j = dB^T phik_j + sum_{i>=j} (wq_i . phik_j) g_i
             np.dot(Pk, dB, dV)
-            np.dot(Pk, wb.T, M2)
-            _zero_below(M2)
+            step_scores(Pk, wb, M2, False)  # M2_ji = phik_j . wq_i, kept for i >= j
             np.dot(M2, Gb, X)
             for j in range(m):
                 for cc in range(dv):

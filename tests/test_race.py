@@ -413,6 +413,32 @@ def test_block_products_match_numpy(rng, n, F, d, dtype):
                                        atol=max(tol, np.finfo(out.dtype).eps * 10))
 
 
+@pytest.mark.parametrize("m", [1, 3, 5, 8])
+@pytest.mark.parametrize("F", [1, 6, 24, 40])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_step_scores_match_numpy(rng, m, F, dtype):
+    # The causal steps' triangular scores X Y^T: the loop below BLAS_SCORE_F
+    # columns (four rows of Y per sweep, then one at a time; rows past the
+    # diagonal computed and overwritten with zeros), np.dot and a mask from
+    # it (F = 40); every entry written.
+    from racecpu._kernels import BLAS_SCORE_F, step_scores
+
+    assert 24 < BLAS_SCORE_F <= 40
+    X = rng.standard_normal((m, F)).astype(dtype)
+    Y = rng.standard_normal((m, F)).astype(dtype)
+    full = X.astype(np.float64) @ Y.T.astype(np.float64)
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    for lower, want in ((True, np.tril(full)), (False, np.triu(full))):
+        out = np.full((m, m), np.nan, dtype)
+        step_scores(X, Y, out, lower)
+        np.testing.assert_allclose(out, want, rtol=tol, atol=tol)
+    X[m // 2] = np.nan  # a non-finite row spreads along its own products only
+    out = np.zeros((m, m), dtype)
+    step_scores(X, Y, out, True)
+    assert np.isnan(out[m // 2, :m // 2 + 1]).all() and not out[m // 2, m // 2 + 1:].any()
+    assert np.isfinite(np.delete(out, m // 2, axis=0)).all()
+
+
 def test_tasks_flush_subnormals_and_give_the_threads_mode_back():
     # run_tasks' tasks flush subnormal results (and inputs) to zero on x86-64
     # (FLUSH_SUBNORMALS); the calling thread and Numba's workers get their own
