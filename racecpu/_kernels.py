@@ -1116,9 +1116,9 @@ def _zero_below(M):
             M[i, j] = 0.0
 
 
-#: Rows of phi (F) from which a step's scores phi_i . phi_j go to BLAS: below,
-#: its NT sgemm takes the copying path (~220 ns per 8 x 8 block of F = 24
-#: against ~115 here, one thread); from 32 on it is as fast or faster.
+#: Length F of phi's rows from which a step's scores phi_i . phi_j go to BLAS:
+#: below, its NT sgemm takes the copying path (~220 ns per 8 x 8 block of
+#: F = 24 against ~115 here, one thread); from 32 on it is as fast or faster.
 BLAS_SCORE_F = 32
 
 
