@@ -1130,6 +1130,9 @@ def step_scores(X, Y, out, lower):
     ``Y (k, F)``, ``out (m, k)``).  Four rows of Y per sweep over a row of X
     (each load of X feeds four FMAs; the masked entries of a sweep are
     overwritten with zeros); np.dot + a mask from BLAS_SCORE_F columns.
+    Not :func:`dot_rows` (the same product, Y = X S^T): built for dv-long
+    rows, it took 195-200 ns on an 8 x 8 block of F = 24 against ~115 here,
+    and computes the masked half too.
     """
     m, F = X.shape
     k = Y.shape[0]
