@@ -23,7 +23,10 @@ What it measures
 3. **Thread scaling**: RACE forward+backward at batch = 1, heads = 1, largest N,
    ``NUMBA_NUM_THREADS`` = 1 and ``--threads``, both ``race`` and ``race-out``
    (fresh outputs reuse the previous call's dropped results through racecpu's
-   pool, so only the first call's page faults, untimed, differ between them).
+   pool, so only the first call's page faults, untimed, differ between them);
+   and, as the reference of what the threads reach on independent work, ``race``
+   with as many heads as threads (one head per thread: no head split over
+   threads, whose causal scans then need chunk totals for their carries).
 4. **Compile / first-call cost**: a fresh process with an empty ``NUMBA_CACHE_DIR``
    (cold: compiles every kernel the public API uses in float32) and a fresh
    process with that now warm cache (time from ``import racecpu`` to the first
@@ -839,7 +842,7 @@ class _Suite:
 
         st = self.st
         n_scaling = len(self.ns) * len(CONFIGS) * len(self.impls) * st["rounds"]
-        n_threads = len(THREAD_IMPLS) * 2 * len({1, st["threads"]}) * st["rounds"]
+        n_threads = (len(THREAD_IMPLS) * len({1, st["threads"]}) + (st["threads"] > 1)) * 2 * st["rounds"]
         n_threads = n_threads if "threads" in self.sections else 0
         n_compile = (1 if st["no_cold"] else 2) if "compile" in self.sections else 0
         total = 2 + n_scaling + n_threads + n_compile
@@ -986,34 +989,43 @@ class _Suite:
         if not fits:
             self._note(f"thread scaling skipped: even N=2^{st['min_log2n']} at one head is predicted above the "
                        f"{st['mem_cap'] / _GIB:.1f} GiB cap")
-            self.bar.update(len(THREAD_IMPLS) * 2 * len(counts) * st["rounds"])
+            self.bar.update((len(THREAD_IMPLS) * len(counts) + (st["threads"] > 1)) * 2 * st["rounds"])
             return
         n = fits[-1]
         shape = (1, 1, n, st["d"], st["dv"])
+        T = counts[-1]
+        # The reference: as many heads as threads, one per thread, no head split over threads (so no
+        # chunk totals for the threads' carries); "race" only, where it fits.
+        ref = T > 1 and predict_peak("race", "fwdbwd", True, (1, T, n, st["d"], st["dv"]), self.F, self.LP,
+                                     self.itemsize) <= st["mem_cap"]
+        if T > 1 and not ref:
+            self._note(f"thread scaling: {T} heads at N=2^{n.bit_length() - 1} (one per thread) predicted above the "
+                       f"{st['mem_cap'] / _GIB:.1f} GiB cap; not run")
+            self.bar.update(2 * st["rounds"])
+        runs = [(impl, th, 1) for impl in THREAD_IMPLS for th in counts] + ([("race", T, T)] if ref else [])
         got = {}
         for rnd in range(st["rounds"]):
             for causal in (False, True):
-                for impl in THREAD_IMPLS:
-                    for th in (counts if (rnd + causal) % 2 == 0 else counts[::-1]):
-                        self.bar.set_description(f"threads={th} {impl} fwdbwd{' causal' if causal else ''} "
-                                                 f"N=2^{n.bit_length() - 1}")
-                        spec = self._spec(impl=impl, mode="fwdbwd", causal=causal, n=n, batch=1, heads=1,
-                                          threads=th, full_warmup=True)
-                        res, _ = _spawn(_CHILD, spec, _env(th), self._timeout(None))
-                        self.bar.update()
-                        acc = got.setdefault((causal, impl, th), dict(times=[], peak=0, err=None))
-                        if res.get("ok"):
-                            acc["times"] += res["times"]
-                            acc["peak"] = max(acc["peak"], res["peak_rss"] or 0)
-                        else:
-                            acc["err"] = res.get("error")
+                for impl, th, heads in (runs if (rnd + causal) % 2 == 0 else runs[::-1]):
+                    self.bar.set_description(f"threads={th} {impl} fwdbwd{' causal' if causal else ''} "
+                                             f"N=2^{n.bit_length() - 1} heads={heads}")
+                    spec = self._spec(impl=impl, mode="fwdbwd", causal=causal, n=n, batch=1, heads=heads,
+                                      threads=th, full_warmup=True)
+                    res, _ = _spawn(_CHILD, spec, _env(th), self._timeout(None))
+                    self.bar.update()
+                    acc = got.setdefault((causal, impl, th, heads), dict(times=[], peak=0, err=None))
+                    if res.get("ok"):
+                        acc["times"] += res["times"]
+                        acc["peak"] = max(acc["peak"], res["peak_rss"] or 0)
+                    else:
+                        acc["err"] = res.get("error")
         io = io_bytes("fwdbwd", shape, self.itemsize)
         for causal in (False, True):
             for impl in THREAD_IMPLS:
                 meds = {}
                 row = dict(impl=impl, mode="fwdbwd", causal=int(causal), n=n, batch=1, heads=1)
                 for th in counts:
-                    acc = got.get((causal, impl, th))
+                    acc = got.get((causal, impl, th, 1))
                     if not acc or not acc["times"]:
                         err = acc["err"] if acc else "not run"
                         self._row("threads", **row, threads=th, status="failed", note=str(err))
@@ -1025,6 +1037,20 @@ class _Suite:
                 if len(meds) == 2:
                     self._row("threads", **row, threads=counts[-1], value=f"{meds[1] / meds[counts[-1]]:.3f}",
                               unit=f"speedup {counts[-1]} vs 1 thread")
+                acc = got.get((causal, impl, T, T))
+                if impl != "race" or not acc:
+                    continue
+                row = dict(row, heads=T, threads=T, note="one head per thread")
+                if not acc["times"]:
+                    self._row("threads", **row, status="failed", note=str(acc["err"]))
+                    continue
+                med = statistics.median(acc["times"]) / T  # per head
+                self._row("threads", **row, calls=len(acc["times"]), median_s=f"{med * T:.6g}",
+                          ns_per_token_head=f"{med / n * 1e9:.2f}", peak_rss_bytes=acc["peak"], io_bytes=T * io,
+                          mem_ratio=f"{acc['peak'] / (T * io):.3f}")
+                if len(meds) == 2:
+                    self._row("threads", **row, value=f"{meds[1] / med:.3f}",
+                              unit=f"speedup {T} heads on {T} threads vs 1 head on 1 thread")
 
     def _compile_section(self):
         st = self.st
@@ -1107,14 +1133,23 @@ class _Suite:
         lines += ["", self._scaling_table()]
         thr = [r for r in self.rows if r["section"] == "threads"]
         if thr:
-            lines += ["", "thread scaling (fwdbwd, B=1 H=1; race-out: into out= buffers allocated once):"]
+            lines += ["", "thread scaling (fwdbwd, B=1 H=1; race-out: into out= buffers allocated once; "
+                          "H = threads: one head per thread, none split over threads):"]
+            split = {(r["impl"], r["causal"], r["threads"]): float(r["ns_per_token_head"])
+                     for r in thr if r["heads"] == 1 and r["status"] == "ok" and not r["value"]}
             for r in thr:
                 c = f"{r['impl']} {'causal' if r['causal'] else 'non-causal'}"
+                if r["heads"] != 1:
+                    c += f" H={r['heads']}"
                 if r["value"]:
                     lines.append(f"  N={r['n']} {c}: {r['unit']} = {r['value']}")
                 elif r["status"] == "ok":
+                    extra = ""
+                    one = split.get((r["impl"], r["causal"], r["threads"]))
+                    if r["heads"] != 1 and one is not None:
+                        extra = f"; one head split over them costs {one - float(r['ns_per_token_head']):+.2f}"
                     lines.append(f"  N={r['n']} {c} {r['threads']} thread(s): {r['ns_per_token_head']} ns/token-head, "
-                                 f"mem ratio {r['mem_ratio']}")
+                                 f"mem ratio {r['mem_ratio']}{extra}")
                 else:
                     lines.append(f"  N={r['n']} {c} {r['threads']} thread(s): {r['note']}")
         comp = [r for r in self.rows if r["section"] == "compile"]

@@ -1,6 +1,7 @@
 """The benchmark suite: its roofline model, its peers' math, and one tiny end-to-end run."""
 
 import csv
+import os
 
 import numpy as np
 import pytest
@@ -103,6 +104,11 @@ def test_suite_runs_end_to_end(tmp_path, capsys):
     threads = [r for r in rows if r["section"] == "threads"]
     speedups = {(r["impl"], r["causal"]) for r in threads if r["unit"].startswith("speedup")}
     assert speedups == {(i, c) for i in ("race", "race-out") for c in ("0", "1")}
+    # the reference without a head split: as many heads as threads, one per thread
+    cores = os.cpu_count() or 1
+    ref = [r for r in threads if r["note"] == "one head per thread"]
+    assert {(r["causal"], r["heads"], r["threads"], bool(r["value"])) for r in ref} == (
+        {(c, str(cores), str(cores), v) for c in ("0", "1") for v in (False, True)} if cores > 1 else set())
     compile_ = {r["impl"]: float(r["value"]) for r in rows if r["section"] == "compile"}
     assert 0 < compile_["warm:import"] <= compile_["warm:first-result"] <= compile_["warm:all-kernels"]
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
