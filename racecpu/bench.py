@@ -1199,13 +1199,55 @@ class _Suite:
         out += [fmt.format(*t) for t in table]
         return "\n".join(out)
 
+    def _plot_threads(self, ax_speed, ax_ns):
+        """Thread scaling: speedup over one thread (target line) and ns per token-head, as bars per setup."""
+        thr = [r for r in self.rows if r["section"] == "threads" and r["status"] == "ok"]
+        if not thr:
+            for ax in (ax_speed, ax_ns):
+                ax.axis("off")
+            ax_speed.text(0.5, 0.5, "thread scaling not run", ha="center", va="center", transform=ax_speed.transAxes)
+            return
+        T = max(int(r["threads"]) for r in thr)
+        setups = [(impl, 1, f"{impl}, 1 head") for impl in THREAD_IMPLS] + [("race", T, f"race, {T} heads (one per thread)")]
+        modes = [(0, "non-causal"), (1, "causal")]
+        width = 0.8 / len(setups)
+        for k, (impl, heads, label) in enumerate(setups):
+            x = np.arange(len(modes)) + (k - (len(setups) - 1) / 2) * width
+            speed = [next((float(r["value"]) for r in thr if r["impl"] == impl and r["heads"] == heads
+                           and r["causal"] == c and r["value"]), np.nan) for c, _ in modes]
+            ax_speed.bar(x, speed, width, color=f"C{k}", label=label)
+            for xi, v in zip(x, speed):
+                if np.isfinite(v):
+                    ax_speed.text(xi, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
+            for th, hatch in ((1, ""), (T, "//")):
+                if heads != 1 and th == 1:
+                    continue
+                ns = [next((float(r["ns_per_token_head"]) for r in thr if r["impl"] == impl and r["heads"] == heads
+                            and r["causal"] == c and int(r["threads"]) == th and not r["value"]), np.nan)
+                      for c, _ in modes]
+                ax_ns.bar(x + (0 if heads != 1 else (-width / 4 if th == 1 else width / 4)), ns,
+                          width / (1 if heads != 1 else 2), color=f"C{k}", hatch=hatch,
+                          label=f"{label}, {th} thread{'s' if th > 1 else ''}")
+        ax_speed.axhline(1.8, color="k", ls=":", lw=1, label="1.8x target")
+        ax_speed.axhline(T, color="gray", ls="-", lw=0.5)
+        ax_speed.set_ylabel(f"speedup, {T} threads vs 1 thread with 1 head")
+        ax_speed.set_title(f"thread scaling, forward+backward (N=2^{int(thr[0]['n']).bit_length() - 1})")
+        ax_ns.set_ylabel("ns per token-head")
+        ax_ns.set_title("thread scaling: time per token-head")
+        ax_speed.set_ylim(0, T * 1.3)  # room for the legend above the bars
+        ax_ns.set_ylim(0, ax_ns.get_ylim()[1] * 1.5)
+        for ax, ncol in ((ax_speed, 2), (ax_ns, 1)):
+            ax.set_xticks(np.arange(len(modes)), [m for _, m in modes])
+            ax.grid(True, axis="y", alpha=0.3)
+            ax.legend(fontsize=7, loc="upper left", ncol=ncol)
+
     def _plot(self, path):
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
         rows = [r for r in self.rows if r["section"] == "scaling" and r["status"] == "ok"]
-        fig, axes = plt.subplots(2, 3, figsize=(16, 9), constrained_layout=True)
+        fig, axes = plt.subplots(2, 4, figsize=(21, 9), constrained_layout=True)
         colors = dict(zip(IMPLS["cpu"] + IMPLS["cuda"], ("C0", "C4", "C1", "C2", "C3", "C0", "C3")))
         st = self.st
         tok = st["batch"] * st["heads"]
@@ -1244,6 +1286,7 @@ class _Suite:
             ax.set_title(f"memory, {'forward' if mode == 'fwd' else 'forward+backward'}")
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=7)
+        self._plot_threads(axes[0, 3], axes[1, 3])
         fig.suptitle(f"racecpu bench: B={st['batch']} H={st['heads']} d={st['d']} dv={st['dv']} P={st['planes']} "
                      f"L={st['tables']} {st['dtype']}, {st['threads']} threads "
                      f"(copy {self.machine['bandwidth'] / 1e9:.0f} GB/s, SGEMM {self.machine['sgemm'] / 1e9:.0f} GFLOP/s)")
