@@ -842,8 +842,7 @@ class _Suite:
 
         st = self.st
         n_scaling = len(self.ns) * len(CONFIGS) * len(self.impls) * st["rounds"]
-        n_threads = (len(THREAD_IMPLS) * len({1, st["threads"]}) + (st["threads"] > 1)) * 2 * st["rounds"]
-        n_threads = n_threads if "threads" in self.sections else 0
+        n_threads = self._thread_runs() if "threads" in self.sections else 0
         n_compile = (1 if st["no_cold"] else 2) if "compile" in self.sections else 0
         total = 2 + n_scaling + n_threads + n_compile
         t0 = time.perf_counter()
@@ -981,6 +980,12 @@ class _Suite:
         if not impl.startswith("sdpa"):  # the RACE roofline applies to every statement of RACE
             row["roof_frac"] = "pending"  # filled in by _write, once both machine measurements are in
 
+    def _thread_runs(self):
+        """Processes the thread section spawns: each THREAD_IMPLS at 1 and all threads, and the
+        reference (one head per thread) when there is more than one, causal and not, per round."""
+        st = self.st
+        return (len(THREAD_IMPLS) * len({1, st["threads"]}) + (st["threads"] > 1)) * 2 * st["rounds"]
+
     def _threads_section(self):
         st = self.st
         fits = [n for n in self.ns if predict_peak("race", "fwdbwd", False, (1, 1, n, st["d"], st["dv"]), self.F,
@@ -989,7 +994,7 @@ class _Suite:
         if not fits:
             self._note(f"thread scaling skipped: even N=2^{st['min_log2n']} at one head is predicted above the "
                        f"{st['mem_cap'] / _GIB:.1f} GiB cap")
-            self.bar.update((len(THREAD_IMPLS) * len(counts) + (st["threads"] > 1)) * 2 * st["rounds"])
+            self.bar.update(self._thread_runs())
             return
         n = fits[-1]
         shape = (1, 1, n, st["d"], st["dv"])
@@ -1208,25 +1213,24 @@ class _Suite:
             ax_speed.text(0.5, 0.5, "thread scaling not run", ha="center", va="center", transform=ax_speed.transAxes)
             return
         T = max(int(r["threads"]) for r in thr)
-        setups = [(impl, 1, f"{impl}, 1 head") for impl in THREAD_IMPLS] + [("race", T, f"race, {T} heads (one per thread)")]
+        speedup = {(r["impl"], r["heads"], r["causal"]): float(r["value"]) for r in thr if r["value"]}
+        per_head = {(r["impl"], r["heads"], r["causal"], int(r["threads"])): float(r["ns_per_token_head"])
+                    for r in thr if not r["value"]}
+        setups = [(impl, 1, f"{impl}, 1 head", (1, T)) for impl in THREAD_IMPLS]
+        setups.append(("race", T, f"race, {T} heads (one per thread)", (T,)))
         modes = [(0, "non-causal"), (1, "causal")]
         width = 0.8 / len(setups)
-        for k, (impl, heads, label) in enumerate(setups):
+        for k, (impl, heads, label, counts) in enumerate(setups):
             x = np.arange(len(modes)) + (k - (len(setups) - 1) / 2) * width
-            speed = [next((float(r["value"]) for r in thr if r["impl"] == impl and r["heads"] == heads
-                           and r["causal"] == c and r["value"]), np.nan) for c, _ in modes]
+            speed = [speedup.get((impl, heads, c), np.nan) for c, _ in modes]
             ax_speed.bar(x, speed, width, color=f"C{k}", label=label)
             for xi, v in zip(x, speed):
                 if np.isfinite(v):
                     ax_speed.text(xi, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
-            for th, hatch in ((1, ""), (T, "//")):
-                if heads != 1 and th == 1:
-                    continue
-                ns = [next((float(r["ns_per_token_head"]) for r in thr if r["impl"] == impl and r["heads"] == heads
-                            and r["causal"] == c and int(r["threads"]) == th and not r["value"]), np.nan)
-                      for c, _ in modes]
-                ax_ns.bar(x + (0 if heads != 1 else (-width / 4 if th == 1 else width / 4)), ns,
-                          width / (1 if heads != 1 else 2), color=f"C{k}", hatch=hatch,
+            sub = width / len(counts)  # one bar per thread count within the setup's slot
+            for i, th in enumerate(counts):
+                ns = [per_head.get((impl, heads, c, th), np.nan) for c, _ in modes]
+                ax_ns.bar(x + (i - (len(counts) - 1) / 2) * sub, ns, sub, color=f"C{k}", hatch="//" if th > 1 else "",
                           label=f"{label}, {th} thread{'s' if th > 1 else ''}")
         ax_speed.axhline(1.8, color="k", ls=":", lw=1, label="1.8x target")
         ax_speed.axhline(T, color="gray", ls="-", lw=0.5)
