@@ -25,9 +25,7 @@ small matrix products.  The carries are the same, bit for bit, however many
 segments.  The backward is exact: prefix states are rebuilt by rescanning
 from the stored carries and suffix sums by a reverse scan; nothing is
 obtained by subtracting from a total.  With one segment per group, both run
-in one pass, chunk by chunk (:func:`causal_bwd`); where a group would take
-two segments and gets two threads, its two tasks share that one pass
-instead, with no chunk totals (:func:`causal_bwd_pair`).
+in one pass, chunk by chunk (:func:`causal_bwd`).
 
 Forward and backward of each step stand side by side.
 """
@@ -57,7 +55,6 @@ warnings.filterwarnings("ignore", message=r".*np\.v?dot\(\) is faster on contigu
 
 from ._simd import (COMB_VECTORS, TILE_ROWS, VECTOR_BYTES, comb_tile, comb_tile_stream, dot_tile_cols, dot_tile_cols1,
                     dot_tile_rows, stream_fence)
-from ._sync import load_acquire, spin_pause, store_release, swap_if
 from .hashing import DEN_FLOOR
 
 # Reassociation lets LLVM vectorise the dv-long inner loops and dot products.
@@ -1196,19 +1193,9 @@ def scan_segments(G, nc, n):
     the threads evenly, else the fewest that do, ``threads / gcd(G, threads)``
     (one head on 2 threads: 2, the totals of half the chunks), at most one per
     chunk.  Results do not depend on it, bit for bit (:func:`span_totals`).
-    Of two segments, the backward takes none where each group's two tasks
-    get a thread of their own (:func:`pair_fits`, :func:`causal_bwd_pair`).
     """
     threads = numba.get_num_threads() if G * n >= SERIAL_TOKENS else 1
     return max(1, min(nc, threads // math.gcd(G, threads)))
-
-
-def pair_fits(G):
-    """Whether :func:`causal_bwd_pair` runs the backward of ``G`` groups that
-    :func:`scan_segments` splits in two: where its 2 G tasks get a thread
-    each.  With fewer threads a pair's tasks may run one after the other (the
-    same results, but slower: 3 heads on 2 threads 1.25x the two segments)."""
-    return 2 * G == numba.get_num_threads()
 
 
 @njit(**_JIT)
@@ -1391,18 +1378,6 @@ def _causal_keys_bwd_chunk(g, c, c0, track, last, grad, v, phik, tk, phiq, den, 
     """Chunk ``c`` of group ``g`` of :func:`causal_keys_bwd`, in a segment from
     chunk ``c0``: its dB total is summed in ``total`` when ``track``, and
     carried on to chunk c - 1 (``final`` for the first chunk if ``last``)."""
-    lo = c * chunk
-    hi = min(lo + chunk, grad.shape[1])
-    DPHI = np.empty((hi - lo, phik.shape[2]), np.float64)
-    _causal_keys_scan_chunk(g, c, c0, track, last, grad, v, phik, phiq, den, dden, carrydA, carrydB, W, chunk,
-                            dv_out, final, total, DPHI)
-    dbeta_part[g, c] = hash_bwd_rows(DPHI, phik[g, lo:hi], tk[g, lo:hi], W, beta, dk[g, lo:hi])
-
-
-@njit(**_JIT)
-def _causal_keys_scan_chunk(g, c, c0, track, last, grad, v, phik, phiq, den, dden, carrydA, carrydB, W, chunk, dv_out, final, total, DPHI):
-    """The reverse scan of :func:`_causal_keys_bwd_chunk`: dv and the keys'
-    dphi rows (``DPHI``), without their hash backward."""
     G, n, dv = grad.shape
     L = W.shape[0]
     F = phik.shape[2]
@@ -1411,6 +1386,7 @@ def _causal_keys_scan_chunk(g, c, c0, track, last, grad, v, phik, phiq, den, dde
     hi = min(lo + chunk, n)
     dA = carrydA[g, c].copy()
     dB = carrydB[g, c].astype(grad.dtype)  # the carried-in state, in the compute dtype
+    DPHI = np.empty((hi - lo, F), np.float64)
     nb = (hi - lo + SCAN_BLOCK - 1) // SCAN_BLOCK
     M, M2, wb, Y, Z, X, dS = _step_buffers(grad, F, min(SCAN_BLOCK, hi - lo))
     for bi in range(nb - 1, -1, -1):
@@ -1444,6 +1420,7 @@ def _causal_keys_scan_chunk(g, c, c0, track, last, grad, v, phik, phiq, den, dde
                 dA[f] += Pq[j, f] * ddv[j]
                 DPHI[i0 + j - lo, f] = Y[j, f] + Z[j, f] + dA[f]
         add_product(wb, Gb, dB, dS, total, track)
+    dbeta_part[g, c] = hash_bwd_rows(DPHI, phik[g, lo:hi], tk[g, lo:hi], W, beta, dk[g, lo:hi])
     if c - 1 >= c0 or last:
         _carry_on(carrydB, g, c, c - 1, total, final)
 
@@ -1504,117 +1481,3 @@ def causal_bwd(grad, v, phik, tk, phiq, tq, den, carryA, carryB, W, beta, chunk,
     G = grad.shape[0]
     run_tasks(_causal_bwd_task, G, grad, v, phik, tk, phiq, tq, den, carryA, carryB, W, beta, chunk, dq, dk,
               dv_out, dden, partdA, partdB, dbq, dbk, np.zeros((0, 0, 0)) if final is None else final)
-
-
-#: Chunks of keys' dphi rows that :func:`causal_bwd_pair`'s scan keeps for
-#: their hash backward (a ring per group): the scan runs at most this many
-#: chunks ahead of those jobs.
-PAIR_SLOTS = 4
-
-
-@njit(**_JIT)
-def _queries_job(g, c, qstate, grad, v, phik, phiq, tq, den, carryA, carryB, W, beta, chunk, dq, dden, partdA, partdB, dbq):
-    """Chunk c's queries' backward (:func:`_causal_queries_bwd_chunk`) if this task claims it."""
-    nc = carryA.shape[1]
-    if swap_if(qstate, g * nc + c, 0, 1):
-        _causal_queries_bwd_chunk(g, c, nc, nc, grad, v, phik, phiq, tq, den, carryA, carryB, W, beta, chunk,
-                                  dq, dden, partdA, partdB, dbq)
-        store_release(qstate, g * nc + c, 2)
-
-
-@njit(**_JIT)
-def _keys_hash_job(g, c, hstate, ring, phik, tk, W, beta, chunk, dk, dbk):
-    """Chunk c's keys' hash backward, from its dphi rows in the ring, if the
-    scan has written them and this task claims it."""
-    nc = dbk.shape[1]
-    if swap_if(hstate, g * nc + c, 1, 2):
-        lo = c * chunk
-        hi = min(lo + chunk, phik.shape[1])
-        dbk[g, c] = hash_bwd_rows(ring[g, c % ring.shape[1], :hi - lo], phik[g, lo:hi], tk[g, lo:hi], W, beta,
-                                  dk[g, lo:hi])
-        store_release(hstate, g * nc + c, 3)
-
-
-@njit(**_JIT)
-def _causal_bwd_pair_task(task, qstate, hstate, running, ring, grad, v, phik, tk, phiq, tq, den, carryA, carryB, W,
-                          beta, chunk, dq, dk, dv_out, dden, partdA, partdB, dbq, dbk, final):
-    """Task ``task`` of :func:`causal_bwd_pair`: the scan (odd) or its helper (even) of group task // 2."""
-    g = task // 2
-    nc = carryA.shape[1]
-    base = g * nc
-    ns = ring.shape[1]
-    if task % 2 == 0:  # the helper: queries' chunks, last first, and the hash jobs the scan has made ready
-        h = nc - 1  # the next hash job to look at
-        for ci in range(nc):
-            _queries_job(g, nc - 1 - ci, qstate, grad, v, phik, phiq, tq, den, carryA, carryB, W, beta, chunk,
-                         dq, dden, partdA, partdB, dbq)
-            while h >= 0 and load_acquire(hstate, base + h) >= 1:
-                _keys_hash_job(g, h, hstate, ring, phik, tk, W, beta, chunk, dk, dbk)
-                h -= 1
-        while h >= 0:  # waits only while the scan runs (on another thread): it cannot wait for this one
-            if load_acquire(hstate, base + h) >= 1:
-                _keys_hash_job(g, h, hstate, ring, phik, tk, W, beta, chunk, dk, dbk)
-                h -= 1
-            elif load_acquire(running, g) == 1:
-                spin_pause()
-            else:
-                break
-        return
-    store_release(running, g, 1)
-    F = phik.shape[2]
-    acc = np.zeros(F)
-    partdB[g, nc - 1] = 0.0  # no dB after the last chunk
-    last = final.shape[0] > 0
-    total = np.zeros((F, grad.shape[2]), grad.dtype)
-    for ci in range(nc):
-        c = nc - 1 - ci
-        _queries_job(g, c, qstate, grad, v, phik, phiq, tq, den, carryA, carryB, W, beta, chunk,
-                     dq, dden, partdA, partdB, dbq)
-        if c + 1 < nc and load_acquire(qstate, base + c) != 2:  # the helper is on it: a hash job meanwhile
-            _keys_hash_job(g, c + 1, hstate, ring, phik, tk, W, beta, chunk, dk, dbk)
-        while load_acquire(qstate, base + c) != 2:
-            spin_pause()
-        if c + ns < nc:  # the slot's previous rows hashed back before they are overwritten
-            _keys_hash_job(g, c + ns, hstate, ring, phik, tk, W, beta, chunk, dk, dbk)
-            while load_acquire(hstate, base + c + ns) != 3:
-                spin_pause()
-        _exclusive_step(partdA[g, c], partdA[g, c], acc)  # the chunk's dA total -> its carry
-        lo = c * chunk
-        _causal_keys_scan_chunk(g, c, 0, last or nc > 1, last, grad, v, phik, phiq, den, dden, partdA, partdB, W,
-                                chunk, dv_out, final, total, ring[g, c % ns, :min(chunk, grad.shape[1] - lo)])
-        store_release(hstate, base + c, 1)
-    store_release(running, g, 2)
-    for c in range(min(ns, nc)):  # the jobs not yet claimed are this task's
-        _keys_hash_job(g, c, hstate, ring, phik, tk, W, beta, chunk, dk, dbk)
-    for c in range(nc):
-        while load_acquire(hstate, base + c) != 3:
-            spin_pause()
-
-
-@blas_tasks
-def causal_bwd_pair(grad, v, phik, tk, phiq, tq, den, carryA, carryB, W, beta, chunk, dq, dk, dv_out, dden,
-                    partdA, partdB, dbq, dbk, final=None):
-    """:func:`causal_bwd` for two threads per group, with no chunk totals.
-
-    Two tasks share each group's one pass: the *scan* runs the keys' reverse
-    scan chunk by chunk (it carries dB, so one task must), and its *helper*
-    runs the queries' backward of the chunks ahead of it (independent: their
-    prefix states come from the forward's carries) and the keys' hash
-    backward of the chunks behind it (from their dphi rows, which the scan
-    leaves in a ring of PAIR_SLOTS chunks).  The scan takes any job the
-    helper has not yet claimed, so either task alone finishes the group, and
-    each waits only for a job the other is running (flags in ``_sync``):
-    whichever order and threads the tasks get, nothing waits for a task that
-    has not started.  Splitting the head into two segments instead needs
-    the dB totals of the second half and a second pass over the first half's
-    keys (:func:`causal_keys_bwd`): causal fwd+bwd of one head on 2 threads
-    at 2^19 tokens took 1.052x (1.041-1.072) as long (``ab.py``).  The same
-    bits as :func:`causal_bwd`.  (A job that raised, e.g. out of memory for
-    its few small buffers, would leave the other task waiting.)
-    """
-    G, nc = carryA.shape[:2]
-    qstate, hstate = np.zeros(G * nc, np.int64), np.zeros(G * nc, np.int64)
-    ring = np.empty((G, min(PAIR_SLOTS, nc), min(chunk, grad.shape[1]), phik.shape[2]))
-    run_tasks(_causal_bwd_pair_task, 2 * G, qstate, hstate, np.zeros(G, np.int64), ring, grad, v, phik, tk, phiq,
-              tq, den, carryA, carryB, W, beta, chunk, dq, dk, dv_out, dden, partdA, partdB, dbq, dbk,
-              np.zeros((0, 0, 0)) if final is None else final)

@@ -413,11 +413,9 @@ def race_attention_bwd(residuals, grad_out, *, out=None):
             seg = K.scan_segments(G, nck, nk)
             dden = POOL.zeros((G, nq))
             dB = POOL.zeros((G, F, dv))  # the scan's total of dB, for the check of grad_out
-            pair = seg == 2 and K.pair_fits(G)
-            if seg == 1 or pair:  # one pass, chunk by chunk, by one task or two per group (the same bits)
-                (K.causal_bwd_pair if pair else K.causal_bwd)(
-                    g, r.v, r.phik, r.tk, r.phiq, r.tq, r.den, r.A, r.B, r.planes, r.beta, chunk,
-                    dq, dk, dv_, dden, partdA, partdB, dbq, dbk, final=dB)
+            if seg == 1:  # one pass, chunk by chunk (the same bits)
+                K.causal_bwd(g, r.v, r.phik, r.tk, r.phiq, r.tq, r.den, r.A, r.B, r.planes, r.beta, chunk,
+                             dq, dk, dv_, dden, partdA, partdB, dbq, dbk, final=dB)
             else:
                 # the dB totals of the chunks after the first segment give the reverse segments' carries
                 K.causal_queries_bwd(g, r.v, r.phik, r.phiq, r.tq, r.den, r.A, r.B, r.planes, r.beta, chunk,

@@ -119,8 +119,7 @@ def test_blas_and_loop_paths_match_reference(rng, monkeypatch, causal, dtype, to
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_causal_scans_agree_bit_for_bit_over_segment_counts(rng, monkeypatch, chunk, dtype):
     # One task per group scanning all its chunks (no chunk totals of B and
-    # dB; the backward in one pass, causal_bwd, or shared by two tasks,
-    # causal_bwd_pair), a few segments each from
+    # dB; the backward in one pass, causal_bwd), a few segments each from
     # carries summed from the totals of the chunks before (after) it, or one
     # task per chunk (three backward calls): the same carries, so
     # the same results to the last bit, and all match the reference, with
@@ -144,9 +143,8 @@ def test_causal_scans_agree_bit_for_bit_over_segment_counts(rng, monkeypatch, ch
     wgrads = ref.race_attention_dense_bwd(wres, f64(g)[0])
     nc = -(-124 // chunk)
     runs = []
-    for seg, pair in [(1, False), (2, True), (2, False), (3, False), (nc, False)]:
+    for seg in sorted({1, 2, 3, nc}):
         monkeypatch.setattr(_kernels, "scan_segments", lambda G, nc, n, seg=seg: seg)
-        monkeypatch.setattr(_kernels, "pair_fits", lambda G, pair=pair: pair)
         out, res = racecpu.race_attention_fwd(q, k, v, W, 2.0, causal=True, key_mask=mask)
         grads = racecpu.race_attention_bwd(res, g)
         tol = 1e-5 if dtype == np.float32 else 1e-10
@@ -156,49 +154,10 @@ def test_causal_scans_agree_bit_for_bit_over_segment_counts(rng, monkeypatch, ch
         runs.append((out, res.A, res.B, *grads))
         # the forward alone (no residuals kept) gives the same bits and reads nothing unwritten
         np.testing.assert_array_equal(racecpu.race_attention(q, k, v, W, 2.0, causal=True, key_mask=mask), out)
-    assert len(runs) == 5
+    assert len(runs) == 4
     for run in runs[1:]:
         for a, b in zip(runs[0], run):
             np.testing.assert_array_equal(a, b)
-
-
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("order", [(0, 1), (1, 0), (1, 3, 2, 0), (0, 3, 2, 1)])
-def test_causal_bwd_pair_tasks_finish_in_any_order(rng, monkeypatch, order, dtype):
-    # causal_bwd_pair's two tasks per group (helper even, scan odd) wait only
-    # for a job the other task is running: run one after the other on this
-    # thread, in any order, they finish (a wait for a task that has not
-    # started would hang here) with causal_bwd's bits, and so do both on the
-    # threads (run_tasks).  Chunks of 8 and 2 ring slots: many jobs, the ring reused.
-    from racecpu import _kernels as K, attention
-    monkeypatch.setattr(attention, "CHUNK", 8)
-    monkeypatch.setattr(K, "PAIR_SLOTS", 2)
-    G = max(order) // 2 + 1
-    q, k, v, W = make(rng, (G,), 61, 61, 6, 5, 3, 2, dtype)
-    r = racecpu.race_attention_fwd(q, k, v, W, 2.0, causal=True)[1]
-    g = rng.standard_normal((G, 61, 5)).astype(dtype)
-    F, nc = r.phiq.shape[2], r.A.shape[1]
-
-    def run(kernel=None):
-        outs = [np.full(x.shape, np.nan, dtype) for x in (q, k, v)] + [np.zeros((G, 61))]
-        parts = [np.zeros((G, nc, F)), np.full((G, nc, F, 5), np.nan), np.zeros((G, nc)), np.zeros((G, nc))]
-        final = np.zeros((G, F, 5))
-        args = (g, r.v, r.phik, r.tk, r.phiq, r.tq, r.den, r.A, r.B, r.planes, r.beta, 8, *outs, *parts)
-        if kernel is not None:
-            kernel(*args, final=final)
-        else:
-            flags = np.zeros(G * nc, np.int64), np.zeros(G * nc, np.int64), np.zeros(G, np.int64)
-            ring = np.full((G, 2, 8, F), np.nan)
-            for t in order:
-                K._causal_bwd_pair_task(t, *flags, ring, *args, final)
-            assert (flags[0] == 2).all() and (flags[1] == 3).all()  # every job ran, once
-        return outs, parts[2:], final
-
-    want = run(K.causal_bwd)
-    for got in (run(), run(K.causal_bwd_pair)):
-        for a, b in zip(want, got):
-            for x, y in zip(a, b):
-                np.testing.assert_array_equal(x, y)
 
 
 @pytest.mark.parametrize("causal", [False, True])
