@@ -1049,12 +1049,12 @@ class _Suite:
                 if not acc["times"]:
                     self._row("threads", **row, status="failed", note=str(acc["err"]))
                     continue
-                med = statistics.median(acc["times"]) / T  # per head
-                self._row("threads", **row, calls=len(acc["times"]), median_s=f"{med * T:.6g}",
-                          ns_per_token_head=f"{med / n * 1e9:.2f}", peak_rss_bytes=acc["peak"], io_bytes=T * io,
+                med = statistics.median(acc["times"])  # one call: T heads
+                self._row("threads", **row, calls=len(acc["times"]), median_s=f"{med:.6g}",
+                          ns_per_token_head=f"{med / (T * n) * 1e9:.2f}", peak_rss_bytes=acc["peak"], io_bytes=T * io,
                           mem_ratio=f"{acc['peak'] / (T * io):.3f}")
                 if len(meds) == 2:
-                    self._row("threads", **row, value=f"{meds[1] / med:.3f}",
+                    self._row("threads", **row, value=f"{meds[1] * T / med:.3f}",
                               unit=f"speedup {T} heads on {T} threads vs 1 head on 1 thread")
 
     def _compile_section(self):
