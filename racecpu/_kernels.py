@@ -1446,25 +1446,32 @@ def causal_keys_bwd(grad, v, phik, tk, phiq, den, dden, carrydA, carrydB, W, bet
 
 
 @njit(**_JIT)
-def _causal_bwd_task(g, grad, v, phik, tk, phiq, tq, den, carryA, carryB, W, beta, chunk, dq, dk, dv_out, dden,
-                     partdA, partdB, dbq, dbk, final):
-    """Group ``g`` of :func:`causal_bwd`: chunks last to first, each one's
+def _causal_bwd_chunks(g, cs, grad, v, phik, tk, phiq, tq, den, carryA, carryB, W, beta, chunk, dq, dk, dv_out, dden,
+                       partdA, partdB, dbq, dbk, acc, total, last, final):
+    """Chunks ``nc - 1`` down to ``cs`` of group ``g`` in one pass: each one's
     queries' backward and then its keys' backward, the reverse carries summed
-    on the way as :func:`exclusive_scan` sums them."""
+    on the way as :func:`exclusive_scan` sums them (dA in ``acc``).  Chunk
+    cs's dB is left in ``total``, not carried on, unless ``last`` (cs = 0,
+    ``final`` gets the total dB)."""
     nc = carryA.shape[1]
-    F = phik.shape[2]
-    dv = grad.shape[2]
-    acc = np.zeros(F)
+    acc[:] = 0.0
     partdB[g, nc - 1] = 0.0  # no dB after the last chunk
-    last = final.shape[0] > 0
-    total = np.zeros((F, dv), grad.dtype)
-    for ci in range(nc):
-        c = nc - 1 - ci
+    for c in range(nc - 1, cs - 1, -1):
         _causal_queries_bwd_chunk(g, c, nc, nc, grad, v, phik, phiq, tq, den, carryA, carryB, W, beta, chunk,
                                   dq, dden, partdA, partdB, dbq)
         _exclusive_step(partdA[g, c], partdA[g, c], acc)  # the chunk's dA total -> its carry
-        _causal_keys_bwd_chunk(g, c, 0, last or nc > 1, last, grad, v, phik, tk, phiq, den, dden,
+        _causal_keys_bwd_chunk(g, c, cs, last or cs > 0 or nc > 1, last, grad, v, phik, tk, phiq, den, dden,
                                partdA, partdB, W, beta, chunk, dk, dv_out, dbk, final, total)
+
+
+@njit(**_JIT)
+def _causal_bwd_task(g, grad, v, phik, tk, phiq, tq, den, carryA, carryB, W, beta, chunk, dq, dk, dv_out, dden,
+                     partdA, partdB, dbq, dbk, final):
+    """Group ``g`` of :func:`causal_bwd`."""
+    F = phik.shape[2]
+    _causal_bwd_chunks(g, 0, grad, v, phik, tk, phiq, tq, den, carryA, carryB, W, beta, chunk, dq, dk, dv_out, dden,
+                       partdA, partdB, dbq, dbk, np.zeros(F), np.zeros((F, grad.shape[2]), grad.dtype),
+                       final.shape[0] > 0, final)
 
 
 @blas_tasks
@@ -1481,3 +1488,73 @@ def causal_bwd(grad, v, phik, tk, phiq, tq, den, carryA, carryB, W, beta, chunk,
     G = grad.shape[0]
     run_tasks(_causal_bwd_task, G, grad, v, phik, tk, phiq, tq, den, carryA, carryB, W, beta, chunk, dq, dk,
               dv_out, dden, partdA, partdB, dbq, dbk, np.zeros((0, 0, 0)) if final is None else final)
+
+
+#: Share of the chunks that :func:`causal_bwd_split` runs in one pass, while
+#: the other task runs the queries' backward of the rest: with both threads
+#: busy, one pass cost ~1080 ns per token and the queries' ~510 (2^20 tokens,
+#: one head), so 510 / (1080 + 510) balances the two.
+SPLIT_TAIL = 0.32
+
+
+@njit(**_JIT)
+def _causal_bwd_split_task(task, cs, grad, v, phik, tk, phiq, tq, den, carryA, carryB, W, beta, chunk, dq, dk,
+                           dv_out, dden, partdA, partdB, dbq, dbk, tailA, tailB):
+    """Task of :func:`causal_bwd_split`: even, group ``task // 2``'s chunks
+    ``[cs, nc)`` in one pass, with their dA and dB sums in ``tailA``,
+    ``tailB``; odd, the queries' backward of its chunks ``[0, cs)``, with the
+    dB totals of the keys' second segment, ``[cs // 2, cs)``."""
+    g = task // 2
+    if task % 2 == 0:
+        total = np.zeros((phik.shape[2], grad.shape[2]), grad.dtype)
+        _causal_bwd_chunks(g, cs, grad, v, phik, tk, phiq, tq, den, carryA, carryB, W, beta, chunk, dq, dk, dv_out,
+                           dden, partdA, partdB, dbq, dbk, tailA[g], total, False, tailB)
+        _carry_on(partdB, g, cs, -1, total, tailB)  # tailB[g]: the dB carry of chunk cs - 1
+    else:
+        for c in range(cs):
+            _causal_queries_bwd_chunk(g, c, segment_start(1, 2, cs), cs, grad, v, phik, phiq, tq, den,
+                                      carryA, carryB, W, beta, chunk, dq, dden, partdA, partdB, dbq)
+
+
+@njit(**_JIT)
+def _split_carries(partdA, partdB, tailA, tailB, cs):
+    """Reverse carries of chunks ``c < cs`` (in place of their totals), summed on from
+    the sums of chunks ``>= cs``, ``tailA``, ``tailB``: dA of every chunk, dB of the
+    last chunks of the keys' two segments (``partdB`` flat: (G, nc, F * dv))."""
+    m = segment_start(1, 2, cs)
+    for g in range(partdA.shape[0]):
+        acc = tailA[g].copy()
+        for c in range(cs - 1, -1, -1):
+            _exclusive_step(partdA[g, c], partdA[g, c], acc)
+        acc = tailB[g].copy()
+        for c in range(cs - 1, m - 1, -1):  # the totals of the second segment's chunks
+            _exclusive_step(partdB[g, c], partdB[g, c], acc)
+        partdB[g, m - 1] = acc
+
+
+@blas_tasks
+def causal_bwd_split(grad, v, phik, tk, phiq, tq, den, carryA, carryB, W, beta, chunk, dq, dk, dv_out, dden,
+                     partdA, partdB, dbq, dbk, final=None):
+    """:func:`causal_bwd` on two tasks per group, for two segments per group
+    (:func:`scan_segments`); the same bits.
+
+    The last chunks, ``[cs, nc)`` with nc - cs ~ SPLIT_TAIL * nc, need no
+    carry: one task runs them in one pass while the other runs the queries'
+    backward of the chunks before them, with the dB totals of
+    ``[cs // 2, cs)``; then :func:`causal_keys_bwd` runs ``[0, cs)`` in two
+    segments from the first task's carries.  Against the three calls over
+    two segments of ``nc / 2`` (totals of half the chunks, every keys' chunk
+    read again in a second pass), a third of the chunks takes the one pass
+    and a third pays totals.  Needs nc >= 3.
+    """
+    G, nc = carryA.shape[:2]
+    if nc < 3:
+        raise ValueError(f"causal_bwd_split needs 3 chunks or more, got {nc}")
+    cs = nc - min(nc - 2, max(1, round(SPLIT_TAIL * nc)))
+    F, dv = partdB.shape[2:]
+    tailA, tailB = np.zeros((G, F)), np.zeros((G, F, dv))
+    run_tasks(_causal_bwd_split_task, 2 * G, cs, grad, v, phik, tk, phiq, tq, den, carryA, carryB, W, beta,
+              chunk, dq, dk, dv_out, dden, partdA, partdB, dbq, dbk, tailA, tailB)
+    _split_carries(partdA, partdB.reshape(G, nc, F * dv), tailA, tailB.reshape(G, F * dv), cs)
+    causal_keys_bwd(grad, v, phik, tk, phiq, den, dden, partdA[:, :cs], partdB[:, :cs], W, beta, chunk,
+                    dk, dv_out, dbk, final=final, segments=2)

@@ -416,6 +416,9 @@ def race_attention_bwd(residuals, grad_out, *, out=None):
             if seg == 1:  # one pass, chunk by chunk (the same bits)
                 K.causal_bwd(g, r.v, r.phik, r.tk, r.phiq, r.tq, r.den, r.A, r.B, r.planes, r.beta, chunk,
                              dq, dk, dv_, dden, partdA, partdB, dbq, dbk, final=dB)
+            elif seg == 2 and nck >= 3:  # a third of the chunks in one pass (the same bits)
+                K.causal_bwd_split(g, r.v, r.phik, r.tk, r.phiq, r.tq, r.den, r.A, r.B, r.planes, r.beta, chunk,
+                                   dq, dk, dv_, dden, partdA, partdB, dbq, dbk, final=dB)
             else:
                 # the dB totals of the chunks after the first segment give the reverse segments' carries
                 K.causal_queries_bwd(g, r.v, r.phik, r.phiq, r.tq, r.den, r.A, r.B, r.planes, r.beta, chunk,

@@ -121,10 +121,13 @@ def test_causal_scans_agree_bit_for_bit_over_segment_counts(rng, monkeypatch, ch
     # One task per group scanning all its chunks (no chunk totals of B and
     # dB; the backward in one pass, causal_bwd), a few segments each from
     # carries summed from the totals of the chunks before (after) it, or one
-    # task per chunk (three backward calls): the same carries, so
-    # the same results to the last bit, and all match the reference, with
-    # no value read that the kernels did not write.  Chunks of 28 reach the
-    # sgemm steps and end on a shorter step (28 = 3 * 8 + 4); 7, the loop path.
+    # task per chunk (three backward calls), or two segments whose
+    # backward runs its last chunks in one pass (causal_bwd_split, with the
+    # fewest, a third and all but two of the chunks in that pass): the same
+    # carries, so the same results to the last bit, and all match the
+    # reference, with no value read that the kernels did not write.  Chunks
+    # of 28 reach the sgemm steps and end on a shorter step (28 = 3 * 8 + 4);
+    # 7, the loop path.
     from racecpu import _kernels, attention
     assert chunk < _kernels.BLAS_ROWS or (chunk % _kernels.SCAN_BLOCK and _kernels.SCAN_BLOCK >= _kernels.BLAS_ROWS)
     monkeypatch.setattr(attention, "CHUNK", chunk)
@@ -142,8 +145,18 @@ def test_causal_scans_agree_bit_for_bit_over_segment_counts(rng, monkeypatch, ch
     want, wres = ref.race_attention_dense_fwd(*f64(q, k, v, W), 2.0, causal=True, key_mask=mask)
     wgrads = ref.race_attention_dense_bwd(wres, f64(g)[0])
     nc = -(-124 // chunk)
+    split = _kernels.causal_bwd_split
+    tails = []  # SPLIT_TAIL of each causal_bwd_split call
+
+    def spy(*args, **kw):
+        tails.append(_kernels.SPLIT_TAIL)
+        return split(*args, **kw)
+    monkeypatch.setattr(_kernels, "causal_bwd_split", spy)
     runs = []
-    for seg in sorted({1, 2, 3, nc}):
+    setups = [(1, None), (2, 0.01), (2, 0.32), (2, 0.99), (3, None), (nc, None)]
+    for seg, tail in setups:
+        if tail is not None:
+            monkeypatch.setattr(_kernels, "SPLIT_TAIL", tail)
         monkeypatch.setattr(_kernels, "scan_segments", lambda G, nc, n, seg=seg: seg)
         out, res = racecpu.race_attention_fwd(q, k, v, W, 2.0, causal=True, key_mask=mask)
         grads = racecpu.race_attention_bwd(res, g)
@@ -154,7 +167,7 @@ def test_causal_scans_agree_bit_for_bit_over_segment_counts(rng, monkeypatch, ch
         runs.append((out, res.A, res.B, *grads))
         # the forward alone (no residuals kept) gives the same bits and reads nothing unwritten
         np.testing.assert_array_equal(racecpu.race_attention(q, k, v, W, 2.0, causal=True, key_mask=mask), out)
-    assert len(runs) == 4
+    assert len(runs) == len(setups) and tails == [0.01, 0.32, 0.99]
     for run in runs[1:]:
         for a, b in zip(runs[0], run):
             np.testing.assert_array_equal(a, b)
