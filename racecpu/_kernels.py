@@ -1191,8 +1191,9 @@ def scan_segments(G, nc, n):
     it (after it: the reverse scan), and every total costs a sgemm per token.
     So: one segment per group (no totals at all) where the groups alone share
     the threads evenly, else the fewest that do, ``threads / gcd(G, threads)``
-    (one head on 2 threads: 2, the totals of half the chunks), at most one per
-    chunk.  Results do not depend on it, bit for bit (:func:`span_totals`).
+    (one head on 2 threads: 2, the totals of half the chunks; the backward's,
+    of a third: :func:`causal_bwd_split`), at most one per chunk.  Results do
+    not depend on it, bit for bit (:func:`span_totals`).
     """
     threads = numba.get_num_threads() if G * n >= SERIAL_TOKENS else 1
     return max(1, min(nc, threads // math.gcd(G, threads)))
