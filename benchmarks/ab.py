@@ -15,11 +15,10 @@ that range stays on one side of 1.
 
 It also prints the largest difference between A's and B's results
 (relative to the largest |value| of A's), which a pure speed change keeps
-at float32 rounding.  B's kernels compile on its first run, into a cache directory apart
-(see :func:`load`).
-Both sides' inputs, outputs and residuals are alive at once: at 2^20 tokens
-and 4 heads that is more than 24 GiB (killed for memory on this machine), so
-A/B there at --log2n 19.
+at float32 rounding.  B's kernels compile on its first run, into a cache
+directory apart (see :func:`load`).  Both sides' inputs, outputs and
+residuals are alive at once: at 2^20 tokens and 4 heads that is more than
+24 GiB (killed for memory on this machine), so A/B there at --log2n 19.
 """
 
 from __future__ import annotations

@@ -1461,7 +1461,7 @@ def _causal_bwd_chunks(g, cs, grad, v, phik, tk, phiq, tq, den, carryA, carryB, 
         _causal_queries_bwd_chunk(g, c, nc, nc, grad, v, phik, phiq, tq, den, carryA, carryB, W, beta, chunk,
                                   dq, dden, partdA, partdB, dbq)
         _exclusive_step(partdA[g, c], partdA[g, c], acc)  # the chunk's dA total -> its carry
-        _causal_keys_bwd_chunk(g, c, cs, last or cs > 0 or nc > 1, last, grad, v, phik, tk, phiq, den, dden,
+        _causal_keys_bwd_chunk(g, c, cs, last or nc > 1, last, grad, v, phik, tk, phiq, den, dden,
                                partdA, partdB, W, beta, chunk, dk, dv_out, dbk, final, total)
 
 
