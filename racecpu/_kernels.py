@@ -53,8 +53,8 @@ from numba.core.errors import NumbaPerformanceWarning
 warnings.filterwarnings("ignore", message=r".*np\.v?dot\(\) is faster on contiguous arrays",
                         category=NumbaPerformanceWarning)
 
-from ._simd import (COMB_VECTORS, TILE_ROWS, VECTOR_BYTES, comb_tile, comb_tile_stream, dot_tile_cols, dot_tile_cols1,
-                    dot_tile_rows, stream_fence)
+from ._simd import (COMB_ROWS, COMB_VECTORS, TILE_ROWS, VECTOR_BYTES, comb_tile, comb_tile_lines, comb_tile_stream,
+                    dot_tile_cols, dot_tile_cols1, dot_tile_rows, stream_fence)
 from .hashing import DEN_FLOOR
 
 # Reassociation lets LLVM vectorise the dv-long inner loops and dot products.
@@ -529,39 +529,50 @@ def hash_chunk(x, g, lo, hi, W, beta, keep, t_res, phi_res):
 def combine_rows(X, S, out, stream=False):
     """out[j] = sum_f X[j, f] S[f, :] for every row j, overwriting ``out``.
 
-    Register tiles (:func:`racecpu._simd.comb_tile`: two rows of X by
+    Register tiles (:func:`racecpu._simd.comb_tile`: COMB_ROWS rows of X by
     COMB_VECTORS vectors of S's columns) where S's and out's rows are
     contiguous (X's elements are read one at a time), and
     :func:`_combine_rows_loop` at the edges.  ``stream``: a result that
     nothing reads soon (a kernel's output rows, at scale far larger than
-    the caches) is written with non-temporal stores where out's rows start
-    on 16 bytes (:func:`racecpu._simd.comb_tile_stream`; :func:`_run_tasks`
-    fences them after each task).  Streamed in one call over many rows:
+    the caches) is written with non-temporal stores, whole vectors where
+    out's rows start on one (racecpu's own results: page-aligned), else in
+    16-byte pieces where they start on 16 bytes (2-row tiles, see
+    :func:`racecpu._simd.comb_tile_lines`; :func:`_run_tasks` fences them
+    after each task).  Streamed in one call over many rows:
     an atomic, such as Numba's reference counts in a call with arrays,
     waits for the streamed stores in flight (batches of 16 rows between
     such calls were written at half the rate).
     """
     n, F = X.shape
     dv = S.shape[1]
-    width = COMB_VECTORS * (VECTOR_BYTES // X.itemsize)
-    n2 = n - n % 2
+    lanes = VECTOR_BYTES // X.itemsize
+    width = COMB_VECTORS * lanes
     c1 = dv - dv % width
-    if n2 == 0 or c1 == 0 or S.strides[1] != S.itemsize or out.strides[1] != out.itemsize:
+    n1 = 0  # rows done by tiles
+    if c1 > 0 and S.strides[1] == S.itemsize and out.strides[1] == out.itemsize:
+        line = lanes * out.itemsize  # bytes of one stored vector
+        if stream and out.ctypes.data % line == 0 and out.strides[0] % line == 0:
+            n1 = n - n % COMB_ROWS
+            for i in range(0, n1, COMB_ROWS):
+                for c in range(0, c1, width):
+                    comb_tile_lines(X, S, out, i, c)
+        elif stream and out.ctypes.data % 16 == 0 and out.strides[0] % 16 == 0:
+            n1 = n - n % 2
+            for i in range(0, n1, 2):
+                for c in range(0, c1, width):
+                    comb_tile_stream(X, S, out, i, c)
+        else:
+            n1 = n - n % COMB_ROWS
+            for i in range(0, n1, COMB_ROWS):
+                for c in range(0, c1, width):
+                    comb_tile(X, S, out, i, c)
+    if n1 == 0:
         _combine_rows_loop(X, S, out)
         return
-    # streamed in 16-byte stores: out's rows must start on 16 bytes (the tiles' columns do)
-    if stream and out.ctypes.data % 16 == 0 and out.strides[0] % 16 == 0:
-        for i in range(0, n2, 2):
-            for c in range(0, c1, width):
-                comb_tile_stream(X, S, out, i, c)
-    else:
-        for i in range(0, n2, 2):
-            for c in range(0, c1, width):
-                comb_tile(X, S, out, i, c)
     if c1 < dv:
-        _combine_rows_loop(X[:n2], S[:, c1:], out[:n2, c1:])
-    if n2 < n:
-        _combine_rows_loop(X[n2:], S, out[n2:])
+        _combine_rows_loop(X[:n1], S[:, c1:], out[:n1, c1:])
+    if n1 < n:
+        _combine_rows_loop(X[n1:], S, out[n1:])
 
 
 @njit(**_JIT)

@@ -50,8 +50,13 @@ VECTOR_BYTES = _vector_bytes()
 #: Rows of X in a dot-product tile; it has VECTOR_BYTES / itemsize outputs, so
 #: TILE_ROWS rows times (lanes / TILE_ROWS) rows of S (4 x 4 for float32).
 TILE_ROWS = 4
-#: Vectors of S's columns in a :func:`comb_tile`, for each of its two rows of X.
+#: Vectors of S's columns in a combine tile, for each of its rows of X.
 COMB_VECTORS = 4
+#: Rows of X in a combine tile: 4 x COMB_VECTORS accumulators take 16 of
+#: AVX-512's 32 vector registers and hide the FMAs' latency (a 1024 x 24 by
+#: 24 x 128 product in cache, one thread: 59 -> 46 ns per row against 2
+#: rows); AVX2 has 16 registers in all, so 2 rows there.
+COMB_ROWS = 4 if VECTOR_BYTES == 64 else 2
 
 
 def _lanes(dtype):
@@ -218,28 +223,40 @@ dot_tile_cols = _dot_tile(False)
 dot_tile_cols1 = _dot_tile(False, single=True)
 
 
-def _store_stream(builder, arr, i, row, col, value):
+def _store_stream(builder, arr, i, row, col, value, whole):
     """Store vector ``value`` at (row, col) of array ``i`` of ``arr`` (an :class:`_Arrays`)
-    as non-temporal 16-byte pieces; the address must be on 16 bytes."""
-    piece = 2 if isinstance(value.type.element, ir.DoubleType) else 4  # lanes in 16 bytes
+    with non-temporal stores: whole (``whole``: the address must be on the
+    vector's size) or as 16-byte pieces (the address must be on 16 bytes)."""
+    size = 8 if isinstance(value.type.element, ir.DoubleType) else 4
+    piece = value.type.count if whole else 16 // size
+    align = piece * size
     pty = ir.VectorType(value.type.element, piece)
     nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
     for q in range(0, value.type.count, piece):
-        idx = ir.Constant(ir.VectorType(ir.IntType(32), piece), list(range(q, q + piece)))
+        part = value
+        if not whole:
+            idx = ir.Constant(ir.VectorType(ir.IntType(32), piece), list(range(q, q + piece)))
+            part = builder.shuffle_vector(value, value, idx)
         p = arr.ptr(i, row, builder.add(col, arr.const(q)), pty)
-        builder.store(builder.shuffle_vector(value, value, idx), p, align=16).set_metadata("nontemporal", nontemporal)
+        builder.store(part, p, align=align).set_metadata("nontemporal", nontemporal)
 
 
-def _comb_tile(stream):
+def _comb_tile(rows, store):
     """Intrinsic ``tile(X, S, out, i0, c0)``: out[i0 + r, c0:c0 + w] = X[i0 + r, :] S[:, c0:c0 + w]
-    for r < 2, w = COMB_VECTORS vectors (overwriting): per row of S, its w
-    columns are loaded once and feed both rows.
+    for r < ``rows``, w = COMB_VECTORS vectors (overwriting): per row of S, its w
+    columns are loaded once and feed every row.
 
-    ``stream``: out is written with non-temporal stores of 16 bytes (out's
-    rows must start on 16 bytes; :func:`stream_fence` orders them).  They skip the
-    read of each line that a plain store makes before writing it: a result
-    that is only written, not read again soon, goes out at ~2.8x the rate
-    (512-byte rows, one thread: 59 -> 21 ns).
+    ``store``: ``"plain"``, or out written with non-temporal stores,
+    ``"pieces"`` of 16 bytes (out's rows must start on 16 bytes) or
+    ``"lines"``, whole vectors (out's rows must start on a vector: lanes
+    of X times out's itemsize); :func:`stream_fence`
+    orders them.  They skip the read of each line that a plain store makes
+    before writing it: a result that is only written, not read again soon,
+    goes out at ~2.8x the rate (512-byte rows, one thread: 59 -> 21 ns).
+    Pieces leave lines part-written while a tile's rows are in flight: with
+    4 rows they ran at half the rate of 2, so they take 2-row tiles; whole
+    aligned vectors complete a line per store (4 rows: 47 ns per row in
+    the product above, 2-row pieces 60).
     """
 
     def emit(context, builder, sig, arr, i0v, c0v):  # arrays X, S, out
@@ -249,7 +266,7 @@ def _comb_tile(stream):
         sty = ir.VectorType(_float(context, sig.args[1].dtype), n)
         oty = ir.VectorType(_float(context, sig.args[2].dtype), n)
         fma = _fma(builder, vty)
-        rows, cols = 2, COMB_VECTORS
+        cols = COMB_VECTORS
         acc = _accumulators(builder, vty, rows * cols)
         K = cgutils.unpack_tuple(builder, arr.arrays[0].shape)[1]
         undef = ir.Constant(vty, ir.Undefined)
@@ -270,17 +287,19 @@ def _comb_tile(stream):
             for v in range(cols):
                 val = _convert(builder, builder.load(acc[r * cols + v]), oty)
                 col = builder.add(c0v, arr.const(v * n))
-                if stream:
-                    _store_stream(builder, arr, 2, row, col, val)
-                else:
+                if store == "plain":
                     builder.store(val, arr.ptr(2, row, col, oty), align=1)
+                else:
+                    _store_stream(builder, arr, 2, row, col, val, store == "lines")
 
     return _tile_intrinsic(emit)
 
 
-#: Combine tiles with plain / non-temporal stores (see :func:`_comb_tile`).
-comb_tile = _comb_tile(False)
-comb_tile_stream = _comb_tile(True)
+#: Combine tiles with plain stores, non-temporal 16-byte pieces and whole
+#: non-temporal vectors (see :func:`_comb_tile`).
+comb_tile = _comb_tile(COMB_ROWS, "plain")
+comb_tile_stream = _comb_tile(2, "pieces")
+comb_tile_lines = _comb_tile(COMB_ROWS, "lines")
 
 
 @intrinsic

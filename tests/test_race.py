@@ -401,7 +401,8 @@ def test_block_products_match_numpy(rng, n, F, d, dtype):
     # at the edges: rows of X past the last tile (n = 7, 40 not a multiple of 4), rows
     # of S past it (F = 9); rows not a whole number of vectors (d = 33) and too few
     # rows for any tile (n = 1, F = 1) go to the loops; into outputs strided both ways,
-    # of another dtype, and (streamed) not on 16 bytes.
+    # of another dtype, and (streamed) with rows on 64 bytes (whole-vector stores),
+    # on 16 bytes only (16-byte pieces, 2-row tiles) and not on 16 bytes.
     from racecpu._kernels import combine_rows, dot_rows
 
     X = rng.standard_normal((n, d)).astype(dtype)
@@ -416,8 +417,18 @@ def test_block_products_match_numpy(rng, n, F, d, dtype):
     W = rng.standard_normal((n, F)).astype(dtype)
     want = W.astype(np.float64) @ S.astype(np.float64)
     other = np.float64 if dtype == np.float32 else np.float32
+
+    def placed(dt, offset, cols=d):  # rows of ``cols`` values starting ``offset`` bytes past 64
+        nbytes = n * cols * np.dtype(dt).itemsize
+        buf = np.empty(nbytes + 128, np.uint8)
+        start = (-buf.ctypes.data) % 64 + offset
+        out = buf[start:start + nbytes].view(dt).reshape(n, cols)
+        out.fill(np.nan)
+        return out
+
     for stream in (False, True):
-        for out in (np.full((n, d), np.nan, dtype),
+        for out in (placed(dtype, 0), placed(other, 0), placed(dtype, 16), placed(dtype, 0, 2 * d)[:, :d],
+                    np.full((n, d), np.nan, dtype),
                     np.full((n, d), np.nan, other),
                     np.full(n * d + 1, np.nan, dtype)[1:].reshape(n, d),  # rows off 16 bytes: plain stores
                     np.full((n, 2 * d), np.nan, dtype)[:, ::2]):  # strided: combine_rows's loops
