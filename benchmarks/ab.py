@@ -11,7 +11,7 @@ median of the per-round ratios B/A, with their range: a change is real when
 that range stays on one side of 1.
 
     git worktree add /tmp/b HEAD && (edit /tmp/b)
-    python benchmarks/ab.py /tmp/b [--log2n 18] [--heads 4] [--rounds 7] [--repeats 3]
+    python benchmarks/ab.py /tmp/b [--log2n 18] [--heads 4] [--rounds 7] [--repeats 3] [--aligned]
 
 It also prints the largest difference between A's and B's results
 (relative to the largest |value| of A's), which a pure speed change keeps
@@ -61,10 +61,22 @@ def load(tree, name):
     return mod
 
 
-def side(rc, q, k, v, g, planes, causal):
-    """Forward and forward+backward calls of racecpu module ``rc`` into buffers it owns."""
-    out = np.empty_like(q)
-    grads = tuple(np.empty_like(x) for x in (q, k, v))
+def empty_like(x, align=None):
+    """``np.empty_like(x)``, or (``align``) a C-contiguous array like it starting on
+    ``align`` bytes.  NumPy places large arrays 16 bytes past a page; racecpu's own
+    results start on a page, where its kernels stream whole 64-byte vectors."""
+    if align is None:
+        return np.empty_like(x)
+    buf = np.empty(x.nbytes + align, np.uint8)
+    start = (-buf.ctypes.data) % align
+    return buf[start:start + x.nbytes].view(x.dtype).reshape(x.shape)
+
+
+def side(rc, q, k, v, g, planes, causal, align=None):
+    """Forward and forward+backward calls of racecpu module ``rc`` into buffers it owns
+    (on ``align`` bytes, see :func:`empty_like`)."""
+    out = empty_like(q, align)
+    grads = tuple(empty_like(x, align) for x in (q, k, v))
 
     def fwd():  # the forward alone, as inference runs it
         rc.race_attention(q, k, v, planes, causal=causal, out=out)
@@ -86,6 +98,8 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3,
                    help="timed calls per side and round (after an untimed one); the best counts")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--aligned", action="store_true",
+                   help="out= buffers on 64 bytes, as racecpu's own results (default: where NumPy puts them)")
     a = p.parse_args(argv)
     if a.rounds < 1 or a.repeats < 1:
         p.error("--rounds and --repeats must be >= 1")
@@ -104,8 +118,9 @@ def main(argv=None):
           f"N = 2^{a.log2n}, {H} heads, d = dv = {a.dim}, P = L = 3, float32; "
           f"{a.rounds} rounds, best of {a.repeats} calls per side and round; ns per token-head")
     for causal in (False, True):
-        fa, outs_a = side(A, q, k, v, g, planes, causal)
-        fb, outs_b = side(B, q, k, v, g, planes, causal)
+        align = 64 if a.aligned else None
+        fa, outs_a = side(A, q, k, v, g, planes, causal, align)
+        fb, outs_b = side(B, q, k, v, g, planes, causal, align)
         fa["fwdbwd"]()  # compile / load caches, and the results to compare
         fb["fwdbwd"]()
         diff = max(float(np.abs(x - y).max() / max(np.abs(x).max(), 1e-30)) for x, y in zip(outs_a, outs_b))

@@ -305,7 +305,11 @@ def exp_neg(x):
     return float(np.exp(min(x, 0.0)))
 
 
-@overload(exp_neg, jit_options=_JIT)
+# Not cached: the typed lambdas are made at typing time, after the import, where
+# benchmarks/ab.py no longer sets another checkout's cache directory; an entry one
+# wrote under that module's name broke the next 'import racecpu'.  Cached callers
+# hold their code.
+@overload(exp_neg, jit_options=dict(_JIT, cache=False))
 def _exp_neg_typed(x):
     if x == types.float32:
         return lambda x: _exp_neg_f32(x)
