@@ -53,7 +53,7 @@ from numba.core.errors import NumbaPerformanceWarning
 warnings.filterwarnings("ignore", message=r".*np\.v?dot\(\) is faster on contiguous arrays",
                         category=NumbaPerformanceWarning)
 
-from ._simd import (COMB_ROWS, COMB_VECTORS, TILE_ROWS, VECTOR_BYTES, comb_tile, comb_tile_lines, comb_tile_stream,
+from ._simd import (COMB_ROWS, COMB_VECTORS, TILE_ROWS, VECTOR_BYTES, comb_tile, comb_tile_lines, comb_tile_pieces,
                     dot_tile_cols, dot_tile_cols1, dot_tile_rows, stream_fence)
 from .hashing import DEN_FLOOR
 
@@ -305,10 +305,10 @@ def exp_neg(x):
     return float(np.exp(min(x, 0.0)))
 
 
-# Not cached: the typed lambdas are made at typing time, after the import, where
-# benchmarks/ab.py no longer sets another checkout's cache directory; an entry one
-# wrote under that module's name broke the next 'import racecpu'.  Cached callers
-# hold their code.
+# Not cached: the cached callers hold this code, and Numba makes these lambdas at
+# typing time, caching them under whatever module name and cache directory are
+# current then (benchmarks/ab.py's other checkout wrote one here as
+# racecpu_ab_other, which broke the next 'import racecpu').
 @overload(exp_neg, jit_options=dict(_JIT, cache=False))
 def _exp_neg_typed(x):
     if x == types.float32:
@@ -541,7 +541,7 @@ def combine_rows(X, S, out, stream=False):
     the caches) is written with non-temporal stores, whole vectors where
     out's rows start on one (racecpu's own results: page-aligned), else in
     16-byte pieces where they start on 16 bytes (2-row tiles, see
-    :func:`racecpu._simd.comb_tile_lines`; :func:`_run_tasks` fences them
+    :func:`racecpu._simd._comb_tile`; :func:`_run_tasks` fences them
     after each task).  Streamed in one call over many rows:
     an atomic, such as Numba's reference counts in a call with arrays,
     waits for the streamed stores in flight (batches of 16 rows between
@@ -564,7 +564,7 @@ def combine_rows(X, S, out, stream=False):
             n1 = n - n % 2
             for i in range(0, n1, 2):
                 for c in range(0, c1, width):
-                    comb_tile_stream(X, S, out, i, c)
+                    comb_tile_pieces(X, S, out, i, c)
         else:
             n1 = n - n % COMB_ROWS
             for i in range(0, n1, COMB_ROWS):

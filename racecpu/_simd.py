@@ -11,7 +11,8 @@ sums across lanes together, in one tree of shuffles.  Measured on 4096 rows
 of 128 (one thread, in cache, ns per row): projection to 9 planes 38 ->
 25, y for F = 24: 95 -> 64, du W: 37 -> 20.
 
-``comb_tile_stream`` writes its outputs with non-temporal stores: the
+``comb_tile_lines`` and ``comb_tile_pieces`` write their outputs with
+non-temporal stores (whole vectors, or 16-byte pieces of them): the
 kernels' results (out, dq, dk, dv) are written once and not read again
 by them, and at scale a plain store first reads every line it writes.
 
@@ -298,7 +299,7 @@ def _comb_tile(rows, store):
 #: Combine tiles with plain stores, non-temporal 16-byte pieces and whole
 #: non-temporal vectors (see :func:`_comb_tile`).
 comb_tile = _comb_tile(COMB_ROWS, "plain")
-comb_tile_stream = _comb_tile(2, "pieces")
+comb_tile_pieces = _comb_tile(2, "pieces")
 comb_tile_lines = _comb_tile(COMB_ROWS, "lines")
 
 
