@@ -352,6 +352,27 @@ def test_soft_buckets_match_softmax_over_corners(rng):
     np.testing.assert_allclose(phi.sum(-1), 1.0, rtol=1e-12)
 
 
+@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-12), (np.float32, 2e-6)])
+def test_hash_range_blocks_match_softmax_over_corners(rng, dtype, tol):
+    # The kernels hash HASH_BLOCK rows at a time, prefetching the next block's
+    # rows where they are contiguous: ranges that start and end inside blocks,
+    # a short last block, strided rows (no prefetch) and masked rows.
+    from racecpu import _kernels as K
+    n, d, L, P = 3 * K.HASH_BLOCK + 5, 16, 3, 3
+    big = rng.standard_normal((n, 2 * d)).astype(dtype)
+    W = racecpu.hyperplanes(d, P, L, seed=4, dtype=dtype)
+    keep = rng.random(n) < 0.8
+    phi_ref, t_ref = ref.soft_buckets_dense(big[:, ::2].astype(np.float64), W.astype(np.float64), 2.5)
+    phi_ref = np.where(keep[:, None], phi_ref.reshape(n, -1), 0.0)
+    for x in (big[:, ::2], np.ascontiguousarray(big[:, ::2])):
+        t = np.full((n, L * P), np.nan, dtype)
+        phi = np.full((n, L << P), np.nan, dtype)
+        for lo, hi in ((0, 7), (7, 40), (40, n)):
+            K.hash_range(x, lo, hi, W, 2.5, keep, t, phi)
+        np.testing.assert_allclose(t, t_ref.reshape(n, -1), rtol=tol, atol=tol)
+        np.testing.assert_allclose(phi, phi_ref, rtol=tol, atol=tol)
+
+
 def test_corner_order_is_itertools_product(rng):
     P = 4
     assert np.array_equal(racecpu.corners(P), np.array(list(itertools.product([-1, 1], repeat=P))))
