@@ -89,13 +89,18 @@ def write_perf_map(functions, path):
     return len(addrs)
 
 
-def _sample(perf, call, data, seconds):
+def _sample(perf, call, data, seconds, threads):
     """Run ``call`` in a loop on a thread while ``perf record`` samples this
-    process for ``seconds``; returns the calls' times and perf's report by symbol."""
+    process for ``seconds``; returns the calls' times and perf's report by symbol.
+    ``threads``: Numba's thread count, set in that thread (Numba keeps it per
+    calling thread: set in the main thread, the loop ran on the default)."""
+    import numba
+
     done = threading.Event()
     times = []
 
     def loop():
+        numba.set_num_threads(threads)
         while not done.is_set():
             t = time.perf_counter()
             call()
@@ -141,7 +146,8 @@ def main(argv=None):
     import racecpu
     from racecpu import _kernels
 
-    numba.set_num_threads(min(a.threads, numba.config.NUMBA_NUM_THREADS))
+    threads = min(a.threads, numba.config.NUMBA_NUM_THREADS)
+    numba.set_num_threads(threads)
     n, heads, d = 1 << a.log2n, a.heads, 128
     rng = np.random.default_rng(0)
     q, k, v, g = (rng.standard_normal((1, heads, n, d), dtype=np.float32) for _ in range(4))
@@ -163,7 +169,7 @@ def main(argv=None):
         call()
         call()
         nmap = write_perf_map(compiled_functions([_kernels]), mapfile)
-        times, report = _sample(perf, call, os.path.join(cache, "perf.data"), a.seconds)
+        times, report = _sample(perf, call, os.path.join(cache, "perf.data"), a.seconds, threads)
     finally:  # the map and the fresh cache are of this run only
         if os.path.exists(mapfile):
             os.remove(mapfile)
