@@ -20,6 +20,9 @@ The tiles compute in the dtype of ``X``; ``S`` is converted to it on load,
 ``Y`` from it on store.  Callers (``_kernels.dot_rows``,
 ``_kernels.combine_rows``) pick the tiles, check the layouts they need and
 handle the edges with plain loops.
+
+``prefetch_lines`` asks for lines of memory ahead of their use (the soft
+hash's next block of rows, ``_kernels.hash_block``).
 """
 
 from __future__ import annotations
