@@ -325,6 +325,12 @@ _TANH_SERIES_MAX = 0.04
 HASH_BLOCK = 32
 
 
+#: :func:`hash_block`'s prefetch schedule, in 32nds of the lines: issued by
+#: the end of the tanh/logistic loop (in four pieces), of the rows of t and of
+#: the corners; the rows of phi issue the rest.
+_PF_MATH, _PF_T, _PF_CORNERS = 12, 20, 24
+
+
 @njit(**_JIT)
 def _prefetch_to(addr, done, target):
     """:func:`racecpu._simd.prefetch_lines` of lines done..target of ``addr``; returns the new count."""
@@ -371,13 +377,10 @@ def hash_block(x, W, beta, keep, U, a, b, ph, t, phi, ahead=0, lines=0):
     c[4], c[5], c[6], c[7] = -1 / 3, 2 / 15, -17 / 315, 62 / 2835
     m2, m2beta, one, small, c3, c5, c7, c9 = c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]
     dot_rows(W.reshape(LP, d), x, U[:LP * T].reshape(LP, T).T)  # plane-major: U[m * T + j]
-    # Prefetch schedule: cumulative shares of the lines, 3/8 over the four
-    # pieces of the tanh/logistic loop, 2/8 over the rows of t, 1/8 over the
-    # corners and the rest over the rows of phi.
-    done = 0
+    done = 0  # lines prefetched so far (schedule: _PF_MATH, _PF_T, _PF_CORNERS)
     n = T * LP
     for piece in range(4):
-        done = _prefetch_to(ahead, done, lines * 3 * (piece + 1) // 32)
+        done = _prefetch_to(ahead, done, lines * _PF_MATH * (piece + 1) // 128)
         # Unsigned bounds: a signed index that LLVM cannot prove >= 0 gets
         # Numba's wraparound select, and the loop is not vectorised (2.5x slower).
         for s in range(np.uint64(n * piece // 4), np.uint64(n * (piece + 1) // 4)):  # SIMD over the block
@@ -403,13 +406,13 @@ def hash_block(x, W, beta, keep, U, a, b, ph, t, phi, ahead=0, lines=0):
             # caller's NaN/Inf check reads t (L*P values per row) instead of x (d).
             U[s] = th if bad == 0 else bad
     for j in range(T):
-        done = _prefetch_to(ahead, done, lines * (12 + 8 * (j + 1) // T) // 32)
+        done = _prefetch_to(ahead, done, lines * (_PF_MATH + (_PF_T - _PF_MATH) * (j + 1) // T) // 32)
         for m in range(LP):
             t[j, m] = U[m * T + j]
     # Corner f = l R + r of table l: the product over planes p of a (bit p of r
     # set) or b, a row of T tokens at a time.
     for f in range(L * R):
-        done = _prefetch_to(ahead, done, lines * (20 + 4 * (f + 1) // (L * R)) // 32)
+        done = _prefetch_to(ahead, done, lines * (_PF_T + (_PF_CORNERS - _PF_T) * (f + 1) // (L * R)) // 32)
         l = f // R
         r = f - l * R
         row = ph[f * T:(f + 1) * T]
@@ -423,7 +426,7 @@ def hash_block(x, W, beta, keep, U, a, b, ph, t, phi, ahead=0, lines=0):
                 for j in range(T):
                     row[j] *= col[j]
     for j in range(T):
-        done = _prefetch_to(ahead, done, lines * (24 + 8 * (j + 1) // T) // 32)
+        done = _prefetch_to(ahead, done, lines * (_PF_CORNERS + (32 - _PF_CORNERS) * (j + 1) // T) // 32)
         if keep[j]:
             for f in range(L * R):
                 phi[j, f] = ph[f * T + j]
