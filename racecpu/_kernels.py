@@ -526,6 +526,49 @@ def hash_range(x, lo, hi, W, beta, keep, t, phi):
 
 
 @njit(**_JIT)
+def hash_sketch_range(x, v, lo, hi, W, beta, keep, t, phi, A, total):
+    """:func:`hash_range` of rows lo..hi of ``x (N, d)``, summing the sketch of
+    each block as soon as it is hashed: ``A`` (float64) += their rows of phi,
+    and ``total`` (float64, overwritten) = phi^T v over rows lo..hi of
+    ``v (N, dv)``, summed in v's dtype as :func:`span_totals` does.
+
+    The keys' rows and v's both stream from memory, at ~40 ns per 512-byte
+    row and core here: each block's product (:func:`combine_rows`, phi^T as
+    X) prefetches the next block's rows of v while the hash prefetches its
+    rows of x, so every read is under math (an sgemm per 256 rows after the
+    hash read v with nothing in flight: 190 -> 166 ns per key, one thread).
+    For the non-causal sketch, whose product order no scan has to match.
+    """
+    L, P, _ = W.shape
+    F = phi.shape[1]
+    dv = v.shape[1]
+    m = HASH_BLOCK * L * P
+    U, a, b = np.empty(m, W.dtype), np.empty(m, W.dtype), np.empty(m, W.dtype)
+    ph = np.empty((HASH_BLOCK * L) << P, W.dtype)
+    tmp = np.empty((F, dv), v.dtype)
+    acc = np.zeros((F, dv), v.dtype)
+    rx = x.shape[1] * x.itemsize
+    rv = dv * v.itemsize
+    flat = (x.strides[1] == x.itemsize and x.strides[0] == rx
+            and v.strides[1] == v.itemsize and v.strides[0] == rv)
+    for b0 in range(lo, hi, HASH_BLOCK):
+        b1 = min(b0 + HASH_BLOCK, hi)
+        nxt = (min(b1 + HASH_BLOCK, hi) - b1) if flat else 0
+        hash_block(x[b0:b1], W, beta, keep[b0:b1], U, a, b, ph, t[b0:b1], phi[b0:b1],
+                   x.ctypes.data + b1 * rx, nxt * rx // 64)
+        for j in range(b0, b1):
+            for f in range(F):
+                A[f] += phi[j, f]
+        combine_rows(phi[b0:b1].T, v[b0:b1], tmp, False, v.ctypes.data + b1 * rv, nxt * rv // 64)
+        for f in range(F):
+            for c in range(dv):
+                acc[f, c] += tmp[f, c]
+    for f in range(F):
+        for c in range(dv):
+            total[f, c] = acc[f, c]
+
+
+@njit(**_JIT)
 def _hash_rows_task(blk, x, W, beta, keep, t, phi):
     hash_range(x, blk * 1024, min(x.shape[0], blk * 1024 + 1024), W, beta, keep, t, phi)
 
@@ -555,11 +598,17 @@ def hash_chunk(x, g, lo, hi, W, beta, keep, t_res, phi_res):
     a NaN/Inf (attention._check_derived)."""
     phi, t = residual_rows(phi_res, g, lo, hi), residual_rows(t_res, g, lo, hi)
     hash_range(x[g, lo:hi], 0, hi - lo, W, beta, keep, t, phi)
+    return phi, t, nan_count(t)
+
+
+@njit(**_JIT)
+def nan_count(t):
+    """NaNs in ``t (n, m)``."""
     nan = 0
     for j in range(t.shape[0]):
         for m in range(t.shape[1]):
             nan += t[j, m] != t[j, m]
-    return phi, t, nan
+    return nan
 
 
 # ---------------------------------------------------------------------------
@@ -567,7 +616,7 @@ def hash_chunk(x, g, lo, hi, W, beta, keep, t_res, phi_res):
 # ---------------------------------------------------------------------------
 
 @njit(**_JIT)
-def combine_rows(X, S, out, stream=False):
+def combine_rows(X, S, out, stream=False, ahead=0, lines=0):
     """out[j] = sum_f X[j, f] S[f, :] for every row j, overwriting ``out``.
 
     Register tiles (:func:`racecpu._simd.comb_tile`: COMB_ROWS rows of X by
@@ -582,7 +631,9 @@ def combine_rows(X, S, out, stream=False):
     after each task).  Streamed in one call over many rows:
     an atomic, such as Numba's reference counts in a call with arrays,
     waits for the streamed stores in flight (batches of 16 rows between
-    such calls were written at half the rate).
+    such calls were written at half the rate).  ``lines`` 64-byte lines
+    from address ``ahead`` are prefetched into L2, spread over the plain
+    tiles (:func:`hash_sketch_range`: the next block's rows of v).
     """
     n, F = X.shape
     dv = S.shape[1]
@@ -604,9 +655,13 @@ def combine_rows(X, S, out, stream=False):
                     comb_tile_pieces(X, S, out, i, c)
         else:
             n1 = n - n % COMB_ROWS
+            tiles = (n1 // COMB_ROWS) * (c1 // width)
+            done = 0
             for i in range(0, n1, COMB_ROWS):
                 for c in range(0, c1, width):
                     comb_tile(X, S, out, i, c)
+                    done = _prefetch_to(ahead, done, lines * ((i // COMB_ROWS) * (c1 // width) + c // width + 1)
+                                        // tiles)
     if n1 == 0:
         _combine_rows_loop(X, S, out)
         return
@@ -774,9 +829,13 @@ def outer_add(w, x, B):
 #: wins.  The causal steps' rank-8 updates (SCAN_BLOCK) are faster in sgemm:
 #: causal fwd+bwd 796 against 901 ns per token-head through outer_add.
 BLAS_ROWS = 8
-#: Rows per sgemm of the non-causal chunk totals (:func:`span_totals`): one
-#: sgemm over a whole 1024-token chunk ran 1.8x slower than four of 256.
+#: Rows per sgemm of the non-causal queries' chunk totals of dB
+#: (:func:`span_totals`): one sgemm over a whole 1024-token chunk ran 1.8x
+#: slower than four of 256.
 BLAS_SPAN = 256
+#: ``span`` of :func:`sketch_chunks` for totals that no scan has to match:
+#: each hash block's product as soon as it is hashed (:func:`hash_sketch_range`).
+SKETCH_FUSED = 0
 
 
 @njit(**_JIT)
@@ -994,6 +1053,12 @@ def _sketch_chunks_task(task, order, k, v, mask, W, beta, chunk, span, t0, t1, p
     nc = partA.shape[1]
     F = phik.shape[2]
     g, c, lo, hi = _bounds(order[task], nc, chunk, n)
+    if span == SKETCH_FUSED:
+        phi, t = residual_rows(phik, g, lo, hi), residual_rows(tk, g, lo, hi)
+        hash_sketch_range(k[g, lo:hi], v[g, lo:hi], 0, hi - lo, W, beta, mask[g, lo:hi], t, phi,
+                          partA[g, c], partB[g, c])
+        nan[task] = nan_count(t)
+        return
     phi, _, nan[task] = hash_chunk(k, g, lo, hi, W, beta, mask[g, lo:hi], tk, phik)
     A = partA[g, c]
     for j in range(hi - lo):
@@ -1012,8 +1077,9 @@ def sketch_chunks(k, v, mask, W, beta, chunk, phik, tk, partA, partB, span=None,
     :func:`residual_rows`), adds the chunk totals of A to ``partA (G, nc, F)`` (float64, zeros on
     entry) and writes those of B to ``partB (G, nc, F, dv)`` (float64).
     Non-causal attention sums them; the causal scan carries them.  ``span``: rows per product of the B totals (default
-    SCAN_BLOCK, the causal scans' steps, see :func:`span_totals`; BLAS_SPAN is
-    faster where no scan has to match).  ``totals``: the chunks ``(c0, c1)``
+    SCAN_BLOCK, the causal scans' steps, see :func:`span_totals`), or
+    SKETCH_FUSED: each block's product as soon as it is hashed
+    (:func:`hash_sketch_range`; faster, where no scan has to match).  ``totals``: the chunks ``(c0, c1)``
     of every group whose B totals are summed (default all; the causal forward
     needs those before its last segment, see :func:`scan_segments`).
     Returns the number of NaNs in the keys' t (see :func:`hash_block`).

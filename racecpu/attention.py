@@ -321,7 +321,7 @@ def _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residua
     if G and nk:
         # causal: the B totals of the chunks before the last segment give the segments' carries
         nan_k = K.sketch_chunks(a.k, a.v, a.mask, a.planes, a.beta, chunk, phik, tk, partA, partB,
-                                span=K.SCAN_BLOCK if causal else K.BLAS_SPAN,
+                                span=K.SCAN_BLOCK if causal else K.SKETCH_FUSED,
                                 totals=(0, K.segment_start(seg - 1, seg, nck)) if causal else None)
     if causal:
         A = K.exclusive_scan(partA, out=partA)

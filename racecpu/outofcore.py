@@ -471,7 +471,7 @@ def race_attention_fwd_ooc(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, 
             partB = bufs("partB", (G, nc, F, dv), np.float64, zero=True)
             K.sketch_chunks(kb, vb, ones[:G * n].reshape(G, n), planes, beta, chunk,
                             bufs("phik", (G, n, F), cdt), bufs("tk", (G, n, L * P), cdt), partA, partB,
-                            span=K.BLAS_SPAN)
+                            span=K.SKETCH_FUSED)
             return (state[0] + partA.sum(1), state[1] + partB.sum(1)), 0.0
 
         scan = _Scan(ckdir, "fwd_sketch", key, -(-nk // block), shapes, commit_every)

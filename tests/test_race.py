@@ -373,6 +373,35 @@ def test_hash_range_blocks_match_softmax_over_corners(rng, dtype, tol):
         np.testing.assert_allclose(phi, phi_ref, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-12), (np.float32, 3e-5)])
+def test_hash_sketch_range_sums_each_block_as_hashed(rng, dtype, tol):
+    # The non-causal keys' sketch: phi summed into A and phi^T v into the
+    # total block by block, the product in combine tiles (dv: whole tiles and
+    # an edge) that prefetch the next block's rows of v; ranges that start
+    # and end inside blocks, strided rows (no prefetch), masked rows.
+    from racecpu import _kernels as K
+    n, d, dv, L, P = 3 * K.HASH_BLOCK + 5, 16, 83, 3, 3
+    big = rng.standard_normal((n, 2 * d)).astype(dtype)
+    bigv = rng.standard_normal((n, 2 * dv)).astype(dtype)
+    W = racecpu.hyperplanes(d, P, L, seed=4, dtype=dtype)
+    keep = rng.random(n) < 0.8
+    phi_ref, t_ref = ref.soft_buckets_dense(big[:, ::2].astype(np.float64), W.astype(np.float64), 2.5)
+    phi_ref = np.where(keep[:, None], phi_ref.reshape(n, -1), 0.0)
+    for x, v in ((big[:, ::2], bigv[:, ::2]), (np.ascontiguousarray(big[:, ::2]), np.ascontiguousarray(bigv[:, ::2]))):
+        t = np.full((n, L * P), np.nan, dtype)
+        phi = np.full((n, L << P), np.nan, dtype)
+        A = np.full(L << P, 0.5)
+        A_ref = A.copy()
+        for lo, hi in ((0, 7), (7, 40), (40, n)):
+            total = np.full((L << P, dv), np.nan)
+            K.hash_sketch_range(x, v, lo, hi, W, 2.5, keep, t, phi, A, total)
+            A_ref += phi_ref[lo:hi].sum(0)
+            np.testing.assert_allclose(A, A_ref, rtol=tol, atol=tol)
+            np.testing.assert_allclose(total, phi_ref[lo:hi].T @ v[lo:hi].astype(np.float64), rtol=tol, atol=tol)
+        np.testing.assert_allclose(t, t_ref.reshape(n, -1), rtol=tol, atol=tol)
+        np.testing.assert_allclose(phi, phi_ref, rtol=tol, atol=tol)
+
+
 def test_corner_order_is_itertools_product(rng):
     P = 4
     assert np.array_equal(racecpu.corners(P), np.array(list(itertools.product([-1, 1], repeat=P))))
