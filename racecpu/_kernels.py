@@ -350,7 +350,8 @@ def hash_block(x, W, beta, keep, U, a, b, ph, t, phi, ahead=0, lines=0):
     overflow for any beta.  Plane 0 is the most significant bit of the corner
     index.  Rows with ``keep[j]`` False (masked keys) get phi = 0 (t is still
     written).  A projection that is NaN or +-Inf gives t = NaN (see
-    attention._check_derived).  ``U``, ``a``, ``b`` (T * L * P values) and
+    attention._check_derived); returns how many, counted over the block in
+    L1 (a pass over t's rows afterwards cost ~5 ns per row).  ``U``, ``a``, ``b`` (T * L * P values) and
     ``ph`` (T * L * 2**P) are scratch in the planes' dtype, which sets the
     precision of the tanh/logistic math (float32 inputs: float32, ~1e-7
     absolute in t and phi, the rounding of storing them); only their first
@@ -405,6 +406,9 @@ def hash_block(x, W, beta, keep, U, a, b, ph, t, phi, ahead=0, lines=0):
             # clamped): a NaN/Inf anywhere in x makes every W x non-finite, so the
             # caller's NaN/Inf check reads t (L*P values per row) instead of x (d).
             U[s] = th if bad == 0 else bad
+    nan = 0  # in a loop of its own: counted in the loop above, it was not vectorised
+    for s in range(np.uint64(0), np.uint64(n)):
+        nan += U[s] != U[s]
     for j in range(T):
         done = _prefetch_to(ahead, done, lines * (_PF_MATH + (_PF_T - _PF_MATH) * (j + 1) // T) // 32)
         for m in range(LP):
@@ -433,6 +437,7 @@ def hash_block(x, W, beta, keep, U, a, b, ph, t, phi, ahead=0, lines=0):
         else:
             for f in range(L * R):
                 phi[j, f] = 0.0
+    return nan
 
 
 #: Tokens per SIMD block of :func:`hash_rows_du`.
@@ -510,7 +515,8 @@ def hash_bwd_rows(dphi, phi, t, W, beta, dx):
 
 @njit(**_JIT)
 def hash_range(x, lo, hi, W, beta, keep, t, phi):
-    """:func:`hash_block` over rows lo..hi of ``x (N, d)``, HASH_BLOCK rows at a time."""
+    """:func:`hash_block` over rows lo..hi of ``x (N, d)``, HASH_BLOCK rows at a
+    time; returns the NaNs it left in t (:func:`hash_block`)."""
     L, P, _ = W.shape
     m = HASH_BLOCK * L * P
     U, a, b = np.empty(m, W.dtype), np.empty(m, W.dtype), np.empty(m, W.dtype)
@@ -518,11 +524,13 @@ def hash_range(x, lo, hi, W, beta, keep, t, phi):
     # The next block's rows are prefetched during each block where x's rows are contiguous.
     row = x.shape[1] * x.itemsize
     flat = x.strides[1] == x.itemsize and x.strides[0] == row
+    nan = 0
     for b0 in range(lo, hi, HASH_BLOCK):
         b1 = min(b0 + HASH_BLOCK, hi)
         lines = (min(b1 + HASH_BLOCK, hi) - b1) * row // 64 if flat else 0
-        hash_block(x[b0:b1], W, beta, keep[b0:b1], U, a, b, ph, t[b0:b1], phi[b0:b1],
-                   x.ctypes.data + b1 * row, lines)
+        nan += hash_block(x[b0:b1], W, beta, keep[b0:b1], U, a, b, ph, t[b0:b1], phi[b0:b1],
+                          x.ctypes.data + b1 * row, lines)
+    return nan
 
 
 @njit(**_JIT)
@@ -530,7 +538,8 @@ def hash_sketch_range(x, v, lo, hi, W, beta, keep, t, phi, A, total):
     """:func:`hash_range` of rows lo..hi of ``x (N, d)``, summing the sketch of
     each block as soon as it is hashed: ``A`` (float64) += their rows of phi,
     and ``total`` (float64, overwritten) = phi^T v over rows lo..hi of
-    ``v (N, dv)``, summed in v's dtype as :func:`span_totals` does.
+    ``v (N, dv)``, summed in v's dtype as :func:`span_totals` does.  Returns
+    the NaNs left in t (:func:`hash_block`).
 
     The keys' rows and v's both stream from memory, at ~40 ns per 512-byte
     row and core here: each block's product (:func:`combine_rows`, phi^T as
@@ -551,11 +560,12 @@ def hash_sketch_range(x, v, lo, hi, W, beta, keep, t, phi, A, total):
     rv = dv * v.itemsize
     flat = (x.strides[1] == x.itemsize and x.strides[0] == rx
             and v.strides[1] == v.itemsize and v.strides[0] == rv)
+    nan = 0
     for b0 in range(lo, hi, HASH_BLOCK):
         b1 = min(b0 + HASH_BLOCK, hi)
         nxt = (min(b1 + HASH_BLOCK, hi) - b1) if flat else 0
-        hash_block(x[b0:b1], W, beta, keep[b0:b1], U, a, b, ph, t[b0:b1], phi[b0:b1],
-                   x.ctypes.data + b1 * rx, nxt * rx // 64)
+        nan += hash_block(x[b0:b1], W, beta, keep[b0:b1], U, a, b, ph, t[b0:b1], phi[b0:b1],
+                          x.ctypes.data + b1 * rx, nxt * rx // 64)
         for j in range(b0, b1):
             for f in range(F):
                 A[f] += phi[j, f]
@@ -566,6 +576,7 @@ def hash_sketch_range(x, v, lo, hi, W, beta, keep, t, phi, A, total):
     for f in range(F):
         for c in range(dv):
             total[f, c] = acc[f, c]
+    return nan
 
 
 @njit(**_JIT)
@@ -593,22 +604,11 @@ def residual_rows(res, g, lo, hi):
 def hash_chunk(x, g, lo, hi, W, beta, keep, t_res, phi_res):
     """:func:`hash_range` of rows lo..hi of group ``g`` of ``x (G, N, d)`` into
     their rows of the residuals ``t_res``, ``phi_res`` (or scratch:
-    :func:`residual_rows`).  Returns ``(phi, t, nan)``, ``nan`` the NaNs in t,
-    counted while in cache: the hash leaves one per projection of a row with
-    a NaN/Inf (attention._check_derived)."""
+    :func:`residual_rows`).  Returns ``(phi, t, nan)``, ``nan`` the NaNs in t:
+    the hash leaves one per projection of a row with a NaN/Inf
+    (attention._check_derived)."""
     phi, t = residual_rows(phi_res, g, lo, hi), residual_rows(t_res, g, lo, hi)
-    hash_range(x[g, lo:hi], 0, hi - lo, W, beta, keep, t, phi)
-    return phi, t, nan_count(t)
-
-
-@njit(**_JIT)
-def nan_count(t):
-    """NaNs in ``t (n, m)``."""
-    nan = 0
-    for j in range(t.shape[0]):
-        for m in range(t.shape[1]):
-            nan += t[j, m] != t[j, m]
-    return nan
+    return phi, t, hash_range(x[g, lo:hi], 0, hi - lo, W, beta, keep, t, phi)
 
 
 # ---------------------------------------------------------------------------
@@ -1055,9 +1055,8 @@ def _sketch_chunks_task(task, order, k, v, mask, W, beta, chunk, span, t0, t1, p
     g, c, lo, hi = _bounds(order[task], nc, chunk, n)
     if span == SKETCH_FUSED:
         phi, t = residual_rows(phik, g, lo, hi), residual_rows(tk, g, lo, hi)
-        hash_sketch_range(k[g, lo:hi], v[g, lo:hi], 0, hi - lo, W, beta, mask[g, lo:hi], t, phi,
-                          partA[g, c], partB[g, c])
-        nan[task] = nan_count(t)
+        nan[task] = hash_sketch_range(k[g, lo:hi], v[g, lo:hi], 0, hi - lo, W, beta, mask[g, lo:hi], t, phi,
+                                      partA[g, c], partB[g, c])
         return
     phi, _, nan[task] = hash_chunk(k, g, lo, hi, W, beta, mask[g, lo:hi], tk, phik)
     A = partA[g, c]

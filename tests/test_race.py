@@ -368,9 +368,14 @@ def test_hash_range_blocks_match_softmax_over_corners(rng, dtype, tol):
         t = np.full((n, L * P), np.nan, dtype)
         phi = np.full((n, L << P), np.nan, dtype)
         for lo, hi in ((0, 7), (7, 40), (40, n)):
-            K.hash_range(x, lo, hi, W, 2.5, keep, t, phi)
+            assert K.hash_range(x, lo, hi, W, 2.5, keep, t, phi) == 0
         np.testing.assert_allclose(t, t_ref.reshape(n, -1), rtol=tol, atol=tol)
         np.testing.assert_allclose(phi, phi_ref, rtol=tol, atol=tol)
+        # It counts the NaNs it leaves in t: one per projection of a row with a NaN or an Inf.
+        bad = x.copy()
+        bad[3, 1], bad[50, 0] = np.nan, -np.inf
+        assert sum(K.hash_range(bad, lo, hi, W, 2.5, keep, t, phi) for lo, hi in ((0, 7), (7, 40), (40, n))) == 2 * L * P
+        assert np.isnan(t).sum() == 2 * L * P and np.isnan(t[[3, 50]]).all()
 
 
 @pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-12), (np.float32, 3e-5)])
@@ -394,12 +399,15 @@ def test_hash_sketch_range_sums_each_block_as_hashed(rng, dtype, tol):
         A_ref = A.copy()
         for lo, hi in ((0, 7), (7, 40), (40, n)):
             total = np.full((L << P, dv), np.nan)
-            K.hash_sketch_range(x, v, lo, hi, W, 2.5, keep, t, phi, A, total)
+            assert K.hash_sketch_range(x, v, lo, hi, W, 2.5, keep, t, phi, A, total) == 0
             A_ref += phi_ref[lo:hi].sum(0)
             np.testing.assert_allclose(A, A_ref, rtol=tol, atol=tol)
             np.testing.assert_allclose(total, phi_ref[lo:hi].T @ v[lo:hi].astype(np.float64), rtol=tol, atol=tol)
         np.testing.assert_allclose(t, t_ref.reshape(n, -1), rtol=tol, atol=tol)
         np.testing.assert_allclose(phi, phi_ref, rtol=tol, atol=tol)
+        bad = x.copy()
+        bad[40, 2] = np.inf
+        assert K.hash_sketch_range(bad, v, 0, n, W, 2.5, keep, t, phi, A, total) == L * P
 
 
 def test_corner_order_is_itertools_product(rng):
