@@ -580,50 +580,6 @@ def hash_sketch_range(x, v, lo, hi, W, beta, keep, t, phi, A, total):
 
 
 @njit(**_JIT)
-def hash_readout_range(x, lo, hi, W, beta, keep, t, phi, A, den, w):
-    """:func:`hash_range` of rows lo..hi of ``x (N, d)`` with each row's
-    readout weights: den_j = phi_j . A / L and w_j = phi_j / (L den_j)
-    (``A`` float64), so that out_j = w_j S (:func:`combine_rows`; rows whose
-    den is at most DEN_FLOOR get w = 0, zeros: see hashing.DEN_FLOOR).
-    Returns the NaNs left in t (:func:`hash_block`).
-
-    den is summed from the hash's plane-major scratch while the block is in
-    L1, SIMD over its rows (per row over its F values, with a sum across
-    lanes, it cost 8.7 ns per row).
-    """
-    L, P, _ = W.shape
-    F = phi.shape[1]
-    T = HASH_BLOCK
-    m = T * L * P
-    U, a, b = np.empty(m, W.dtype), np.empty(m, W.dtype), np.empty(m, W.dtype)
-    ph = np.empty((T * L) << P, W.dtype)
-    dn = np.empty(T)
-    row = x.shape[1] * x.itemsize
-    flat = x.strides[1] == x.itemsize and x.strides[0] == row
-    nan = 0
-    for b0 in range(lo, hi, T):
-        b1 = min(b0 + T, hi)
-        nb = b1 - b0
-        lines = (min(b1 + T, hi) - b1) * row // 64 if flat else 0
-        nan += hash_block(x[b0:b1], W, beta, keep[b0:b1], U, a, b, ph, t[b0:b1], phi[b0:b1],
-                          x.ctypes.data + b1 * row, lines)
-        # ph[f * nb + j] is phi[b0 + j, f] for kept rows (queries: all)
-        for j in range(nb):
-            dn[j] = 0.0
-        for f in range(F):
-            af = A[f]
-            for j in range(nb):
-                dn[j] += ph[f * nb + j] * af
-        for j in range(nb):
-            d = dn[j] / L if keep[b0 + j] else 0.0
-            den[b0 + j] = d
-            inv = 1.0 / (L * d) if d > DEN_FLOOR else 0.0  # the floor: zeros
-            for f in range(F):
-                w[b0 + j, f] = phi[b0 + j, f] * inv
-    return nan
-
-
-@njit(**_JIT)
 def _hash_rows_task(blk, x, W, beta, keep, t, phi):
     hash_range(x, blk * 1024, min(x.shape[0], blk * 1024 + 1024), W, beta, keep, t, phi)
 
@@ -943,9 +899,33 @@ def span_totals(w, x, span, reverse, total, tmp):
 
 
 @njit(**_JIT)
+def readout_rows(phiq, A, S, L, den, out):
+    """out_i = (phiq_i S) / (phiq_i . A) with the 1/L of both, den_i = phiq_i . A / L, every row.
+
+    A is float64; S is (F, dv) in the compute dtype.  Rows whose den is at
+    most DEN_FLOOR get zeros (see hashing.DEN_FLOOR).  The rows of phiq are
+    scaled first, so that out is written once, streamed
+    (:func:`combine_rows`): an sgemm and a pass scaling its result read and
+    wrote every row of out twice.
+    """
+    n, F = phiq.shape
+    w = np.empty((n, F), phiq.dtype)
+    for i in range(n):
+        dn = 0.0
+        for f in range(F):
+            dn += phiq[i, f] * A[f]
+        dn /= L
+        den[i] = dn
+        inv = 1.0 / (L * dn) if dn > DEN_FLOOR else 0.0  # the floor: zeros
+        for f in range(F):
+            w[i, f] = phiq[i, f] * inv
+    combine_rows(w, S, out, True)
+
+
+@njit(**_JIT)
 def dphi_from_y(phiq, A, den, L, dphi, wq):
-    """Cotangent of one row of the queries' readout (:func:`hash_readout_range`)
-    w.r.t. phiq, once ``dphi`` (float64) holds y = S g; returns dden.
+    """Cotangent of one row of :func:`readout_rows` w.r.t. phiq, once ``dphi``
+    (float64) holds y = S g; returns dden.
 
     dden = -(phiq . y) / (L den^2),  dphiq = y / (L den) + A dden / L
     (overwriting ``dphi``), and the weights ``wq = phiq / (L den)`` with which
@@ -1147,14 +1127,8 @@ def _queries_fwd_task(task, keep, q, W, beta, chunk, A, B, phiq, tq, den, out, n
     L = W.shape[0]
     nc = (n + chunk - 1) // chunk
     g, c, lo, hi = _bounds(task, nc, chunk, n)
-    phi, t = residual_rows(phiq, g, lo, hi), residual_rows(tq, g, lo, hi)
-    w = np.empty(phi.shape, q.dtype)
-    nan[task] = hash_readout_range(q[g, lo:hi], 0, hi - lo, W, beta, keep[lo:hi], t, phi, A[g],
-                                   residual_rows(den, g, lo, hi), w)
-    # out_i = (phiq_i B) / (phiq_i . A): the rows of phiq scaled first, so that
-    # out is written once, streamed (an sgemm and a pass scaling its result
-    # read and wrote every row of out twice)
-    combine_rows(w, B[g], out[g, lo:hi], True)
+    phi, _, nan[task] = hash_chunk(q, g, lo, hi, W, beta, keep[lo:hi], tq, phiq)
+    readout_rows(phi, A[g], B[g], L, residual_rows(den, g, lo, hi), out[g, lo:hi])
 
 
 @blas_tasks

@@ -410,33 +410,6 @@ def test_hash_sketch_range_sums_each_block_as_hashed(rng, dtype, tol):
         assert K.hash_sketch_range(bad, v, 0, n, W, 2.5, keep, t, phi, A, total) == L * P
 
 
-@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-12), (np.float32, 3e-6)])
-def test_hash_readout_range_weights_rows_by_their_den(rng, dtype, tol):
-    # The queries' readout weights, from the hash's scratch block by block:
-    # den_j = phi_j . A / L, w_j = phi_j / (L den_j), and w_j = 0 where den_j
-    # is at most DEN_FLOOR (a table with no key mass and the others' masked).
-    from racecpu import _kernels as K
-    n, d, L, P = 3 * K.HASH_BLOCK + 5, 16, 3, 3
-    F = L << P
-    x = rng.standard_normal((n, d)).astype(dtype)
-    W = racecpu.hyperplanes(d, P, L, seed=4, dtype=dtype)
-    keep = np.ones(n, np.bool_)
-    phi_ref, t_ref = ref.soft_buckets_dense(x.astype(np.float64), W.astype(np.float64), 2.5)
-    phi_ref = phi_ref.reshape(n, F)
-    for A in (rng.random(F) * 1e3, np.zeros(F)):
-        t = np.full((n, L * P), np.nan, dtype)
-        phi = np.full((n, F), np.nan, dtype)
-        den = np.full(n, np.nan)
-        w = np.full((n, F), np.nan, dtype)
-        for lo, hi in ((0, 7), (7, 40), (40, n)):
-            assert K.hash_readout_range(x, lo, hi, W, 2.5, keep, t, phi, A, den, w) == 0
-        den_ref = phi_ref @ A / L
-        w_ref = np.where(den_ref[:, None] > 1e-30, phi_ref / np.where(den_ref > 0, L * den_ref, 1.0)[:, None], 0.0)
-        np.testing.assert_allclose(den, den_ref, rtol=tol, atol=0)
-        np.testing.assert_allclose(w, w_ref, rtol=tol, atol=tol * np.abs(w_ref).max())
-        np.testing.assert_allclose(phi, phi_ref, rtol=tol, atol=tol)
-
-
 def test_corner_order_is_itertools_product(rng):
     P = 4
     assert np.array_equal(racecpu.corners(P), np.array(list(itertools.product([-1, 1], repeat=P))))

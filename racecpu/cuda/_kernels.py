@@ -6,7 +6,7 @@ step: every (batch, head) pair is a group ``g``; arrays are C-contiguous
 token is a row ``phi (F,)``, ``F = L * R``, with tanh projections ``t (L*P,)``.
 The per-token helpers (:func:`hash_row`, :func:`hash_row_bwd`,
 :func:`readout_row`, :func:`readout_row_bwd`, :func:`key_row_bwd`) compute one
-token's share of what the CPU kernels do a chunk at a time (``hash_readout_range``,
+token's share of what the CPU kernels do a chunk at a time (``readout_rows``,
 ``hash_rows_du``, ``dot_rows``), with loops ordered so a thread keeps its sums
 in registers.
 
