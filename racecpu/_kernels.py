@@ -570,9 +570,7 @@ def hash_sketch_range(x, v, lo, hi, W, beta, keep, t, phi, A, total):
             for f in range(F):
                 A[f] += phi[j, f]
         combine_rows(phi[b0:b1].T, v[b0:b1], tmp, False, v.ctypes.data + b1 * rv, nxt * rv // 64)
-        for f in range(F):
-            for c in range(dv):
-                acc[f, c] += tmp[f, c]
+        add_into(acc, tmp)
     for f in range(F):
         for c in range(dv):
             total[f, c] = acc[f, c]
@@ -870,6 +868,15 @@ def add_product(w, x, S, tmp, total, track):
 
 
 @njit(**_JIT)
+def add_into(acc, tmp):
+    """acc += tmp for two (F, dv) arrays: the sum of a chunk's products."""
+    F, dv = acc.shape
+    for f in range(F):
+        for c in range(dv):
+            acc[f, c] += tmp[f, c]
+
+
+@njit(**_JIT)
 def span_totals(w, x, span, reverse, total, tmp):
     """total (float64) = w^T x, one :func:`step_product` per ``span`` rows
     (aligned at row 0; the last span first when ``reverse``).
@@ -890,9 +897,7 @@ def span_totals(w, x, span, reverse, total, tmp):
         j0 = bi * span
         j1 = min(j0 + span, n)
         step_product(w[j0:j1], x[j0:j1], tmp)
-        for f in range(F):
-            for c in range(dv):
-                acc[f, c] += tmp[f, c]
+        add_into(acc, tmp)
     for f in range(F):
         for c in range(dv):
             total[f, c] = acc[f, c]
