@@ -514,13 +514,26 @@ def hash_bwd_rows(dphi, phi, t, W, beta, dx):
 
 
 @njit(**_JIT)
+def hash_scratch(W):
+    """:func:`hash_block`'s scratch ``(U, a, b, ph)`` for HASH_BLOCK rows, in the planes' dtype."""
+    L, P, _ = W.shape
+    m = HASH_BLOCK * L * P
+    return np.empty(m, W.dtype), np.empty(m, W.dtype), np.empty(m, W.dtype), np.empty((HASH_BLOCK * L) << P, W.dtype)
+
+
+@njit(**_JIT)
+def add_rows(A, rows):
+    """A += the sum of the rows of ``rows (n, F)``, one row at a time (A: float64)."""
+    for j in range(rows.shape[0]):
+        for f in range(rows.shape[1]):
+            A[f] += rows[j, f]
+
+
+@njit(**_JIT)
 def hash_range(x, lo, hi, W, beta, keep, t, phi):
     """:func:`hash_block` over rows lo..hi of ``x (N, d)``, HASH_BLOCK rows at a
     time; returns the NaNs it left in t (:func:`hash_block`)."""
-    L, P, _ = W.shape
-    m = HASH_BLOCK * L * P
-    U, a, b = np.empty(m, W.dtype), np.empty(m, W.dtype), np.empty(m, W.dtype)
-    ph = np.empty((HASH_BLOCK * L) << P, W.dtype)
+    U, a, b, ph = hash_scratch(W)
     # The next block's rows are prefetched during each block where x's rows are contiguous.
     row = x.shape[1] * x.itemsize
     flat = x.strides[1] == x.itemsize and x.strides[0] == row
@@ -548,12 +561,9 @@ def hash_sketch_range(x, v, lo, hi, W, beta, keep, t, phi, A, total):
     hash read v with nothing in flight: 190 -> 166 ns per key, one thread).
     For the non-causal sketch, whose product order no scan has to match.
     """
-    L, P, _ = W.shape
     F = phi.shape[1]
     dv = v.shape[1]
-    m = HASH_BLOCK * L * P
-    U, a, b = np.empty(m, W.dtype), np.empty(m, W.dtype), np.empty(m, W.dtype)
-    ph = np.empty((HASH_BLOCK * L) << P, W.dtype)
+    U, a, b, ph = hash_scratch(W)
     tmp = np.empty((F, dv), v.dtype)
     acc = np.zeros((F, dv), v.dtype)
     rx = x.shape[1] * x.itemsize
@@ -566,9 +576,7 @@ def hash_sketch_range(x, v, lo, hi, W, beta, keep, t, phi, A, total):
         nxt = (min(b1 + HASH_BLOCK, hi) - b1) if flat else 0
         nan += hash_block(x[b0:b1], W, beta, keep[b0:b1], U, a, b, ph, t[b0:b1], phi[b0:b1],
                           x.ctypes.data + b1 * rx, nxt * rx // 64)
-        for j in range(b0, b1):
-            for f in range(F):
-                A[f] += phi[j, f]
+        add_rows(A, phi[b0:b1])
         combine_rows(phi[b0:b1].T, v[b0:b1], tmp, False, v.ctypes.data + b1 * rv, nxt * rv // 64)
         add_into(acc, tmp)
     for f in range(F):
@@ -1064,10 +1072,7 @@ def _sketch_chunks_task(task, order, k, v, mask, W, beta, chunk, span, t0, t1, p
                                       partA[g, c], partB[g, c])
         return
     phi, _, nan[task] = hash_chunk(k, g, lo, hi, W, beta, mask[g, lo:hi], tk, phik)
-    A = partA[g, c]
-    for j in range(hi - lo):
-        for f in range(F):
-            A[f] += phi[j, f]
+    add_rows(partA[g, c], phi)
     if t0 <= c < t1:
         span_totals(phi, v[g, lo:hi], span, False, partB[g, c], np.empty((F, v.shape[2]), v.dtype))
 
@@ -1385,9 +1390,7 @@ def _causal_fwd_task(task, segments, keep, q, v, phik, carryA, carryB, W, beta, 
                 inv = 1.0 / (L * dn) if dn > DEN_FLOOR else 0.0  # the floor: zeros
                 for cc in range(dv):
                     O[i, cc] = (O[i, cc] + X[i, cc]) * inv
-            for i in range(m):
-                for f in range(F):
-                    A[f] += Pk[i, f]
+            add_rows(A, Pk)
             add_product(Pk, V, S, dS, total, track)
         if c + 1 < c1 or last:
             _carry_on(carryB, g, c, c + 1, total, final)
