@@ -371,11 +371,20 @@ def test_hash_range_blocks_match_softmax_over_corners(rng, dtype, tol):
             assert K.hash_range(x, lo, hi, W, 2.5, keep, t, phi) == 0
         np.testing.assert_allclose(t, t_ref.reshape(n, -1), rtol=tol, atol=tol)
         np.testing.assert_allclose(phi, phi_ref, rtol=tol, atol=tol)
+        # t with no rows (a forward that keeps none): phi's bits are the same, and
+        # nothing is written through the empty view (boundscheck is off)
+        phi2, spare = np.full_like(phi, np.nan), np.full_like(t, np.nan)
+        for lo, hi in ((0, 7), (7, 40), (40, n)):
+            assert K.hash_range(x, lo, hi, W, 2.5, keep, spare[:0], phi2) == 0
+        np.testing.assert_array_equal(phi2, phi)
+        assert np.isnan(spare).all()
         # It counts the NaNs it leaves in t: one per projection of a row with a NaN or an Inf.
         bad = x.copy()
         bad[3, 1], bad[50, 0] = np.nan, -np.inf
         assert sum(K.hash_range(bad, lo, hi, W, 2.5, keep, t, phi) for lo, hi in ((0, 7), (7, 40), (40, n))) == 2 * L * P
         assert np.isnan(t).sum() == 2 * L * P and np.isnan(t[[3, 50]]).all()
+        assert sum(K.hash_range(bad, lo, hi, W, 2.5, keep, t[:0], phi[:0]) for lo, hi in ((0, 7), (7, 40), (40, n))) \
+            == 2 * L * P  # counted with no rows of t written
 
 
 @pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-12), (np.float32, 3e-5)])
@@ -397,12 +406,19 @@ def test_hash_sketch_range_sums_each_block_as_hashed(rng, dtype, tol):
         phi = np.full((n, L << P), np.nan, dtype)
         A = np.full(L << P, 0.5)
         A_ref = A.copy()
+        A_bare = A.copy()
         for lo, hi in ((0, 7), (7, 40), (40, n)):
             total = np.full((L << P, dv), np.nan)
             assert K.hash_sketch_range(x, v, lo, hi, W, 2.5, keep, t, phi, A, total) == 0
             A_ref += phi_ref[lo:hi].sum(0)
             np.testing.assert_allclose(A, A_ref, rtol=tol, atol=tol)
             np.testing.assert_allclose(total, phi_ref[lo:hi].T @ v[lo:hi].astype(np.float64), rtol=tol, atol=tol)
+            # t and phi with no rows (a forward that keeps no residuals): the same bits
+            bare, spare_t, spare_phi = np.full_like(total, np.nan), np.full_like(t, np.nan), np.full_like(phi, np.nan)
+            assert K.hash_sketch_range(x, v, lo, hi, W, 2.5, keep, spare_t[:0], spare_phi[:0], A_bare, bare) == 0
+            np.testing.assert_array_equal(A_bare, A)
+            np.testing.assert_array_equal(bare, total)
+            assert np.isnan(spare_t).all() and np.isnan(spare_phi).all()  # nothing written through them
         np.testing.assert_allclose(t, t_ref.reshape(n, -1), rtol=tol, atol=tol)
         np.testing.assert_allclose(phi, phi_ref, rtol=tol, atol=tol)
         bad = x.copy()
