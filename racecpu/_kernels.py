@@ -558,12 +558,19 @@ def hash_range(x, lo, hi, W, beta, keep, t, phi):
     return nan
 
 
+#: Rows (rounded up to whole hash blocks) that :func:`hash_sketch_range` sums
+#: in v's dtype before the sum moves to float64: attention.CHUNK, the
+#: longest such run anywhere, while the non-causal forward's tasks are longer.
+SKETCH_RUN = 1024
+
+
 @njit(**_JIT)
 def hash_sketch_range(x, v, lo, hi, W, beta, keep, t, phi, A, total):
     """:func:`hash_range` of rows lo..hi of ``x (N, d)``, summing the sketch of
     each block as soon as it is hashed: ``A`` (float64) += their rows of phi,
     and ``total`` (float64, overwritten) = phi^T v over rows lo..hi of
-    ``v (N, dv)``, summed in v's dtype as :func:`span_totals` does.  Returns
+    ``v (N, dv)``, summed in v's dtype as :func:`span_totals` does for runs of
+    SKETCH_RUN rows (whole blocks), the runs' sums in float64.  Returns
     the NaNs left in t (:func:`hash_block`).  Both sums read each block's
     phi^T from the hash's scratch, so ``t`` and ``phi`` may have no rows (a
     forward with no backward: nothing is written to them) and the sums are
@@ -586,6 +593,7 @@ def hash_sketch_range(x, v, lo, hi, W, beta, keep, t, phi, A, total):
     flat = (x.strides[1] == x.itemsize and x.strides[0] == rx
             and v.strides[1] == v.itemsize and v.strides[0] == rv)
     nan = 0
+    run = lo  # first row of the run in acc
     for b0 in range(lo, hi, HASH_BLOCK):
         b1 = min(b0 + HASH_BLOCK, hi)
         nxt = (min(b1 + HASH_BLOCK, hi) - b1) if flat else 0
@@ -600,9 +608,14 @@ def hash_sketch_range(x, v, lo, hi, W, beta, keep, t, phi, A, total):
             A[f] += s
         combine_rows(P, v[b0:b1], tmp, False, v.ctypes.data + b1 * rv, nxt * rv // 64)
         add_into(acc, tmp)
-    for f in range(F):
-        for c in range(dv):
-            total[f, c] = acc[f, c]
+        if b1 - run >= SKETCH_RUN or b1 == hi:  # the run summed in v's dtype ends: into float64
+            for f in range(F):
+                for c in range(dv):
+                    total[f, c] = acc[f, c] if run == lo else total[f, c] + acc[f, c]
+                    acc[f, c] = 0.0
+            run = b1
+    if run == lo:  # no rows
+        total[:, :] = 0.0
     return nan
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 
 from . import _kernels as K
@@ -24,6 +25,8 @@ CHUNK = 1024
 # Cap on the float64 chunk partials (G * nc * F * (dv + 1) * 8 bytes); above
 # it chunks grow, which only matters for very large P.
 _PARTIAL_BUDGET = 256 * 2 ** 20
+#: Chunks per task of the non-causal forward (see :func:`_sketch_chunk`).
+SKETCH_CHUNKS = 4
 
 
 # ---------------------------------------------------------------------------
@@ -244,6 +247,17 @@ def _chunk(n, G, F, dv):
     return max(CHUNK, -(-n // max_chunks), 1)
 
 
+def _sketch_chunk(chunk, n, G):
+    """Task length of the non-causal forward: up to SKETCH_CHUNKS chunks, while
+    every thread keeps at least 8 tasks.  Its float64 partials (24 KB a task
+    at F = 24, dv = 128) are written, then summed by NumPy on one thread:
+    with 1024-token tasks at 2^20 tokens x 4 heads that was 100 MB and
+    ~7 ms a call; the keys' sketch still sums in float32 for at most
+    ``_kernels.SKETCH_RUN`` rows at a time, the queries need no sums."""
+    tasks = G * n // (8 * numba.get_num_threads())
+    return max(chunk, min(SKETCH_CHUNKS * chunk, tasks // chunk * chunk))
+
+
 # ---------------------------------------------------------------------------
 # forward / backward
 # ---------------------------------------------------------------------------
@@ -305,7 +319,8 @@ def _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residua
     L, P, _ = a.planes.shape
     F = L * 2 ** P
     cdt = a.q.dtype
-    chunk = _chunk(max(nq, nk), G, F, dv)
+    base = _chunk(max(nq, nk), G, F, dv)  # the backward's chunks (and the causal forward's carries)
+    chunk = base if causal else _sketch_chunk(base, max(nq, nk), G)
     nck = -(-nk // chunk)
     rq, rk = (nq, nk) if residuals else (0, 0)  # rows kept of the queries' and keys' residuals
     phik = POOL.empty((G, nk if causal else rk, F), cdt)
@@ -341,7 +356,7 @@ def _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residua
     y = _deliver(o, out, a.lead + (nq, dv), a.out_dtype)
     if not residuals:
         return y, None
-    return y, Residuals(a.planes, a.beta, a.causal, chunk, a.v, phiq, tq, phik, tk, den, A, B,
+    return y, Residuals(a.planes, a.beta, a.causal, base, a.v, phiq, tq, phik, tk, den, A, B,
                         a.lead, a.in_dtypes, a.out_dtype, a.check_finite)
 
 

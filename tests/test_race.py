@@ -387,6 +387,33 @@ def test_hash_range_blocks_match_softmax_over_corners(rng, dtype, tol):
             == 2 * L * P  # counted with no rows of t written
 
 
+def test_hash_sketch_range_moves_its_sums_to_float64_every_run(rng):
+    # Ranges longer than SKETCH_RUN (the non-causal forward's tasks): the
+    # product is summed in float32 for SKETCH_RUN rows at a time, the runs in
+    # float64, so a long range is as close to the float64 sum as one run.
+    from racecpu import _kernels as K
+    n, d, dv, L, P = 2 * K.SKETCH_RUN + 3 * K.HASH_BLOCK + 5, 16, 32, 3, 3
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    v = (rng.standard_normal((n, dv)) + 3.0).astype(np.float32)  # a mean: the sums grow with n
+    W = racecpu.hyperplanes(d, P, L, seed=4)
+    keep = np.ones(n, np.bool_)
+    phi_ref, _ = ref.soft_buckets_dense(x.astype(np.float64), W.astype(np.float64), 2.5)
+    phi_ref = phi_ref.reshape(n, -1)
+    A, total = np.zeros(L << P), np.full((L << P, dv), np.nan)
+    t, phi = np.empty((0, L * P), np.float32), np.empty((0, L << P), np.float32)
+    assert K.hash_sketch_range(x, v, 0, n, W, 2.5, keep, t, phi, A, total) == 0
+    want = phi_ref.T @ v.astype(np.float64)
+    np.testing.assert_allclose(A, phi_ref.sum(0), rtol=1e-6)
+    np.testing.assert_allclose(total, want, rtol=2e-6, atol=1e-3)
+    # the runs' float64 sum: each run as a range of its own, added in float64
+    parts = []
+    for lo in range(0, n, K.SKETCH_RUN):
+        part = np.empty_like(total)
+        K.hash_sketch_range(x, v, lo, min(n, lo + K.SKETCH_RUN), W, 2.5, keep, t, phi, np.zeros(L << P), part)
+        parts.append(part)
+    np.testing.assert_array_equal(total, sum(parts[1:], parts[0]))
+
+
 @pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-12), (np.float32, 3e-5)])
 def test_hash_sketch_range_sums_each_block_as_hashed(rng, dtype, tol):
     # The non-causal keys' sketch: phi summed into A and phi^T v into the
