@@ -644,9 +644,9 @@ def residual_rows(res, g, lo, hi):
 def hash_chunk(x, g, lo, hi, W, beta, keep, t_res, phi_res):
     """:func:`hash_range` of rows lo..hi of group ``g`` of ``x (G, N, d)`` into
     their rows of the residuals ``t_res``, ``phi_res`` (phi: or scratch, see
-    :func:`residual_rows`; t: not written where ``t_res`` has no rows).  Returns ``(phi, t, nan)``, ``nan`` the NaNs in t:
-    the hash leaves one per projection of a row with a NaN/Inf
-    (attention._check_derived)."""
+    :func:`residual_rows`; t: not written where ``t_res`` has no rows).
+    Returns ``(phi, t, nan)``, ``nan`` the NaNs in t: the hash leaves one per
+    projection of a row with a NaN/Inf (attention._check_derived)."""
     phi, t = residual_rows(phi_res, g, lo, hi), t_res[g, lo:hi]  # t: no rows where none is kept
     return phi, t, hash_range(x[g, lo:hi], 0, hi - lo, W, beta, keep, t, phi)
 
