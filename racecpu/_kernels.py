@@ -441,14 +441,11 @@ def hash_block(x, W, beta, keep, U, a, b, ph, t, phi, ahead=0, lines=0):
         if not keep[j]:
             for f in range(L * R):
                 ph[f * T + j] = 0.0
-    for j in range(T if phi.shape[0] else 0):
-        done = _prefetch_to(ahead, done, lines * (_PF_CORNERS + (32 - _PF_CORNERS) * (j + 1) // T) // 32)
-        if keep[j]:
+    if phi.shape[0]:  # the loops keep the block's length as their bound (faster, see benchmarks/README)
+        for j in range(T):
+            done = _prefetch_to(ahead, done, lines * (_PF_CORNERS + (32 - _PF_CORNERS) * (j + 1) // T) // 32)
             for f in range(L * R):
-                phi[j, f] = ph[f * T + j]
-        else:
-            for f in range(L * R):
-                phi[j, f] = 0.0
+                phi[j, f] = ph[f * T + j]  # masked rows: zero in ph already
     return nan
 
 
@@ -593,6 +590,7 @@ def hash_sketch_range(x, v, lo, hi, W, beta, keep, t, phi, A, total):
     flat = (x.strides[1] == x.itemsize and x.strides[0] == rx
             and v.strides[1] == v.itemsize and v.strides[0] == rv)
     nan = 0
+    total[:, :] = 0.0
     run = lo  # first row of the run in acc
     for b0 in range(lo, hi, HASH_BLOCK):
         b1 = min(b0 + HASH_BLOCK, hi)
@@ -611,11 +609,9 @@ def hash_sketch_range(x, v, lo, hi, W, beta, keep, t, phi, A, total):
         if b1 - run >= SKETCH_RUN or b1 == hi:  # the run summed in v's dtype ends: into float64
             for f in range(F):
                 for c in range(dv):
-                    total[f, c] = acc[f, c] if run == lo else total[f, c] + acc[f, c]
+                    total[f, c] += acc[f, c]
                     acc[f, c] = 0.0
             run = b1
-    if run == lo:  # no rows
-        total[:, :] = 0.0
     return nan
 
 
