@@ -55,7 +55,8 @@ warnings.filterwarnings("ignore", message=r".*np\.v?dot\(\) is faster on contigu
 
 from ._simd import (COMB_ROWS, COMB_VECTORS, TILE_ROWS, VECTOR_BYTES, comb_tile, comb_tile_lines, comb_tile_pieces,
                     dot_tile_cols, dot_tile_cols1, dot_tile_rows, prefetch_lines, stream_fence)
-from .hashing import DEN_FLOOR
+from . import config
+from .config import DEN_FLOOR
 
 # Reassociation lets LLVM vectorise the dv-long inner loops and dot products.
 # No 'nnan'/'ninf': the guards below must see real comparisons.
@@ -74,7 +75,7 @@ _blas_controller = None
 #: a decode step took 182 us on 2 threads and 43 us on one, ``extend`` by 64
 #: tokens per head 541 us and 276 us; the two break even at ~1024 tokens.
 #: 512 keeps the loss small where many cores would have helped.
-SERIAL_TOKENS = 512
+SERIAL_TOKENS = config.SERIAL_TOKENS  # moved to racecpu.config
 
 
 def blas_tasks(kernel):
@@ -101,7 +102,7 @@ def blas_tasks(kernel):
 
     @functools.wraps(kernel)
     def run(*args, **kw):
-        if args[0].shape[0] * args[0].shape[1] >= SERIAL_TOKENS:
+        if args[0].shape[0] * args[0].shape[1] >= config.SERIAL_TOKENS:
             return call(args, kw)
         threads = numba.get_num_threads()
         numba.set_num_threads(1)
@@ -1352,7 +1353,7 @@ def scan_segments(G, nc, n):
     of a third: :func:`causal_bwd_split`), at most one per chunk.  Results do
     not depend on it, bit for bit (:func:`span_totals`).
     """
-    threads = numba.get_num_threads() if G * n >= SERIAL_TOKENS else 1
+    threads = numba.get_num_threads() if G * n >= config.SERIAL_TOKENS else 1
     return max(1, min(nc, threads // math.gcd(G, threads)))
 
 
@@ -1706,7 +1707,7 @@ def causal_bwd_split(grad, v, phik, tk, phiq, tq, den, carryA, carryB, W, beta, 
     G, nc = carryA.shape[:2]
     if nc < 3:
         raise ValueError(f"causal_bwd_split needs 3 chunks or more, got {nc}")
-    cs = nc - min(nc - 2, max(1, round(SPLIT_TAIL * nc)))
+    cs = nc - min(nc - 2, max(1, round(config.SPLIT_TAIL * nc)))
     F, dv = partdB.shape[2:]
     tailA, tailB = np.zeros((G, F)), np.zeros((G, F, dv))
     run_tasks(_causal_bwd_split_task, 2 * G, cs, grad, v, phik, tk, phiq, tq, den, carryA, carryB, W, beta,
@@ -1714,3 +1715,19 @@ def causal_bwd_split(grad, v, phik, tk, phiq, tq, den, carryA, carryB, W, beta, 
     _split_carries(partdA, partdB.reshape(G, nc, F * dv), tailA, tailB.reshape(G, F * dv), cs)
     causal_keys_bwd(grad, v, phik, tk, phiq, den, dden, partdA[:, :cs], partdB[:, :cs], W, beta, chunk,
                     dk, dv_out, dbk, final=final, segments=2)
+
+
+def chunk_length(n, G, F, dv):
+    """Chunk length: CHUNK tokens unless the float64 partials would outgrow their budget."""
+    from . import config
+    per_chunk = G * F * (dv + 1) * 8
+    max_chunks = max(1, config.PARTIAL_BUDGET // max(per_chunk, 1))
+    return max(config.CHUNK, -(-n // max_chunks), 1)
+
+
+def sketch_task_length(chunk, n, G):
+    """Task length of the non-causal forward: up to SKETCH_CHUNKS chunks, while
+    every thread keeps at least 8 tasks."""
+    from . import config
+    tasks = G * n // (8 * numba.get_num_threads())
+    return max(chunk, min(config.SKETCH_CHUNKS * chunk, tasks // chunk * chunk))

@@ -7,219 +7,18 @@ packs the residuals the backward needs.
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 
 from . import _kernels as K
+from . import config
+from ._checks import SUMS_OVERFLOW, all_finite, check_array, check_beta, check_derived, check_out, prepare
 from ._memory import POOL
-from .hashing import DEFAULT_BETA, MAX_PLANES, hyperplanes
+from .config import DEFAULT_BETA
+from .hashing import hyperplanes
 
 __all__ = ["race_attention", "race_attention_fwd", "race_attention_bwd", "RaceAttention", "Residuals"]
-
-#: Tokens per chunk: the unit of parallel work and the longest run summed in
-#: the compute dtype before the sum moves to float64.
-CHUNK = 1024
-# Cap on the float64 chunk partials (G * nc * F * (dv + 1) * 8 bytes); above
-# it chunks grow, which only matters for very large P.
-_PARTIAL_BUDGET = 256 * 2 ** 20
-#: Chunks per task of the non-causal forward (see :func:`_sketch_chunk`).
-SKETCH_CHUNKS = 4
-
-
-# ---------------------------------------------------------------------------
-# argument checking
-# ---------------------------------------------------------------------------
-
-def _dtypes(*arrays):
-    """(compute dtype, output dtype) of float inputs: float16 computes in float32."""
-    dt = np.result_type(*arrays)
-    if dt == np.float16:
-        return np.dtype(np.float32), np.dtype(np.float16)
-    return dt, dt
-
-
-def _check_array(name, x, check_finite, min_ndim=2):
-    """Float array check; returns (array, output dtype, compute dtype)."""
-    try:
-        x = np.asarray(x)
-    except Exception as exc:  # ragged lists and the like
-        raise TypeError(f"{name} must be an array of floats: {exc}") from None
-    if x.dtype.kind != "f" or x.dtype.itemsize > 8:
-        raise TypeError(f"{name} must be a float16, float32 or float64 array, got dtype {x.dtype}; "
-                        f"pass {name}.astype(np.float32)")
-    if x.ndim < min_ndim:
-        raise ValueError(f"{name} must have at least {min_ndim} dims (..., N, d), got shape {x.shape}")
-    if check_finite and not _all_finite(x):
-        raise ValueError(f"{name} contains NaN or Inf (pass check_finite=False to skip this check)")
-    cdt = np.dtype(np.float32) if x.dtype == np.float16 else x.dtype
-    return x, x.dtype, cdt
-
-
-def _check_planes(planes, d, cdt):
-    planes = np.asarray(planes)
-    if planes.dtype.kind not in "fiu" or planes.dtype.kind == "b":
-        raise TypeError(f"planes must be a float array (L, P, d), got dtype {planes.dtype}")
-    if planes.ndim != 3:
-        raise ValueError(f"planes must have shape (L, P, d), got shape {planes.shape}")
-    L, P, pd = planes.shape
-    if pd != d:
-        raise ValueError(f"planes have head dim {pd} but the inputs have head dim {d} "
-                         f"(planes shape {planes.shape})")
-    if L < 1 or not 1 <= P <= MAX_PLANES:
-        raise ValueError(f"planes need L >= 1 tables and 1 <= P <= {MAX_PLANES} planes, got shape {planes.shape}")
-    if d < 1:
-        raise ValueError(f"head dim must be >= 1, got planes shape {planes.shape}")
-    if not np.isfinite(planes).all():
-        raise ValueError("planes contain NaN or Inf")
-    return np.ascontiguousarray(planes, dtype=cdt)
-
-
-def _check_beta(beta):
-    if isinstance(beta, (bool, np.bool_)) or not isinstance(beta, (numbers.Real, np.ndarray, np.generic)):
-        raise TypeError(f"beta must be a positive finite float, got {type(beta).__name__} {beta!r}")
-    b = np.asarray(beta)
-    if b.ndim != 0 or b.dtype.kind not in "fiu":
-        raise TypeError(f"beta must be a scalar float, got {b.dtype} array of shape {b.shape}")
-    b = float(b)
-    if not np.isfinite(b) or b <= 0:
-        raise ValueError(f"beta must be finite and > 0, got {b}")
-    return b
-
-
-_EXP_BITS = {4: (np.uint32, 0x7F800000), 8: (np.uint64, 0x7FF0000000000000)}
-
-
-def _all_finite(x):
-    """np.isfinite(x).all(), on every core and without a temporary for big float32/64 arrays."""
-    if x.size < 1 << 16 or x.dtype.itemsize not in _EXP_BITS or not x.flags.c_contiguous:
-        return bool(np.isfinite(x).all())
-    ut, mask = _EXP_BITS[x.dtype.itemsize]
-    return K.count_nonfinite(x.reshape(-1).view(ut), ut(mask)) == 0
-
-
-@dataclass(frozen=True)
-class _Args:
-    q: np.ndarray
-    k: np.ndarray
-    v: np.ndarray
-    mask: np.ndarray
-    planes: np.ndarray
-    beta: float
-    lead: tuple
-    out_dtype: np.dtype
-    in_dtypes: tuple
-    causal: bool
-    check_finite: bool
-
-
-def _check_args(q, k, v, planes, beta, causal, key_mask):
-    """Cross-argument checks on already-checked q, k, v (anything with shape and dtype).
-
-    Shared with racecpu.cuda, which passes zero-stride stand-ins of device
-    arrays.  Returns (compute dtype, output dtype, lead, G, planes, beta).
-    """
-    cdt, odt = _dtypes(q, k, v)
-    lead = q.shape[:-2]
-    if k.shape[:-2] != lead or v.shape[:-2] != lead:
-        raise ValueError(f"q, k, v must have the same leading dims, got shapes q {q.shape}, k {k.shape}, v {v.shape}")
-    nq, d = q.shape[-2:]
-    nk = k.shape[-2]
-    if k.shape[-1] != d:
-        raise ValueError(f"q and k must have the same head dim, got shapes q {q.shape} and k {k.shape}")
-    if v.shape[-2] != nk:
-        raise ValueError(f"k and v must have the same number of tokens, got shapes k {k.shape} and v {v.shape}")
-    if causal and nq != nk:
-        raise ValueError(f"causal attention needs as many queries as keys, got shapes q {q.shape} and k {k.shape}")
-    planes = _check_planes(planes, d, cdt)
-    beta = _check_beta(beta)
-    G = int(np.prod(lead, dtype=np.int64))
-    if key_mask is not None:
-        m = np.asarray(key_mask)
-        if m.dtype != np.bool_:
-            raise TypeError(f"key_mask must be a bool array, got dtype {m.dtype}")
-        if m.shape != lead + (nk,):
-            raise ValueError(f"key_mask must have shape {lead + (nk,)} (leading dims + (Nk,)), got {m.shape}")
-    return cdt, odt, lead, G, planes, beta
-
-
-def _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, defer=False):
-    """Check and lay out the arguments.  ``defer``: the NaN/Inf checks of q, k
-    and v are left to :func:`_check_derived`, after the kernels read them."""
-    eager = check_finite and not defer
-    q, qdt, _ = _check_array("q", q, eager)
-    passed = [("q", q)]
-    try:
-        k, kdt, _ = _check_array("k", k, eager)
-        passed.append(("k", k))
-        v, vdt, _ = _check_array("v", v, eager)
-        passed.append(("v", v))
-        cdt, odt, lead, G, planes, beta = _check_args(q, k, v, planes, beta, causal, key_mask)
-    except (TypeError, ValueError):
-        if check_finite and not eager:  # errors in the eager order: q's NaN before anything about k
-            for name, x in passed:
-                _check_array(name, x, True)
-        raise
-    nk = k.shape[-2]
-    if key_mask is None:
-        mask = np.ones((G, nk), dtype=np.bool_)
-    else:
-        mask = np.ascontiguousarray(np.asarray(key_mask).reshape(G, nk))
-
-    def flat(x):
-        return np.ascontiguousarray(x.reshape((G,) + x.shape[-2:]), dtype=cdt)
-
-    return _Args(flat(q), flat(k), flat(v), mask, planes, beta, lead, odt, (qdt, kdt, vdt),
-                 bool(causal), bool(check_finite))
-
-
-#: Why a finite v or grad_out whose sums are not finite is an error (:func:`_check_derived`).
-_SUMS_OVERFLOW = "its weighted sums overflow float64"
-
-
-def _check_derived(check_finite, *named):
-    """NaN/Inf check of inputs from small arrays that the kernels derived from them.
-
-    ``named``: ``(name, x, finite, overflow)`` in the order the errors are
-    raised, ``finite`` whether what the kernels derived from ``x`` is, where
-    a NaN/Inf anywhere in ``x`` makes it not: for q and k the tanh
-    projections t (the soft hash leaves NaN in t where W x is non-finite,
-    and a NaN/Inf in a row of x makes all of its W x so; the kernels count
-    those NaNs while t is in cache, 9 values per row at P = L = 3 instead of
-    d); for v and grad_out the float64 sums over all rows that the kernels
-    form anyway (every row enters them with a weight, and 0 * NaN is NaN).
-    This saves a pass over each input.  A flagged array is then checked itself, so the error is the
-    eager one; a flagged array that is finite overflowed what was derived
-    from it (``overflow`` says what), which is an error too.
-    """
-    if not check_finite:
-        return
-    for name, x, finite, overflow in named:
-        if finite:
-            continue
-        if not _all_finite(x):
-            raise ValueError(f"{name} contains NaN or Inf (pass check_finite=False to skip this check)")
-        raise ValueError(f"{name} is too large: {overflow} (max |{name}| = {np.abs(x).max():.3g}); "
-                         f"scale it down{' or pass float64' if x.dtype != np.float64 else ''}")
-
-
-def _check_out(name, out, shape, dtype, reads):
-    """A caller's output buffer: exact shape and dtype, writeable, sharing no memory
-    with ``reads`` (``(name, array)`` pairs the call reads, or other outputs)."""
-    if not isinstance(out, np.ndarray):
-        raise TypeError(f"{name} must be a NumPy array, got {type(out).__name__}")
-    if out.shape != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {out.shape}")
-    if out.dtype != dtype:
-        raise TypeError(f"{name} must have dtype {dtype} (the dtype of the result), got {out.dtype}")
-    if not out.flags.writeable:
-        raise ValueError(f"{name} is read-only")
-    for rname, x in reads:
-        if isinstance(x, np.ndarray) and np.may_share_memory(out, x):
-            raise ValueError(f"{name} must not share memory with {rname}")
-    return out
 
 
 def _target(out, shape, cdt):
@@ -239,28 +38,6 @@ def _deliver(result, out, shape, dtype):
         out[...] = result.reshape(shape)
     return out
 
-
-def _chunk(n, G, F, dv):
-    """Chunk length: CHUNK tokens unless the float64 partials would outgrow their budget."""
-    per_chunk = G * F * (dv + 1) * 8
-    max_chunks = max(1, _PARTIAL_BUDGET // max(per_chunk, 1))
-    return max(CHUNK, -(-n // max_chunks), 1)
-
-
-def _sketch_chunk(chunk, n, G):
-    """Task length of the non-causal forward: up to SKETCH_CHUNKS chunks, while
-    every thread keeps at least 8 tasks.  Its float64 partials (24 KB a task
-    at F = 24, dv = 128) are written, then summed by NumPy on one thread:
-    with 1024-token tasks at 2^20 tokens x 4 heads that was 100 MB and
-    ~7 ms a call; the keys' sketch still sums in float32 for at most
-    ``_kernels.SKETCH_RUN`` rows at a time, the queries need no sums."""
-    tasks = G * n // (8 * numba.get_num_threads())
-    return max(chunk, min(SKETCH_CHUNKS * chunk, tasks // chunk * chunk))
-
-
-# ---------------------------------------------------------------------------
-# forward / backward
-# ---------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Residuals:
@@ -310,17 +87,17 @@ def _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residua
     ``(out, None)`` is returned.  The causal scan still keeps the keys' phi
     (it reads them after the keys' pass)."""
     POOL.tick()
-    a = _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, defer=True)
+    a = prepare(q, k, v, planes, beta, causal, key_mask, check_finite, defer=True)
     if out is not None:
-        out = _check_out("out", out, a.lead + (a.q.shape[1], a.v.shape[2]), a.out_dtype,
+        out = check_out("out", out, a.lead + (a.q.shape[1], a.v.shape[2]), a.out_dtype,
                          [("q", q), ("k", k), ("v", v), ("key_mask", key_mask)])
     G, nq, _ = a.q.shape
     nk, dv = a.v.shape[1:]
     L, P, _ = a.planes.shape
     F = L * 2 ** P
     cdt = a.q.dtype
-    base = _chunk(max(nq, nk), G, F, dv)  # the backward's chunks (and the causal forward's carries)
-    chunk = base if causal else _sketch_chunk(base, max(nq, nk), G)
+    base = K.chunk_length(max(nq, nk), G, F, dv)  # the backward's chunks (and the causal forward's carries)
+    chunk = base if causal else K.sketch_task_length(base, max(nq, nk), G)
     nck = -(-nk // chunk)
     rq, rk = (nq, nk) if residuals else (0, 0)  # rows kept of the queries' and keys' residuals
     phik = POOL.empty((G, nk if causal else rk, F), cdt)
@@ -351,8 +128,8 @@ def _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residua
         if G and nq:
             nan_q = K.queries_fwd(a.q, a.planes, a.beta, chunk, A, B.astype(cdt), phiq, tq, den, o)
     overflow = f"its projections onto the planes overflow {cdt}"
-    _check_derived(a.check_finite, ("q", a.q, nan_q == 0, overflow), ("k", a.k, nan_k == 0, overflow),
-                   ("v", a.v, _all_finite(sums_v), _SUMS_OVERFLOW))
+    check_derived(a.check_finite, ("q", a.q, nan_q == 0, overflow), ("k", a.k, nan_k == 0, overflow),
+                   ("v", a.v, all_finite(sums_v), SUMS_OVERFLOW))
     y = _deliver(o, out, a.lead + (nq, dv), a.out_dtype)
     if not residuals:
         return y, None
@@ -384,7 +161,7 @@ def race_attention_bwd(residuals, grad_out, *, out=None):
     r = residuals
     if not isinstance(r, Residuals):
         raise TypeError(f"residuals must come from race_attention_fwd, got {type(r).__name__}")
-    g, _, _ = _check_array("grad_out", grad_out, False)  # NaN/Inf: from what the kernels sum (below)
+    g, _, _ = check_array("grad_out", grad_out, False)  # NaN/Inf: from what the kernels sum (below)
     G, nq, F = r.phiq.shape
     nk, dv = r.v.shape[1:]
     d = r.planes.shape[2]
@@ -401,13 +178,13 @@ def race_attention_bwd(residuals, grad_out, *, out=None):
             reads = [("grad_out", grad_out), ("the forward's v", r.v)]
             checked = []
             for name, buf, shape, dt in zip(("dq", "dk", "dv"), out, shapes, (qdt, kdt, vdt)):
-                checked.append(_check_out(f"out {name}", buf, shape, dt, reads))
+                checked.append(check_out(f"out {name}", buf, shape, dt, reads))
                 reads.append((f"out {name}", buf))
             out = checked
         else:
             out = (None, None, None)
     except (TypeError, ValueError):
-        _check_array("grad_out", g, r.check_finite)  # errors in the eager order: grad_out's NaN first
+        check_array("grad_out", g, r.check_finite)  # errors in the eager order: grad_out's NaN first
         raise
     g = np.ascontiguousarray(g.reshape(G, nq, dv), dtype=cdt)
     chunk = r.chunk
@@ -416,7 +193,7 @@ def race_attention_bwd(residuals, grad_out, *, out=None):
     dq, dk, dv_ = (_target(buf, (G,) + shape[-2:], cdt) for buf, shape in zip(out, shapes))
     dbeta = 0.0
     if not (G and nq and nk):
-        _check_array("grad_out", g, r.check_finite)  # no kernel sums it
+        check_array("grad_out", g, r.check_finite)  # no kernel sums it
         for x in (dq, dk, dv_):
             x[...] = 0
     else:
@@ -442,12 +219,12 @@ def race_attention_bwd(residuals, grad_out, *, out=None):
                 cB = K.exclusive_scan(partdB, True, partdB, segments=seg)  # the segments' last chunks
                 K.causal_keys_bwd(g, r.v, r.phik, r.tk, r.phiq, r.den, dden, cA, cB, r.planes, r.beta, chunk,
                                   dk, dv_, dbk, final=dB, segments=seg)
-            _check_derived(r.check_finite, ("grad_out", g, _all_finite(dB), _SUMS_OVERFLOW))
+            check_derived(r.check_finite, ("grad_out", g, all_finite(dB), SUMS_OVERFLOW))
         else:
             K.queries_bwd(g, r.phiq, r.tq, r.den, r.A, r.B.astype(cdt), r.planes, r.beta, chunk,
                           dq, partdA, partdB, dbq)
             dB = partdB.sum(1)
-            _check_derived(r.check_finite, ("grad_out", g, _all_finite(dB), _SUMS_OVERFLOW))  # before the keys' backward
+            check_derived(r.check_finite, ("grad_out", g, all_finite(dB), SUMS_OVERFLOW))  # before the keys' backward
             K.keys_bwd(r.v, r.phik, r.tk, partdA.sum(1), dB.astype(cdt), r.planes, r.beta, chunk,
                        dk, dv_, dbk)
         dbeta = float(dbq.sum() + dbk.sum())
@@ -537,7 +314,7 @@ class RaceAttention:
 
     def __init__(self, head_dim, num_planes=3, num_tables=3, beta=DEFAULT_BETA, seed=0, dtype=np.float32):
         self.planes = hyperplanes(head_dim, num_planes, num_tables, seed=seed, dtype=dtype)
-        self.beta = _check_beta(beta)
+        self.beta = check_beta(beta)
 
     @property
     def head_dim(self):

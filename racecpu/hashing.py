@@ -17,23 +17,11 @@ import numbers
 
 import numpy as np
 
+from ._checks import check_array, check_beta, check_planes
+from ._kernels import soft_hash_rows
+from .config import DEFAULT_BETA, DEN_FLOOR, MAX_PLANES
+
 __all__ = ["hyperplanes", "corners", "soft_buckets", "DEFAULT_BETA", "DEN_FLOOR", "MAX_PLANES"]
-
-#: Default soft-hash temperature.  The bias of the estimator is O(P / beta)
-#: (Theorem 1) while its gradients vanish as beta grows; 8 keeps the bias term
-#: small for P <= 4 and the hash still trainable.  The paper trains beta.
-DEFAULT_BETA = 8.0
-
-#: Guard on the attention denominator.  ``den`` (the estimated kernel mass a
-#: query sees) is positive in exact arithmetic but can underflow to 0 when a
-#: query's buckets hold no key mass (large beta, masked keys).  Rows with
-#: ``den <= DEN_FLOOR`` output zeros and pass zero gradient, as a query that
-#: attends to nothing.
-DEN_FLOOR = 1e-30
-
-#: Largest number of hyperplanes per table (R = 2**16 buckets).
-MAX_PLANES = 16
-
 
 def hyperplanes(head_dim, num_planes=3, num_tables=3, *, seed=0, dtype=np.float32):
     """Draw the random hyperplanes of ``num_tables`` hash tables.
@@ -99,12 +87,9 @@ def soft_buckets(x, planes, beta=DEFAULT_BETA):
         float32/float64 follow ``x``; float16 is computed in float32 and
         returned as float16.
     """
-    from . import _kernels
-    from .attention import _check_array, _check_beta, _check_planes
-
-    x, out_dtype, cdt = _check_array("x", x, check_finite=True)
-    planes = _check_planes(planes, x.shape[-1], cdt)
-    beta = _check_beta(beta)
+    x, out_dtype, cdt = check_array("x", x, check_finite=True)
+    planes = check_planes(planes, x.shape[-1], cdt)
+    beta = check_beta(beta)
     L, P, _ = planes.shape
     R = 2 ** P
     lead = x.shape[:-1]
@@ -112,5 +97,5 @@ def soft_buckets(x, planes, beta=DEFAULT_BETA):
     phi = np.empty((flat.shape[0], L * R), dtype=cdt)
     t = np.empty((flat.shape[0], L * P), dtype=cdt)
     if flat.shape[0]:
-        _kernels.soft_hash_rows(flat, planes, beta, t, phi)
+        soft_hash_rows(flat, planes, beta, t, phi)
     return phi.reshape(lead + (L, R)).astype(out_dtype, copy=False)

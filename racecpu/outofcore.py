@@ -47,7 +47,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _kernels as K
-from .attention import CHUNK, _check_beta, _check_planes, _chunk
+from ._checks import check_beta as _check_beta, check_planes as _check_planes
+from .config import CHUNK
+_chunk = K.chunk_length
 from ._memory import peak_rss as _peak_rss
 from ._memory import reset_peak_rss as _reset_peak_rss
 from .hashing import DEFAULT_BETA, hyperplanes

@@ -27,7 +27,7 @@ import zipfile
 import numpy as np
 
 from . import _kernels as K
-from .attention import _check_beta, _check_planes, _chunk, _prepare
+from ._checks import check_beta, check_planes, prepare
 
 __all__ = ["RaceState", "FORMAT", "FORMAT_VERSION"]
 
@@ -86,9 +86,9 @@ class RaceState:
         p = np.asarray(planes)
         if p.ndim != 3:
             raise ValueError(f"planes must have shape (L, P, d), got shape {p.shape}")
-        self._planes = _check_planes(p, p.shape[2], dtype)
+        self._planes = check_planes(p, p.shape[2], dtype)
         self._planes.flags.writeable = False
-        self._beta = _check_beta(beta)
+        self._beta = check_beta(beta)
         self._batch_shape = _check_shape("batch_shape", batch_shape)
         if isinstance(dv, (bool, np.bool_)) or not isinstance(dv, (int, np.integer)) or dv < 1:
             raise ValueError(f"dv must be an int >= 1, got {dv!r}")
@@ -158,7 +158,7 @@ class RaceState:
             The state then includes the n new keys.
         """
         q, k, v = (self._cast(name, x) for name, x in (("q", q), ("k", k), ("v", v)))
-        a = _prepare(q, k, v, self._planes, self._beta, True, None, check_finite)
+        a = prepare(q, k, v, self._planes, self._beta, True, None, check_finite)
         if a.lead != self._batch_shape:
             raise ValueError(f"inputs have leading dims {a.lead} but the state has batch_shape "
                              f"{self._batch_shape}")
@@ -309,7 +309,7 @@ class RaceState:
             if p.shape != st._planes.shape or not np.array_equal(p.astype(dtype), st._planes):
                 raise ValueError(f"{path!r} was saved with different planes than those passed "
                                  f"(stored shape {st._planes.shape}, passed {p.shape})")
-        if beta is not None and _check_beta(beta) != st._beta:
+        if beta is not None and check_beta(beta) != st._beta:
             raise ValueError(f"{path!r} was saved with beta={st._beta}, but beta={beta} was passed")
         st._A = np.ascontiguousarray(d["A"])
         st._B = np.ascontiguousarray(d["B"])
@@ -353,7 +353,7 @@ def advance(q, k, v, planes, beta, A0, B0, out, *, phik=None, tk=None, phiq=None
     L, P, _ = planes.shape
     F = L * 2 ** P
     cdt = q.dtype
-    chunk = _chunk(n, G, F, dv)
+    chunk = K.chunk_length(n, G, F, dv)
     nc = -(-n // chunk)
     phik = np.empty((G, n, F), cdt) if phik is None else phik
     tk = np.empty((G, n, L * P), cdt) if tk is None else tk

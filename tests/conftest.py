@@ -21,8 +21,8 @@ def _parallel_kernels(monkeypatch):
     # workers); the tests' inputs are all that small.  Keep them on the parallel
     # path they were written for; test_small_calls_run_on_one_thread checks the
     # serial path against it.
-    from racecpu import _kernels
-    monkeypatch.setattr(_kernels, "SERIAL_TOKENS", 0)
+    from racecpu import config
+    monkeypatch.setattr(config, "SERIAL_TOKENS", 0)
 
 
 @pytest.fixture(autouse=True)

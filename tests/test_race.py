@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import racecpu
+from racecpu import config
 from racecpu import reference as ref
 
 from .util import fd_check, rel_err
@@ -81,7 +82,7 @@ def test_forward_matches_dense_reference_hypothesis(lead, nq, nk, d, dv, P, L, b
 def test_chunked_work_matches_reference(rng, monkeypatch):
     # Several chunks per head exercise the float64 carries and the chunk scans.
     from racecpu import attention
-    monkeypatch.setattr(attention, "CHUNK", 7)
+    monkeypatch.setattr(config, "CHUNK", 7)
     for causal in (False, True):
         q, k, v, W = make(rng, (2,), 40, 40, 5, 4, 3, 2)
         mask = rng.random((2, 40)) > 0.2
@@ -101,7 +102,7 @@ def test_blas_and_loop_paths_match_reference(rng, monkeypatch, causal, dtype, to
     # steps of SCAN_BLOCK), the last chunk of 5 the loop path: both in one
     # call, with masked keys.
     from racecpu import _kernels, attention
-    monkeypatch.setattr(attention, "CHUNK", 24)
+    monkeypatch.setattr(config, "CHUNK", 24)
     assert 5 < _kernels.BLAS_ROWS <= min(24, _kernels.SCAN_BLOCK)
     nk = 53 if causal else 29
     q, k, v, W = make(rng, (2,), 53, nk, 6, 7, 3, 3, dtype)
@@ -130,7 +131,7 @@ def test_causal_scans_agree_bit_for_bit_over_segment_counts(rng, monkeypatch, ch
     # 7, the loop path.
     from racecpu import _kernels, attention
     assert chunk < _kernels.BLAS_ROWS or (chunk % _kernels.SCAN_BLOCK and _kernels.SCAN_BLOCK >= _kernels.BLAS_ROWS)
-    monkeypatch.setattr(attention, "CHUNK", chunk)
+    monkeypatch.setattr(config, "CHUNK", chunk)
     empty = attention.POOL.empty
 
     def nan_empty(shape, dtype):  # uninitialised memory is NaN: a value read before written shows
@@ -149,14 +150,14 @@ def test_causal_scans_agree_bit_for_bit_over_segment_counts(rng, monkeypatch, ch
     tails = []  # SPLIT_TAIL of each causal_bwd_split call
 
     def spy(*args, **kw):
-        tails.append(_kernels.SPLIT_TAIL)
+        tails.append(config.SPLIT_TAIL)
         return split(*args, **kw)
     monkeypatch.setattr(_kernels, "causal_bwd_split", spy)
     runs = []
     setups = [(1, None), (2, 0.01), (2, 0.32), (2, 0.99), (3, None), (nc, None)]
     for seg, tail in setups:
         if tail is not None:
-            monkeypatch.setattr(_kernels, "SPLIT_TAIL", tail)
+            monkeypatch.setattr(config, "SPLIT_TAIL", tail)
         monkeypatch.setattr(_kernels, "scan_segments", lambda G, nc, n, seg=seg: seg)
         out, res = racecpu.race_attention_fwd(q, k, v, W, 2.0, causal=True, key_mask=mask)
         grads = racecpu.race_attention_bwd(res, g)
@@ -180,7 +181,7 @@ def test_forward_alone_keeps_no_residuals(rng, monkeypatch, causal, dtype):
     # residuals (soft buckets, projections, denominators) in memory; the causal scan
     # alone keeps the keys' buckets, which it reads after the keys' pass.
     from racecpu import attention
-    monkeypatch.setattr(attention, "CHUNK", 16)
+    monkeypatch.setattr(config, "CHUNK", 16)
     G, n, F, LP = 6, 100, 2 ** 3 * 2, 3 * 2
     q, k, v, W = make(rng, (2, 3), n, n, 5, 4, 3, 2, dtype)
     mask = rng.random((2, 3, n)) > 0.2
@@ -205,7 +206,7 @@ def test_scan_segments_share_threads_evenly(monkeypatch, G, threads, want):
     import numba
     from racecpu import _kernels
     monkeypatch.setattr(numba, "get_num_threads", lambda: threads)
-    monkeypatch.setattr(_kernels, "SERIAL_TOKENS", 512)  # conftest sets 0
+    monkeypatch.setattr(config, "SERIAL_TOKENS", 512)  # conftest sets 0
     assert _kernels.scan_segments(G, 64, 2 ** 16) == want
     assert (G * want) % threads == 0
     assert _kernels.scan_segments(G, 1, 2 ** 16) == 1
@@ -232,7 +233,7 @@ def test_small_calls_run_on_one_thread(rng, monkeypatch, causal):
     # sums are per chunk, not per thread, so results are bit-identical.
     import numba
     from racecpu import _kernels, attention
-    monkeypatch.setattr(attention, "CHUNK", 16)  # several chunks: carries and BLAS steps
+    monkeypatch.setattr(config, "CHUNK", 16)  # several chunks: carries and BLAS steps
     q, k, v, W = make(rng, (2,), 50, 50, 8, 8, 3, 2, np.float32)
     g = rng.standard_normal((2, 50, 8)).astype(np.float32)
     threads, calls = numba.get_num_threads(), []
@@ -240,7 +241,7 @@ def test_small_calls_run_on_one_thread(rng, monkeypatch, causal):
     monkeypatch.setattr(numba, "set_num_threads", lambda n: (calls.append(n), set_threads(n)))
     runs = []
     for serial in (0, 10**9):  # parallel, then one thread
-        monkeypatch.setattr(_kernels, "SERIAL_TOKENS", serial)
+        monkeypatch.setattr(config, "SERIAL_TOKENS", serial)
         out, res = racecpu.race_attention_fwd(q, k, v, W, 2.0, causal=causal)
         runs.append((out, *racecpu.race_attention_bwd(res, g)))
     assert 1 in calls and numba.get_num_threads() == threads

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import racecpu
 from racecpu import reference as ref
-from racecpu.attention import CHUNK
+from racecpu.config import CHUNK
 from racecpu.streaming import FORMAT_VERSION, RaceState
 
 TOL = {np.float64: 1e-12, np.float32: 1e-5}

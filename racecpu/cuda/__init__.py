@@ -41,7 +41,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError('racecpu.cuda needs numba-cuda: pip install "racecpu[cuda]" '
                       f"(import of numba.cuda failed: {exc})") from exc
 
-from .. import attention as _cpu
+from .. import _checks as _cpu
 from ..hashing import DEFAULT_BETA
 from . import _kernels as K
 
@@ -89,8 +89,8 @@ def _proxy(x):
 def _check_array(name, x, check_finite, dev, min_ndim=2):
     """:func:`racecpu.attention._check_array` for host or device arrays (same errors, same order)."""
     if not _on_device(x):
-        return _cpu._check_array(name, x, check_finite, min_ndim)
-    _, dt, cdt = _cpu._check_array(name, _proxy(x), False, min_ndim)
+        return _cpu.check_array(name, x, check_finite, min_ndim)
+    _, dt, cdt = _cpu.check_array(name, _proxy(x), False, min_ndim)
     if check_finite and not _all_finite(x, dev):
         raise ValueError(f"{name} contains NaN or Inf (pass check_finite=False to skip this check)")
     return x, dt, cdt
@@ -229,7 +229,7 @@ def _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, dev):
     v, vdt, _ = _check_array("v", v, check_finite, dev)
     pq, pk, pv = (_proxy(x) if _on_device(x) else x for x in (q, k, v))
     pm = None if key_mask is None else (_proxy(key_mask) if _on_device(key_mask) else key_mask)
-    cdt, odt, lead, G, planes, beta = _cpu._check_args(pq, pk, pv, _host(planes), beta, causal, pm)
+    cdt, odt, lead, G, planes, beta = _cpu.check_args(pq, pk, pv, _host(planes), beta, causal, pm)
     nq, d = pq.shape[-2:]
     nk = pk.shape[-2]
     # --- to the device, kernel layout ---
@@ -288,8 +288,8 @@ def soft_buckets(x, planes, beta=DEFAULT_BETA):
     dev = _Device(_is_cupy(x))
     x, out_dtype, cdt = _check_array("x", x, True, dev)
     px = _proxy(x) if _on_device(x) else x
-    planes = _cpu._check_planes(_host(planes), px.shape[-1], cdt)
-    beta = _cpu._check_beta(beta)
+    planes = _cpu.check_planes(_host(planes), px.shape[-1], cdt)
+    beta = _cpu.check_beta(beta)
     L, P, d = planes.shape
     R = 2 ** P
     lead = px.shape[:-1]

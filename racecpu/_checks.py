@@ -1,0 +1,205 @@
+"""Argument checks shared by every entry point (CPU, CUDA, streaming, out-of-core).
+
+Each check takes what a user passed and either returns it in the layout and
+dtype the kernels need or raises ``TypeError`` (wrong kind of thing) or
+``ValueError`` (right kind, wrong value) naming the argument.  Nothing here
+computes attention; :mod:`racecpu.attention` and its siblings call these first.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import config
+from ._kernels import count_nonfinite
+
+def dtypes(*arrays):
+    """(compute dtype, output dtype) of float inputs: float16 computes in float32."""
+    dt = np.result_type(*arrays)
+    if dt == np.float16:
+        return np.dtype(np.float32), np.dtype(np.float16)
+    return dt, dt
+
+
+def check_array(name, x, check_finite, min_ndim=2):
+    """Float array check; returns (array, output dtype, compute dtype)."""
+    try:
+        x = np.asarray(x)
+    except Exception as exc:  # ragged lists and the like
+        raise TypeError(f"{name} must be an array of floats: {exc}") from None
+    if x.dtype.kind != "f" or x.dtype.itemsize > 8:
+        raise TypeError(f"{name} must be a float16, float32 or float64 array, got dtype {x.dtype}; "
+                        f"pass {name}.astype(np.float32)")
+    if x.ndim < min_ndim:
+        raise ValueError(f"{name} must have at least {min_ndim} dims (..., N, d), got shape {x.shape}")
+    if check_finite and not all_finite(x):
+        raise ValueError(f"{name} contains NaN or Inf (pass check_finite=False to skip this check)")
+    cdt = np.dtype(np.float32) if x.dtype == np.float16 else x.dtype
+    return x, x.dtype, cdt
+
+
+def check_planes(planes, d, cdt):
+    planes = np.asarray(planes)
+    if planes.dtype.kind not in "fiu" or planes.dtype.kind == "b":
+        raise TypeError(f"planes must be a float array (L, P, d), got dtype {planes.dtype}")
+    if planes.ndim != 3:
+        raise ValueError(f"planes must have shape (L, P, d), got shape {planes.shape}")
+    L, P, pd = planes.shape
+    if pd != d:
+        raise ValueError(f"planes have head dim {pd} but the inputs have head dim {d} "
+                         f"(planes shape {planes.shape})")
+    if L < 1 or not 1 <= P <= config.MAX_PLANES:
+        raise ValueError(f"planes need L >= 1 tables and 1 <= P <= {config.MAX_PLANES} planes, got shape {planes.shape}")
+    if d < 1:
+        raise ValueError(f"head dim must be >= 1, got planes shape {planes.shape}")
+    if not np.isfinite(planes).all():
+        raise ValueError("planes contain NaN or Inf")
+    return np.ascontiguousarray(planes, dtype=cdt)
+
+
+def check_beta(beta):
+    if isinstance(beta, (bool, np.bool_)) or not isinstance(beta, (numbers.Real, np.ndarray, np.generic)):
+        raise TypeError(f"beta must be a positive finite float, got {type(beta).__name__} {beta!r}")
+    b = np.asarray(beta)
+    if b.ndim != 0 or b.dtype.kind not in "fiu":
+        raise TypeError(f"beta must be a scalar float, got {b.dtype} array of shape {b.shape}")
+    b = float(b)
+    if not np.isfinite(b) or b <= 0:
+        raise ValueError(f"beta must be finite and > 0, got {b}")
+    return b
+
+
+_EXP_BITS = {4: (np.uint32, 0x7F800000), 8: (np.uint64, 0x7FF0000000000000)}
+
+
+def all_finite(x):
+    """np.isfinite(x).all(), on every core and without a temporary for big float32/64 arrays."""
+    if x.size < 1 << 16 or x.dtype.itemsize not in _EXP_BITS or not x.flags.c_contiguous:
+        return bool(np.isfinite(x).all())
+    ut, mask = _EXP_BITS[x.dtype.itemsize]
+    return count_nonfinite(x.reshape(-1).view(ut), ut(mask)) == 0
+
+
+@dataclass(frozen=True)
+class Args:
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    mask: np.ndarray
+    planes: np.ndarray
+    beta: float
+    lead: tuple
+    out_dtype: np.dtype
+    in_dtypes: tuple
+    causal: bool
+    check_finite: bool
+
+
+def check_args(q, k, v, planes, beta, causal, key_mask):
+    """Cross-argument checks on already-checked q, k, v (anything with shape and dtype).
+
+    Shared with racecpu.cuda, which passes zero-stride stand-ins of device
+    arrays.  Returns (compute dtype, output dtype, lead, G, planes, beta).
+    """
+    cdt, odt = dtypes(q, k, v)
+    lead = q.shape[:-2]
+    if k.shape[:-2] != lead or v.shape[:-2] != lead:
+        raise ValueError(f"q, k, v must have the same leading dims, got shapes q {q.shape}, k {k.shape}, v {v.shape}")
+    nq, d = q.shape[-2:]
+    nk = k.shape[-2]
+    if k.shape[-1] != d:
+        raise ValueError(f"q and k must have the same head dim, got shapes q {q.shape} and k {k.shape}")
+    if v.shape[-2] != nk:
+        raise ValueError(f"k and v must have the same number of tokens, got shapes k {k.shape} and v {v.shape}")
+    if causal and nq != nk:
+        raise ValueError(f"causal attention needs as many queries as keys, got shapes q {q.shape} and k {k.shape}")
+    planes = check_planes(planes, d, cdt)
+    beta = check_beta(beta)
+    G = int(np.prod(lead, dtype=np.int64))
+    if key_mask is not None:
+        m = np.asarray(key_mask)
+        if m.dtype != np.bool_:
+            raise TypeError(f"key_mask must be a bool array, got dtype {m.dtype}")
+        if m.shape != lead + (nk,):
+            raise ValueError(f"key_mask must have shape {lead + (nk,)} (leading dims + (Nk,)), got {m.shape}")
+    return cdt, odt, lead, G, planes, beta
+
+
+def prepare(q, k, v, planes, beta, causal, key_mask, check_finite, defer=False):
+    """Check and lay out the arguments.  ``defer``: the NaN/Inf checks of q, k
+    and v are left to :func:`check_derived`, after the kernels read them."""
+    eager = check_finite and not defer
+    q, qdt, _ = check_array("q", q, eager)
+    passed = [("q", q)]
+    try:
+        k, kdt, _ = check_array("k", k, eager)
+        passed.append(("k", k))
+        v, vdt, _ = check_array("v", v, eager)
+        passed.append(("v", v))
+        cdt, odt, lead, G, planes, beta = check_args(q, k, v, planes, beta, causal, key_mask)
+    except (TypeError, ValueError):
+        if check_finite and not eager:  # errors in the eager order: q's NaN before anything about k
+            for name, x in passed:
+                check_array(name, x, True)
+        raise
+    nk = k.shape[-2]
+    if key_mask is None:
+        mask = np.ones((G, nk), dtype=np.bool_)
+    else:
+        mask = np.ascontiguousarray(np.asarray(key_mask).reshape(G, nk))
+
+    def flat(x):
+        return np.ascontiguousarray(x.reshape((G,) + x.shape[-2:]), dtype=cdt)
+
+    return Args(flat(q), flat(k), flat(v), mask, planes, beta, lead, odt, (qdt, kdt, vdt),
+                 bool(causal), bool(check_finite))
+
+
+#: Why a finite v or grad_out whose sums are not finite is an error (:func:`check_derived`).
+SUMS_OVERFLOW = "its weighted sums overflow float64"
+
+
+def check_derived(check_finite, *named):
+    """NaN/Inf check of inputs from small arrays that the kernels derived from them.
+
+    ``named``: ``(name, x, finite, overflow)`` in the order the errors are
+    raised, ``finite`` whether what the kernels derived from ``x`` is, where
+    a NaN/Inf anywhere in ``x`` makes it not: for q and k the tanh
+    projections t (the soft hash leaves NaN in t where W x is non-finite,
+    and a NaN/Inf in a row of x makes all of its W x so; the kernels count
+    those NaNs while t is in cache, 9 values per row at P = L = 3 instead of
+    d); for v and grad_out the float64 sums over all rows that the kernels
+    form anyway (every row enters them with a weight, and 0 * NaN is NaN).
+    This saves a pass over each input.  A flagged array is then checked itself, so the error is the
+    eager one; a flagged array that is finite overflowed what was derived
+    from it (``overflow`` says what), which is an error too.
+    """
+    if not check_finite:
+        return
+    for name, x, finite, overflow in named:
+        if finite:
+            continue
+        if not all_finite(x):
+            raise ValueError(f"{name} contains NaN or Inf (pass check_finite=False to skip this check)")
+        raise ValueError(f"{name} is too large: {overflow} (max |{name}| = {np.abs(x).max():.3g}); "
+                         f"scale it down{' or pass float64' if x.dtype != np.float64 else ''}")
+
+
+def check_out(name, out, shape, dtype, reads):
+    """A caller's output buffer: exact shape and dtype, writeable, sharing no memory
+    with ``reads`` (``(name, array)`` pairs the call reads, or other outputs)."""
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"{name} must be a NumPy array, got {type(out).__name__}")
+    if out.shape != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {out.shape}")
+    if out.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype} (the dtype of the result), got {out.dtype}")
+    if not out.flags.writeable:
+        raise ValueError(f"{name} is read-only")
+    for rname, x in reads:
+        if isinstance(x, np.ndarray) and np.may_share_memory(out, x):
+            raise ValueError(f"{name} must not share memory with {rname}")
+    return out
