@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _kernels as K
-from . import config
 from ._checks import SUMS_OVERFLOW, all_finite, check_array, check_beta, check_derived, check_out, prepare
 from ._memory import POOL
 from .config import DEFAULT_BETA
@@ -202,23 +201,10 @@ def race_attention_bwd(residuals, grad_out, *, out=None):
         dbq = POOL.zeros((G, ncq))
         dbk = POOL.zeros((G, nck))
         if r.causal:
-            seg = K.scan_segments(G, nck, nk)
             dden = POOL.zeros((G, nq))
             dB = POOL.zeros((G, F, dv))  # the scan's total of dB, for the check of grad_out
-            if seg == 1:  # one pass, chunk by chunk (the same bits)
-                K.causal_bwd(g, r.v, r.phik, r.tk, r.phiq, r.tq, r.den, r.A, r.B, r.planes, r.beta, chunk,
-                             dq, dk, dv_, dden, partdA, partdB, dbq, dbk, final=dB)
-            elif seg == 2 and nck >= 3:  # a third of the chunks in one pass (the same bits)
-                K.causal_bwd_split(g, r.v, r.phik, r.tk, r.phiq, r.tq, r.den, r.A, r.B, r.planes, r.beta, chunk,
-                                   dq, dk, dv_, dden, partdA, partdB, dbq, dbk, final=dB)
-            else:
-                # the dB totals of the chunks after the first segment give the reverse segments' carries
-                K.causal_queries_bwd(g, r.v, r.phik, r.phiq, r.tq, r.den, r.A, r.B, r.planes, r.beta, chunk,
-                                     dq, dden, partdA, partdB, dbq, totals=(K.segment_start(1, seg, nck), nck))
-                cA = K.exclusive_scan(partdA, True, partdA)  # in place
-                cB = K.exclusive_scan(partdB, True, partdB, segments=seg)  # the segments' last chunks
-                K.causal_keys_bwd(g, r.v, r.phik, r.tk, r.phiq, r.den, dden, cA, cB, r.planes, r.beta, chunk,
-                                  dk, dv_, dbk, final=dB, segments=seg)
+            K.causal_backward(g, r.v, r.phik, r.tk, r.phiq, r.tq, r.den, r.A, r.B, r.planes, r.beta, chunk,
+                              dq, dk, dv_, dden, partdA, partdB, dbq, dbk, final=dB)
             check_derived(r.check_finite, ("grad_out", g, all_finite(dB), SUMS_OVERFLOW))
         else:
             K.queries_bwd(g, r.phiq, r.tq, r.den, r.A, r.B.astype(cdt), r.planes, r.beta, chunk,

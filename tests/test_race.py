@@ -146,19 +146,21 @@ def test_causal_scans_agree_bit_for_bit_over_segment_counts(rng, monkeypatch, ch
     want, wres = ref.race_attention_dense_fwd(*f64(q, k, v, W), 2.0, causal=True, key_mask=mask)
     wgrads = ref.race_attention_dense_bwd(wres, f64(g)[0])
     nc = -(-124 // chunk)
-    split = _kernels.causal_bwd_split
+    from racecpu._kernels import causal as kcausal  # where the backward's route is chosen
+    split = kcausal.causal_bwd_split
     tails = []  # SPLIT_TAIL of each causal_bwd_split call
 
     def spy(*args, **kw):
         tails.append(config.SPLIT_TAIL)
         return split(*args, **kw)
-    monkeypatch.setattr(_kernels, "causal_bwd_split", spy)
+    monkeypatch.setattr(kcausal, "causal_bwd_split", spy)
     runs = []
     setups = [(1, None), (2, 0.01), (2, 0.32), (2, 0.99), (3, None), (nc, None)]
     for seg, tail in setups:
         if tail is not None:
             monkeypatch.setattr(config, "SPLIT_TAIL", tail)
-        monkeypatch.setattr(_kernels, "scan_segments", lambda G, nc, n, seg=seg: seg)
+        for where in (_kernels, kcausal):  # the forward's segments and the backward's route
+            monkeypatch.setattr(where, "scan_segments", lambda G, nc, n, seg=seg: seg)
         out, res = racecpu.race_attention_fwd(q, k, v, W, 2.0, causal=True, key_mask=mask)
         grads = racecpu.race_attention_bwd(res, g)
         tol = 1e-5 if dtype == np.float32 else 1e-10

@@ -1,0 +1,301 @@
+"""TODO hash"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import (DU_BLOCK, HASH_BLOCK, PREFETCH_CORNERS, PREFETCH_MATH, PREFETCH_T, SKETCH_RUN,
+                      TANH_SERIES_MAX)
+from ._jit import kernel
+from .expmath import exp_neg
+from .products import add_into, combine_rows, dot_rows, prefetch_to
+from .runtime import run_tasks
+
+
+@kernel
+def hash_block(x, W, beta, keep, U, a, b, ph, t, phi, ahead=0, lines=0):
+    """phi_l(x) and t for a block of rows ``x (T, d)``, every table.
+
+    softmax_r(beta t.v_r) = prod_p sigmoid(2 beta t_p v_{r,p}) (DESIGN.md), so
+    per plane we need a = sigmoid(2 beta t) and 1 - a, and t = tanh(W x).
+    Both come from one exp each of a non-positive argument, so nothing can
+    overflow for any beta.  Plane 0 is the most significant bit of the corner
+    index.  Rows with ``keep[j]`` False (masked keys) get phi = 0 (t is still
+    written).  A projection that is NaN or +-Inf gives t = NaN (see
+    attention._check_derived); returns how many, counted over the block in
+    L1 (a pass over t's rows afterwards cost ~5 ns per row).  ``U``, ``a``, ``b`` (T * L * P values) and
+    ``ph`` (T * L * 2**P) are scratch in the planes' dtype, which sets the
+    precision of the tanh/logistic math (float32 inputs: float32, ~1e-7
+    absolute in t and phi, the rounding of storing them); only their first
+    T * L * P (T * L * 2**P) values are used.  Every step runs
+    over all T tokens at once, plane-major, and each value is stored to
+    ``t``/``phi`` once at the end (per-token corner products read back from
+    phi were a quarter of the hash).  On return ``ph[:F * T]`` holds phi^T
+    (F, T), masked rows zero, for :func:`hash_sketch_range`; ``t`` or ``phi``
+    with no rows (a forward that keeps no residuals) are not written, which
+    saves ~8 ns per row in cache (t ~3, phi ~5).
+
+    ``lines`` 64-byte lines from address ``ahead`` (the next block's rows)
+    are prefetched into L2, spread over the math after the projection: one
+    core reads memory at ~40 ns per 512-byte row (12.8 GB/s on this VM), and
+    without them the math after the projection leaves the memory idle
+    (:func:`hash_range` over 2^21 rows, one thread: 107-110 -> 93-95 ns per
+    row; rows in cache: 67-71 -> 70-72).  All lines at once at the start of
+    the block gained nothing: a core keeps ~16 lines in flight.
+    """
+    T, d = x.shape
+    L, P, _ = W.shape
+    R = 1 << P
+    LP = L * P
+    # Constants in the scratch dtype: a float64 literal would promote float32 math.
+    c = np.empty(8, U.dtype)
+    c[0], c[1], c[2], c[3] = -2.0, -2.0 * beta, 1.0, TANH_SERIES_MAX
+    c[4], c[5], c[6], c[7] = -1 / 3, 2 / 15, -17 / 315, 62 / 2835
+    m2, m2beta, one, small, c3, c5, c7, c9 = c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]
+    dot_rows(W.reshape(LP, d), x, U[:LP * T].reshape(LP, T).T)  # plane-major: U[m * T + j]
+    done = 0  # lines prefetched so far (schedule: PREFETCH_MATH, PREFETCH_T, PREFETCH_CORNERS)
+    n = T * LP
+    for piece in range(4):
+        done = prefetch_to(ahead, done, lines * PREFETCH_MATH * (piece + 1) // 128)
+        # Unsigned bounds: a signed index that LLVM cannot prove >= 0 gets
+        # Numba's wraparound select, and the loop is not vectorised (2.5x slower).
+        for s in range(np.uint64(n * piece // 4), np.uint64(n * (piece + 1) // 4)):  # SIMD over the block
+            u = U[s]
+            bad = u - u  # 0, or NaN when u is NaN/Inf: see the end of the loop
+            au = abs(u)
+            e2 = exp_neg(m2 * au)
+            th = (one - e2) / (one + e2)
+            # Near 0, 1 - e2 cancels: ~1 ulp of 1 absolute, which 2 beta t turns into
+            # ~2 beta ulp in the logistic (float32, beta = 1e4: 1e-3).  The series is
+            # exact to < 1 ulp there, in either dtype.
+            u2 = u * u
+            ts = au + au * u2 * (c3 + u2 * (c5 + u2 * (c7 + u2 * c9)))
+            th = ts if au < small else th
+            th = th if u >= 0 else -th
+            e = exp_neg(m2beta * abs(th))
+            hi = one / (one + e)  # sigmoid(2 beta |t|)
+            lo = e * hi           # sigmoid(-2 beta |t|), without the cancellation of 1 - hi
+            a[s] = hi if th >= 0 else lo  # sigmoid(2 beta t)
+            b[s] = lo if th >= 0 else hi  # 1 - sigmoid(2 beta t)
+            # A non-finite projection leaves NaN in t (phi is computed as if it were
+            # clamped): a NaN/Inf anywhere in x makes every W x non-finite, so the
+            # caller's NaN/Inf check reads t (L*P values per row) instead of x (d).
+            U[s] = th if bad == 0 else bad
+    nan = 0  # in a loop of its own: counted in the loop above, it was not vectorised
+    for s in range(np.uint64(0), np.uint64(n)):
+        nan += U[s] != U[s]
+    # t or phi with no rows (a forward that keeps no residuals): those loops are
+    # skipped and the loops before them issue their share of the prefetches.
+    pf_t = PREFETCH_T if t.shape[0] else PREFETCH_MATH
+    pf_c = PREFETCH_CORNERS if phi.shape[0] else 32
+    if t.shape[0]:
+        for j in range(T):
+            done = prefetch_to(ahead, done, lines * (PREFETCH_MATH + (PREFETCH_T - PREFETCH_MATH) * (j + 1) // T) // 32)
+            for m in range(LP):
+                t[j, m] = U[m * T + j]
+    # Corner f = l R + r of table l: the product over planes p of a (bit p of r
+    # set) or b, a row of T tokens at a time.
+    for f in range(L * R):
+        done = prefetch_to(ahead, done, lines * (pf_t + (pf_c - pf_t) * (f + 1) // (L * R)) // 32)
+        l = f // R
+        r = f - l * R
+        row = ph[f * T:(f + 1) * T]
+        for p in range(P):
+            src = a if (r >> (P - 1 - p)) & 1 else b
+            col = src[(l * P + p) * T:(l * P + p + 1) * T]
+            if p == 0:
+                for j in range(T):
+                    row[j] = col[j]
+            else:
+                for j in range(T):
+                    row[j] *= col[j]
+    for j in range(T):  # ph is phi^T for callers that read it (hash_sketch_range)
+        if not keep[j]:
+            for f in range(L * R):
+                ph[f * T + j] = 0.0
+    if phi.shape[0]:  # the loops keep the block's length as their bound (faster, see benchmarks/README)
+        for j in range(T):
+            done = prefetch_to(ahead, done, lines * (PREFETCH_CORNERS + (32 - PREFETCH_CORNERS) * (j + 1) // T) // 32)
+            for f in range(L * R):
+                phi[j, f] = ph[f * T + j]  # masked rows: zero in ph already
+    return nan
+
+
+@kernel
+def hash_rows_du(dphi, phi, t, P, beta, du):
+    """Back through softmax over corners and tanh, every row of ``dphi (n, F)``.
+
+    dz = phi * (dphi - phi.dphi);  s = C^T dz;  du = beta s (1 - t^2) is the
+    cotangent of the projections W x, written to ``du (n, L*P)``; ``dphi``
+    (float64) is overwritten.  Returns the rows' share sum s.t of dbeta.
+
+    Each table's rows are first gathered into (R, tokens) blocks so that every
+    loop runs over tokens: per token the work is a few dozen flops over
+    tiny R-long rows, which one token at a time cannot vectorise (~7x slower).
+    dz = phi dphi - phi (phi.dphi);  s_p = sum_r v_{r,p} dz_r.
+    """
+    n, F = dphi.shape
+    R = 1 << P
+    L = F // R
+    T = DU_BLOCK
+    ph = np.empty((R, T), phi.dtype)  # phi's values exactly, in half the bytes for float32
+    z = np.empty((R, T))
+    dot = np.empty(T)
+    s = np.empty(T)
+    dbeta = 0.0
+    for j0 in range(0, n, T):
+        m = min(T, n - j0)
+        for l in range(L):
+            base = l * R
+            for j in range(m):  # a token's R values are contiguous: read them in order
+                for r in range(R):
+                    ph[r, j] = phi[j0 + j, base + r]
+                    z[r, j] = dphi[j0 + j, base + r]
+            for j in range(m):
+                dot[j] = 0.0
+            for r in range(R):
+                for j in range(m):
+                    e = ph[r, j] * z[r, j]
+                    z[r, j] = e
+                    dot[j] += e
+            for r in range(R):
+                for j in range(m):
+                    z[r, j] -= ph[r, j] * dot[j]
+            for p in range(P):
+                shift = P - 1 - p
+                for j in range(m):
+                    s[j] = 0.0
+                for r in range(R):
+                    sign = 1.0 if (r >> shift) & 1 else -1.0  # corner coordinate v_{r,p}
+                    for j in range(m):
+                        s[j] += sign * z[r, j]
+                c = l * P + p
+                for j in range(m):
+                    th = t[j0 + j, c]
+                    dbeta += s[j] * th
+                    du[j0 + j, c] = beta * s[j] * (1.0 - th * th)
+    return dbeta
+
+
+@kernel
+def hash_bwd_rows(dphi, phi, t, W, beta, dx):
+    """dx = (cotangent of the projections) W for rows with soft-hash cotangents
+    ``dphi (n, F)`` (float64, overwritten); returns their share of dbeta.
+    The hash backward runs SIMD over the rows, then :func:`combine_rows` gives
+    dx, streamed (a result of the backward, not read again)."""
+    L, P, d = W.shape
+    du = np.empty((dphi.shape[0], L * P), W.dtype)
+    acc = hash_rows_du(dphi, phi, t, P, beta, du)
+    combine_rows(du, W.reshape(L * P, d), dx, True)
+    return acc
+
+
+@kernel
+def hash_scratch(W):
+    """:func:`hash_block`'s scratch ``(U, a, b, ph)`` for HASH_BLOCK rows, in the planes' dtype."""
+    L, P, _ = W.shape
+    m = HASH_BLOCK * L * P
+    return np.empty(m, W.dtype), np.empty(m, W.dtype), np.empty(m, W.dtype), np.empty((HASH_BLOCK * L) << P, W.dtype)
+
+
+@kernel
+def hash_range(x, lo, hi, W, beta, keep, t, phi):
+    """:func:`hash_block` over rows lo..hi of ``x (N, d)``, HASH_BLOCK rows at a
+    time; returns the NaNs it left in t (:func:`hash_block`)."""
+    U, a, b, ph = hash_scratch(W)
+    # The next block's rows are prefetched during each block where x's rows are contiguous.
+    row = x.shape[1] * x.itemsize
+    flat = x.strides[1] == x.itemsize and x.strides[0] == row
+    nan = 0
+    for b0 in range(lo, hi, HASH_BLOCK):
+        b1 = min(b0 + HASH_BLOCK, hi)
+        lines = (min(b1 + HASH_BLOCK, hi) - b1) * row // 64 if flat else 0
+        nan += hash_block(x[b0:b1], W, beta, keep[b0:b1], U, a, b, ph, t[b0:b1], phi[b0:b1],
+                          x.ctypes.data + b1 * row, lines)
+    return nan
+
+
+@kernel
+def hash_sketch_range(x, v, lo, hi, W, beta, keep, t, phi, A, total):
+    """:func:`hash_range` of rows lo..hi of ``x (N, d)``, summing the sketch of
+    each block as soon as it is hashed: ``A`` (float64) += their rows of phi,
+    and ``total`` (float64, overwritten) = phi^T v over rows lo..hi of
+    ``v (N, dv)``, summed in v's dtype as :func:`span_totals` does for runs of
+    SKETCH_RUN rows (whole blocks), the runs' sums in float64.  Returns
+    the NaNs left in t (:func:`hash_block`).  Both sums read each block's
+    phi^T from the hash's scratch, so ``t`` and ``phi`` may have no rows (a
+    forward with no backward: nothing is written to them) and the sums are
+    the same bits either way.
+
+    The keys' rows and v's both stream from memory, at ~40 ns per 512-byte
+    row and core here: each block's product (:func:`combine_rows`, phi^T as
+    X) prefetches the next block's rows of v while the hash prefetches its
+    rows of x, so every read is under math (an sgemm per 256 rows after the
+    hash read v with nothing in flight: 190 -> 166 ns per key, one thread).
+    For the non-causal sketch, whose product order no scan has to match.
+    """
+    F = phi.shape[1]
+    dv = v.shape[1]
+    U, a, b, ph = hash_scratch(W)
+    tmp = np.empty((F, dv), v.dtype)
+    acc = np.zeros((F, dv), v.dtype)
+    rx = x.shape[1] * x.itemsize
+    rv = dv * v.itemsize
+    flat = (x.strides[1] == x.itemsize and x.strides[0] == rx
+            and v.strides[1] == v.itemsize and v.strides[0] == rv)
+    nan = 0
+    total[:, :] = 0.0
+    run = lo  # first row of the run in acc
+    for b0 in range(lo, hi, HASH_BLOCK):
+        b1 = min(b0 + HASH_BLOCK, hi)
+        nxt = (min(b1 + HASH_BLOCK, hi) - b1) if flat else 0
+        nan += hash_block(x[b0:b1], W, beta, keep[b0:b1], U, a, b, ph, t[b0:b1], phi[b0:b1],
+                          x.ctypes.data + b1 * rx, nxt * rx // 64)
+        m = b1 - b0
+        P = ph[:F * m].reshape(F, m)  # phi^T of the block, masked keys zero (see hash_block)
+        for f in range(F):  # the block's column sums (SIMD over its tokens), then A
+            s = 0.0
+            for j in range(m):
+                s += P[f, j]
+            A[f] += s
+        combine_rows(P, v[b0:b1], tmp, False, v.ctypes.data + b1 * rv, nxt * rv // 64)
+        add_into(acc, tmp)
+        if b1 - run >= SKETCH_RUN or b1 == hi:  # the run summed in v's dtype ends: into float64
+            for f in range(F):
+                for c in range(dv):
+                    total[f, c] += acc[f, c]
+                    acc[f, c] = 0.0
+            run = b1
+    return nan
+
+
+@kernel
+def _hash_rows_task(blk, x, W, beta, keep, t, phi):
+    hash_range(x, blk * 1024, min(x.shape[0], blk * 1024 + 1024), W, beta, keep, t, phi)
+
+
+def soft_hash_rows(x, W, beta, t, phi):
+    """phi and t of every row of ``x (N, d)`` (the public ``soft_buckets``)."""
+    n = x.shape[0]
+    run_tasks(_hash_rows_task, (n + 1023) // 1024, x, W, beta, np.ones(n, np.bool_), t, phi)
+
+
+@kernel
+def residual_rows(res, g, lo, hi):
+    """Rows lo..hi of group ``g`` of a residual ``res (G, N, ...)``, or scratch
+    for them where the caller keeps none (``res`` has no rows: a forward with
+    no backward, which then writes no phi, t or den to memory)."""
+    if res.shape[1] == 0:
+        return np.empty((hi - lo,) + res.shape[2:], res.dtype)
+    return res[g, lo:hi]
+
+
+@kernel
+def hash_chunk(x, g, lo, hi, W, beta, keep, t_res, phi_res):
+    """:func:`hash_range` of rows lo..hi of group ``g`` of ``x (G, N, d)`` into
+    their rows of the residuals ``t_res``, ``phi_res`` (phi: or scratch, see
+    :func:`residual_rows`; t: not written where ``t_res`` has no rows).
+    Returns ``(phi, t, nan)``, ``nan`` the NaNs in t: the hash leaves one per
+    projection of a row with a NaN/Inf (attention._check_derived)."""
+    phi, t = residual_rows(phi_res, g, lo, hi), t_res[g, lo:hi]  # t: no rows where none is kept
+    return phi, t, hash_range(x[g, lo:hi], 0, hi - lo, W, beta, keep, t, phi)

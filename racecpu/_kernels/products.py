@@ -1,0 +1,371 @@
+"""TODO products"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import BLAS_ROWS, BLAS_SCORE_F
+from ._jit import kernel
+from .tiles import (COMB_ROWS, COMB_VECTORS, TILE_ROWS, VECTOR_BYTES, comb_tile, comb_tile_lines, comb_tile_pieces,
+                    dot_tile_cols, dot_tile_cols1, dot_tile_rows, prefetch_lines)
+
+
+@kernel
+def prefetch_to(addr, done, target):
+    """:func:`racecpu._simd.prefetch_lines` of lines done..target of ``addr``; returns the new count."""
+    if target > done:
+        prefetch_lines(addr, done, target - done)
+        return target
+    return done
+
+
+@kernel
+def add_rows(A, rows):
+    """A += the sum of the rows of ``rows (n, F)``, one row at a time (A: float64)."""
+    for j in range(rows.shape[0]):
+        for f in range(rows.shape[1]):
+            A[f] += rows[j, f]
+
+
+@kernel
+def combine_rows(X, S, out, stream=False, ahead=0, lines=0):
+    """out[j] = sum_f X[j, f] S[f, :] for every row j, overwriting ``out``.
+
+    Register tiles (:func:`racecpu._simd.comb_tile`: COMB_ROWS rows of X by
+    COMB_VECTORS vectors of S's columns) where S's and out's rows are
+    contiguous (X's elements are read one at a time), and
+    :func:`_combine_rows_loop` at the edges.  ``stream``: a result that
+    nothing reads soon (a kernel's output rows, at scale far larger than
+    the caches) is written with non-temporal stores, whole vectors where
+    out's rows start on one (racecpu's own results: page-aligned), else in
+    16-byte pieces where they start on 16 bytes (2-row tiles, see
+    :func:`racecpu._simd._comb_tile`; :func:`_run_tasks` fences them
+    after each task).  Streamed in one call over many rows:
+    an atomic, such as Numba's reference counts in a call with arrays,
+    waits for the streamed stores in flight (batches of 16 rows between
+    such calls were written at half the rate).  ``lines`` 64-byte lines
+    from address ``ahead`` are prefetched into L2, spread over the plain
+    tiles (:func:`hash_sketch_range`: the next block's rows of v).
+    """
+    n, F = X.shape
+    dv = S.shape[1]
+    lanes = VECTOR_BYTES // X.itemsize
+    width = COMB_VECTORS * lanes
+    c1 = dv - dv % width
+    n1 = 0  # rows done by tiles
+    if c1 > 0 and S.strides[1] == S.itemsize and out.strides[1] == out.itemsize:
+        line = lanes * out.itemsize  # bytes of one stored vector
+        if stream and out.ctypes.data % line == 0 and out.strides[0] % line == 0:
+            n1 = n - n % COMB_ROWS
+            for i in range(0, n1, COMB_ROWS):
+                for c in range(0, c1, width):
+                    comb_tile_lines(X, S, out, i, c)
+        elif stream and out.ctypes.data % 16 == 0 and out.strides[0] % 16 == 0:
+            n1 = n - n % 2
+            for i in range(0, n1, 2):
+                for c in range(0, c1, width):
+                    comb_tile_pieces(X, S, out, i, c)
+        else:
+            n1 = n - n % COMB_ROWS
+            tiles = (n1 // COMB_ROWS) * (c1 // width)
+            done = 0
+            for i in range(0, n1, COMB_ROWS):
+                for c in range(0, c1, width):
+                    comb_tile(X, S, out, i, c)
+                    done = prefetch_to(ahead, done, lines * ((i // COMB_ROWS) * (c1 // width) + c // width + 1)
+                                        // tiles)
+    if n1 == 0:
+        _combine_rows_loop(X, S, out)
+        return
+    if c1 < dv:
+        _combine_rows_loop(X[:n1], S[:, c1:], out[:n1, c1:])
+    if n1 < n:
+        _combine_rows_loop(X[n1:], S, out[n1:])
+
+
+@kernel
+def _combine_rows_loop(X, S, out):
+    """:func:`combine_rows` by loops: eight rows of S per sweep over out[j],
+    the first sweep assigning, so that the dv-long loop is bound by FMAs,
+    not by reloading and storing out[j] once per row of S (2.8x faster)."""
+    n, F = X.shape
+    dv = S.shape[1]
+    for j in range(n):
+        w = X[j]
+        o = out[j]
+        f = 0
+        if F >= 8:
+            w0, w1, w2, w3, w4, w5, w6, w7 = w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]
+            s0, s1, s2, s3, s4, s5, s6, s7 = S[0], S[1], S[2], S[3], S[4], S[5], S[6], S[7]
+            for c in range(dv):
+                o[c] = (((w0 * s0[c] + w1 * s1[c]) + (w2 * s2[c] + w3 * s3[c]))
+                        + ((w4 * s4[c] + w5 * s5[c]) + (w6 * s6[c] + w7 * s7[c])))
+            f = 8
+        else:
+            for c in range(dv):
+                o[c] = 0.0
+        while f + 8 <= F:
+            w0, w1, w2, w3, w4, w5, w6, w7 = w[f], w[f + 1], w[f + 2], w[f + 3], w[f + 4], w[f + 5], w[f + 6], w[f + 7]
+            s0, s1, s2, s3, s4, s5, s6, s7 = S[f], S[f + 1], S[f + 2], S[f + 3], S[f + 4], S[f + 5], S[f + 6], S[f + 7]
+            for c in range(dv):
+                o[c] += (((w0 * s0[c] + w1 * s1[c]) + (w2 * s2[c] + w3 * s3[c]))
+                         + ((w4 * s4[c] + w5 * s5[c]) + (w6 * s6[c] + w7 * s7[c])))
+            f += 8
+        while f < F:
+            wf = w[f]
+            sf = S[f]
+            for c in range(dv):
+                o[c] += wf * sf[c]
+            f += 1
+
+
+@kernel
+def dot_rows(S, X, Y):
+    """Y[j, f] = S[f, :] . X[j, :] for every row j of ``X (n, dv)`` and f of ``S (F, dv)``.
+
+    ``Y (n, F)`` may be float64 or strided (the projection writes its
+    transpose); the sums run in X's dtype.  Register tiles
+    (:func:`racecpu._simd.dot_tile_rows` / ``dot_tile_cols``: TILE_ROWS rows
+    of X by a few rows of S) where rows are contiguous, dv is a whole number
+    of vectors and Y is contiguous along either axis; :func:`_dot_rows_loop`
+    for the edges (last rows of X or of S) and everything else.
+    """
+    F, dv = S.shape
+    n = X.shape[0]
+    lanes = VECTOR_BYTES // X.itemsize
+    ms = lanes // TILE_ROWS
+    n1 = n - n % TILE_ROWS  # rows of X in tiles
+    f1 = F - F % ms  # rows of S in tiles
+    by_row = Y.strides[1] == Y.itemsize
+    if (n1 == 0 or f1 == 0 or dv == 0 or dv % lanes or X.strides[1] != X.itemsize
+            or S.strides[1] != S.itemsize or not (by_row or Y.strides[0] == Y.itemsize)):
+        _dot_rows_loop(S, X, Y)
+        return
+    for j in range(0, n1, TILE_ROWS):
+        for f in range(0, f1, ms):
+            if by_row:
+                dot_tile_rows(S, X, Y, j, f)
+            else:
+                dot_tile_cols(S, X, Y, j, f)
+    # The last rows of S: one at a time where Y's columns are contiguous.
+    n2 = 0 if by_row else n - n % lanes
+    for j in range(0, n2, lanes):
+        for f in range(f1, F):
+            dot_tile_cols1(S, X, Y, j, f)
+    if f1 < F and n2 < n1:
+        _dot_rows_loop(S[f1:], X[n2:n1], Y[n2:n1, f1:])
+    if n1 < n:
+        _dot_rows_loop(S, X[n1:], Y[n1:])
+
+
+@kernel
+def _dot_rows_loop(S, X, Y):
+    """:func:`dot_rows` by loops.  Two rows of X and four of S per sweep, each product with
+    its own accumulator: every load feeds two FMAs and the horizontal sums
+    overlap (the hash's 9 planes: 45 vs 53 ns per row against eight rows of
+    S and one of X; 2.4x one product at a time).  A whole block per call,
+    not a row: the call per row cost ~15 ns of a ~60 ns row.
+    """
+    F, dv = S.shape
+    n = X.shape[0]
+    if dv == 0:
+        for j in range(n):
+            for f in range(F):
+                Y[j, f] = 0.0
+        return
+    for j in range(0, n, 2):
+        x = X[j]
+        u = X[j + 1] if j + 1 < n else x  # an odd last row is summed twice, stored once
+        y = Y[j]
+        zx = x[0] - x[0]  # typed zeros (NaN with a non-finite row, whose sums are NaN anyway)
+        zu = u[0] - u[0]
+        f = 0
+        while f + 4 <= F:
+            a0 = a1 = a2 = a3 = zx
+            b0 = b1 = b2 = b3 = zu
+            s0, s1, s2, s3 = S[f], S[f + 1], S[f + 2], S[f + 3]
+            for c in range(dv):
+                xc = x[c]
+                uc = u[c]
+                a0 += s0[c] * xc
+                a1 += s1[c] * xc
+                a2 += s2[c] * xc
+                a3 += s3[c] * xc
+                b0 += s0[c] * uc
+                b1 += s1[c] * uc
+                b2 += s2[c] * uc
+                b3 += s3[c] * uc
+            y[f], y[f + 1], y[f + 2], y[f + 3] = a0, a1, a2, a3
+            if j + 1 < n:
+                z = Y[j + 1]
+                z[f], z[f + 1], z[f + 2], z[f + 3] = b0, b1, b2, b3
+            f += 4
+        while f < F:
+            a = zx
+            b = zu
+            for c in range(dv):
+                a += S[f, c] * x[c]
+                b += S[f, c] * u[c]
+            y[f] = a
+            if j + 1 < n:
+                Y[j + 1, f] = b
+            f += 1
+
+
+@kernel
+def outer_add(w, x, B):
+    """B += sum_j w[j, :]^T x[j, :] (rank-1 updates), eight rows j per sweep over B."""
+    n = w.shape[0]
+    F, dv = B.shape
+    j = 0
+    while j + 8 <= n:
+        x0, x1, x2, x3, x4, x5, x6, x7 = x[j], x[j + 1], x[j + 2], x[j + 3], x[j + 4], x[j + 5], x[j + 6], x[j + 7]
+        for f in range(F):
+            w0, w1, w2, w3 = w[j, f], w[j + 1, f], w[j + 2, f], w[j + 3, f]
+            w4, w5, w6, w7 = w[j + 4, f], w[j + 5, f], w[j + 6, f], w[j + 7, f]
+            for c in range(dv):
+                B[f, c] += (((w0 * x0[c] + w1 * x1[c]) + (w2 * x2[c] + w3 * x3[c]))
+                            + ((w4 * x4[c] + w5 * x5[c]) + (w6 * x6[c] + w7 * x7[c])))
+        j += 8
+    while j < n:
+        xj = x[j]
+        for f in range(F):
+            wf = w[j, f]
+            for c in range(dv):
+                B[f, c] += wf * xj[c]
+        j += 1
+
+
+@kernel
+def step_product(w, x, out):
+    """out = w^T x for ``w (m, F)``, ``x (m, dv)``, overwriting ``out (F, dv)``:
+    sgemm from BLAS_ROWS rows, :func:`outer_add` below (call overhead wins)."""
+    if w.shape[0] >= BLAS_ROWS and out.shape[1] > 0:
+        np.dot(w.T, x, out)
+    else:
+        out[:] = 0.0
+        outer_add(w, x, out)
+
+
+@kernel
+def add_product(w, x, S, tmp, total, track):
+    """S += w^T x (one scan step's state update; ``tmp`` (F, dv) holds the
+    product), and ``total`` += the same product when ``track`` (one chunk's
+    sum, in the compute dtype as S: a float64 total cost 35 ns more per token,
+    one thread, its 24 KB pushing the step's arrays out of L1)."""
+    step_product(w, x, tmp)
+    F, dv = S.shape
+    if track:  # one pass over tmp for both sums
+        for f in range(F):
+            for c in range(dv):
+                t = tmp[f, c]
+                S[f, c] += t
+                total[f, c] += t
+    else:
+        for f in range(F):
+            for c in range(dv):
+                S[f, c] += tmp[f, c]
+
+
+@kernel
+def add_into(acc, tmp):
+    """acc += tmp for two (F, dv) arrays: the sum of a chunk's products."""
+    F, dv = acc.shape
+    for f in range(F):
+        for c in range(dv):
+            acc[f, c] += tmp[f, c]
+
+
+@kernel
+def span_totals(w, x, span, reverse, total, tmp):
+    """total (float64) = w^T x, one :func:`step_product` per ``span`` rows
+    (aligned at row 0; the last span first when ``reverse``).
+
+    The span products are summed in the compute dtype of ``tmp`` (a chunk's
+    rows at most, as the scans' states), and that sum is written to ``total``
+    as float64.  With span = SCAN_BLOCK these are, bit for bit, the chunk
+    totals that a segment's scan tracks step by step (:func:`add_product`,
+    :func:`carry_on`), so the causal scans carry identical states however
+    many segments they run in.
+    """
+    n = w.shape[0]
+    F, dv = total.shape
+    acc = np.zeros((F, dv), tmp.dtype)
+    nb = (n + span - 1) // span
+    for b in range(nb):
+        bi = nb - 1 - b if reverse else b
+        j0 = bi * span
+        j1 = min(j0 + span, n)
+        step_product(w[j0:j1], x[j0:j1], tmp)
+        add_into(acc, tmp)
+    for f in range(F):
+        for c in range(dv):
+            total[f, c] = acc[f, c]
+
+
+@kernel
+def zero_above(M):
+    """Zero the strict upper triangle of square ``M`` (keep j <= i)."""
+    m = M.shape[0]
+    for i in range(m):
+        for j in range(i + 1, m):
+            M[i, j] = 0.0
+
+
+@kernel
+def zero_below(M):
+    """Zero the strict lower triangle of square ``M`` (keep j >= i)."""
+    m = M.shape[0]
+    for i in range(1, m):
+        for j in range(i):
+            M[i, j] = 0.0
+
+
+@kernel
+def step_scores(X, Y, out, lower):
+    """out[i, j] = X[i] . Y[j] where j <= i (``lower``) or j >= i (not), 0 elsewhere.
+
+    The triangular scores of a scan step between rows of phi (``X (m, F)``,
+    ``Y (k, F)``, ``out (m, k)``).  Four rows of Y per sweep over a row of X
+    (each load of X feeds four FMAs; the masked entries of a sweep are
+    overwritten with zeros); np.dot + a mask from BLAS_SCORE_F columns.
+    Not :func:`dot_rows` (the same product, Y = X S^T): built for dv-long
+    rows, it took 195-200 ns on an 8 x 8 block of F = 24 against ~115 here,
+    and computes the masked half too.
+    """
+    m, F = X.shape
+    k = Y.shape[0]
+    if F >= BLAS_SCORE_F:
+        np.dot(X, Y.T, out)
+        if lower:
+            zero_above(out)
+        else:
+            zero_below(out)
+        return
+    for i in range(m):
+        x = X[i]
+        o = out[i]
+        lo, hi = (0, min(i + 1, k)) if lower else (i, k)
+        j = lo - lo % 4
+        while j < hi and j + 4 <= k:
+            y0, y1, y2, y3 = Y[j], Y[j + 1], Y[j + 2], Y[j + 3]
+            a0 = a1 = a2 = a3 = x[0] - x[0]  # typed zeros (NaN with a non-finite row, whose sums are NaN anyway)
+            for f in range(F):
+                xf = x[f]
+                a0 += xf * y0[f]
+                a1 += xf * y1[f]
+                a2 += xf * y2[f]
+                a3 += xf * y3[f]
+            o[j], o[j + 1], o[j + 2], o[j + 3] = a0, a1, a2, a3
+            j += 4
+        while j < hi:
+            y0 = Y[j]
+            a0 = x[0] - x[0]
+            for f in range(F):
+                a0 += x[f] * y0[f]
+            o[j] = a0
+            j += 1
+        for j in range(lo):
+            o[j] = 0.0
+        for j in range(hi, k):
+            o[j] = 0.0

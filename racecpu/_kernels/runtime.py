@@ -1,0 +1,172 @@
+"""TODO runtime"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import platform
+
+import numba
+import numpy as np
+import scipy.linalg.cython_blas  # noqa: F401  (the BLAS that np.dot in the kernels calls)
+from llvmlite import ir
+from numba import prange, types
+from numba._dispatcher import compute_fingerprint
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .. import config
+from ..config import BLAS_ROWS
+from ._jit import kernel
+from .tiles import stream_fence
+
+
+_blas_controller = None
+
+
+def blas_tasks(kernel):
+    """Run a parallel kernel whose tasks call BLAS (``np.dot``) with BLAS on one thread.
+
+    Every core already runs its own prange task; a multi-threaded sgemm
+    inside each would oversubscribe the cores (10-50x slower on a busy
+    machine).  The limit (threadpoolctl, ~13 us) is skipped when the
+    kernel's ``chunk`` is too short to reach BLAS, so decode steps stay cheap,
+    and calls on fewer than SERIAL_TOKENS tokens (the kernel's first argument
+    is ``(G, n, ...)``) do not wake the other threads at all.
+    """
+    chunk_at = list(inspect.signature(kernel).parameters).index("chunk")
+
+    def call(args, kw):
+        global _blas_controller
+        if args[chunk_at] < BLAS_ROWS:
+            return kernel(*args, **kw)
+        if _blas_controller is None:
+            from threadpoolctl import ThreadpoolController
+            _blas_controller = ThreadpoolController()
+        with _blas_controller.limit(limits=1, user_api="blas"):
+            return kernel(*args, **kw)
+
+    @functools.wraps(kernel)
+    def run(*args, **kw):
+        if args[0].shape[0] * args[0].shape[1] >= config.SERIAL_TOKENS:
+            return call(args, kw)
+        threads = numba.get_num_threads()
+        numba.set_num_threads(1)
+        try:
+            return call(args, kw)
+        finally:
+            numba.set_num_threads(threads)
+
+    return run
+
+
+#: Tasks run with subnormal floats flushed to zero (x86-64: the FTZ and DAZ
+#: bits of MXCSR, set before each task and the thread's own value put back
+#: after it).  Products of two small soft-hash probabilities (phi_q . phi_k,
+#: the backward's phi_k . phi_q / den) land in float32's subnormal range
+#: (below 1.2e-38), where every multiply or FMA takes a microcode assist of
+#: ~100 cycles: an 8 x 8 step block of them took 4-10 us instead of 0.1-0.2.
+#: Flushed, such a term is 0 instead of a subnormal that has already lost
+#: most of its bits, beside sums > DEN_FLOOR = 1e-30 (smaller ones give
+#: zeros anyway).  Elsewhere (AArch64, ...) the platform's default stands.
+FLUSH_SUBNORMALS = platform.machine().lower() in ("x86_64", "amd64")
+
+
+_MXCSR_FTZ_DAZ = 0x8040  # bit 15: flush results to zero; bit 6: inputs as zero
+
+
+def _mxcsr(builder, name, slot):
+    """Call LLVM's ``llvm.x86.sse.<name>`` (stmxcsr / ldmxcsr) on the i32 ``slot``."""
+    i8p = ir.IntType(8).as_pointer()
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p]),
+                                        f"llvm.x86.sse.{name}")
+    builder.call(fn, [builder.bitcast(slot, i8p)])
+
+
+@intrinsic
+def _call_task(typingctx, addr, t, args):
+    """Call the compiled function at ``addr`` as ``f(t, *args)`` (Numba's native calling convention),
+    with subnormals flushed to zero during the call (FLUSH_SUBNORMALS)."""
+    argtypes = (t,) + tuple(args)
+
+    def codegen(context, builder, sig, llargs):
+        fnty = context.call_conv.get_function_type(types.none, argtypes)
+        fn = builder.inttoptr(llargs[0], fnty.as_pointer())
+        vals = [llargs[1], *cgutils.unpack_tuple(builder, llargs[2], len(args))]
+        if FLUSH_SUBNORMALS:
+            i32 = ir.IntType(32)
+            saved, flush = cgutils.alloca_once(builder, i32), cgutils.alloca_once(builder, i32)
+            _mxcsr(builder, "stmxcsr", saved)
+            builder.store(builder.or_(builder.load(saved), ir.Constant(i32, _MXCSR_FTZ_DAZ)), flush)
+            _mxcsr(builder, "ldmxcsr", flush)
+        status, _ = context.call_conv.call_function(builder, fn, types.none, argtypes, vals)
+        if FLUSH_SUBNORMALS:  # the thread's own mode back, before an error is passed on too
+            _mxcsr(builder, "ldmxcsr", saved)
+        with cgutils.if_unlikely(builder, status.is_error):
+            context.call_conv.return_status_propagate(builder, status)
+        return context.get_dummy_value()
+
+    return types.none(addr, t, args), codegen
+
+
+@kernel(parallel=True)
+def _run_tasks(addr, ntasks, args):
+    for t in prange(ntasks):
+        _call_task(addr, np.int64(t), args)
+        stream_fence()  # the task's streamed stores (combine_rows) done before the join
+
+
+_task_runners = {}  # (task, fingerprint of the argument types) -> (task address, compiled _run_tasks)
+
+
+def run_tasks(task, ntasks, *args):
+    """Run the jitted ``task(t, *args)`` for every ``t`` in ``range(ntasks)`` on all threads.
+
+    The parallel loop calls ``task`` through its address.  As a plain
+    callee, Numba links the task's whole call tree into the loop's module and
+    optimises it and generates its machine code twice more (the gufunc and
+    its wrapper): that was half of the cold compile (67 s -> 29 s).  Each
+    task is compiled once, on its own.  Unlike a Numba first-class function
+    (same call, but resolved from Python on every call: ~50 us), the address
+    and the compiled loop are looked up once per argument types, by the
+    fingerprint Numba's own dispatcher keys its type cache with (0.3 us for
+    all arguments; ``numba.typeof`` takes ~9 us per array).  It does not see
+    alignment: code compiled for aligned arrays is run on unaligned ones,
+    which x86-64 and AArch64 load and store alike.
+    """
+    key = (task, compute_fingerprint(args))
+    runner = _task_runners.get(key)
+    if runner is None:
+        argtypes = tuple(numba.typeof(a) for a in args)
+        cres = task.get_compile_result(types.none(types.int64, *argtypes))
+        addr = cres.library.get_pointer_to_function(cres.fndesc.llvm_func_name)
+        sig = (types.intp, types.int64, types.Tuple(argtypes))
+        _run_tasks.compile(sig)
+        runner = _task_runners[key] = addr, _run_tasks.overloads[sig].entry_point
+    addr, entry = runner
+    entry(addr, ntasks, args)
+
+
+@kernel
+def _count_nonfinite_run(bits, exp_mask):
+    cnt = 0
+    for i in range(bits.size):
+        cnt += (bits[i] & exp_mask) == exp_mask
+    return cnt
+
+
+@kernel(parallel=True)
+def count_nonfinite(bits, exp_mask):
+    """Number of NaN/Inf values in a float array viewed as unsigned ints.
+
+    A value is NaN or Inf iff its exponent bits are all set; counting that
+    with integer ops vectorises and runs on every core, where
+    ``np.isfinite(x).all()`` builds a bool temporary on one core (it cost
+    ~65 ns per 128-float row, a fifth of a whole forward).
+    """
+    n = bits.size
+    nb = (n + 65535) // 65536
+    total = 0
+    for blk in prange(nb):
+        total += _count_nonfinite_run(bits[blk * 65536:min(n, blk * 65536 + 65536)], exp_mask)
+    return total

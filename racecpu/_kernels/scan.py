@@ -1,0 +1,152 @@
+"""TODO scan"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+from .. import config
+from ._jit import kernel
+
+
+@kernel
+def task_bounds(task, nc, chunk, n):
+    g = task // nc
+    c = task - g * nc
+    lo = c * chunk
+    hi = min(lo + chunk, n)
+    return g, c, lo, hi
+
+
+def spread_order(G, nc, t0, t1):
+    """Order of the ``G * nc`` (group, chunk) tasks of a parallel kernel in which
+    the chunks ``t0 <= c < t1`` of every group cost more (they also sum a
+    product total): those and the others each spread evenly over the order.
+    ``prange`` hands every thread a contiguous share of the tasks, so in group
+    and chunk order one thread would get all the costly chunks of one head.
+    """
+    heavy = np.zeros((G, nc), np.bool_)
+    heavy[:, t0:t1] = True
+    heavy = heavy.ravel()
+    key = np.empty(G * nc)
+    for m in (heavy, ~heavy):
+        count = np.count_nonzero(m)
+        key[m] = (np.arange(count) + 0.5) / max(count, 1)
+    return np.argsort(key, kind="stable")
+
+
+@kernel
+def segment_start(s, segments, nc):
+    """First chunk of segment ``s`` of ``segments`` over ``nc`` chunks (``nc`` for s = segments;
+    see :func:`scan_segments`)."""
+    return s * nc // segments
+
+
+@kernel
+def exclusive_step(part, out, acc):
+    """out = acc, then acc += part (one chunk of an exclusive scan; ``out`` may be ``part``)."""
+    for e in range(acc.shape[0]):
+        x = part[e]  # read before the write
+        out[e] = acc[e]
+        acc[e] += x
+
+
+@kernel
+def _scan_chunks(part, segments, reverse, out):
+    """out[g, c] = sum of part[g, c'] over c' < c (c' > c: ``reverse``), in chunk
+    order, for the first chunk c (in scan order) of each segment only."""
+    G, nc, E = part.shape
+    acc = np.empty(E)
+    for g in range(G):
+        acc[:] = 0.0
+        for i in range(segments):
+            s = segments - 1 - i if reverse else i
+            c0 = segment_start(s, segments, nc)
+            c1 = segment_start(s + 1, segments, nc)
+            for j in range(c1 - c0):
+                c = c1 - 1 - j if reverse else c0 + j
+                if j > 0:
+                    for e in range(E):
+                        acc[e] += part[g, c, e]
+                elif i == segments - 1:  # the last segment: no total of it is summed (nor read)
+                    for e in range(E):
+                        out[g, c, e] = acc[e]
+                    break
+                else:
+                    exclusive_step(part[g, c], out[g, c], acc)
+
+
+def exclusive_scan(part, reverse=False, out=None, segments=None):
+    """Exclusive prefix (or suffix, ``reverse``) sums over axis 1 of float64 ``part (G, nc, ...)``.
+
+    Sums run in chunk order, as ``np.cumsum`` would.  ``out`` (optional, like
+    ``part``) may be ``part`` itself: the scan then allocates nothing.  At
+    2^20 tokens x 4 heads the partials are 100 MB; np.cumsum through
+    temporaries took 70-150 ns per token-head, this one pass ~3 (memory-bound
+    and short: one thread, no parallel kernel to compile).  ``segments``
+    (default: one per chunk): only the sums at the first chunk, in scan
+    order, of each segment (:func:`scan_segments`) are written, and only the
+    chunks of the other segments are read (those :func:`sketch_chunks` and
+    :func:`causal_queries_bwd` sum with their ``totals``); the same bits.
+    """
+    if out is None:
+        out = np.empty_like(part)
+    if part.size:
+        G, nc = part.shape[:2]
+        _scan_chunks(part.reshape(G, nc, -1), nc if segments is None else segments, reverse,
+                     out.reshape(G, nc, -1))
+    return out
+
+
+def scan_segments(G, nc, n):
+    """Segments per group of the causal scans of ``G`` groups of ``n`` tokens in ``nc`` chunks.
+
+    A segment is a run of consecutive chunks that one task scans in order,
+    carrying the state itself (:func:`causal_fwd`, :func:`causal_keys_bwd`);
+    only its first carry comes from the chunk totals of the segments before
+    it (after it: the reverse scan), and every total costs a sgemm per token.
+    So: one segment per group (no totals at all) where the groups alone share
+    the threads evenly, else the fewest that do, ``threads / gcd(G, threads)``
+    (one head on 2 threads: 2, the totals of half the chunks; the backward's,
+    of a third: :func:`causal_bwd_split`), at most one per chunk.  Results do
+    not depend on it, bit for bit (:func:`span_totals`).
+    """
+    threads = numba.get_num_threads() if G * n >= config.SERIAL_TOKENS else 1
+    return max(1, min(nc, threads // math.gcd(G, threads)))
+
+
+@kernel
+def segment_chunks(task, segments, nc):
+    """Group and chunk range ``[c0, c1)`` of causal scan task ``task`` (:func:`segment_start`)."""
+    g = task // segments
+    s = task - g * segments
+    return g, segment_start(s, segments, nc), segment_start(s + 1, segments, nc)
+
+
+@kernel
+def carry_on(carry, g, c, dst, total, final):
+    """carry[g, dst] = carry[g, c] + total (``final[g]`` when dst is past the
+    chunks; float64 + the compute dtype) and total = 0: a segment's next
+    carry, summed as :func:`exclusive_scan` sums the chunk totals."""
+    F, dv = total.shape
+    to = carry[g, dst] if 0 <= dst < carry.shape[1] else final[g]
+    for f in range(F):
+        for cc in range(dv):
+            to[f, cc] = carry[g, c, f, cc] + total[f, cc]
+            total[f, cc] = 0.0
+
+
+def chunk_length(n, G, F, dv):
+    """Chunk length: CHUNK tokens unless the float64 partials would outgrow their budget."""
+    per_chunk = G * F * (dv + 1) * 8
+    max_chunks = max(1, config.PARTIAL_BUDGET // max(per_chunk, 1))
+    return max(config.CHUNK, -(-n // max_chunks), 1)
+
+
+def sketch_task_length(chunk, n, G):
+    """Task length of the non-causal forward: up to SKETCH_CHUNKS chunks, while
+    every thread keeps at least 8 tasks."""
+    tasks = G * n // (8 * numba.get_num_threads())
+    return max(chunk, min(config.SKETCH_CHUNKS * chunk, tasks // chunk * chunk))
