@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _kernels as K
+from ._kernels.bundles import Grads, Hash, Rows, Sums
 from ._checks import SUMS_OVERFLOW, all_finite, check_array, check_beta, check_derived, check_out, prepare
 from ._memory import POOL
 from .config import DEFAULT_BETA
@@ -108,10 +109,11 @@ def _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residua
     tq = POOL.empty((G, rq, L * P), cdt)
     den = POOL.zeros((G, rq))
     o = _target(out, (G, nq, dv), cdt)  # the kernels write every row
+    hsh, rows = Hash(a.planes, a.beta), Rows(phiq, tq, phik, tk, den)
     nan_q = nan_k = 0  # NaNs in the hashes' t: a NaN/Inf in q or k, or an overflow
     if G and nk:
         # causal: the B totals of the chunks before the last segment give the segments' carries
-        nan_k = K.sketch_chunks(a.k, a.v, a.mask, a.planes, a.beta, chunk, phik, tk, partA, partB,
+        nan_k = K.sketch_chunks(a.k, a.v, a.mask, hsh, chunk, rows, Sums(partA, partB),
                                 span=K.SCAN_BLOCK if causal else K.SKETCH_FUSED,
                                 totals=(0, K.segment_start(seg - 1, seg, nck)) if causal else None)
     if causal:
@@ -119,13 +121,13 @@ def _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residua
         B = K.exclusive_scan(partB, out=partB, segments=seg)  # the segments' first carries; the scan the rest
         sums_v = POOL.zeros((G, F, dv))  # the scan's total of B, for the check of v
         if G and nq:
-            nan_q = K.causal_fwd(a.q, a.v, phik, A, B, a.planes, a.beta, chunk, phiq, tq, den, o, final=sums_v,
+            nan_q = K.causal_fwd(a.q, a.v, hsh, chunk, rows, Sums(A, B), o, final=sums_v,
                                  segments=seg)
     else:
         A, B = partA.sum(1), partB.sum(1)
         sums_v = B
         if G and nq:
-            nan_q = K.queries_fwd(a.q, a.planes, a.beta, chunk, A, B.astype(cdt), phiq, tq, den, o)
+            nan_q = K.queries_fwd(a.q, hsh, chunk, Sums(A, B.astype(cdt)), rows, o)
     overflow = f"its projections onto the planes overflow {cdt}"
     check_derived(a.check_finite, ("q", a.q, nan_q == 0, overflow), ("k", a.k, nan_k == 0, overflow),
                    ("v", a.v, all_finite(sums_v), SUMS_OVERFLOW))
@@ -188,6 +190,7 @@ def race_attention_bwd(residuals, grad_out, *, out=None):
     g = np.ascontiguousarray(g.reshape(G, nq, dv), dtype=cdt)
     chunk = r.chunk
     ncq, nck = -(-nq // chunk), -(-nk // chunk)
+    hsh, rows = Hash(r.planes, r.beta), Rows(r.phiq, r.tq, r.phik, r.tk, r.den)
     # The kernels write every row; without queries or keys they do not run.
     dq, dk, dv_ = (_target(buf, (G,) + shape[-2:], cdt) for buf, shape in zip(out, shapes))
     dbeta = 0.0
@@ -201,18 +204,16 @@ def race_attention_bwd(residuals, grad_out, *, out=None):
         dbq = POOL.zeros((G, ncq))
         dbk = POOL.zeros((G, nck))
         if r.causal:
-            dden = POOL.zeros((G, nq))
             dB = POOL.zeros((G, F, dv))  # the scan's total of dB, for the check of grad_out
-            K.causal_backward(g, r.v, r.phik, r.tk, r.phiq, r.tq, r.den, r.A, r.B, r.planes, r.beta, chunk,
-                              dq, dk, dv_, dden, partdA, partdB, dbq, dbk, final=dB)
+            grads = Grads(dq, dk, dv_, POOL.zeros((G, nq)), dbq, dbk)
+            K.causal_backward(g, r.v, rows, Sums(r.A, r.B), hsh, chunk, grads, Sums(partdA, partdB), final=dB)
             check_derived(r.check_finite, ("grad_out", g, all_finite(dB), SUMS_OVERFLOW))
         else:
-            K.queries_bwd(g, r.phiq, r.tq, r.den, r.A, r.B.astype(cdt), r.planes, r.beta, chunk,
-                          dq, partdA, partdB, dbq)
+            grads = Grads(dq, dk, dv_, POOL.zeros((G, 0)), dbq, dbk)
+            K.queries_bwd(g, r.v, rows, Sums(r.A, r.B.astype(cdt)), hsh, chunk, grads, Sums(partdA, partdB))
             dB = partdB.sum(1)
             check_derived(r.check_finite, ("grad_out", g, all_finite(dB), SUMS_OVERFLOW))  # before the keys' backward
-            K.keys_bwd(r.v, r.phik, r.tk, partdA.sum(1), dB.astype(cdt), r.planes, r.beta, chunk,
-                       dk, dv_, dbk)
+            K.keys_bwd(r.v, rows, Sums(partdA.sum(1), dB.astype(cdt)), hsh, chunk, grads)
         dbeta = float(dbq.sum() + dbk.sum())
     return tuple(_deliver(x, buf, shape, dt)
                  for x, buf, shape, dt in zip((dq, dk, dv_), out, shapes, (qdt, kdt, vdt))) + (dbeta,)

@@ -27,6 +27,7 @@ import zipfile
 import numpy as np
 
 from . import _kernels as K
+from ._kernels.bundles import Hash, Rows, Sums
 from ._checks import check_beta, check_planes, prepare
 
 __all__ = ["RaceState", "FORMAT", "FORMAT_VERSION"]
@@ -210,9 +211,9 @@ class RaceState:
         s["partA"].fill(0.0)
         s["partB"].fill(0.0)
         out = np.empty((G, 1, self.dv), dt)
-        K.sketch_chunks(k, v, s["mask"], self._planes, self._beta, 1, s["phik"], s["tk"], s["partA"], s["partB"])
-        K.causal_fwd(q, v, s["phik"], self._A.reshape(G, 1, F), self._B.reshape(G, 1, F, self.dv), self._planes,
-                     self._beta, 1, s["phiq"], s["tq"], s["den"], out)
+        hsh, rows = Hash(self._planes, self._beta), Rows(s["phiq"], s["tq"], s["phik"], s["tk"], s["den"])
+        K.sketch_chunks(k, v, s["mask"], hsh, 1, rows, Sums(s["partA"], s["partB"]))
+        K.causal_fwd(q, v, hsh, 1, rows, Sums(self._A.reshape(G, 1, F), self._B.reshape(G, 1, F, self.dv)), out)
         self._A += s["partA"][:, 0]
         self._B += s["partB"][:, 0]
         return out
@@ -363,12 +364,13 @@ def advance(q, k, v, planes, beta, A0, B0, out, *, phik=None, tk=None, phiq=None
     partA = np.zeros((G, nc, F))
     partB = np.zeros((G, nc, F, dv))
     mask = np.ones((G, n), np.bool_)
-    K.sketch_chunks(k, v, mask, planes, beta, chunk, phik, tk, partA, partB)
+    hsh, rows = Hash(planes, beta), Rows(phiq, tq, phik, tk, den)
+    K.sketch_chunks(k, v, mask, hsh, chunk, rows, Sums(partA, partB))
     carryA = K.exclusive_scan(partA)
     carryB = K.exclusive_scan(partB)
     carryA += A0[:, None]
     carryB += B0[:, None]
-    K.causal_fwd(q, v, phik, carryA, carryB, planes, beta, chunk, phiq, tq, den, out)
+    K.causal_fwd(q, v, hsh, chunk, rows, Sums(carryA, carryB), out)
     A1, B1 = A0 + partA.sum(1), B0 + partB.sum(1)
     if return_carries:
         return A1, B1, chunk, carryA, carryB

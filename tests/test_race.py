@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import racecpu
 from racecpu import config
+from racecpu._kernels.bundles import Hash
 from racecpu import reference as ref
 
 from .util import fd_check, rel_err
@@ -371,22 +372,22 @@ def test_hash_range_blocks_match_softmax_over_corners(rng, dtype, tol):
         t = np.full((n, L * P), np.nan, dtype)
         phi = np.full((n, L << P), np.nan, dtype)
         for lo, hi in ((0, 7), (7, 40), (40, n)):
-            assert K.hash_range(x, lo, hi, W, 2.5, keep, t, phi) == 0
+            assert K.hash_range(x, lo, hi, Hash(W, 2.5), keep, t, phi) == 0
         np.testing.assert_allclose(t, t_ref.reshape(n, -1), rtol=tol, atol=tol)
         np.testing.assert_allclose(phi, phi_ref, rtol=tol, atol=tol)
         # t with no rows (a forward that keeps none): phi's bits are the same, and
         # nothing is written through the empty view (boundscheck is off)
         phi2, spare = np.full_like(phi, np.nan), np.full_like(t, np.nan)
         for lo, hi in ((0, 7), (7, 40), (40, n)):
-            assert K.hash_range(x, lo, hi, W, 2.5, keep, spare[:0], phi2) == 0
+            assert K.hash_range(x, lo, hi, Hash(W, 2.5), keep, spare[:0], phi2) == 0
         np.testing.assert_array_equal(phi2, phi)
         assert np.isnan(spare).all()
         # It counts the NaNs it leaves in t: one per projection of a row with a NaN or an Inf.
         bad = x.copy()
         bad[3, 1], bad[50, 0] = np.nan, -np.inf
-        assert sum(K.hash_range(bad, lo, hi, W, 2.5, keep, t, phi) for lo, hi in ((0, 7), (7, 40), (40, n))) == 2 * L * P
+        assert sum(K.hash_range(bad, lo, hi, Hash(W, 2.5), keep, t, phi) for lo, hi in ((0, 7), (7, 40), (40, n))) == 2 * L * P
         assert np.isnan(t).sum() == 2 * L * P and np.isnan(t[[3, 50]]).all()
-        assert sum(K.hash_range(bad, lo, hi, W, 2.5, keep, t[:0], phi[:0]) for lo, hi in ((0, 7), (7, 40), (40, n))) \
+        assert sum(K.hash_range(bad, lo, hi, Hash(W, 2.5), keep, t[:0], phi[:0]) for lo, hi in ((0, 7), (7, 40), (40, n))) \
             == 2 * L * P  # counted with no rows of t written
 
 
@@ -404,7 +405,7 @@ def test_hash_sketch_range_moves_its_sums_to_float64_every_run(rng):
     phi_ref = phi_ref.reshape(n, -1)
     A, total = np.zeros(L << P), np.full((L << P, dv), np.nan)
     t, phi = np.empty((0, L * P), np.float32), np.empty((0, L << P), np.float32)
-    assert K.hash_sketch_range(x, v, 0, n, W, 2.5, keep, t, phi, A, total) == 0
+    assert K.hash_sketch_range(x, v, 0, n, Hash(W, 2.5), keep, t, phi, A, total) == 0
     want = phi_ref.T @ v.astype(np.float64)
     np.testing.assert_allclose(A, phi_ref.sum(0), rtol=1e-6)
     np.testing.assert_allclose(total, want, rtol=2e-6, atol=1e-3)
@@ -412,7 +413,7 @@ def test_hash_sketch_range_moves_its_sums_to_float64_every_run(rng):
     parts = []
     for lo in range(0, n, K.SKETCH_RUN):
         part = np.empty_like(total)
-        K.hash_sketch_range(x, v, lo, min(n, lo + K.SKETCH_RUN), W, 2.5, keep, t, phi, np.zeros(L << P), part)
+        K.hash_sketch_range(x, v, lo, min(n, lo + K.SKETCH_RUN), Hash(W, 2.5), keep, t, phi, np.zeros(L << P), part)
         parts.append(part)
     np.testing.assert_array_equal(total, sum(parts[1:], parts[0]))
 
@@ -439,13 +440,13 @@ def test_hash_sketch_range_sums_each_block_as_hashed(rng, dtype, tol):
         A_bare = A.copy()
         for lo, hi in ((0, 7), (7, 40), (40, n)):
             total = np.full((L << P, dv), np.nan)
-            assert K.hash_sketch_range(x, v, lo, hi, W, 2.5, keep, t, phi, A, total) == 0
+            assert K.hash_sketch_range(x, v, lo, hi, Hash(W, 2.5), keep, t, phi, A, total) == 0
             A_ref += phi_ref[lo:hi].sum(0)
             np.testing.assert_allclose(A, A_ref, rtol=tol, atol=tol)
             np.testing.assert_allclose(total, phi_ref[lo:hi].T @ v[lo:hi].astype(np.float64), rtol=tol, atol=tol)
             # t and phi with no rows (a forward that keeps no residuals): the same bits
             bare, spare_t, spare_phi = np.full_like(total, np.nan), np.full_like(t, np.nan), np.full_like(phi, np.nan)
-            assert K.hash_sketch_range(x, v, lo, hi, W, 2.5, keep, spare_t[:0], spare_phi[:0], A_bare, bare) == 0
+            assert K.hash_sketch_range(x, v, lo, hi, Hash(W, 2.5), keep, spare_t[:0], spare_phi[:0], A_bare, bare) == 0
             np.testing.assert_array_equal(A_bare, A)
             np.testing.assert_array_equal(bare, total)
             assert np.isnan(spare_t).all() and np.isnan(spare_phi).all()  # nothing written through them
@@ -453,7 +454,7 @@ def test_hash_sketch_range_sums_each_block_as_hashed(rng, dtype, tol):
         np.testing.assert_allclose(phi, phi_ref, rtol=tol, atol=tol)
         bad = x.copy()
         bad[40, 2] = np.inf
-        assert K.hash_sketch_range(bad, v, 0, n, W, 2.5, keep, t, phi, A, total) == L * P
+        assert K.hash_sketch_range(bad, v, 0, n, Hash(W, 2.5), keep, t, phi, A, total) == L * P
 
 
 def test_corner_order_is_itertools_product(rng):

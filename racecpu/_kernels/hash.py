@@ -7,13 +7,14 @@ import numpy as np
 from ..config import (DU_BLOCK, HASH_BLOCK, PREFETCH_CORNERS, PREFETCH_MATH, PREFETCH_T, SKETCH_RUN,
                       TANH_SERIES_MAX)
 from ._jit import kernel
+from .bundles import HashScratch
 from .expmath import exp_neg
 from .products import add_into, combine_rows, dot_rows, prefetch_to
 from .runtime import run_tasks
 
 
 @kernel
-def hash_block(x, W, beta, keep, U, a, b, ph, t, phi, ahead=0, lines=0):
+def hash_block(x, hsh, keep, scratch, t, phi, ahead=0, lines=0):
     """phi_l(x) and t for a block of rows ``x (T, d)``, every table.
 
     softmax_r(beta t.v_r) = prod_p sigmoid(2 beta t_p v_{r,p}) (DESIGN.md), so
@@ -43,6 +44,8 @@ def hash_block(x, W, beta, keep, U, a, b, ph, t, phi, ahead=0, lines=0):
     row; rows in cache: 67-71 -> 70-72).  All lines at once at the start of
     the block gained nothing: a core keeps ~16 lines in flight.
     """
+    W, beta = hsh
+    U, a, b, ph = scratch
     T, d = x.shape
     L, P, _ = W.shape
     R = 1 << P
@@ -178,11 +181,12 @@ def hash_rows_du(dphi, phi, t, P, beta, du):
 
 
 @kernel
-def hash_bwd_rows(dphi, phi, t, W, beta, dx):
+def hash_bwd_rows(dphi, phi, t, hsh, dx):
     """dx = (cotangent of the projections) W for rows with soft-hash cotangents
     ``dphi (n, F)`` (float64, overwritten); returns their share of dbeta.
     The hash backward runs SIMD over the rows, then :func:`combine_rows` gives
     dx, streamed (a result of the backward, not read again)."""
+    W, beta = hsh
     L, P, d = W.shape
     du = np.empty((dphi.shape[0], L * P), W.dtype)
     acc = hash_rows_du(dphi, phi, t, P, beta, du)
@@ -195,14 +199,15 @@ def hash_scratch(W):
     """:func:`hash_block`'s scratch ``(U, a, b, ph)`` for HASH_BLOCK rows, in the planes' dtype."""
     L, P, _ = W.shape
     m = HASH_BLOCK * L * P
-    return np.empty(m, W.dtype), np.empty(m, W.dtype), np.empty(m, W.dtype), np.empty((HASH_BLOCK * L) << P, W.dtype)
+    return HashScratch(np.empty(m, W.dtype), np.empty(m, W.dtype), np.empty(m, W.dtype),
+                       np.empty((HASH_BLOCK * L) << P, W.dtype))
 
 
 @kernel
-def hash_range(x, lo, hi, W, beta, keep, t, phi):
+def hash_range(x, lo, hi, hsh, keep, t, phi):
     """:func:`hash_block` over rows lo..hi of ``x (N, d)``, HASH_BLOCK rows at a
     time; returns the NaNs it left in t (:func:`hash_block`)."""
-    U, a, b, ph = hash_scratch(W)
+    scratch = hash_scratch(hsh.W)
     # The next block's rows are prefetched during each block where x's rows are contiguous.
     row = x.shape[1] * x.itemsize
     flat = x.strides[1] == x.itemsize and x.strides[0] == row
@@ -210,13 +215,12 @@ def hash_range(x, lo, hi, W, beta, keep, t, phi):
     for b0 in range(lo, hi, HASH_BLOCK):
         b1 = min(b0 + HASH_BLOCK, hi)
         lines = (min(b1 + HASH_BLOCK, hi) - b1) * row // 64 if flat else 0
-        nan += hash_block(x[b0:b1], W, beta, keep[b0:b1], U, a, b, ph, t[b0:b1], phi[b0:b1],
-                          x.ctypes.data + b1 * row, lines)
+        nan += hash_block(x[b0:b1], hsh, keep[b0:b1], scratch, t[b0:b1], phi[b0:b1], x.ctypes.data + b1 * row, lines)
     return nan
 
 
 @kernel
-def hash_sketch_range(x, v, lo, hi, W, beta, keep, t, phi, A, total):
+def hash_sketch_range(x, v, lo, hi, hsh, keep, t, phi, A, total):
     """:func:`hash_range` of rows lo..hi of ``x (N, d)``, summing the sketch of
     each block as soon as it is hashed: ``A`` (float64) += their rows of phi,
     and ``total`` (float64, overwritten) = phi^T v over rows lo..hi of
@@ -236,7 +240,8 @@ def hash_sketch_range(x, v, lo, hi, W, beta, keep, t, phi, A, total):
     """
     F = phi.shape[1]
     dv = v.shape[1]
-    U, a, b, ph = hash_scratch(W)
+    scratch = hash_scratch(hsh.W)
+    ph = scratch.ph
     tmp = np.empty((F, dv), v.dtype)
     acc = np.zeros((F, dv), v.dtype)
     rx = x.shape[1] * x.itemsize
@@ -249,7 +254,7 @@ def hash_sketch_range(x, v, lo, hi, W, beta, keep, t, phi, A, total):
     for b0 in range(lo, hi, HASH_BLOCK):
         b1 = min(b0 + HASH_BLOCK, hi)
         nxt = (min(b1 + HASH_BLOCK, hi) - b1) if flat else 0
-        nan += hash_block(x[b0:b1], W, beta, keep[b0:b1], U, a, b, ph, t[b0:b1], phi[b0:b1],
+        nan += hash_block(x[b0:b1], hsh, keep[b0:b1], scratch, t[b0:b1], phi[b0:b1],
                           x.ctypes.data + b1 * rx, nxt * rx // 64)
         m = b1 - b0
         P = ph[:F * m].reshape(F, m)  # phi^T of the block, masked keys zero (see hash_block)
@@ -270,14 +275,14 @@ def hash_sketch_range(x, v, lo, hi, W, beta, keep, t, phi, A, total):
 
 
 @kernel
-def _hash_rows_task(blk, x, W, beta, keep, t, phi):
-    hash_range(x, blk * 1024, min(x.shape[0], blk * 1024 + 1024), W, beta, keep, t, phi)
+def _hash_rows_task(blk, x, hsh, keep, t, phi):
+    hash_range(x, blk * 1024, min(x.shape[0], blk * 1024 + 1024), hsh, keep, t, phi)
 
 
-def soft_hash_rows(x, W, beta, t, phi):
+def soft_hash_rows(x, hsh, t, phi):
     """phi and t of every row of ``x (N, d)`` (the public ``soft_buckets``)."""
     n = x.shape[0]
-    run_tasks(_hash_rows_task, (n + 1023) // 1024, x, W, beta, np.ones(n, np.bool_), t, phi)
+    run_tasks(_hash_rows_task, (n + 1023) // 1024, x, hsh, np.ones(n, np.bool_), t, phi)
 
 
 @kernel
@@ -291,11 +296,11 @@ def residual_rows(res, g, lo, hi):
 
 
 @kernel
-def hash_chunk(x, g, lo, hi, W, beta, keep, t_res, phi_res):
+def hash_chunk(x, g, lo, hi, hsh, keep, t_res, phi_res):
     """:func:`hash_range` of rows lo..hi of group ``g`` of ``x (G, N, d)`` into
     their rows of the residuals ``t_res``, ``phi_res`` (phi: or scratch, see
     :func:`residual_rows`; t: not written where ``t_res`` has no rows).
     Returns ``(phi, t, nan)``, ``nan`` the NaNs in t: the hash leaves one per
     projection of a row with a NaN/Inf (attention._check_derived)."""
     phi, t = residual_rows(phi_res, g, lo, hi), t_res[g, lo:hi]  # t: no rows where none is kept
-    return phi, t, hash_range(x[g, lo:hi], 0, hi - lo, W, beta, keep, t, phi)
+    return phi, t, hash_range(x[g, lo:hi], 0, hi - lo, hsh, keep, t, phi)

@@ -1,4 +1,15 @@
-"""TODO noncausal"""
+"""Non-causal RACE attention: the keys' sketch, its readout by the queries, and both backwards.
+
+Forward (Algorithm 1 of the paper; ``docs/design.md`` section 1): every key is
+hashed and its sketch summed per chunk (:func:`sketch_chunks`, float64 chunk
+totals ``A (F,)``, ``B (F, dv)``), the chunk totals are summed, and every query
+reads the sum (:func:`queries_fwd`: ``out_i = phiq_i B / phiq_i . A``).
+Backward (``docs/design.md`` section 3): the queries' cotangents and the chunk
+totals of ``(dA, dB)`` (:func:`queries_bwd`), then the keys' cotangents from
+their sum (:func:`keys_bwd`).  The causal scan (:mod:`.causal`) reuses the
+keys' chunk totals and the per-token readout's backward (:func:`dphi_from_y`,
+:func:`queries_chunk_end`).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +20,7 @@ from ._jit import kernel
 from .hash import hash_bwd_rows, hash_chunk, hash_sketch_range, residual_rows
 from .products import add_rows, combine_rows, dot_rows, span_totals
 from .runtime import blas_tasks, run_tasks
+from .bundles import Backward, QueryScratch, Spread
 from .scan import spread_order, task_bounds
 
 
@@ -68,145 +80,220 @@ def dphi_from_y(phiq, A, den, L, dphi, wq):
 
 
 @kernel
-def _sketch_chunks_task(task, order, k, v, mask, W, beta, chunk, span, t0, t1, phik, tk, partA, partB, nan):
-    """One (group, chunk) task of :func:`sketch_chunks` (run by :func:`run_tasks`;
-    loops inlined into a prange body were not vectorised)."""
+def _sketch_chunks_task(task, spread, k, v, mask, hsh, chunk, span, rows, part, nan):
+    """One (group, chunk) task of :func:`sketch_chunks` (run by :func:`run_tasks`)."""
     G, n, _ = k.shape
+    partA, partB = part
     nc = partA.shape[1]
-    F = phik.shape[2]
-    g, c, lo, hi = task_bounds(order[task], nc, chunk, n)
+    F = rows.phik.shape[2]
+    g, c, lo, hi = task_bounds(spread.order[task], nc, chunk, n)
     if span == SKETCH_FUSED:
         # phik, tk with no rows (a forward with no backward): hash_block writes none
-        nan[task] = hash_sketch_range(k[g, lo:hi], v[g, lo:hi], 0, hi - lo, W, beta, mask[g, lo:hi],
-                                      tk[g, lo:hi], phik[g, lo:hi], partA[g, c], partB[g, c])
+        nan[task] = hash_sketch_range(k[g, lo:hi], v[g, lo:hi], 0, hi - lo, hsh, mask[g, lo:hi],
+                                      rows.tk[g, lo:hi], rows.phik[g, lo:hi], partA[g, c], partB[g, c])
         return
-    phi, _, nan[task] = hash_chunk(k, g, lo, hi, W, beta, mask[g, lo:hi], tk, phik)
+    phi, _, nan[task] = hash_chunk(k, g, lo, hi, hsh, mask[g, lo:hi], rows.tk, rows.phik)
     add_rows(partA[g, c], phi)
-    if t0 <= c < t1:
+    if spread.t0 <= c < spread.t1:
         span_totals(phi, v[g, lo:hi], span, False, partB[g, c], np.empty((F, v.shape[2]), v.dtype))
 
 
 @blas_tasks
-def sketch_chunks(k, v, mask, W, beta, chunk, phik, tk, partA, partB, span=None, totals=None):
+def sketch_chunks(k, v, mask, hsh, chunk, rows, part, span=None, totals=None):
     """Hash every key and sum its sketch per chunk.
 
-    Writes ``phik (G, Nk, F)`` and ``tk (G, Nk, L*P)`` (masked keys: phi = 0;
-    either may have no rows, when nothing reads it later: see
-    :func:`residual_rows`), adds the chunk totals of A to ``partA (G, nc, F)`` (float64, zeros on
-    entry) and writes those of B to ``partB (G, nc, F, dv)`` (float64).
-    Non-causal attention sums them; the causal scan carries them.  ``span``: rows per product of the B totals (default
-    SCAN_BLOCK, the causal scans' steps, see :func:`span_totals`), or
-    SKETCH_FUSED: each block's product as soon as it is hashed
-    (:func:`hash_sketch_range`; faster, where no scan has to match).  ``totals``: the chunks ``(c0, c1)``
-    of every group whose B totals are summed (default all; the causal forward
-    needs those before its last segment, see :func:`scan_segments`).
-    Returns the number of NaNs in the keys' t (see :func:`hash_block`).
+    Parameters
+    ----------
+    k : (G, Nk, d), v : (G, Nk, dv)
+        Keys and values, C-contiguous, compute dtype.
+    mask : bool (G, Nk)
+        False keys get phi = 0 (t is still written).
+    hsh : Hash
+    chunk : int
+        Tokens per chunk; ``part`` has ``nc = ceil(Nk / chunk)`` chunks.
+    rows : Rows
+        Only ``phik`` and ``tk`` are written (either may have no rows: a
+        forward with no backward keeps none).
+    part : Sums
+        Out: ``A (G, nc, F)`` float64, zeros on entry (the chunk totals are
+        added); ``B (G, nc, F, dv)`` float64 (written for the chunks of
+        ``totals``, not read).
+    span : int, optional
+        Rows per product of the B totals: default SCAN_BLOCK, the causal
+        scans' steps (:func:`racecpu._kernels.products.span_totals`: the
+        same bits as a scan tracks them); SKETCH_FUSED: each hash block's
+        product as soon as it is hashed (:func:`racecpu._kernels.hash.hash_sketch_range`),
+        where no scan has to match.
+    totals : (int, int), optional
+        The chunks ``[c0, c1)`` of every group whose B totals are summed
+        (default all; the causal forward needs those before its last segment).
+
+    Returns
+    -------
+    int
+        The number of NaNs in the keys' t: a NaN/Inf in k, or a projection
+        that overflowed (see :func:`racecpu._kernels.hash.hash_block`).
     """
+    partA = part.A
     G, nc = partA.shape[:2]
     t0, t1 = (0, nc) if totals is None else totals
     nan = np.zeros(G * nc, np.int64)
-    run_tasks(_sketch_chunks_task, G * nc, spread_order(G, nc, t0, t1), k, v, mask, W, beta, chunk,
-              SCAN_BLOCK if span is None else span, t0, t1, phik, tk, partA, partB, nan)
+    run_tasks(_sketch_chunks_task, G * nc, Spread(spread_order(G, nc, t0, t1), t0, t1), k, v, mask, hsh, chunk,
+              SCAN_BLOCK if span is None else span, rows, part, nan)
     return int(nan.sum())
 
 
 @kernel
-def _keys_bwd_task(task, v, phik, tk, dA, dB, W, beta, chunk, dk, dv_out, dbeta_part):
-    """One (group, chunk) task of :func:`keys_bwd` (run by :func:`run_tasks`;
-    loops inlined into a prange body were not vectorised)."""
+def _keys_bwd_task(task, v, rows, dsum, hsh, chunk, grads):
+    """One (group, chunk) task of :func:`keys_bwd` (run by :func:`run_tasks`)."""
     G, n, _ = v.shape
+    phik, tk = rows.phik, rows.tk
+    dA, dB = dsum
     F = phik.shape[2]
-    nc = dbeta_part.shape[1]
+    nc = grads.dbk.shape[1]
     g, c, lo, hi = task_bounds(task, nc, chunk, n)
     DPHI = np.empty((hi - lo, F), np.float64)
-    combine_rows(phik[g, lo:hi], dB[g], dv_out[g, lo:hi], True)  # dv_j = dB^T phik_j (masked keys: 0)
+    combine_rows(phik[g, lo:hi], dB[g], grads.dv[g, lo:hi], True)  # dv_j = dB^T phik_j (masked keys: 0)
     dot_rows(dB[g], v[g, lo:hi], DPHI)  # dphik_j = dB v_j + dA
     for j in range(hi - lo):
         for f in range(F):
             DPHI[j, f] += dA[g, f]
-    dbeta_part[g, c] = hash_bwd_rows(DPHI, phik[g, lo:hi], tk[g, lo:hi], W, beta, dk[g, lo:hi])
+    grads.dbk[g, c] = hash_bwd_rows(DPHI, phik[g, lo:hi], tk[g, lo:hi], hsh, grads.dk[g, lo:hi])
 
 
 @blas_tasks
-def keys_bwd(v, phik, tk, dA, dB, W, beta, chunk, dk, dv_out, dbeta_part):
-    """Non-causal cotangents of every key from the summed (dA, dB)."""
-    G, nc = dbeta_part.shape[:2]
-    run_tasks(_keys_bwd_task, G * nc, v, phik, tk, dA, dB, W, beta, chunk, dk, dv_out, dbeta_part)
+def keys_bwd(v, rows, dsum, hsh, chunk, grads):
+    """Non-causal cotangents of every key from the summed cotangent of the sketch.
+
+    Parameters
+    ----------
+    v : (G, Nk, dv)
+        The forward's values (compute dtype).
+    rows : Rows
+        The forward's ``phik``, ``tk`` (all rows).
+    dsum : Sums
+        ``dA (G, F)`` float64 and ``dB (G, F, dv)`` in the compute dtype:
+        the cotangent of the summed sketch.
+    hsh : Hash
+    chunk : int
+    grads : Grads
+        Out: ``dk``, ``dv`` (every row written) and ``dbk (G, nc)`` (each
+        chunk's share of dbeta).
+    """
+    G = v.shape[0]
+    run_tasks(_keys_bwd_task, G * grads.dbk.shape[1], v, rows, dsum, hsh, chunk, grads)
 
 
 @kernel
-def _queries_fwd_task(task, keep, q, W, beta, chunk, A, B, phiq, tq, den, out, nan):
-    """One (group, chunk) task of :func:`queries_fwd` (run by :func:`run_tasks`;
-    loops inlined into a prange body were not vectorised)."""
+def _queries_fwd_task(task, keep, q, hsh, chunk, sketch, rows, out, nan):
+    """One (group, chunk) task of :func:`queries_fwd` (run by :func:`run_tasks`)."""
     G, n, _ = q.shape
-    L = W.shape[0]
+    L = hsh.W.shape[0]
     nc = (n + chunk - 1) // chunk
     g, c, lo, hi = task_bounds(task, nc, chunk, n)
-    phi, _, nan[task] = hash_chunk(q, g, lo, hi, W, beta, keep[lo:hi], tq, phiq)
-    readout_rows(phi, A[g], B[g], L, residual_rows(den, g, lo, hi), out[g, lo:hi])
+    phi, _, nan[task] = hash_chunk(q, g, lo, hi, hsh, keep[lo:hi], rows.tq, rows.phiq)
+    readout_rows(phi, sketch.A[g], sketch.B[g], L, residual_rows(rows.den, g, lo, hi), out[g, lo:hi])
 
 
 @blas_tasks
-def queries_fwd(q, W, beta, chunk, A, B, phiq, tq, den, out):
-    """Hash every query and read the summed sketch ``A (G, F)``, ``B (G, F, dv)``.
+def queries_fwd(q, hsh, chunk, sketch, rows, out):
+    """Hash every query and read the summed sketch.
 
-    ``phiq``, ``tq``, ``den`` may have no rows (:func:`residual_rows`).
-    Returns the number of NaNs in the queries' t (see :func:`hash_block`).
+    Parameters
+    ----------
+    q : (G, Nq, d)
+        Queries (compute dtype).
+    hsh : Hash
+    chunk : int
+    sketch : Sums
+        ``A (G, F)`` float64 and ``B (G, F, dv)`` in the compute dtype.
+    rows : Rows
+        Out: ``phiq``, ``tq``, ``den`` (each may have no rows: not kept).
+    out : (G, Nq, dv)
+        Out, compute dtype; every row written (streamed).
+
+    Returns
+    -------
+    int
+        The number of NaNs in the queries' t (see :func:`racecpu._kernels.hash.hash_block`).
     """
     G, n, _ = q.shape
     keep = np.ones(n, np.bool_)  # queries are never masked
     nan = np.zeros(G * ((n + chunk - 1) // chunk), np.int64)
-    run_tasks(_queries_fwd_task, nan.size, keep, q, W, beta, chunk, A, B, phiq, tq, den, out, nan)
+    run_tasks(_queries_fwd_task, nan.size, keep, q, hsh, chunk, sketch, rows, out, nan)
     return int(nan.sum())
 
 
 @kernel
 def query_bwd_buffers(grad, F, n):
-    """Per-task buffers of a query chunk's backward: ``wq`` (F,), the weights
-    ``wblock (n, F)`` of g in dB, ``dA`` (F,) and the dphi rows ``DPHI (n, F)``."""
-    return (np.empty(F, np.float64), np.empty((n, F), grad.dtype),
-            np.zeros(F, np.float64), np.empty((n, F), np.float64))
+    """:class:`QueryScratch` of a query chunk's backward of ``n`` rows."""
+    return QueryScratch(np.empty(F, np.float64), np.empty((n, F), grad.dtype),
+                        np.zeros(F, np.float64), np.empty((n, F), np.float64))
 
 
 @kernel
-def queries_chunk_end(g, c, lo, hi, grad, phiq, tq, wblock, DPHI, dA, W, beta, dq, partdA, partdB, span):
+def queries_chunk_end(bwd, partd, g, c, scratch, span):
     """End of a query chunk's backward (causal or not); returns the chunk's hash share of dbeta.
 
-    The chunk totals to ``partdA``, and to ``partdB`` (float64) the
-    chunk's dB = sum_i wq_i g_i^T by :func:`span_totals` over
-    ``span`` rows (last span first, as the reverse scan meets them; span 0:
-    none), then the hash backward of every query (``DPHI`` holds dphi rows)
-    with dq (:func:`hash_bwd_rows`).
+    The chunk's total of dA to ``partd.A[g, c]``, and to ``partd.B[g, c]``
+    (float64) its dB = sum_i wq_i g_i^T by :func:`span_totals` over ``span``
+    rows (last span first, as the reverse scan meets them; span 0: none),
+    then the hash backward of every query (``scratch.DPHI`` holds the dphi
+    rows) with dq (:func:`hash_bwd_rows`).
     """
-    partdA[g, c] = dA
+    grad = bwd.grad
+    n = grad.shape[1]
+    lo = c * bwd.chunk
+    hi = min(lo + bwd.chunk, n)
+    partd.A[g, c] = scratch.dA
     if span > 0:
-        span_totals(wblock, grad[g, lo:hi], span, True, partdB[g, c],
-                    np.empty((wblock.shape[1], grad.shape[2]), grad.dtype))
-    return hash_bwd_rows(DPHI, phiq[g, lo:hi], tq[g, lo:hi], W, beta, dq[g, lo:hi])
+        span_totals(scratch.wblock, grad[g, lo:hi], span, True, partd.B[g, c],
+                    np.empty((scratch.wblock.shape[1], grad.shape[2]), grad.dtype))
+    return hash_bwd_rows(scratch.DPHI, bwd.rows.phiq[g, lo:hi], bwd.rows.tq[g, lo:hi], bwd.hsh,
+                         bwd.grads.dq[g, lo:hi])
 
 
 @kernel
-def _queries_bwd_task(task, grad, phiq, tq, den, A, B, W, beta, chunk, dq, partdA, partdB, dbeta_part):
-    """One (group, chunk) task of :func:`queries_bwd` (run by :func:`run_tasks`;
-    loops inlined into a prange body were not vectorised)."""
+def _queries_bwd_task(task, bwd, sketch, partd):
+    """One (group, chunk) task of :func:`queries_bwd` (run by :func:`run_tasks`)."""
+    grad, phiq, den = bwd.grad, bwd.rows.phiq, bwd.rows.den
+    A, B = sketch
     G, n, dv = grad.shape
-    L = W.shape[0]
+    L = bwd.hsh.W.shape[0]
     F = phiq.shape[2]
-    nc = partdA.shape[1]
-    g, c, lo, hi = task_bounds(task, nc, chunk, n)
-    wq, wblock, dA, DPHI = query_bwd_buffers(grad, F, hi - lo)
+    nc = partd.A.shape[1]
+    g, c, lo, hi = task_bounds(task, nc, bwd.chunk, n)
+    scratch = query_bwd_buffers(grad, F, hi - lo)
+    wq, wblock, dA, DPHI = scratch
     dot_rows(B[g], grad[g, lo:hi], DPHI)  # y_i = B g_i, turned into dphi_i in place
     for i in range(lo, hi):
         dden = dphi_from_y(phiq[g, i], A[g], den[g, i], L, DPHI[i - lo], wq)
         for f in range(F):
             dA[f] += phiq[g, i, f] * dden / L
             wblock[i - lo, f] = wq[f]
-    dbeta_part[g, c] = queries_chunk_end(g, c, lo, hi, grad, phiq, tq, wblock, DPHI, dA, W, beta,
-                                         dq, partdA, partdB, BLAS_SPAN)
+    bwd.grads.dbq[g, c] = queries_chunk_end(bwd, partd, g, c, scratch, BLAS_SPAN)
 
 
 @blas_tasks
-def queries_bwd(grad, phiq, tq, den, A, B, W, beta, chunk, dq, partdA, partdB, dbeta_part):
-    """Non-causal cotangents of every query, and chunk sums of (dA, dB)."""
-    G, nc = partdA.shape[:2]
-    run_tasks(_queries_bwd_task, G * nc, grad, phiq, tq, den, A, B, W, beta, chunk, dq, partdA, partdB, dbeta_part)
+def queries_bwd(grad, v, rows, sketch, hsh, chunk, grads, partd):
+    """Non-causal cotangents of every query, and the chunk totals of the sketch's cotangent.
+
+    Parameters
+    ----------
+    grad : (G, Nq, dv)
+        The output's cotangent (compute dtype).
+    v : (G, Nk, dv)
+        The forward's values (not read here; part of :class:`Backward`).
+    rows : Rows
+        The forward's rows (``phiq``, ``tq``, ``den`` read).
+    sketch : Sums
+        The forward's ``A (G, F)`` float64 and ``B (G, F, dv)`` in the compute dtype.
+    hsh : Hash
+    chunk : int
+    grads : Grads
+        Out: ``dq`` (every row) and ``dbq (G, nc)``.
+    partd : Sums
+        Out: the chunk totals ``dA (G, nc, F)``, ``dB (G, nc, F, dv)`` (float64).
+    """
+    G = grad.shape[0]
+    run_tasks(_queries_bwd_task, G * partd.A.shape[1], Backward(grad, v, rows, hsh, chunk, grads), sketch, partd)

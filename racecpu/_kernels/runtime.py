@@ -119,32 +119,50 @@ def _run_tasks(addr, ntasks, args):
 _task_runners = {}  # (task, fingerprint of the argument types) -> (task address, compiled _run_tasks)
 
 
+def _leaves(args):
+    """The arrays and scalars of ``args``, nested tuples (the bundles) flattened, in order."""
+    for a in args:
+        if isinstance(a, tuple):
+            yield from _leaves(a)
+        else:
+            yield a
+
+
 def run_tasks(task, ntasks, *args):
     """Run the jitted ``task(t, *args)`` for every ``t`` in ``range(ntasks)`` on all threads.
 
-    The parallel loop calls ``task`` through its address.  As a plain
-    callee, Numba links the task's whole call tree into the loop's module and
-    optimises it and generates its machine code twice more (the gufunc and
-    its wrapper): that was half of the cold compile (67 s -> 29 s).  Each
-    task is compiled once, on its own.  Unlike a Numba first-class function
-    (same call, but resolved from Python on every call: ~50 us), the address
+    Parameters
+    ----------
+    task : Numba dispatcher
+        Compiled for ``(int64, *types of args)``; returns nothing.
+    ntasks : int
+    *args
+        Arrays, scalars and (named) tuples of them (:mod:`racecpu._kernels.bundles`).
+
+    The parallel loop calls ``task`` through its address, so each task is
+    compiled once, on its own, instead of being linked, optimised and
+    generated again inside every parallel loop that calls it; the address
     and the compiled loop are looked up once per argument types, by the
-    fingerprint Numba's own dispatcher keys its type cache with (0.3 us for
-    all arguments; ``numba.typeof`` takes ~9 us per array).  It does not see
-    alignment: code compiled for aligned arrays is run on unaligned ones,
-    which x86-64 and AArch64 load and store alike.
+    fingerprint Numba's own dispatcher keys its type cache with
+    (docs/performance.md, "run_tasks by address").  The loop gets the
+    arguments' leaves as one flat tuple (Numba's parallel loops take no
+    nested tuples) and calls the task with them: Numba's calling convention
+    passes a tuple argument as its flattened members, so the two are the
+    same call.  Alignment is not part of the key: code compiled for aligned
+    arrays runs on unaligned ones, which x86-64 and AArch64 load and store alike.
     """
     key = (task, compute_fingerprint(args))
     runner = _task_runners.get(key)
+    flat = tuple(_leaves(args))
     if runner is None:
         argtypes = tuple(numba.typeof(a) for a in args)
         cres = task.get_compile_result(types.none(types.int64, *argtypes))
         addr = cres.library.get_pointer_to_function(cres.fndesc.llvm_func_name)
-        sig = (types.intp, types.int64, types.Tuple(argtypes))
+        sig = (types.intp, types.int64, types.Tuple(tuple(numba.typeof(a) for a in flat)))
         _run_tasks.compile(sig)
         runner = _task_runners[key] = addr, _run_tasks.overloads[sig].entry_point
     addr, entry = runner
-    entry(addr, ntasks, args)
+    entry(addr, ntasks, flat)
 
 
 @kernel
