@@ -1,0 +1,119 @@
+"""The per-bucket-mean estimator of the authors' released code (reference.race_attention_bucket_mean)."""
+
+import numpy as np
+import pytest
+
+import racecpu
+from racecpu import reference as ref
+
+from .util import fd_check
+
+
+def _data(rng, lead=(2,), nq=5, nk=6, d=4, dv=3):
+    return (rng.standard_normal(lead + (nq, d)), rng.standard_normal(lead + (nk, d)),
+            rng.standard_normal(lead + (nk, dv)))
+
+
+def _hard_buckets(x, planes):
+    """SimHash: one-hot (N, L, R) of the corner sign(W_l x) in corners() order."""
+    C = racecpu.corners(planes.shape[1])
+    idx = np.argmax(np.sign(np.einsum("nd,lpd->nlp", x, planes)) @ C.T, axis=-1)
+    return np.eye(len(C))[idx]
+
+
+def test_matches_the_per_bucket_formula(rng):
+    q, k, v = _data(rng, lead=(), nq=5, nk=5)
+    W = racecpu.hyperplanes(4, 3, 2, seed=1, dtype=np.float64)
+    pq, _ = ref.soft_buckets_dense(q, W, 1.5)
+    pk, _ = ref.soft_buckets_dense(k, W, 1.5)
+    A, B = pk.sum(0), np.einsum("jlr,jc->lrc", pk, v)
+    expect = np.einsum("ilr,lrc->ic", pq, B / (A[..., None] + 1e-6))
+    np.testing.assert_allclose(ref.race_attention_bucket_mean(q, k, v, W, 1.5), expect, rtol=1e-12)
+    expect = np.stack([np.einsum("lr,lrc->c", pq[i], np.einsum("jlr,jc->lrc", pk[:i + 1], v[:i + 1])
+                                 / (pk[:i + 1].sum(0)[..., None] + 1e-6)) for i in range(5)])
+    np.testing.assert_allclose(ref.race_attention_bucket_mean(q, k, v, W, 1.5, causal=True), expect, rtol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_matches_finite_differences(rng, causal):
+    q, k, v = _data(rng, nk=5)
+    W = racecpu.hyperplanes(4, 3, 2, seed=1, dtype=np.float64)
+    mask = np.array([[True, False, True, True, True], [True, True, True, True, False]])
+
+    def f(q, k, v, beta):
+        return ref.race_attention_bucket_mean(q, k, v, W, beta, causal=causal, key_mask=mask)
+
+    out, res = ref.race_attention_bucket_mean_fwd(q, k, v, W, 1.5, causal=causal, key_mask=mask)
+    g = rng.standard_normal(out.shape)
+    fd_check(f, (q, k, v, 1.5), g, ref.race_attention_bucket_mean_bwd(res, g))
+
+
+def test_float32_follows_float64(rng):
+    q, k, v = _data(rng, nk=5)
+    W = racecpu.hyperplanes(4, 3, 2, seed=1, dtype=np.float64)
+    o64 = ref.race_attention_bucket_mean(q, k, v, W, 1.5, causal=True)
+    o32 = ref.race_attention_bucket_mean(*(a.astype(np.float32) for a in (q, k, v)), W, 1.5, causal=True)
+    assert o32.dtype == np.float32
+    np.testing.assert_allclose(o32, o64, rtol=1e-4, atol=1e-5)
+
+
+def test_causal_output_ignores_later_keys(rng):
+    q, k, v = _data(rng, nk=5)
+    W = racecpu.hyperplanes(4, 3, 3, seed=2, dtype=np.float64)
+    out = ref.race_attention_bucket_mean(q, k, v, W, 2.0, causal=True)
+    for i in range(4):
+        k2, v2 = k.copy(), v.copy()
+        k2[:, i + 1:] = rng.standard_normal(k2[:, i + 1:].shape)
+        v2[:, i + 1:] = rng.standard_normal(v2[:, i + 1:].shape)
+        out2 = ref.race_attention_bucket_mean(q, k2, v2, W, 2.0, causal=True)
+        np.testing.assert_array_equal(out2[:, :i + 1], out[:, :i + 1])
+        assert not np.allclose(out2[:, i + 1:], out[:, i + 1:])
+
+
+def test_key_permutation_and_masked_keys(rng):
+    q, k, v = _data(rng, nk=7)
+    W = racecpu.hyperplanes(4, 2, 3, seed=3, dtype=np.float64)
+    mask = rng.random((2, 7)) > 0.3
+    out = ref.race_attention_bucket_mean(q, k, v, W, 1.0, key_mask=mask)
+    perm = rng.permutation(7)
+    np.testing.assert_allclose(ref.race_attention_bucket_mean(q, k[:, perm], v[:, perm], W, 1.0,
+                                                              key_mask=mask[:, perm]), out, rtol=1e-12)
+    for b in range(2):  # a masked key is the same as no key
+        kept = ref.race_attention_bucket_mean(q[b], k[b, mask[b]], v[b, mask[b]], W, 1.0)
+        np.testing.assert_allclose(kept, out[b], rtol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_output_scales_with_the_number_of_tables(rng, causal):
+    q, k, v = _data(rng, nk=5)
+    W = racecpu.hyperplanes(4, 3, 2, seed=4, dtype=np.float64)
+    one = ref.race_attention_bucket_mean(q, k, v, W, 1.5, causal=causal)
+    two = ref.race_attention_bucket_mean(q, k, v, np.concatenate([W, W]), 1.5, causal=causal)
+    np.testing.assert_allclose(two, 2 * one, rtol=1e-12)
+    # the paper's ratio does not change when the tables are duplicated
+    r1 = ref.race_attention_dense(q, k, v, W, 1.5, causal=causal)
+    np.testing.assert_allclose(ref.race_attention_dense(q, k, v, np.concatenate([W, W]), 1.5, causal=causal), r1,
+                               rtol=1e-12)
+
+
+def test_small_beta_gives_L_times_the_mean_value(rng):
+    q, k, v = _data(rng, lead=(), nq=4, nk=9)
+    L = 5
+    W = racecpu.hyperplanes(4, 3, L, seed=5, dtype=np.float64)
+    out = ref.race_attention_bucket_mean(q, k, v, W, 1e-7, eps=1e-12)
+    np.testing.assert_allclose(out, np.broadcast_to(L * v.mean(0), out.shape), rtol=1e-5)
+    causal = ref.race_attention_bucket_mean(q[:4], k[:4], v[:4], W, 1e-7, causal=True, eps=1e-12)
+    prefix_means = np.cumsum(v[:4], 0) / np.arange(1, 5)[:, None]
+    np.testing.assert_allclose(causal, L * prefix_means, rtol=1e-5)
+
+
+def test_large_beta_gives_the_sum_over_tables_of_the_hard_bucket_mean(rng):
+    q, k, v = _data(rng, lead=(), nq=6, nk=40, d=5)
+    W = racecpu.hyperplanes(5, 2, 4, seed=6, dtype=np.float64)
+    hq, hk = _hard_buckets(q, W), _hard_buckets(k, W)
+    counts = hk.sum(0)                                    # (L, R) keys per bucket
+    sums = np.einsum("jlr,jc->lrc", hk, v)
+    means = np.where(counts[..., None] > 0, sums / np.maximum(counts, 1)[..., None], 0)
+    expect = np.einsum("ilr,lrc->ic", hq, means)          # empty bucket: that table adds 0
+    out = ref.race_attention_bucket_mean(q, k, v, W, 1e6, eps=1e-12)
+    np.testing.assert_allclose(out, expect, atol=1e-6)
