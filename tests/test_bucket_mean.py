@@ -117,3 +117,86 @@ def test_large_beta_gives_the_sum_over_tables_of_the_hard_bucket_mean(rng):
     expect = np.einsum("ilr,lrc->ic", hq, means)          # empty bucket: that table adds 0
     out = ref.race_attention_bucket_mean(q, k, v, W, 1e6, eps=1e-12)
     np.testing.assert_allclose(out, expect, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# autograd op, attention module, training
+# ---------------------------------------------------------------------------
+
+def _t(*shape, seed=0):
+    from racecpu.autograd import Tensor
+    return Tensor(np.random.default_rng(seed).standard_normal(shape))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_autograd_op_gradients(causal):
+    from racecpu.autograd import Tensor, check_grad
+    from racecpu.autograd import functional as F
+    q, k, v = _t(2, 5, 4, seed=1), _t(2, 5, 4, seed=2), _t(2, 5, 3, seed=3)
+    planes = racecpu.hyperplanes(4, 3, 2, seed=3, dtype=np.float64)
+    beta = Tensor(np.array(1.5))
+    check_grad(lambda q, k, v, b: F.race_attention_bucket_mean(q, k, v, planes, b, causal=causal), q, k, v, beta)
+    mask = np.array([[True, False, True, True, True], [True, True, True, True, False]])
+    check_grad(lambda q, k, v: F.race_attention_bucket_mean(q, k, v, planes, 2.0, causal=causal, key_mask=mask),
+               q, k, v)
+    out = F.race_attention_bucket_mean(q, k, v, planes, 2.0, causal=causal, key_mask=mask).data
+    np.testing.assert_array_equal(out, ref.race_attention_bucket_mean(q.data, k.data, v.data, planes, 2.0,
+                                                                      causal=causal, key_mask=mask))
+
+
+def test_autograd_op_per_head_beta():
+    from racecpu.autograd import Tensor, check_grad
+    from racecpu.autograd import functional as F
+    q, k, v = _t(2, 3, 5, 4, seed=1), _t(2, 3, 5, 4, seed=2), _t(2, 3, 5, 3, seed=3)
+    planes = racecpu.hyperplanes(4, 2, 2, seed=4, dtype=np.float64)
+    beta = Tensor(np.array([0.7, 1.5, 3.0]))
+    out = F.race_attention_bucket_mean(q, k, v, planes, beta, causal=True).data
+    for h, b in enumerate(beta.data):
+        np.testing.assert_array_equal(out[:, h], ref.race_attention_bucket_mean(q.data[:, h], k.data[:, h],
+                                                                                v.data[:, h], planes, b, causal=True))
+    check_grad(lambda q, k, v, b: F.race_attention_bucket_mean(q, k, v, planes, b, causal=True), q, k, v, beta)
+    with pytest.raises(ValueError, match="scalar"):
+        F.race_attention_bucket_mean(q, k, v, planes, Tensor(np.ones(2)))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_module_with_the_bucket_mean(causal):
+    from racecpu.autograd import check_grad, nn
+    mha = nn.MultiHeadAttention(4, 2, attention="race", estimator="bucket_mean", causal=causal, num_planes=2,
+                                num_tables=2, beta=1.5, seed=3, dtype=np.float64)
+    assert "log_beta" in dict(mha.named_parameters())
+    check_grad(lambda x, *ps: mha(x), _t(2, 5, 4), *mha.parameters())
+    other = nn.MultiHeadAttention(4, 2, attention="race", causal=causal, num_planes=2, num_tables=2, beta=1.5,
+                                  seed=3, dtype=np.float64)
+    assert not np.allclose(mha(_t(2, 5, 4)).data, other(_t(2, 5, 4)).data)  # the estimator is really switched
+    with pytest.raises(ValueError, match="estimator"):
+        nn.MultiHeadAttention(4, 2, estimator="mean")
+
+
+def test_lm_with_the_bucket_mean_is_causal():
+    from racecpu.autograd import nn
+    lm = nn.TransformerLM(11, 8, 2, 1, estimator="bucket_mean", max_len=12, seed=1, dtype=np.float64)
+    toks = np.random.default_rng(0).integers(0, 11, (2, 12))
+    out = lm(toks).data
+    toks2 = toks.copy()
+    toks2[:, 7:] = (toks2[:, 7:] + 1) % 11
+    np.testing.assert_allclose(lm(toks2).data[:, :7], out[:, :7], rtol=1e-12)
+
+
+@pytest.mark.parametrize("estimator", ["ratio", "bucket_mean"])
+def test_tiny_model_trains_with_either_estimator(estimator):
+    import argparse
+
+    from racecpu.autograd import train as T
+    p = argparse.ArgumentParser()
+    T.add_arguments(p)
+    args = p.parse_args(["--task", "mqar", "--attention", "race", "--estimator", estimator, "--steps", "40",
+                         "--batch-size", "8", "--seq-len", "16", "--d-model", "16", "--n-layers", "1",
+                         "--num-pairs", "2", "--eval-every", "20", "--eval-size", "8", "--lr", "1e-2"])
+    cfg = T.config_from_args(args)
+    assert cfg["estimator"] == estimator
+    assert T.build_model(cfg).blocks[0].attn.estimator == estimator
+    res = T.train(cfg, progress=False)
+    loss = np.asarray(res["history"]["loss"])
+    assert np.isfinite(loss).all() and loss[-10:].mean() < 0.8 * loss[:5].mean()
+    assert np.isfinite(res["val_accuracy"]) and res["beta"][0] > 0
