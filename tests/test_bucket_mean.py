@@ -200,3 +200,30 @@ def test_tiny_model_trains_with_either_estimator(estimator):
     loss = np.asarray(res["history"]["loss"])
     assert np.isfinite(loss).all() and loss[-10:].mean() < 0.8 * loss[:5].mean()
     assert np.isfinite(res["val_accuracy"]) and res["beta"][0] > 0
+
+
+# ---------------------------------------------------------------------------
+# validation experiment (racecpu/validation/estimators.py)
+# ---------------------------------------------------------------------------
+
+def test_estimator_terms_match_the_references(rng):
+    from racecpu.validation import estimators as E
+    q, k, v = _data(rng, lead=(), nq=7, nk=9, d=5)
+    W = racecpu.hyperplanes(5, 3, 4, seed=7, dtype=np.float64)
+    num, den, bm = E.table_terms(q, k, v, W, 1.3)
+    np.testing.assert_allclose(num[:2].sum(0) / den[:2].sum(0)[:, None],
+                               ref.race_attention_dense(q, k, v, W[:2], 1.3), rtol=1e-12)
+    np.testing.assert_allclose(bm.sum(0), ref.race_attention_bucket_mean(q, k, v, W, 1.3), rtol=1e-12)
+    hard, hnum, hcnt = E.hard_table_terms(q, k, v, W, chunk=3)
+    np.testing.assert_allclose(hard.sum(0), ref.race_attention_bucket_mean(q, k, v, W, 1e6, eps=1e-12), atol=1e-6)
+    hq, hk = _hard_buckets(q, W), _hard_buckets(k, W)
+    np.testing.assert_array_equal(hcnt, np.einsum("ilr,jlr->li", hq, hk))
+
+
+def test_estimator_experiment_quick(tmp_path):
+    from racecpu.validation import estimators as E
+    res = E.run("quick", out_dir=str(tmp_path), show_progress=False)
+    verdicts = {c.key: c.holds for c in res.claims}
+    assert verdicts["E1"] and verdicts["E2"] and verdicts["E3"] and verdicts["E5"]
+    assert verdicts["E4"] in (True, None)
+    assert (tmp_path / "estimators.png").exists() and len(res.tables["estimators.csv"]) == 2 * 4 * 4
