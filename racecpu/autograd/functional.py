@@ -19,7 +19,8 @@ from .tensor import Tensor, _op, as_tensor, no_grad
 
 __all__ = [
     "softmax", "log_softmax", "layer_norm", "embedding", "cross_entropy", "dropout", "causal_conv1d",
-    "race_attention", "race_attention_bucket_mean", "softmax_attention", "angular_attention", "linear_attention", "check_grad",
+    "race_attention", "race_attention_bucket_mean", "softmax_attention", "angular_attention", "linear_attention",
+    "check_grad",
 ]
 
 

@@ -75,7 +75,8 @@ def add_arguments(p):
     r.add_argument("--beta", type=float, default=DEFAULT_BETA, help="initial temperature")
     r.add_argument("--fixed-beta", action="store_true", help="do not train beta")
     r.add_argument("--estimator", choices=ESTIMATORS, default="ratio",
-                   help="ratio: the paper's (linear in N); bucket_mean: the authors' released code's (O(N^2) reference)")
+                   help="ratio: the paper's (linear in N); "
+                        "bucket_mean: the authors' released code's (O(N^2) reference)")
     r.add_argument("--beta-per-head", action="store_true", help="one trained temperature per head")
     o = p.add_argument_group("output")
     o.add_argument("--out", default=DEFAULT_OUT, help="folder for --compare / --timing outputs")
