@@ -302,9 +302,10 @@ def race_attention_bucket_mean(q, k, v, planes, beta, *, causal=False, key_mask=
     The soft hash is racecpu's (:func:`soft_buckets_dense`): a softmax over
     the 2**P corners (``itertools.product([-1, 1], repeat=P)`` order) of
     ``beta * tanh(W_l x)``; q and k are used as given (not normalised).
-    Reading the released code: planes drawn Gaussian as one (L*P, d) matrix
-    (ours are (L, P, d): reshape), ``eps = 1e-6``, ``beta = 1/sqrt(d)``
-    fixed in the causal code, a learnable scalar starting at 1 elsewhere.
+    As issue 43 reads the released code: Gaussian planes drawn as one
+    (L*P, d) matrix (ours are (L, P, d); reshaping theirs assumes their rows
+    are grouped table by table), ``eps = 1e-6``, ``beta = 1/sqrt(d)`` fixed in
+    the causal code, a learnable scalar starting at 1 elsewhere.
 
     Parameters
     ----------
