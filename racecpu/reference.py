@@ -13,6 +13,10 @@ All three are *normalised similarity attention* (the paper's Eq. for O_i)::
 with ``S`` the softmax, the sharpened angular or the RACE kernel.  A row whose
 similarity mass is ``<= DEN_FLOOR`` (no visible key) outputs zeros.
 
+:func:`race_attention_bucket_mean` is the exception: not normalised similarity
+attention but the estimator of the authors' released code (a mean per bucket,
+then a query-weighted sum over buckets and tables); see its docstring.
+
 The RACE kernel here is written independently of the library's kernels: the
 soft hash is an explicit softmax over the 2**P corners (not the logistic
 factorisation) and the kernel matrix is materialised.
@@ -29,6 +33,7 @@ __all__ = [
     "angular_attention", "angular_attention_fwd", "angular_attention_bwd",
     "race_attention_dense", "race_attention_dense_fwd", "race_attention_dense_bwd",
     "race_kernel_dense", "soft_buckets_dense",
+    "race_attention_bucket_mean", "race_attention_bucket_mean_fwd", "race_attention_bucket_mean_bwd",
 ]
 
 # Derivative of arccos is singular at cos = +-1; clamp 1 - cos^2 there.
@@ -225,3 +230,104 @@ def race_attention_dense_bwd(residuals, grad_out):
 def race_attention_dense(q, k, v, planes, beta, *, causal=False, key_mask=None):
     """Dense O(N^2) RACE attention: the oracle of the fast kernels."""
     return race_attention_dense_fwd(q, k, v, planes, beta, causal=causal, key_mask=key_mask)[0]
+
+
+# --------------------------------------------------------------------------
+# RACE attention, per-bucket mean (the estimator of the authors' released code)
+# --------------------------------------------------------------------------
+
+def race_attention_bucket_mean_fwd(q, k, v, planes, beta, *, causal=False, key_mask=None, eps=1e-6):
+    """Per-bucket-mean RACE attention; returns ``(out, residuals)``.
+
+    See :func:`race_attention_bucket_mean`.  Written through the (Nq, Nk)
+    matrix ``S_ij = vis_ij sum_{l,r} phi_l(q_i)_r phi_l(k_j)_r / (A_ilr + eps)``,
+    so that ``out = S @ v``; ``A_ilr = sum_j vis_ij phi_l(k_j)_r``.
+    """
+    dt = _dtype(q, k, v)
+    q, k, v = (np.asarray(a, dtype=dt) for a in (q, k, v))
+    beta, eps = float(beta), float(eps)
+    planes = np.asarray(planes, dtype=dt)
+    pq, tq = soft_buckets_dense(q, planes, beta)
+    pk, tk = soft_buckets_dense(k, planes, beta)
+    vis = _visibility(q.shape[-2], k.shape[-2], causal, key_mask, np.broadcast_shapes(q.shape[:-2], k.shape[:-2]), dt)
+    den = np.einsum("...ij,...jlr->...ilr", vis, pk) + eps  # A + eps, per query (one row when not causal)
+    W = pq / den
+    S = np.einsum("...ilr,...jlr->...ij", W, pk) * vis
+    out = (S @ v).astype(dt)
+    return out, (planes, beta, pq, tq, pk, tk, vis, den, W, S, v)
+
+
+def race_attention_bucket_mean_bwd(residuals, grad_out):
+    """Returns ``(dq, dk, dv, dbeta)`` with ``dbeta`` summed over everything."""
+    planes, beta, pq, tq, pk, tk, vis, den, W, S, v = residuals
+    g = np.asarray(grad_out, dtype=pq.dtype)
+    dv = np.swapaxes(S, -1, -2) @ g
+    dS = (g @ np.swapaxes(v, -1, -2)) * vis
+    dW = np.einsum("...ij,...jlr->...ilr", dS, pk)
+    dpk = np.einsum("...ij,...ilr->...jlr", dS, W)
+    dpq = dW / den
+    dA = -dW * W / den                                   # W = pq / (A + eps)
+    dpk = dpk + np.einsum("...ij,...ilr->...jlr", vis, dA)  # A_ilr = sum_j vis_ij pk_jlr
+    dq, db_q = _soft_buckets_dense_bwd(dpq, pq, tq, planes, beta)
+    dk, db_k = _soft_buckets_dense_bwd(dpk, pk, tk, planes, beta)
+    dt = pq.dtype
+    return dq.astype(dt), dk.astype(dt), dv.astype(dt), db_q + db_k
+
+
+def race_attention_bucket_mean(q, k, v, planes, beta, *, causal=False, key_mask=None, eps=1e-6):
+    """RACE attention as the authors' released code computes it: a mean per bucket, summed over tables.
+
+    For every table ``l`` and bucket ``r`` the keys a query sees are pooled
+    into a soft count and a soft sum of values,
+
+        A_lr = sum_j phi_l(k_j)_r,        B_lr = sum_j phi_l(k_j)_r v_j,
+
+    each bucket's mean value ``B_lr / (A_lr + eps)`` is formed first, and the
+    query then weights the bucket means by its own soft bucket memberships and
+    adds them over buckets *and tables*:
+
+        out_i = sum_l sum_r phi_l(q_i)_r B_lr / (A_lr + eps).
+
+    There is no 1/L: the tables are summed, so the output grows with L (as
+    beta -> 0 every phi is uniform and ``out_i -> L * mean_j v_j``; as
+    beta -> inf phi is a hard SimHash bucket and table ``l`` contributes the
+    mean of the values of the keys in q_i's bucket, or 0 if it is empty).
+    The paper's estimator (Algorithms 1 and 2, :func:`race_attention_dense`)
+    instead divides the sums over tables, ``sum_l phi_l(q).B_l /
+    sum_l phi_l(q).A_l``; the two differ even as L grows.  Causal: ``A`` and
+    ``B`` are prefix sums over the keys ``j <= i`` (the current token
+    included), so they are per query.  Masked keys (``key_mask`` False) add
+    nothing to ``A`` or ``B``.  A query that sees no key outputs zeros.
+
+    The soft hash is racecpu's (:func:`soft_buckets_dense`): a softmax over
+    the 2**P corners (``itertools.product([-1, 1], repeat=P)`` order) of
+    ``beta * tanh(W_l x)``; q and k are used as given (not normalised).
+    As issue 43 reads the released code: Gaussian planes drawn as one
+    (L*P, d) matrix (ours are (L, P, d); reshaping theirs assumes their rows
+    are grouped table by table), ``eps = 1e-6``, ``beta = 1/sqrt(d)`` fixed in
+    the causal code, a learnable scalar starting at 1 elsewhere.
+
+    Parameters
+    ----------
+    q : ndarray, shape (..., Nq, d), float32 or float64
+    k : ndarray, shape (..., Nk, d)
+    v : ndarray, shape (..., Nk, dv)
+        Leading dims broadcast; computed in the inputs' float dtype.
+    planes : ndarray, shape (L, P, d)
+    beta : float
+    causal : bool
+        Needs ``Nq == Nk``.
+    key_mask : bool ndarray, shape (..., Nk), optional
+    eps : float
+        Added to every bucket's soft count.
+
+    Returns
+    -------
+    out : ndarray, shape (..., Nq, dv)
+
+    Notes
+    -----
+    O(Nq Nk L 2**P) time and O(Nq Nk + Nq L 2**P) memory: an oracle for
+    small N.
+    """
+    return race_attention_bucket_mean_fwd(q, k, v, planes, beta, causal=causal, key_mask=key_mask, eps=eps)[0]

@@ -19,7 +19,8 @@ from .tensor import Tensor, _op, as_tensor, no_grad
 
 __all__ = [
     "softmax", "log_softmax", "layer_norm", "embedding", "cross_entropy", "dropout", "causal_conv1d",
-    "race_attention", "softmax_attention", "angular_attention", "linear_attention", "check_grad",
+    "race_attention", "race_attention_bucket_mean", "softmax_attention", "angular_attention", "linear_attention",
+    "check_grad",
 ]
 
 
@@ -215,6 +216,61 @@ def _race_per_head(q, k, v, planes, beta_t, causal, key_mask):
         dq, dk, dv = (np.stack([gr[i] for gr in grads], axis=1) for i in range(3))
         return dq, dk, dv, np.array([gr[3] for gr in grads], dtype=beta_t.dtype)
     return _op(np.stack(outs, axis=1), (q, k, v, beta_t), vjp)
+
+
+def race_attention_bucket_mean(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None, eps=1e-6):
+    """Per-bucket-mean RACE attention (:func:`racecpu.reference.race_attention_bucket_mean`) as an op.
+
+    The estimator of the authors' released code: ``out_i = sum_l sum_r
+    phi_l(q_i)_r B_lr / (A_lr + eps)`` (no 1/L; prefix sums when causal).
+    O(N^2) in time and memory (the reference's forward and backward), so for
+    small models.  ``beta`` as in :func:`race_attention`: a positive float, a
+    scalar Tensor, or a Tensor of shape ``(H,)`` for inputs ``(B, H, N, d)``;
+    as a Tensor it receives its gradient.  ``planes`` are constants.
+
+    Parameters
+    ----------
+    q : Tensor, shape (..., Nq, d)
+    k : Tensor, shape (..., Nk, d)
+    v : Tensor, shape (..., Nk, dv)
+    planes : ndarray, shape (L, P, d)
+    beta : float or Tensor
+    causal : bool
+    key_mask : bool ndarray, shape (..., Nk), optional
+    eps : float
+
+    Returns
+    -------
+    Tensor, shape (..., Nq, dv), the inputs' dtype.
+    """
+    q, k, v = as_tensor(q), as_tensor(k), as_tensor(v)
+    beta_t = beta if isinstance(beta, Tensor) else None
+    per_head = beta_t is not None and beta_t.ndim == 1 and q.ndim == 4 and beta_t.shape[0] == q.shape[1]
+    if beta_t is not None and beta_t.size != 1 and not per_head:
+        raise ValueError(f"beta must be a scalar Tensor, or of shape (H,) for q of shape (B, H, N, d); got beta "
+                         f"of shape {beta_t.shape} and q of shape {q.shape}")
+    if per_head:
+        H = q.shape[1]
+        mask = None if key_mask is None else np.broadcast_to(np.asarray(key_mask), k.shape[:-1])
+        fr = [_ref.race_attention_bucket_mean_fwd(q.data[:, h], k.data[:, h], v.data[:, h], planes,
+                                                  float(beta_t.data[h]), causal=causal, eps=eps,
+                                                  key_mask=None if mask is None else mask[:, h]) for h in range(H)]
+
+        def vjp(g):
+            grads = [_ref.race_attention_bucket_mean_bwd(r, g[:, h]) for h, (_, r) in enumerate(fr)]
+            dq, dk, dv = (np.stack([gr[i] for gr in grads], axis=1) for i in range(3))
+            return dq, dk, dv, np.array([gr[3] for gr in grads], dtype=beta_t.dtype)
+        return _op(np.stack([o for o, _ in fr], axis=1), (q, k, v, beta_t), vjp)
+    b = float(beta_t.data) if beta_t is not None else beta
+    out, res = _ref.race_attention_bucket_mean_fwd(q.data, k.data, v.data, planes, b, causal=causal,
+                                                   key_mask=key_mask, eps=eps)
+
+    def vjp(g):
+        dq, dk, dv, dbeta = _ref.race_attention_bucket_mean_bwd(res, g)
+        if beta_t is None:
+            return dq, dk, dv
+        return dq, dk, dv, np.full(beta_t.shape, dbeta, dtype=beta_t.dtype)
+    return _op(out, (q, k, v) + ((beta_t,) if beta_t is not None else ()), vjp)
 
 
 def softmax_attention(q, k, v, *, causal=False, scale=None, key_mask=None):

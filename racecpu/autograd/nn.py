@@ -16,9 +16,11 @@ from . import functional as F
 from .tensor import Tensor
 
 __all__ = ["Parameter", "Module", "Linear", "LayerNorm", "Embedding", "MultiHeadAttention",
-           "TransformerBlock", "TransformerLM", "TransformerClassifier", "ATTENTIONS"]
+           "TransformerBlock", "TransformerLM", "TransformerClassifier", "ATTENTIONS", "ESTIMATORS"]
 
 ATTENTIONS = ("race", "softmax", "angular", "linear")
+#: RACE's estimators: the paper's ratio over tables, or the per-bucket mean of the authors' released code.
+ESTIMATORS = ("ratio", "bucket_mean")
 
 
 class Parameter(Tensor):
@@ -181,6 +183,13 @@ class MultiHeadAttention(Module):
         RACE's P and L.
     beta : float
         RACE's initial temperature.
+    estimator : {"ratio", "bucket_mean"}, default "ratio"
+        RACE only.  ``ratio``: the paper's estimator (Algorithms 1 and 2),
+        :func:`racecpu.race_attention`, linear in N; ``bucket_mean``: the
+        estimator of the authors' released code,
+        :func:`racecpu.autograd.functional.race_attention_bucket_mean` (a mean
+        per bucket, summed over buckets and tables, no 1/L), computed by the
+        O(N^2) reference, so for small models.  Same hash, same q/k scaling.
     train_beta : bool, default True
     beta_per_head : bool, default False
         RACE only: one trained temperature per head instead of one per layer.
@@ -197,14 +206,17 @@ class MultiHeadAttention(Module):
     _buffers = ("planes",)
 
     def __init__(self, d_model, n_heads, *, attention="race", causal=True, num_planes=3, num_tables=3,
-                 beta=DEFAULT_BETA, train_beta=True, beta_per_head=False, conv_size=0, conv_act=True,
-                 seed=0, dtype=np.float32):
+                 beta=DEFAULT_BETA, estimator="ratio", train_beta=True, beta_per_head=False, conv_size=0,
+                 conv_act=True, seed=0, dtype=np.float32):
         if attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+        if estimator not in ESTIMATORS:
+            raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
         if d_model % n_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
         rng = _rng(seed)
         self.attention, self.causal, self.n_heads = attention, bool(causal), n_heads
+        self.estimator = estimator
         self.head_dim = d_model // n_heads
         self.q = Linear(d_model, d_model, seed=rng, dtype=dtype)
         self.k = Linear(d_model, d_model, seed=rng, dtype=dtype)
@@ -249,7 +261,8 @@ class MultiHeadAttention(Module):
         if self.attention == "race":
             beta = self.log_beta.exp() if hasattr(self, "log_beta") else self.beta
             s = self.head_dim ** -0.5  # keeps W q ~ N(0, 1): tanh unsaturated, so q and k get gradients
-            o = F.race_attention(q * s, k * s, v, self.planes, beta, causal=self.causal, key_mask=mask)
+            race = F.race_attention if self.estimator == "ratio" else F.race_attention_bucket_mean
+            o = race(q * s, k * s, v, self.planes, beta, causal=self.causal, key_mask=mask)
         elif self.attention == "softmax":
             o = F.softmax_attention(q, k, v, causal=self.causal, key_mask=mask)
         elif self.attention == "angular":
@@ -314,19 +327,19 @@ class TransformerLM(_Backbone):
     Learned token and position embeddings (``max_len`` positions), ``n_layers``
     pre-LN blocks, final LayerNorm and a linear head.  ``attention``,
     ``num_planes``, ``num_tables``, ``beta``, ``train_beta`` go to every
-    :class:`MultiHeadAttention`, and so do ``beta_per_head``, ``conv_size`` and
-    ``conv_act`` (see there).  ``token_shift=True`` adds an embedding of the
+    :class:`MultiHeadAttention`, and so do ``estimator``, ``beta_per_head``,
+    ``conv_size`` and ``conv_act`` (see there).  ``token_shift=True`` adds an embedding of the
     previous token to each position (a width-2 causal convolution on the
     tokens, like the short convolutions of H3/Based or RWKV's token shift), so a
     position knows its predecessor without spending an attention layer on it.
     """
 
     def __init__(self, vocab_size, d_model, n_heads, n_layers, *, attention="race", num_planes=3, num_tables=3,
-                 beta=DEFAULT_BETA, train_beta=True, beta_per_head=False, conv_size=0, conv_act=True, max_len=1024,
-                 dropout=0.0, token_shift=False, seed=0, dtype=np.float32):
+                 beta=DEFAULT_BETA, estimator="ratio", train_beta=True, beta_per_head=False, conv_size=0,
+                 conv_act=True, max_len=1024, dropout=0.0, token_shift=False, seed=0, dtype=np.float32):
         rng = self._build(vocab_size, d_model, n_heads, n_layers, max_len, True, dropout, seed, dtype,
                           dict(attention=attention, num_planes=num_planes, num_tables=num_tables,
-                               beta=beta, train_beta=train_beta, beta_per_head=beta_per_head,
+                               beta=beta, estimator=estimator, train_beta=train_beta, beta_per_head=beta_per_head,
                                conv_size=conv_size, conv_act=conv_act), token_shift)
         self.head = Linear(d_model, vocab_size, seed=rng, dtype=dtype)
 
@@ -338,15 +351,15 @@ class TransformerClassifier(_Backbone):
     """Bidirectional Transformer encoder + mean pooling: tokens (B, N) -> logits (B, num_classes).
 
     ``key_mask`` (bool (B, N), False = padding) hides padding from attention
-    and from the pooling.
+    and from the pooling.  ``estimator`` as in :class:`MultiHeadAttention`.
     """
 
     def __init__(self, vocab_size, num_classes, d_model, n_heads, n_layers, *, attention="race", num_planes=3,
-                 num_tables=3, beta=DEFAULT_BETA, train_beta=True, max_len=1024, dropout=0.0, seed=0,
-                 dtype=np.float32):
+                 num_tables=3, beta=DEFAULT_BETA, estimator="ratio", train_beta=True, max_len=1024, dropout=0.0,
+                 seed=0, dtype=np.float32):
         rng = self._build(vocab_size, d_model, n_heads, n_layers, max_len, False, dropout, seed, dtype,
                           dict(attention=attention, num_planes=num_planes, num_tables=num_tables,
-                               beta=beta, train_beta=train_beta))
+                               beta=beta, estimator=estimator, train_beta=train_beta))
         self.head = Linear(d_model, num_classes, seed=rng, dtype=dtype)
 
     def forward(self, tokens, key_mask=None):

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..hashing import DEFAULT_BETA
 from . import functional as F
-from .nn import ATTENTIONS, TransformerLM
+from .nn import ATTENTIONS, ESTIMATORS, TransformerLM
 from .optim import AdamW, clip_grad_norm, warmup_linear_decay
 from .tasks import IGNORE, char_batch, char_corpus, char_eval_windows, mqar_batch, CHARS
 from .tensor import no_grad
@@ -74,6 +74,9 @@ def add_arguments(p):
     r.add_argument("--num-tables", type=int, default=3, help="L")
     r.add_argument("--beta", type=float, default=DEFAULT_BETA, help="initial temperature")
     r.add_argument("--fixed-beta", action="store_true", help="do not train beta")
+    r.add_argument("--estimator", choices=ESTIMATORS, default="ratio",
+                   help="ratio: the paper's (linear in N); "
+                        "bucket_mean: the authors' released code's (O(N^2) reference)")
     r.add_argument("--beta-per-head", action="store_true", help="one trained temperature per head")
     o = p.add_argument_group("output")
     o.add_argument("--out", default=DEFAULT_OUT, help="folder for --compare / --timing outputs")
@@ -92,7 +95,8 @@ def config_from_args(args, attention=None):
     cfg.update(task=args.task, attention=attention or args.attention, weight_decay=args.weight_decay,
                clip=args.clip, dtype=args.dtype, seed=args.seed, num_planes=args.num_planes,
                num_tables=args.num_tables, beta=args.beta, train_beta=not args.fixed_beta,
-               beta_per_head=args.beta_per_head, conv_act=args.conv_act == "on")
+               beta_per_head=args.beta_per_head, conv_act=args.conv_act == "on",
+               estimator=getattr(args, "estimator", "ratio"))
     if args.conv_size is not None:
         cfg["conv_size"] = args.conv_size
     if cfg["task"] == "chars":
@@ -105,7 +109,8 @@ def config_from_args(args, attention=None):
 def build_model(cfg):
     return TransformerLM(cfg["vocab_size"], cfg["d_model"], cfg["n_heads"], cfg["n_layers"],
                          attention=cfg["attention"], num_planes=cfg["num_planes"], num_tables=cfg["num_tables"],
-                         beta=cfg["beta"], train_beta=cfg["train_beta"], beta_per_head=cfg["beta_per_head"],
+                         beta=cfg["beta"], estimator=cfg.get("estimator", "ratio"), train_beta=cfg["train_beta"],
+                         beta_per_head=cfg["beta_per_head"],
                          conv_size=cfg["conv_size"], conv_act=cfg["conv_act"], max_len=cfg["seq_len"],
                          token_shift=cfg["token_shift"],
                          seed=cfg["seed"], dtype=np.dtype(cfg["dtype"]))
