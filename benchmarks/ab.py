@@ -109,7 +109,7 @@ def main(argv=None):
     # its own, and kernels compiled in a process and the same kernels loaded from Numba's cache
     # differed in the last bits (the causal dq at 2^10: 4e-15 relative, same inputs).
     B = A if Path(a.other).resolve() == ROOT.resolve() else load(a.other, "racecpu_ab_other")
-    from racecpu.bench import best_time  # this checkout's (A is imported as racecpu)
+    from racecpu.apps.bench import best_time  # this checkout's (A is imported as racecpu)
     n, H = 1 << a.log2n, a.heads
     rng = np.random.default_rng(a.seed)
     q, k, v, g = (rng.standard_normal((H, n, a.dim), dtype=np.float32) for _ in range(4))

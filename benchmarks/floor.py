@@ -57,7 +57,7 @@ from tqdm import tqdm
 
 import racecpu
 from racecpu import _kernels as K
-from racecpu.bench import best_time as best
+from racecpu.apps.bench import best_time as best
 
 
 def memory_limits(reps, mib=1024, wait=4.0):
@@ -301,7 +301,7 @@ def main(argv=None):
         "causal bwd": dict(s_cot=2, s_scoresV=2, s_mixF=2, s_update=2, s_readout=1, s_scoresF=1, s_mixV=1,
                            dx=2, hash_b=2),
     }
-    # bytes streamed per token-head (read + write; see racecpu.bench's roofline); the causal
+    # bytes streamed per token-head (read + write; see racecpu.apps.bench's roofline); the causal
     # backward's two passes both read grad_out, v, phik, phiq and den, and it keeps dden
     stream = {"fwd": s * (2 * d + 2 * dv + 2 * F + 2 * LP) + 8, "bwd": s * (2 * d + 3 * dv + 2 * F + 2 * LP) + 8}
     stream["causal fwd"] = stream["fwd"]

@@ -1,6 +1,6 @@
 """Run the racecpu benchmark suite: ``python benchmarks/run.py [flags]`` = ``racecpu bench [flags]``.
 
-See ``racecpu bench --help`` and the docstring of :mod:`racecpu.bench` for what is
+See ``racecpu bench --help`` and the docstring of :mod:`racecpu.apps.bench` for what is
 measured, the roofline derivation and the skip caps.  Results go to
 ``benchmarks/results/`` (``--out`` to change).
 """

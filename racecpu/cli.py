@@ -13,10 +13,10 @@ import sys
 
 # name -> (module, one-line help)
 SUBCOMMANDS = {
-    "demo": ("racecpu.demo", "one forward+backward of a RACE layer at 1M tokens, checked against the exact reference"),
-    "bench": ("racecpu.bench", "benchmark suite: kernels vs NumPy/PyTorch statements, roofline, scaling"),
-    "validate": ("racecpu.validation", "measure RACE against the angular kernel and Theorem 1"),
-    "train": ("racecpu.autograd.train", "train small Transformers with RACE or baseline attention in pure NumPy"),
+    "demo": ("racecpu.apps.demo", "one forward+backward of a RACE layer at 1M tokens, checked against the exact reference"),
+    "bench": ("racecpu.apps.bench", "benchmark suite: kernels vs NumPy/PyTorch statements, roofline, scaling"),
+    "validate": ("racecpu.apps.validation", "measure RACE against the angular kernel and Theorem 1"),
+    "train": ("racecpu.apps.train", "train small Transformers with RACE or baseline attention in pure NumPy"),
 }
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import racecpu
-from racecpu import bench
+from racecpu.apps import bench
 from racecpu.cli import main
 
 

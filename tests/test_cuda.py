@@ -320,7 +320,7 @@ def test_kernels_compile_to_ptx():
 
 def test_gpu_benchmark_runs_and_checks(capsys):
     """The GPU benchmark's code path at toy size (timings under the simulator mean nothing)."""
-    from racecpu.cuda import bench
+    from racecpu.apps import cuda_bench as bench
     errs = bench.check_against_cpu(n=20, heads=1, head_dim=4, causal=True)
     assert set(errs) == {"out", "dq", "dk", "dv"} and max(errs.values()) < 1e-5
     rows = bench.run_benchmark(log2ns=(4,), heads=1, head_dim=4, causal=(True,), threads=(None, 8), repeats=1,

@@ -1,4 +1,8 @@
-"""Out-of-core RACE: chunked memmap fwd/bwd equal the in-memory API; checkpoints resume cleanly."""
+"""Out-of-core RACE: chunked memmap fwd/bwd equal the in-memory API; checkpoints resume cleanly.
+
+The block engine under it (racecpu._blocks) is tested here through it; the
+demo and its seeded inputs are in test_ooc_demo.py.
+"""
 
 import json
 
@@ -6,8 +10,9 @@ import numpy as np
 import pytest
 
 import racecpu
-import racecpu.outofcore as ooc
-from racecpu.outofcore import SeededArray, demo, race_attention_bwd_ooc, race_attention_fwd_ooc
+from racecpu import _blocks as engine
+from racecpu.apps.ooc_demo import SeededArray
+from racecpu.outofcore import race_attention_bwd_ooc, race_attention_fwd_ooc
 
 TOL = {np.float64: 1e-12, np.float32: 2e-6}
 
@@ -89,16 +94,6 @@ def test_in_memory_arrays_and_seeded_inputs(rng):
     assert dbeta == pytest.approx(grads[3], rel=1e-5)
 
 
-def test_seeded_array_is_slice_independent():
-    a = SeededArray((2, 3, 1000, 4), seed=7, tile=128)
-    full = np.asarray(a)
-    assert full.shape == (2, 3, 1000, 4) and full.dtype == np.float32
-    np.testing.assert_array_equal(a.rows(4, 100, 517), full[1, 1, 100:517])
-    np.testing.assert_array_equal(np.concatenate([a.rows(0, 0, 129), a.rows(0, 129, 1000)]), full[0, 0])
-    assert abs(float(full.std()) - 1.0) < 0.05
-    assert not np.array_equal(np.asarray(SeededArray((1, 50, 4), seed=8)), np.asarray(SeededArray((1, 50, 4), seed=9)))
-
-
 class Interrupt(Exception):
     pass
 
@@ -143,11 +138,11 @@ def test_interrupted_runs_resume_bit_for_bit(tmp_path, rng, monkeypatch, causal)
         store(x, lead, lo, hi, data[:1])  # the first head only, then the process dies
         raise Interrupt
 
-    store = ooc._store_block
-    monkeypatch.setattr(ooc, "_store_block", failing_store)
+    store = engine.store_block
+    monkeypatch.setattr(engine, "store_block", failing_store)
     with pytest.raises(Interrupt):
         run_ooc(x, o, W, causal, block, checkpoint=ck)
-    monkeypatch.setattr(ooc, "_store_block", store)
+    monkeypatch.setattr(engine, "store_block", store)
     states = [json.loads(p.read_text()) for p in ck.glob("*.json")]
     assert sum(s["done"] for s in states) == done
     # with rare commits (the default) an interrupt loses the uncommitted blocks, which are recomputed
@@ -190,32 +185,6 @@ def test_bad_arguments(tmp_path, rng):
         race_attention_bwd_ooc(None, x["g"], dq=good, dk=good, dv=good)
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_demo_small_resumes_and_checks(tmp_path, causal):
-    kw = dict(tokens=2100, heads=2, dim=8, directory=tmp_path / "demo", causal=causal, block=512,
-              progress=False, disk_margin=0)
-    m = demo(**kw)
-    assert m["blocks_computed"] == m["blocks_total"] and m["check_max_abs_err"] < 1e-5
-    assert m["peak_rss_bytes"] > 0 and m["disk_bytes"] >= m["output_bytes"]
-    # the results equal the in-memory API on the same (seeded) inputs
-    q, k, v, g = (np.asarray(SeededArray((2, 2100, 8), seed=i)) for i in range(4))
-    W = racecpu.hyperplanes(8, 3, 3, seed=0)
-    out, res = racecpu.race_attention_fwd(q, k, v, W, causal=causal)
-    grads = racecpu.race_attention_bwd(res, g)
-    for name, want in zip(("out", "dq", "dk", "dv"), (out,) + grads[:3]):
-        got = np.load(tmp_path / "demo" / f"{name}.npy")
-        np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6 * np.abs(want).max(), err_msg=name)
-    assert m["dbeta"] == pytest.approx(grads[3], rel=1e-5)
-    again = demo(**kw)  # complete: nothing recomputed, same answer
-    assert again["blocks_computed"] == 0 and again["dbeta"] == m["dbeta"]
-    # other arguments in the same directory: clean restart
-    other = demo(**dict(kw, tokens=1000))
-    assert other["blocks_computed"] == other["blocks_total"]
-    assert np.load(tmp_path / "demo" / "out.npy").shape == (2, 1000, 8)
-    with pytest.raises(RuntimeError, match="not enough disk"):
-        demo(**dict(kw, tokens=3000, disk_margin=2 ** 60))
-
-
 def _rss_file():
     try:
         with open("/proc/self/status") as fh:
@@ -235,7 +204,7 @@ def test_release_drops_mapped_pages_but_keeps_writes(tmp_path):
     a = np.lib.format.open_memmap(tmp_path / "a.npy", mode="w+", dtype=np.float32, shape=(n,))
     a[:] = 1.5  # dirty every page of the shared mapping
     before = _rss_file()
-    ooc._release(a)
+    engine.release_pages(a)
     after = _rss_file()
     assert before - after > 48 * 2 ** 20
     assert float(a[::4096].sum()) == 1.5 * len(a[::4096])  # re-read from the page cache / file

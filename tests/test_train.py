@@ -1,12 +1,13 @@
-"""racecpu.autograd.tasks and the ``racecpu train`` command (tiny sizes)."""
+"""racecpu.apps.tasks, racecpu.apps.train and the ``racecpu train`` command (tiny sizes)."""
 
 import json
 
 import numpy as np
 import pytest
 
-from racecpu.autograd import nn, tasks
-from racecpu.autograd import train as T
+from racecpu.apps import tasks
+from racecpu.apps import train as T
+from racecpu.autograd import nn
 from racecpu.cli import main
 
 

@@ -1,4 +1,4 @@
-"""racecpu.validation: the quick run's fitted slopes and trends, and its building blocks.
+"""racecpu.apps.validation: the quick run's fitted slopes and trends, and its building blocks.
 
 The quick run (module fixture, ~20 s) must reproduce the two laws the paper's
 Theorem 1 is about: the L^-1/2 variance rate and a bias that falls with beta
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import racecpu
+from racecpu.apps.validation import data, run_all, stats, theory
 from racecpu.reference import angular_attention
-from racecpu.validation import data, run_all, stats, theory
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,13 @@
 """Experiment 3: angular vs softmax attention as gamma grows; best-matching gamma per head dim.
 
 Usage: python validation/angular_vs_softmax.py [--quick] [--out DIR] [--seed S] [--datasets ...] [--qkv FILE.npz]
-(the options of `racecpu validate`; the work is done by racecpu.validation).
+(the options of `racecpu validate`; the work is done by racecpu.apps.validation).
 """
 
 import os
 import sys
 
-from racecpu.validation import main
+from racecpu.apps.validation import main
 
 if __name__ == "__main__":
     here = os.path.dirname(os.path.abspath(__file__))

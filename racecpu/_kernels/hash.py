@@ -1,4 +1,12 @@
-"""TODO hash"""
+"""The soft hash of Algorithm 1 and its backward, a block of rows at a time.
+
+``phi_l(x) = softmax_r(beta * tanh(W_l x) . v_r)`` over the ``R = 2**P`` corners
+``v_r`` of each table, computed in closed form as a product of logistics
+(``docs/design.md`` section 2) with every step vectorised over HASH_BLOCK rows
+(:func:`hash_block`).  The backward (:func:`hash_rows_du`, :func:`hash_bwd_rows`)
+gives the cotangent of the projections ``u = W x`` and ``dx = du W``, and each
+row's share of dbeta (``docs/design.md`` section 3).
+"""
 
 from __future__ import annotations
 
@@ -15,34 +23,41 @@ from .runtime import run_tasks
 
 @kernel
 def hash_block(x, hsh, keep, scratch, t, phi, ahead=0, lines=0):
-    """phi_l(x) and t for a block of rows ``x (T, d)``, every table.
+    """phi_l(x) and t = tanh(W_l x) of a block of rows, every table.
 
-    softmax_r(beta t.v_r) = prod_p sigmoid(2 beta t_p v_{r,p}) (DESIGN.md), so
-    per plane we need a = sigmoid(2 beta t) and 1 - a, and t = tanh(W x).
-    Both come from one exp each of a non-positive argument, so nothing can
-    overflow for any beta.  Plane 0 is the most significant bit of the corner
-    index.  Rows with ``keep[j]`` False (masked keys) get phi = 0 (t is still
-    written).  A projection that is NaN or +-Inf gives t = NaN (see
-    attention._check_derived); returns how many, counted over the block in
-    L1 (a pass over t's rows afterwards cost ~5 ns per row).  ``U``, ``a``, ``b`` (T * L * P values) and
-    ``ph`` (T * L * 2**P) are scratch in the planes' dtype, which sets the
-    precision of the tanh/logistic math (float32 inputs: float32, ~1e-7
-    absolute in t and phi, the rounding of storing them); only their first
-    T * L * P (T * L * 2**P) values are used.  Every step runs
-    over all T tokens at once, plane-major, and each value is stored to
-    ``t``/``phi`` once at the end (per-token corner products read back from
-    phi were a quarter of the hash).  On return ``ph[:F * T]`` holds phi^T
-    (F, T), masked rows zero, for :func:`hash_sketch_range`; ``t`` or ``phi``
-    with no rows (a forward that keeps no residuals) are not written, which
-    saves ~8 ns per row in cache (t ~3, phi ~5).
+    Parameters
+    ----------
+    x : (T, d)
+        T <= HASH_BLOCK rows (compute dtype; rows may be strided).
+    hsh : Hash
+    keep : bool (T,)
+        False rows (masked keys) get phi = 0; their t is still written.
+    scratch : HashScratch
+        From :func:`hash_scratch`, in the planes' dtype, which sets the
+        precision of the tanh/logistic math.  On return ``scratch.ph[:F * T]``
+        holds phi^T ``(F, T)``, masked rows zero, for :func:`hash_sketch_range`.
+    t : (T, L*P) or (0, L*P)
+        Out: the tanh projections; not written when it has no rows.
+    phi : (T, F) or (0, F)
+        Out: the soft buckets, table l at ``phi[:, l*R:(l+1)*R]``, corner r
+        +1 on plane p iff bit P-1-p of r is set; not written when it has no rows.
+    ahead, lines : int
+        ``lines`` 64-byte lines from address ``ahead`` (the next block's rows)
+        are prefetched, spread over the math after the projection
+        (docs/performance.md, "hash prefetch").
 
-    ``lines`` 64-byte lines from address ``ahead`` (the next block's rows)
-    are prefetched into L2, spread over the math after the projection: one
-    core reads memory at ~40 ns per 512-byte row (12.8 GB/s on this VM), and
-    without them the math after the projection leaves the memory idle
-    (:func:`hash_range` over 2^21 rows, one thread: 107-110 -> 93-95 ns per
-    row; rows in cache: 67-71 -> 70-72).  All lines at once at the start of
-    the block gained nothing: a core keeps ~16 lines in flight.
+    Returns
+    -------
+    int
+        How many values of t are NaN: a projection that is NaN or +-Inf
+        gives t = NaN (phi is computed as if it were clamped), so the
+        caller's NaN/Inf check of x reads t (``racecpu._checks.check_derived``).
+
+    softmax_r(beta t.v_r) = prod_p sigmoid(2 beta t_p v_{r,p}) (docs/design.md
+    section 2): per plane a = sigmoid(2 beta t) and 1 - a, both from one exp
+    of a non-positive argument, so nothing overflows for any beta.  Every
+    step runs over all T rows at once, plane-major, and each value is stored
+    once at the end (docs/performance.md, "hash block").
     """
     W, beta = hsh
     U, a, b, ph = scratch
@@ -61,7 +76,8 @@ def hash_block(x, hsh, keep, scratch, t, phi, ahead=0, lines=0):
     for piece in range(4):
         done = prefetch_to(ahead, done, lines * PREFETCH_MATH * (piece + 1) // 128)
         # Unsigned bounds: a signed index that LLVM cannot prove >= 0 gets
-        # Numba's wraparound select, and the loop is not vectorised (2.5x slower).
+        # Numba's wraparound select, and the loop is not vectorised (docs/performance.md,
+        # "tanh loop bounds").
         for s in range(np.uint64(n * piece // 4), np.uint64(n * (piece + 1) // 4)):  # SIMD over the block
             u = U[s]
             bad = u - u  # 0, or NaN when u is NaN/Inf: see the end of the loop
@@ -116,7 +132,7 @@ def hash_block(x, hsh, keep, scratch, t, phi, ahead=0, lines=0):
         if not keep[j]:
             for f in range(L * R):
                 ph[f * T + j] = 0.0
-    if phi.shape[0]:  # the loops keep the block's length as their bound (faster, see benchmarks/README)
+    if phi.shape[0]:  # the block's length as the bound: faster (docs/performance.md, "residual rows")
         for j in range(T):
             done = prefetch_to(ahead, done, lines * (PREFETCH_CORNERS + (32 - PREFETCH_CORNERS) * (j + 1) // T) // 32)
             for f in range(L * R):
@@ -134,7 +150,8 @@ def hash_rows_du(dphi, phi, t, P, beta, du):
 
     Each table's rows are first gathered into (R, tokens) blocks so that every
     loop runs over tokens: per token the work is a few dozen flops over
-    tiny R-long rows, which one token at a time cannot vectorise (~7x slower).
+    tiny R-long rows, which one token at a time cannot vectorise
+    (docs/performance.md, "du block").
     dz = phi dphi - phi (phi.dphi);  s_p = sum_r v_{r,p} dz_r.
     """
     n, F = dphi.shape
@@ -231,11 +248,9 @@ def hash_sketch_range(x, v, lo, hi, hsh, keep, t, phi, A, total):
     forward with no backward: nothing is written to them) and the sums are
     the same bits either way.
 
-    The keys' rows and v's both stream from memory, at ~40 ns per 512-byte
-    row and core here: each block's product (:func:`combine_rows`, phi^T as
-    X) prefetches the next block's rows of v while the hash prefetches its
-    rows of x, so every read is under math (an sgemm per 256 rows after the
-    hash read v with nothing in flight: 190 -> 166 ns per key, one thread).
+    Each block's product (:func:`combine_rows`, phi^T as X) prefetches the
+    next block's rows of v while the hash prefetches its rows of x, so every
+    read from memory overlaps math (docs/performance.md, "fused sketch").
     For the non-causal sketch, whose product order no scan has to match.
     """
     F = phi.shape[1]

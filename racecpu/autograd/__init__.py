@@ -13,8 +13,8 @@ in pipelines without PyTorch::
 Modules: :mod:`.tensor` (Tensor and its elementwise/shape ops),
 :mod:`.functional` (losses, normalisations, attention ops, ``check_grad``),
 :mod:`.nn` (modules and Transformers), :mod:`.optim` (AdamW, schedule,
-clipping), :mod:`.tasks` (MQAR and stdlib-docstring characters),
-:mod:`.train` (the ``racecpu train`` command).
+clipping).  The training tasks and the ``racecpu train`` command that use
+them are applications: :mod:`racecpu.apps.tasks`, :mod:`racecpu.apps.train`.
 """
 
 from . import functional, nn, optim

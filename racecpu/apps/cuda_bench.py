@@ -2,9 +2,9 @@
 
 Run on a machine with an NVIDIA GPU and ``pip install "racecpu[cuda,bench]"``::
 
-    python -m racecpu.cuda.bench                       # N = 2**20 .. 2**23, 4 heads, d = 128, float32
-    python -m racecpu.cuda.bench --log2n 22 --threads 32 64 128   # tile-length sweep at one N
-    python -m racecpu.cuda.bench --out gpu_bench.json
+    python -m racecpu.apps.cuda_bench                       # N = 2**20 .. 2**23, 4 heads, d = 128, float32
+    python -m racecpu.apps.cuda_bench --log2n 22 --threads 32 64 128   # tile-length sweep at one N
+    python -m racecpu.apps.cuda_bench --out gpu_bench.json
 
 What it does, per configuration (N, causal, threads per block):
 
@@ -65,7 +65,7 @@ def _randn(shape, dtype, seed):
 
 def check_against_cpu(n=300, heads=2, head_dim=16, causal=True, seed=0):
     """Max-norm relative errors of out, dq, dk, dv (racecpu.cuda vs the CPU kernels), float32."""
-    from . import race_attention_bwd, race_attention_fwd
+    from ..cuda import race_attention_bwd, race_attention_fwd
     rng = np.random.default_rng(seed)
     q, k, v, g = (rng.standard_normal((heads, n, head_dim)).astype(np.float32) for _ in range(4))
     planes = racecpu.hyperplanes(head_dim)
@@ -85,7 +85,7 @@ def check_against_cpu(n=300, heads=2, head_dim=16, causal=True, seed=0):
 
 def time_race(n, heads=4, head_dim=128, causal=True, num_planes=3, num_tables=3, repeats=3, threads=None):
     """Forward+backward seconds (list) and peak pool bytes of racecpu.cuda at one size."""
-    from . import race_attention_bwd, race_attention_fwd
+    from ..cuda import race_attention_bwd, race_attention_fwd
     import racecpu.cuda as rc
     cp = _cupy()
     old = rc.THREADS
@@ -211,7 +211,7 @@ def format_rows(rows):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m racecpu.cuda.bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m racecpu.apps.cuda_bench", description=__doc__.splitlines()[0])
     p.add_argument("--log2n", type=int, nargs="+", default=[20, 21, 22, 23])
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=128)

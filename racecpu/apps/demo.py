@@ -17,10 +17,10 @@ import time
 import numpy as np
 from tqdm.auto import tqdm
 
-from . import reference as ref
-from ._memory import peak_rss
-from .attention import race_attention_bwd, race_attention_fwd
-from .hashing import DEFAULT_BETA, DEN_FLOOR, hyperplanes
+from .. import reference as ref
+from .._memory import peak_rss
+from ..attention import race_attention_bwd, race_attention_fwd
+from ..hashing import DEFAULT_BETA, DEN_FLOOR, hyperplanes
 
 
 def add_arguments(p):
@@ -55,7 +55,7 @@ def _exact_rows(q_rows, rows, k, v, sim, causal, block=1 << 16):
 
 def _run_out_of_core(args):
     """``--out-of-core DIR``: stream the sequence through memory-mapped files, RAM bounded."""
-    from .outofcore import demo
+    from .ooc_demo import demo
 
     m = demo(tokens=args.tokens, heads=args.heads, dim=args.dim, directory=args.out_of_core, causal=args.causal,
              seed=args.seed, num_planes=args.planes, num_tables=args.tables, beta=args.beta)

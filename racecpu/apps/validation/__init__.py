@@ -4,24 +4,24 @@
 into ``DIR``, one CSV per table, PNG plots and ``REPORT.md`` with a verdict per
 claim:
 
-1. :mod:`~racecpu.validation.kernel` -- one table's soft kernel against
+1. :mod:`~racecpu.apps.validation.kernel` -- one table's soft kernel against
    ``(1 - theta/pi)^P``: bias against the paper's bound, bias -> 0 as
    beta -> inf, variance against 1/L;
-2. :mod:`~racecpu.validation.theorem` -- RMS error of ``race_attention``
+2. :mod:`~racecpu.apps.validation.theorem` -- RMS error of ``race_attention``
    against ``reference.angular_attention(gamma=P)`` versus L, beta and N,
    non-causal and causal;
-3. :mod:`~racecpu.validation.softmax` -- angular against softmax attention as
+3. :mod:`~racecpu.apps.validation.softmax` -- angular against softmax attention as
    gamma grows, and the best-matching gamma per head dim;
-4. :mod:`~racecpu.validation.assumptions` -- (A1) ``s_min / N`` and (A2) for
+4. :mod:`~racecpu.apps.validation.assumptions` -- (A1) ``s_min / N`` and (A2) for
    every data set.
 
-Data sets (seeded) are in :mod:`~racecpu.validation.data`; queries and keys
+Data sets (seeded) are in :mod:`~racecpu.apps.validation.data`; queries and keys
 of a trained model enter through ``--qkv FILE.npz`` (arrays ``q``, ``k``,
-``v``), see :func:`racecpu.validation.data.npz_dataset`.
+``v``), see :func:`racecpu.apps.validation.data.npz_dataset`.
 
 Python use::
 
-    from racecpu.validation import run_all
+    from racecpu.apps.validation import run_all
     results = run_all("out", quick=True)      # list of Result, REPORT.md in out/
 """
 
@@ -94,7 +94,7 @@ def run_all(out_dir, *, quick=False, seed=0, only=None, datasets=None, show_prog
 
 def _datasets_note(datasets):
     doc = data.__doc__.split("Built-in data sets\n------------------\n")[1].split("\nHook")[0].strip()
-    note = ["All generators: `racecpu.validation.data` (seeded with `numpy.random.default_rng`). Raw queries and "
+    note = ["All generators: `racecpu.apps.validation.data` (seeded with `numpy.random.default_rng`). Raw queries and "
             "keys have unit-variance coordinates; Theorem 1 experiments normalise them to unit norm.", "",
             "```", doc, "```"]
     extra = [n for n in (datasets or ()) if n not in ("isotropic", "clustered", "near_duplicate")]
@@ -153,13 +153,13 @@ def run(args):
 
 
 def main(argv=None, default_out=None):
-    """Run as a script: ``python -m racecpu.validation [options]`` (used by the validation/ scripts)."""
+    """Run as a script: ``python -m racecpu.apps.validation [options]`` (used by the validation/ scripts)."""
     import argparse
     parser = argparse.ArgumentParser(prog="racecpu validate", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     if default_out:
         parser.set_defaults(out=default_out)
     args = parser.parse_args(argv)
-    script = os.path.relpath(sys.argv[0]) if sys.argv and sys.argv[0] else "racecpu.validation"
+    script = os.path.relpath(sys.argv[0]) if sys.argv and sys.argv[0] else "racecpu.apps.validation"
     args.command_line = " ".join(["python", script, *sys.argv[1:]])
     return run(args)

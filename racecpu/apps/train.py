@@ -20,12 +20,12 @@ import time
 
 import numpy as np
 
+from ..autograd import functional as F
+from ..autograd.nn import ATTENTIONS, ESTIMATORS, TransformerLM
+from ..autograd.optim import AdamW, clip_grad_norm, warmup_linear_decay
+from ..autograd.tensor import no_grad
 from ..hashing import DEFAULT_BETA
-from . import functional as F
-from .nn import ATTENTIONS, ESTIMATORS, TransformerLM
-from .optim import AdamW, clip_grad_norm, warmup_linear_decay
 from .tasks import IGNORE, char_batch, char_corpus, char_eval_windows, mqar_batch, CHARS
-from .tensor import no_grad
 
 #: Per-task defaults (chosen so one run takes a few minutes on a 2-core machine).
 TASK_DEFAULTS = {

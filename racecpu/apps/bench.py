@@ -284,9 +284,9 @@ def torch_race(q, k, v, planes, beta, causal=False):
 # child processes: one measurement each
 # ---------------------------------------------------------------------------
 
-from ._memory import peak_rss as _peak_rss  # noqa: E402
-from ._memory import proc_status as _proc_status  # noqa: E402
-from ._memory import reset_peak_rss as _reset_peak  # noqa: E402
+from .._memory import peak_rss as _peak_rss  # noqa: E402
+from .._memory import proc_status as _proc_status  # noqa: E402
+from .._memory import reset_peak_rss as _reset_peak  # noqa: E402
 
 
 def _inputs(spec, n):
@@ -572,9 +572,9 @@ def _env(threads, cache_dir=None):
     return env
 
 
-_CHILD = "from racecpu.bench import _child_main; _child_main()"
+_CHILD = "from racecpu.apps.bench import _child_main; _child_main()"
 _COMPILE_CHILD = ("import time; t0 = time.perf_counter()\n"
-                  "from racecpu.bench import _compile_child, _MARK; import json\n"
+                  "from racecpu.apps.bench import _compile_child, _MARK; import json\n"
                   "print(_MARK + json.dumps(_compile_child(t0)), flush=True)")
 
 

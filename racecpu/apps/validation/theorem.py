@@ -14,7 +14,7 @@ non-causal and causal (the paper leaves the causal case open):
 * **beta sweep** at large L: the error and, separately, its bias term, the
   error of the L -> infinity limit ``O_bar = diag(E[S_hat] 1)^-1 E[S_hat] V``
   with the exact expected kernel ``E[S_hat] = f(theta, beta)^P``
-  (:func:`racecpu.validation.theory.expected_kernel`) -- no sampling noise;
+  (:func:`racecpu.apps.validation.theory.expected_kernel`) -- no sampling noise;
   slope of the bias term against beta, ~ -1, until the total error reaches the
   variance floor of the finite L;
 * **N sweep** at fixed L and beta: the RMS error and the worst token's error

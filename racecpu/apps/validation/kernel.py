@@ -7,7 +7,7 @@ the planes (Monte Carlo) and compared with
 
 * the target ``(1 - theta/pi) ** P`` (the SimHash collision probability),
 * its exact expectation ``f(theta, beta) ** P`` by quadrature
-  (:func:`racecpu.validation.theory.expected_kernel`), an independent check of
+  (:func:`racecpu.apps.validation.theory.expected_kernel`), an independent check of
   both computations,
 * the paper's bias bound ``4P / (sqrt(2 pi) beta) (+ 2P e^{-2 tanh(1) beta})``.
 
