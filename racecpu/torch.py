@@ -124,7 +124,7 @@ def _race_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, planes
 
 @_race_attention_op.register_fake
 def _(q, k, v, planes, beta, causal, key_mask, keep_residuals):
-    out = q.new_empty(q.shape[:-1] + v.shape[-1:], dtype=v.dtype)
+    out = q.new_empty(q.shape[:-1] + v.shape[-1:], dtype=v.dtype)  # C-contiguous, as the real one
     return out, torch.empty((), dtype=torch.int64)
 
 
@@ -147,7 +147,8 @@ def _race_attention_bwd_op(handle: torch.Tensor, grad_out: torch.Tensor, q: torc
 
 @_race_attention_bwd_op.register_fake
 def _(handle, grad_out, q, k, v):
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+    # the real gradients are C-contiguous whatever the inputs' strides
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             grad_out.new_empty((), dtype=torch.float64))
 
 
