@@ -34,6 +34,7 @@ come back through ``torch.as_tensor``; this path has not been run on a GPU.
 import itertools
 import threading
 import weakref
+from typing import Optional
 
 import numpy as np
 import torch
@@ -104,7 +105,7 @@ def _drop(key):
 
 @torch.library.custom_op("racecpu::race_attention", mutates_args=())
 def _race_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, planes: torch.Tensor,
-                       beta: torch.Tensor, causal: bool, key_mask: torch.Tensor | None,
+                       beta: torch.Tensor, causal: bool, key_mask: Optional[torch.Tensor],
                        keep_residuals: bool) -> tuple[torch.Tensor, torch.Tensor]:
     fwd, _, fwd_only, to_array = _backend(q.device)
     args = (to_array(q), to_array(k), to_array(v), to_array(planes), float(beta))
