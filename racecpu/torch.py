@@ -10,7 +10,9 @@ residual handle) and ``racecpu::race_attention_bwd`` (backward), with
 CPU tensors cross to :mod:`racecpu`'s NumPy API without a copy both ways
 (``Tensor.numpy()`` views, ``torch.from_numpy`` of the results) when their
 dtype is float16/32/64; bfloat16 is converted to float32 (one copy of
-``q, k, v``) and the results back (one copy each).
+``q, k, v`` and ``grad_out``) and the results back (one copy each), into
+memory from racecpu's pool so that a training loop does not fault fresh
+pages in for them every step.
 
 The residuals
 -------------
@@ -41,6 +43,7 @@ import torch
 from torch import nn
 
 from . import attention as _api
+from ._memory import POOL
 from .hashing import DEFAULT_BETA, hyperplanes
 
 __all__ = ["race_attention", "RaceAttention"]
@@ -60,8 +63,17 @@ def _to_numpy(t):
     bfloat16 is converted to float32, a copy)."""
     t = t.detach()
     if t.dtype == torch.bfloat16:
-        t = t.to(torch.float32)
+        return _pooled(t.shape, torch.float32).copy_(t).numpy()
     return t.resolve_conj().resolve_neg().numpy()
+
+
+def _pooled(shape, dtype):
+    """An uninitialised CPU tensor from racecpu's memory pool (README, "Memory"):
+    converted copies reuse the pages of dropped ones instead of faulting fresh
+    pages in every call."""
+    if dtype == torch.bfloat16:
+        return torch.from_numpy(POOL.empty(shape, np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(POOL.empty(shape, torch.empty((), dtype=dtype).numpy().dtype))
 
 
 def _from_numpy(a, dtype, device):
@@ -71,6 +83,8 @@ def _from_numpy(a, dtype, device):
         t = torch.as_tensor(a, device=device)
     else:
         t = torch.from_numpy(np.asarray(a))
+        if t.dtype != dtype:
+            return _pooled(t.shape, dtype).copy_(t)
     return t if t.dtype == dtype else t.to(dtype)
 
 
@@ -139,8 +153,7 @@ def _race_attention_bwd_op(handle: torch.Tensor, grad_out: torch.Tensor, q: torc
         raise RuntimeError("racecpu::race_attention_bwd: the forward's residuals are gone (the forward ran "
                            "without any input requiring grad, or its graph was freed)")
     _, bwd, _, to_array = _backend(grad_out.device)
-    dq, dk, dv, dbeta = bwd(res, to_array(grad_out.contiguous() if grad_out.dtype == torch.bfloat16
-                                          else grad_out))
+    dq, dk, dv, dbeta = bwd(res, to_array(grad_out))
     dev = grad_out.device
     return (_from_numpy(dq, q.dtype, dev), _from_numpy(dk, k.dtype, dev), _from_numpy(dv, v.dtype, dev),
             torch.tensor(dbeta, dtype=torch.float64, device=dev))
