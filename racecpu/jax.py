@@ -1,0 +1,114 @@
+"""racecpu.jax: RACE attention as a differentiable JAX function (CPU).
+
+:func:`race_attention` is a :func:`jax.custom_vjp` whose forward and
+backward call :mod:`racecpu`'s NumPy API through :func:`jax.pure_callback`:
+it works under ``jit``, ``grad`` (reverse mode only: no ``jvp``/``jacfwd``)
+and ``vmap`` (each mapped element is one host call, ``vmap_method=
+"sequential"``; put batch and head dims in the leading dims of ``q, k, v``
+instead where you can, which is one call).
+
+Residuals: a callback cannot hand a Python object (:class:`racecpu.Residuals`)
+to the backward, so the forward keeps ``q, k, v, planes, beta, key_mask``
+and the backward's callback runs :func:`racecpu.race_attention_fwd` again
+before :func:`racecpu.race_attention_bwd` (one extra forward per backward;
+the gradients are the NumPy API's, bit for bit).  The forward itself calls
+:func:`racecpu.race_attention`, which keeps no residuals.
+
+The arrays cross to the host as the callback's NumPy arrays (on the CPU
+backend, XLA's buffers).  float16 computes in float32 as in the NumPy API;
+bfloat16 is converted to float32 and back (copies).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import attention as _api
+from .hashing import DEFAULT_BETA
+
+__all__ = ["race_attention"]
+
+
+def _host(x):
+    x = np.asarray(x)
+    return x.astype(np.float32) if x.dtype.name == "bfloat16" else x
+
+
+def _fwd_host(causal, has_mask, q, k, v, planes, beta, mask):
+    out = _api.race_attention(_host(q), _host(k), _host(v), _host(planes), float(beta), causal=causal,
+                              key_mask=mask if has_mask else None)
+    return out.astype(v.dtype, copy=False)
+
+
+def _bwd_host(causal, has_mask, q, k, v, planes, beta, mask, g):
+    _, res = _api.race_attention_fwd(_host(q), _host(k), _host(v), _host(planes), float(beta), causal=causal,
+                                     key_mask=mask if has_mask else None)
+    dq, dk, dv, dbeta = _api.race_attention_bwd(res, _host(g))
+    return (dq.astype(q.dtype, copy=False), dk.astype(k.dtype, copy=False), dv.astype(v.dtype, copy=False),
+            np.asarray(dbeta, dtype=beta.dtype))
+
+
+def _sds(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _race(causal, has_mask, q, k, v, planes, beta, mask):
+    shape = jax.ShapeDtypeStruct(q.shape[:-1] + v.shape[-1:], v.dtype)
+    return jax.pure_callback(functools.partial(_fwd_host, causal, has_mask), shape, q, k, v, planes, beta, mask,
+                             vmap_method="sequential")
+
+
+def _race_fwd(causal, has_mask, q, k, v, planes, beta, mask):
+    return _race(causal, has_mask, q, k, v, planes, beta, mask), (q, k, v, planes, beta, mask)
+
+
+def _race_bwd(causal, has_mask, saved, g):
+    q, k, v, planes, beta, mask = saved
+    dq, dk, dv, dbeta = jax.pure_callback(functools.partial(_bwd_host, causal, has_mask),
+                                          (_sds(q), _sds(k), _sds(v), _sds(beta)), q, k, v, planes, beta, mask,
+                                          g, vmap_method="sequential")
+    # planes are constants (zero cotangent); the mask is boolean (float0 cotangent)
+    return dq, dk, dv, jnp.zeros_like(planes), dbeta, np.zeros(mask.shape, dtype=jax.dtypes.float0)
+
+
+_race.defvjp(_race_fwd, _race_bwd)
+
+
+def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None):
+    """RACE attention on JAX arrays (see :func:`racecpu.race_attention`), differentiable in reverse mode.
+
+    Parameters
+    ----------
+    q : jax.Array, shape (..., Nq, d)
+    k : jax.Array, shape (..., Nk, d)
+    v : jax.Array, shape (..., Nk, dv)
+        The same leading dims; float16, bfloat16, float32 or float64 (float64
+        needs ``jax_enable_x64``).
+    planes : array_like, shape (L, P, d)
+        From :func:`racecpu.hyperplanes`.  Treated as constants: their
+        cotangent is zero.
+    beta : float or scalar array
+        Soft-hash temperature (> 0); differentiable (its cotangent is the
+        NumPy API's ``dbeta``, in ``beta``'s dtype).
+    causal : bool (static)
+        Query i sees keys j <= i (needs Nq == Nk).
+    key_mask : bool array, shape (..., Nk), optional
+        False keys contribute nothing.
+
+    Returns
+    -------
+    out : jax.Array, shape (..., Nq, dv), dtype of ``v``
+        A new array (it aliases nothing).  Gradients come in the dtype of
+        their input.
+    """
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    planes = jnp.asarray(planes)
+    beta = jnp.asarray(beta, dtype=jnp.result_type(float))
+    if beta.shape != ():
+        beta = beta.reshape(())  # one element, or a clear reshape error
+    has_mask = key_mask is not None
+    mask = jnp.asarray(key_mask, dtype=bool) if has_mask else jnp.zeros((0,), dtype=bool)
+    return _race(bool(causal), has_mask, q, k, v, planes, beta, mask)

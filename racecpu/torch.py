@@ -1,0 +1,308 @@
+"""racecpu.torch: RACE attention as a PyTorch op with autograd.
+
+``race_attention`` is registered with :func:`torch.library.custom_op` as
+``racecpu::race_attention`` (forward, returning the output and an opaque
+residual handle) and ``racecpu::race_attention_bwd`` (backward), with
+``register_autograd`` and ``register_fake``: gradients flow to ``q``, ``k``,
+``v`` and to ``beta`` when it is a tensor that requires grad, and
+``torch.compile`` sees both as opaque ops (no graph break).
+
+CPU tensors cross to :mod:`racecpu`'s NumPy API without a copy both ways
+(``Tensor.numpy()`` views, ``torch.from_numpy`` of the results) when their
+dtype is float16/32/64; bfloat16 is converted to float32 (one copy of
+``q, k, v`` and ``grad_out``) and the results back (one copy each), into
+memory from racecpu's pool so that a training loop does not fault fresh
+pages in for them every step.
+
+The residuals
+-------------
+:func:`racecpu.race_attention_bwd` needs the :class:`racecpu.Residuals`
+object of the forward, which is not a tensor.  The forward op keeps it in a
+module-level table under an integer key and returns that key as a 0-dim
+int64 "handle" tensor; autograd saves the handle for the backward op, which
+looks the residuals up.  The entry is dropped when the handle tensor dies
+(``weakref.finalize``), i.e. when the autograd graph that saved it is freed
+(after ``backward()`` without ``retain_graph``, or when the output is
+dropped without a backward), so residuals live exactly as long as a
+``save_for_backward`` tensor would.  Recomputing the forward in the backward
+instead would cost one more forward per step; the table costs nothing.
+When no input needs a gradient (inference, ``torch.no_grad()``), the forward
+keeps no residuals (:func:`racecpu.race_attention`) and the handle is -1.
+
+CUDA tensors go to :mod:`racecpu.cuda` (``__cuda_array_interface__``) and
+come back through ``torch.as_tensor``; this path has not been run on a GPU.
+"""
+
+import itertools
+import threading
+import weakref
+from typing import Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import attention as _api
+from ._memory import POOL
+from .hashing import DEFAULT_BETA, hyperplanes
+
+__all__ = ["race_attention", "RaceAttention"]
+
+_RESIDUALS = {}          # handle -> Residuals (CPU) or racecpu.cuda.Residuals
+_KEYS = itertools.count()
+_LOCK = threading.Lock()
+_NUMPY_DTYPES = (torch.float16, torch.float32, torch.float64)
+
+
+# ---------------------------------------------------------------------------
+# crossing between torch and the array API
+# ---------------------------------------------------------------------------
+
+def _to_numpy(t):
+    """A NumPy view of CPU tensor ``t`` (no copy for float16/32/64 and bool;
+    bfloat16 is converted to float32, a copy)."""
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return _pooled(t.shape, torch.float32).copy_(t).numpy()
+    return t.resolve_conj().resolve_neg().numpy()
+
+
+def _pooled(shape, dtype):
+    """An uninitialised CPU tensor from racecpu's memory pool (README, "Memory"):
+    converted copies reuse the pages of dropped ones instead of faulting fresh
+    pages in every call."""
+    if dtype == torch.bfloat16:
+        return torch.from_numpy(POOL.empty(shape, np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(POOL.empty(shape, torch.empty((), dtype=dtype).numpy().dtype))
+
+
+def _from_numpy(a, dtype, device):
+    """``a`` (the array API's result) as a tensor of ``dtype``: a view of the
+    same memory when the dtypes agree (CPU), else a converted copy."""
+    if device.type == "cuda":
+        t = torch.as_tensor(a, device=device)
+    else:
+        t = torch.from_numpy(np.asarray(a))
+        if t.dtype != dtype:
+            return _pooled(t.shape, dtype).copy_(t)
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _backend(device):
+    """(fwd, bwd, forward-only, to-array) for tensors on ``device``."""
+    if device.type == "cpu":
+        return _api.race_attention_fwd, _api.race_attention_bwd, _api.race_attention, _to_numpy
+    if device.type == "cuda":
+        try:
+            from . import cuda as rc
+        except ImportError as exc:
+            raise NotImplementedError(f"racecpu.torch on CUDA tensors needs racecpu.cuda: {exc}") from exc
+
+        def to_array(t):
+            t = t.detach()
+            return t.to(torch.float32) if t.dtype == torch.bfloat16 else t
+
+        def fwd_only(*args, **kw):
+            return rc.race_attention_fwd(*args, **kw)[0]
+        return rc.race_attention_fwd, rc.race_attention_bwd, fwd_only, to_array
+    raise NotImplementedError(f"racecpu.torch supports CPU and CUDA tensors, got device {device}")
+
+
+def _drop(key):
+    with _LOCK:
+        _RESIDUALS.pop(key, None)
+
+
+# ---------------------------------------------------------------------------
+# the ops
+# ---------------------------------------------------------------------------
+
+@torch.library.custom_op("racecpu::race_attention", mutates_args=())
+def _race_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, planes: torch.Tensor,
+                       beta: torch.Tensor, causal: bool, key_mask: Optional[torch.Tensor],
+                       keep_residuals: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    fwd, _, fwd_only, to_array = _backend(q.device)
+    args = (to_array(q), to_array(k), to_array(v), to_array(planes), float(beta))
+    mask = None if key_mask is None else to_array(key_mask)
+    if keep_residuals:
+        out, res = fwd(*args, causal=causal, key_mask=mask)
+        with _LOCK:
+            key = next(_KEYS)
+            _RESIDUALS[key] = res
+        handle = torch.tensor(key, dtype=torch.int64)
+        weakref.finalize(handle, _drop, key)
+    else:
+        out = fwd_only(*args, causal=causal, key_mask=mask)
+        handle = torch.tensor(-1, dtype=torch.int64)
+    return _from_numpy(out, v.dtype, q.device), handle
+
+
+@_race_attention_op.register_fake
+def _(q, k, v, planes, beta, causal, key_mask, keep_residuals):
+    out = q.new_empty(q.shape[:-1] + v.shape[-1:], dtype=v.dtype)  # C-contiguous, as the real one
+    return out, torch.empty((), dtype=torch.int64)
+
+
+@torch.library.custom_op("racecpu::race_attention_bwd", mutates_args=())
+def _race_attention_bwd_op(handle: torch.Tensor, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                           v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    key = int(handle)
+    with _LOCK:
+        res = _RESIDUALS.get(key)
+    if res is None:
+        raise RuntimeError("racecpu::race_attention_bwd: the forward's residuals are gone (the forward ran "
+                           "without any input requiring grad, or its graph was freed)")
+    _, bwd, _, to_array = _backend(grad_out.device)
+    dq, dk, dv, dbeta = bwd(res, to_array(grad_out))
+    dev = grad_out.device
+    return (_from_numpy(dq, q.dtype, dev), _from_numpy(dk, k.dtype, dev), _from_numpy(dv, v.dtype, dev),
+            torch.tensor(dbeta, dtype=torch.float64, device=dev))
+
+
+@_race_attention_bwd_op.register_fake
+def _(handle, grad_out, q, k, v):
+    # the real gradients are C-contiguous whatever the inputs' strides
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            grad_out.new_empty((), dtype=torch.float64))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, planes, beta, causal, key_mask, keep = inputs
+    _, handle = output
+    # q, k, v only give the gradients' dtypes and shapes (and are views, so saving them costs nothing)
+    ctx.save_for_backward(handle, q, k, v)
+    ctx.beta_meta = (beta.shape, beta.dtype)
+
+
+def _backward(ctx, grad_out, _grad_handle):
+    handle, q, k, v = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    if grad_out is None:
+        grad_out = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=v.dtype, device=v.device)
+    dq, dk, dv, dbeta = _race_attention_bwd_op(handle, grad_out, q, k, v)
+    shape, dtype = ctx.beta_meta
+    dbeta = dbeta.reshape(shape).to(dtype) if need[4] else None
+    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, None, dbeta,
+            None, None, None)
+
+
+_race_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------
+# the public function and module
+# ---------------------------------------------------------------------------
+
+def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None):
+    """RACE attention on torch tensors, differentiable (see :func:`racecpu.race_attention`).
+
+    Parameters
+    ----------
+    q : Tensor, shape (..., Nq, d)
+    k : Tensor, shape (..., Nk, d)
+    v : Tensor, shape (..., Nk, dv)
+        The same leading (batch, head) dims; float16, bfloat16, float32 or
+        float64, all on one device (CPU; CUDA through :mod:`racecpu.cuda`).
+        Any strides (a non-contiguous CPU tensor is viewed, not copied).
+    planes : Tensor or array_like, shape (L, P, d)
+        Hyperplanes (:func:`racecpu.hyperplanes`); cast to the compute
+        dtype.  Constants: a ``planes`` that requires grad raises
+        ``NotImplementedError``.
+    beta : float or Tensor with one element
+        Soft-hash temperature (> 0).  A tensor that requires grad gets the
+        gradient summed over every batch, head and token, in its own dtype
+        and shape.
+    causal : bool
+        Query i sees keys j <= i (needs Nq == Nk).
+    key_mask : bool Tensor, shape (..., Nk), optional
+        False keys contribute nothing.
+
+    Returns
+    -------
+    out : Tensor, shape (..., Nq, dv), dtype of ``v``
+        float16 computes in float32 (as the NumPy API does), bfloat16 in
+        float32 with its inputs converted (copies); float32/float64 on the CPU
+        are the NumPy API's result without a copy (``out.numpy()`` is it).  It
+        aliases no input.  Gradients come in the dtype of their input.
+
+    Notes
+    -----
+    Inputs are never modified.  While a graph that holds this op's output is
+    alive, the forward's residuals keep a reference to ``v``'s memory: do not
+    modify ``v`` in place before the backward (autograd's version check does
+    not see it).
+    """
+    if not isinstance(planes, torch.Tensor):
+        planes = torch.as_tensor(np.asarray(planes), device=q.device)
+    if planes.requires_grad:
+        raise NotImplementedError("gradients with respect to planes are not implemented; "
+                                  "pass planes.detach() (RaceAttention keeps them as a buffer)")
+    if not isinstance(beta, torch.Tensor):
+        beta = torch.tensor(float(beta), dtype=torch.float64)
+    if beta.numel() != 1:
+        raise ValueError(f"beta must have one element, got shape {tuple(beta.shape)}")
+    if beta.device != q.device and beta.device.type != "cpu":
+        beta = beta.cpu()
+    keep = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, beta))
+    out, _ = _race_attention_op(q, k, v, planes, beta, bool(causal), key_mask, keep)
+    return out
+
+
+class RaceAttention(nn.Module):
+    """RACE attention as an ``nn.Module``, called like ``F.scaled_dot_product_attention``.
+
+    Holds the ``(L, P, d)`` planes as a buffer (saved in the state dict, moved
+    by ``.to()``, never trained) and ``beta`` as a parameter (trained unless
+    ``learn_beta=False``).
+
+    Parameters
+    ----------
+    head_dim : int
+        ``d`` of q and k.
+    num_planes, num_tables : int
+        ``P`` and ``L``.
+    beta : float
+        Initial soft-hash temperature (> 0).
+    seed : int
+        Seed of :func:`racecpu.hyperplanes`.
+    learn_beta : bool
+        Whether ``beta`` requires grad.
+    dtype : torch.dtype
+        dtype of the planes buffer and of ``beta``.
+
+    Examples
+    --------
+    In a multi-head block, in place of ``F.scaled_dot_product_attention(q, k,
+    v, is_causal=True)`` with ``q, k, v`` of shape ``(B, H, N, d)``::
+
+        self.attn = RaceAttention(d)
+        y = self.attn(q, k, v, is_causal=True)
+    """
+
+    def __init__(self, head_dim, num_planes=3, num_tables=3, beta=DEFAULT_BETA, seed=0, learn_beta=True,
+                 dtype=torch.float32):
+        super().__init__()
+        planes = hyperplanes(head_dim, num_planes, num_tables, seed=seed, dtype=np.float64)
+        self.register_buffer("planes", torch.from_numpy(planes).to(dtype))
+        self.beta = nn.Parameter(torch.tensor(float(beta), dtype=dtype), requires_grad=learn_beta)
+
+    def extra_repr(self):
+        L, P, d = self.planes.shape
+        return f"head_dim={d}, num_planes={P}, num_tables={L}"
+
+    def forward(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
+                key_mask=None):
+        """``(..., Nq, d), (..., Nk, d), (..., Nk, dv) -> (..., Nq, dv)``.
+
+        ``attn_mask``, ``dropout_p`` and ``scale`` are SDPA's arguments that
+        RACE has no equivalent of: anything but their defaults raises
+        ``NotImplementedError``.  Use ``key_mask`` (bool ``(..., Nk)``, False
+        = padding) for padding masks.
+        """
+        if attn_mask is not None:
+            raise NotImplementedError("RaceAttention takes no attn_mask; use is_causal and key_mask")
+        if dropout_p:
+            raise NotImplementedError("RaceAttention has no attention dropout")
+        if scale is not None:
+            raise NotImplementedError("RaceAttention has no scale (beta plays the temperature's part)")
+        return race_attention(query, key, value, self.planes, self.beta, causal=is_causal, key_mask=key_mask)
