@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import io
 import os
+import secrets
+import threading
 import zipfile
 
 import numpy as np
@@ -225,7 +227,12 @@ class RaceState:
 
     # -- persistence ------------------------------------------------------------
     def save(self, path):
-        """Write the state to ``path`` (npz; written atomically via a temporary file).
+        """Write the state to ``path`` (npz), atomically.
+
+        The file is written under a unique temporary name in the same
+        directory, flushed to disk and renamed over ``path``, so concurrent
+        saves from threads or processes never interleave and a reader sees
+        either the old file or a complete new one.
 
         The file holds a format tag and version, the planes, beta, dtype,
         batch_shape, the token count and the float64 state, so a loaded state
@@ -236,16 +243,7 @@ class RaceState:
                     beta=np.array(self._beta), dtype=np.array(self._dtype.name),
                     batch_shape=np.array(self._batch_shape, dtype=np.int64), count=np.array(self._count),
                     A=self._A, B=self._B)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        try:
-            with open(tmp, "wb") as fh:
-                np.savez(fh, **data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        _write_atomic(path, lambda fh: np.savez(fh, **data))
 
     @classmethod
     def load(cls, path, *, planes=None, beta=None):
@@ -315,6 +313,39 @@ class RaceState:
         st._B = np.ascontiguousarray(d["B"])
         st._count = count
         return st
+
+
+def _write_atomic(path, write):
+    """Write ``path`` through ``write(fh)`` on a unique temporary file in its
+    directory: flush, fsync, rename over ``path``, then fsync the directory
+    (where the platform allows) so the rename itself is durable."""
+    directory = os.path.dirname(os.path.abspath(path))
+    # Unique per call (pid, thread and random token); O_EXCL never reuses a name; mode 0o666 less the
+    # umask, as open() would give (mkstemp's 0o600 would change the saved file's permissions).
+    tmp = f"{path}.{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
+    try:
+        dfd = os.open(directory, os.O_RDONLY)
+    except OSError:  # Windows cannot open a directory
+        return
+    try:
+        os.fsync(dfd)
+    except OSError:  # some file systems do not sync directories
+        pass
+    finally:
+        os.close(dfd)
 
 
 class _Invalid(Exception):
