@@ -95,3 +95,141 @@ def test_save_is_atomic_across_threads(tmp_path):
     assert errors == [], errors[:3]
     assert loads[0] > 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.npz"]  # no temporary left behind
+
+
+def _assert_same_state(a, b):
+    assert (a.count, a.beta, a.dtype, a.batch_shape) == (b.count, b.beta, b.dtype, b.batch_shape)
+    np.testing.assert_array_equal(a.planes, b.planes)
+    np.testing.assert_array_equal(a.A, b.A)
+    np.testing.assert_array_equal(a.B, b.B)
+
+
+def test_single_byte_flips_load_equal_or_raise_value_error(tmp_path):
+    from racecpu.streaming import RaceState
+    st = _state(4)
+    good = tmp_path / "good.npz"
+    st.save(good)
+    raw = good.read_bytes()
+    path = tmp_path / "bad.npz"
+    equal = errors = 0
+    for pos in range(0, len(raw), 7):
+        for flip in (0x01, 0xFF):
+            bad = bytearray(raw)
+            bad[pos] ^= flip
+            path.write_bytes(bytes(bad))
+            try:
+                got = RaceState.load(path)
+            except ValueError:
+                errors += 1
+                continue
+            _assert_same_state(got, st)
+            equal += 1
+    assert errors > 0 and equal + errors == 2 * len(range(0, len(raw), 7))
+
+
+def _fields(st):
+    return dict(format=np.array("racecpu.RaceState"), version=np.array(1), planes=st.planes,
+                beta=np.array(st.beta), dtype=np.array(st.dtype.name),
+                batch_shape=np.array(st.batch_shape, dtype=np.int64), count=np.array(st.count),
+                A=st._A, B=st._B)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(count=np.array(3.7)), "count"),
+    (dict(batch_shape=np.array([2 ** 32, 2 ** 32], dtype=np.int64)), "batch_shape"),
+    (dict(A=None), "missing"),
+    (dict(beta=np.array("x")), "beta"),
+])
+def test_bad_entries_raise_value_error(tmp_path, change, match):
+    from racecpu.streaming import RaceState
+    d = _fields(_state(2))
+    d.update(change)
+    d = {key: val for key, val in d.items() if val is not None}
+    path = tmp_path / "s.npz"
+    np.savez(path, **d)
+    with pytest.raises(ValueError, match=match):
+        RaceState.load(path)
+
+
+def _npy_header(shape, descr="<f8"):
+    """The bytes of a .npy file's magic and header declaring ``shape`` (no data)."""
+    import io
+    from numpy.lib import format as npformat
+    buf = io.BytesIO()
+    npformat.write_array_header_1_0(buf, dict(descr=descr, fortran_order=False, shape=shape))
+    return buf.getvalue()
+
+
+def test_huge_declared_shape_raises_value_error(tmp_path):
+    import zipfile
+
+    from racecpu.streaming import RaceState
+    d = _fields(_state(2))
+    path = tmp_path / "s.npz"
+    np.savez(path, **{key: val for key, val in d.items() if key != "B"})
+    with zipfile.ZipFile(path, "a") as zf:  # a B that declares 2**70 bytes and holds none
+        zf.writestr("B.npy", _npy_header((2 ** 40, 24, 2 ** 27)))
+    with pytest.raises(ValueError, match="more than"):
+        RaceState.load(path)
+    # A whose header says (2**33, 2**31) float64: its int64 byte count wraps to 0
+    np.savez(path, **{key: val for key, val in d.items() if key != "A"})
+    with zipfile.ZipFile(path, "a") as zf:
+        zf.writestr("A.npy", _npy_header((2 ** 33, 2 ** 31)))
+    with pytest.raises(ValueError):
+        RaceState.load(path)
+
+
+def test_zip_bomb_entry_raises_value_error(tmp_path):
+    import zipfile
+
+    from racecpu.streaming import RaceState
+    d = _fields(_state(2))
+    path = tmp_path / "s.npz"
+    np.savez(path, **{key: val for key, val in d.items() if key != "B"})
+    with zipfile.ZipFile(path, "a", compression=zipfile.ZIP_DEFLATED) as zf:
+        with zf.open("B.npy", "w", force_zip64=True) as f:  # 256 MiB of zeros, ~256 KiB compressed
+            f.write(_npy_header((2, 24, 2 ** 21 // 3)))
+            block = bytes(1 << 20)
+            for _ in range(256):
+                f.write(block)
+    assert path.stat().st_size < 1 << 20
+    with pytest.raises(ValueError, match="compressed entry B"):
+        RaceState.load(path)
+
+
+def test_load_refuses_fifos_and_devices(tmp_path):
+    import os
+    import subprocess
+    import sys
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("no FIFOs here")
+    fifo = tmp_path / "fifo.npz"
+    os.mkfifo(fifo)
+    code = ("import sys; from racecpu.streaming import RaceState\n"
+            "for p in sys.argv[1:]:\n"
+            "    try:\n        RaceState.load(p)\n    except ValueError as e:\n        print('ValueError', e)\n")
+    targets = [str(fifo), str(tmp_path)] + (["/dev/zero"] if os.path.exists("/dev/zero") else [])
+    r = subprocess.run([sys.executable, "-c", code, *targets], capture_output=True, text=True, timeout=120,
+                       cwd=os.path.dirname(os.path.dirname(racecpu.__file__)))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("ValueError") == len(targets), r.stdout
+    assert "not a regular file" in r.stdout
+
+
+def test_constructor_rejects_impossible_shapes():
+    from racecpu.streaming import RaceState
+    W = racecpu.hyperplanes(4, 3, 3)
+    with pytest.raises(ValueError, match="bytes"):
+        RaceState(W, 8.0, batch_shape=(2 ** 32, 2 ** 32), dv=3)
+    with pytest.raises(ValueError, match="bytes"):
+        RaceState(W, 8.0, batch_shape=(2 ** 40,), dv=3)
+
+
+def test_loaded_state_steps_in_place(tmp_path):
+    from racecpu.streaming import RaceState
+    st = _state(3)
+    st.save(tmp_path / "s.npz")
+    got = RaceState.load(tmp_path / "s.npz")
+    x = np.ones((2, 4))
+    np.testing.assert_array_equal(got.step(x, x, x[:, :3]), st.step(x, x, x[:, :3]))
+    _assert_same_state(got, st)
