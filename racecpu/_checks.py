@@ -57,7 +57,12 @@ def check_planes(planes, d, cdt):
         raise ValueError(f"head dim must be >= 1, got planes shape {planes.shape}")
     if not np.isfinite(planes).all():
         raise ValueError("planes contain NaN or Inf")
-    return np.ascontiguousarray(planes, dtype=cdt)
+    with np.errstate(over="ignore"):
+        cast = np.ascontiguousarray(planes, dtype=cdt)
+    if not np.isfinite(cast).all():  # finite planes that overflow the compute dtype (float64 -> float32)
+        raise ValueError(f"planes are too large for the compute dtype {np.dtype(cdt)} "
+                         f"(max |planes| = {np.abs(planes).max():.3g}); scale them down or pass float64 inputs")
+    return cast
 
 
 def check_beta(beta):

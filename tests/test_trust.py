@@ -233,3 +233,57 @@ def test_loaded_state_steps_in_place(tmp_path):
     x = np.ones((2, 4))
     np.testing.assert_array_equal(got.step(x, x, x[:, :3]), st.step(x, x, x[:, :3]))
     _assert_same_state(got, st)
+
+
+# ---------------------------------------------------------------------------
+# the pool's environment and memory limits; planes that overflow
+# ---------------------------------------------------------------------------
+
+def _run_python(code, env=None, timeout=120):
+    import os
+    import subprocess
+    import sys
+    full = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                          cwd=os.path.dirname(os.path.dirname(racecpu.__file__)), env=full)
+
+
+@pytest.mark.parametrize("value", ["inf", "-5", "nan", "lots"])
+def test_bad_pool_bytes_warn_and_use_the_default(monkeypatch, value):
+    from racecpu import _memory
+    monkeypatch.setenv("RACECPU_POOL_BYTES", value)
+    with pytest.warns(RuntimeWarning, match="RACECPU_POOL_BYTES"):
+        assert _memory._default_limit() == _memory._physical_memory() // 2
+
+
+def test_pool_bytes_is_read_at_first_use_not_at_import():
+    code = ("import os, warnings, racecpu\n"
+            "os.environ['RACECPU_POOL_BYTES'] = '12345'\n"
+            "print(racecpu.pool_stats()['limit'])\n")
+    r = _run_python(code, env={"RACECPU_POOL_BYTES": "inf"})  # inf at import: neither read nor fatal
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["12345"]
+
+
+def test_pool_raises_memory_error_under_an_address_space_limit():
+    import sys
+    if not sys.platform.startswith("linux"):
+        pytest.skip("reads /proc and sets RLIMIT_AS")
+    code = ("import resource, numpy as np\n"
+            "from racecpu._memory import POOL, proc_status\n"
+            "POOL.limit = 8 << 30\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (proc_status('VmSize') + (256 << 20),) * 2)\n"
+            "try:\n"
+            "    POOL.empty((1 << 30,), np.float32)\n"
+            "except MemoryError as e:\n"
+            "    print('MemoryError', e)\n")
+    r = _run_python(code)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("MemoryError"), r.stdout
+
+
+def test_planes_that_overflow_float32_are_blamed(rng):
+    q = rng.standard_normal((9, 6)).astype(np.float32)
+    W = racecpu.hyperplanes(6, 3, 3, dtype=np.float64) * 1e39
+    with pytest.raises(ValueError, match="planes are too large for the compute dtype float32"):
+        racecpu.race_attention(q, q, q, W, 4.0)
