@@ -31,6 +31,7 @@ import zipfile
 import numpy as np
 from numpy.lib import format as npformat
 
+from . import _fork
 from . import _kernels as K
 from ._checks import check_beta, check_planes, prepare
 
@@ -187,6 +188,7 @@ class RaceState:
         Returns the attention output, shape batch_shape + (dv,).  Same as
         ``extend`` with a block of one token.
         """
+        _fork.check()  # a state built before a fork steps without check_array
         q, k, v = (self._cast(name, x) for name, x in (("q", q), ("k", k), ("v", v)))
         want = {"q": self._batch_shape + (self.head_dim,), "k": self._batch_shape + (self.head_dim,),
                 "v": self._batch_shape + (self.dv,)}
@@ -493,6 +495,7 @@ def advance(q, k, v, planes, beta, A0, B0, out, *, phik=None, tk=None, phiq=None
     chunk length and the carried-in states ``(chunk, carryA, carryB)`` that a
     backward needs.
     """
+    _fork.check()
     G, n, _ = q.shape
     dv = v.shape[2]
     L, P, _ = planes.shape

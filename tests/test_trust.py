@@ -287,3 +287,70 @@ def test_planes_that_overflow_float32_are_blamed(rng):
     W = racecpu.hyperplanes(6, 3, 3, dtype=np.float64) * 1e39
     with pytest.raises(ValueError, match="planes are too large for the compute dtype float32"):
         racecpu.race_attention(q, q, q, W, 4.0)
+
+
+# ---------------------------------------------------------------------------
+# fork
+# ---------------------------------------------------------------------------
+
+_FORK_SCRIPT = """
+import multiprocessing, os, sys
+import numpy as np
+import racecpu
+q = np.random.default_rng(0).standard_normal((2, 64, 8))
+W = racecpu.hyperplanes(8)
+def attend(_):
+    return racecpu.race_attention(q, q, q, W, causal=True)
+want = racecpu.race_attention(q, q, q, W, causal=True) if sys.argv[1] == "after" else None
+pid = os.fork()
+if pid == 0:
+    try:
+        got = attend(0)
+        print("child ok", want is None or np.array_equal(got, want), flush=True)
+    except RuntimeError as e:
+        print("child RuntimeError", "spawn" in str(e), flush=True)
+    os._exit(0)
+print("child exit", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+if want is not None:
+    import numba
+    from numba.np.ufunc import omppool
+    layer = numba.threading_layer()
+    print("layer", layer, layer == "omp" and omppool.openmp_vendor == "GNU", flush=True)
+if sys.argv[1] == "after":
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        try:
+            pool.map(attend, [0])
+            print("pool ok", flush=True)
+        except RuntimeError as e:
+            print("pool RuntimeError", "spawn" in str(e), flush=True)
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="no fork here")
+def test_a_child_forked_after_a_call_gets_an_error_not_a_crash_or_hang():
+    import os
+    import subprocess
+    import sys
+    try:
+        r = subprocess.run([sys.executable, "-c", _FORK_SCRIPT, "after"], capture_output=True, text=True,
+                           timeout=120, cwd=os.path.dirname(os.path.dirname(racecpu.__file__)))
+    except subprocess.TimeoutExpired:
+        pytest.fail("a forked child or fork pool hung")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "child exit 0" in lines, (lines, r.stderr)
+    # where the layer survives fork (TBB, workqueue) the child computes; under GNU OpenMP it is refused
+    refused = lines[2].endswith("True")  # "layer omp True" where Numba runs on GNU OpenMP
+    assert lines[0] == ("child RuntimeError True" if refused else "child ok True"), lines
+    assert lines[-1] == ("pool RuntimeError True" if refused else "pool ok"), lines
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="no fork here")
+def test_a_child_forked_before_any_call_computes():
+    import os
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", _FORK_SCRIPT, "before"], capture_output=True, text=True,
+                       timeout=120, cwd=os.path.dirname(os.path.dirname(racecpu.__file__)))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["child ok True", "child exit 0"], (r.stdout, r.stderr)
