@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import _fork  # registers the at-fork hook (the lead moves this import to racecpu/__init__.py)
 from . import config
 from ._kernels import count_nonfinite
 
@@ -25,7 +26,12 @@ def dtypes(*arrays):
 
 
 def check_array(name, x, check_finite, min_ndim=2):
-    """Float array check; returns (array, output dtype, compute dtype)."""
+    """Float array check; returns (array, output dtype, compute dtype).
+
+    Every CPU entry point checks its first array here first, so this is also
+    where a forked child that cannot run the kernels is refused (:mod:`racecpu._fork`).
+    """
+    _fork.check()
     try:
         x = np.asarray(x)
     except Exception as exc:  # ragged lists and the like
@@ -42,6 +48,7 @@ def check_array(name, x, check_finite, min_ndim=2):
 
 
 def check_planes(planes, d, cdt):
+    _fork.check()  # the out-of-core entry points check no array with check_array
     planes = np.asarray(planes)
     if planes.dtype.kind not in "fiu" or planes.dtype.kind == "b":
         raise TypeError(f"planes must be a float array (L, P, d), got dtype {planes.dtype}")
@@ -57,7 +64,12 @@ def check_planes(planes, d, cdt):
         raise ValueError(f"head dim must be >= 1, got planes shape {planes.shape}")
     if not np.isfinite(planes).all():
         raise ValueError("planes contain NaN or Inf")
-    return np.ascontiguousarray(planes, dtype=cdt)
+    with np.errstate(over="ignore"):
+        cast = np.ascontiguousarray(planes, dtype=cdt)
+    if not np.isfinite(cast).all():  # finite planes that overflow the compute dtype (float64 -> float32)
+        raise ValueError(f"planes are too large for the compute dtype {np.dtype(cdt)} "
+                         f"(max |planes| = {np.abs(planes).max():.3g}); scale them down or pass float64 inputs")
+    return cast
 
 
 def check_beta(beta):

@@ -6,9 +6,10 @@ from __future__ import annotations
 import ctypes
 import math
 import mmap
+import errno
 import os
-import resource
 import threading
+import warnings
 import weakref
 
 import numpy as np
@@ -27,9 +28,15 @@ def proc_status(field):
 
 
 def peak_rss():
-    """Peak resident set size in bytes: VmHWM (resettable), else ru_maxrss."""
+    """Peak resident set size in bytes: VmHWM (resettable), else ru_maxrss, else None."""
     hwm = proc_status("VmHWM")
-    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if hwm is not None:
+        return hwm
+    try:
+        import resource  # not on Windows: imported here so that importing racecpu does not need it
+    except ImportError:
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def reset_peak_rss():
@@ -61,7 +68,12 @@ class _Block:
 
     def __init__(self, size, call):
         self.size = size
-        self.mem = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)  # private: MADV_FREE needs it
+        try:
+            self.mem = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)  # private: MADV_FREE needs it
+        except OSError as exc:  # ENOMEM: out of address space (ulimit -v) or memory, as np.empty would say
+            if exc.errno == errno.ENOMEM:
+                raise MemoryError(f"racecpu cannot allocate {size} bytes for a result: {exc}") from None
+            raise
         try:  # what NumPy asks for its own large arrays
             self.mem.madvise(mmap.MADV_HUGEPAGE)
         except (AttributeError, OSError):  # no transparent huge pages here
@@ -95,12 +107,24 @@ class BufferPool:
     MIN_BYTES = 1 << 20
     MAX_IDLE_CALLS = 4
 
-    def __init__(self, limit):
-        self.limit = int(limit)
+    def __init__(self, limit=None):
+        self._limit = None if limit is None else int(limit)
         self._blocks = []
         self._call = 0
         self._lock = threading.Lock()
         self.hits = self.misses = 0
+
+    @property
+    def limit(self):
+        """Bytes of idle memory the pool may keep; without one given, resolved
+        at first use from ``RACECPU_POOL_BYTES`` or half the physical memory."""
+        if self._limit is None:
+            self._limit = _default_limit()
+        return self._limit
+
+    @limit.setter
+    def limit(self, nbytes):
+        self._limit = int(nbytes)
 
     def _released(self, block):
         # The last array on the block died (any thread, no lock: plain stores).
@@ -186,16 +210,25 @@ class BufferPool:
 
 
 def _default_limit():
+    """``RACECPU_POOL_BYTES`` (a finite number >= 0 of bytes, e.g. ``2e9``), else
+    half the physical memory.  A bad value is warned about and ignored: an
+    environment variable should not make ``import racecpu`` fail."""
     env = os.environ.get("RACECPU_POOL_BYTES")
     if env:
         try:
-            return int(float(env))
+            value = float(env)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError
+            return int(value)
         except ValueError:
-            raise ValueError(f"RACECPU_POOL_BYTES must be a number of bytes, got {env!r}") from None
+            warnings.warn(f"RACECPU_POOL_BYTES must be a finite number of bytes >= 0, got {env!r}; "
+                          f"using the default (half the physical memory)", RuntimeWarning, stacklevel=2)
     return _physical_memory() // 2
 
 
-POOL = BufferPool(_default_limit())
+#: The pool of racecpu's results.  Its limit is resolved at first use (see
+#: :attr:`BufferPool.limit`), so importing racecpu reads no environment.
+POOL = BufferPool()
 
 
 def set_pool_limit(nbytes):
@@ -206,7 +239,8 @@ def set_pool_limit(nbytes):
     inputs of about the same size does not fault fresh pages in (README,
     "Memory").  Idle memory unused for four calls is released at the next
     call.  The default limit is half the physical memory, or the environment
-    variable ``RACECPU_POOL_BYTES`` read at import.
+    variable ``RACECPU_POOL_BYTES`` read at first use (a bad value is
+    warned about and ignored).
 
     Parameters
     ----------

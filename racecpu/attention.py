@@ -90,7 +90,7 @@ def _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residua
     a = prepare(q, k, v, planes, beta, causal, key_mask, check_finite, defer=True)
     if out is not None:
         out = check_out("out", out, a.lead + (a.q.shape[1], a.v.shape[2]), a.out_dtype,
-                         [("q", q), ("k", k), ("v", v), ("key_mask", key_mask)])
+                         [("q", q), ("k", k), ("v", v), ("planes", planes), ("key_mask", key_mask)])
     G, nq, _ = a.q.shape
     nk, dv = a.v.shape[1:]
     L, P, _ = a.planes.shape
@@ -176,7 +176,7 @@ def race_attention_bwd(residuals, grad_out, *, out=None):
         if out is not None:
             if not isinstance(out, (tuple, list)) or len(out) != 3:
                 raise TypeError(f"out must be a tuple of three arrays (dq, dk, dv), got {type(out).__name__}")
-            reads = [("grad_out", grad_out), ("the forward's v", r.v)]
+            reads = [("grad_out", grad_out), ("the forward's v", r.v), ("planes", r.planes)]
             checked = []
             for name, buf, shape, dt in zip(("dq", "dk", "dv"), out, shapes, (qdt, kdt, vdt)):
                 checked.append(check_out(f"out {name}", buf, shape, dt, reads))
@@ -252,7 +252,7 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
         :func:`race_attention_bwd` checks ``grad_out`` the same way.
     out : ndarray, shape (..., Nq, dv), optional
         Buffer for the result, in the result's dtype; it must not share
-        memory with q, k, v.  Without one, the result's memory comes from
+        memory with q, k, v, planes or key_mask.  Without one, the result's memory comes from
         racecpu's pool, which reuses that of dropped results so that a loop
         does not fault fresh pages in every call (README, "Memory").  A
         C-contiguous float32/float64 buffer is written directly.

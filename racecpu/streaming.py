@@ -20,12 +20,18 @@ same as never stopping (the float64 state is stored exactly).
 
 from __future__ import annotations
 
-import io
+import errno
+import math
 import os
+import secrets
+import stat
+import threading
 import zipfile
 
 import numpy as np
+from numpy.lib import format as npformat
 
+from . import _fork
 from . import _kernels as K
 from ._kernels.bundles import Hash, Rows, Sums
 from ._checks import check_beta, check_planes, prepare
@@ -95,7 +101,11 @@ class RaceState:
             raise ValueError(f"dv must be an int >= 1, got {dv!r}")
         self._dtype = dtype
         L, P, _ = self._planes.shape
-        G = int(np.prod(self._batch_shape, dtype=np.int64))
+        G = math.prod(self._batch_shape)  # Python ints: no int64 wrap-around
+        nbytes = G * L * 2 ** P * (int(dv) + 1) * 8
+        if nbytes > _max_state_bytes():
+            raise ValueError(f"a state of batch_shape {self._batch_shape}, {L * 2 ** P} buckets and dv={int(dv)} "
+                             f"needs {nbytes} bytes, more than this machine's memory ({_max_state_bytes()} bytes)")
         self._A = np.zeros((G, L * 2 ** P))
         self._B = np.zeros((G, L * 2 ** P, int(dv)))
         self._count = 0
@@ -179,6 +189,7 @@ class RaceState:
         Returns the attention output, shape batch_shape + (dv,).  Same as
         ``extend`` with a block of one token.
         """
+        _fork.check()  # a state built before a fork steps without check_array
         q, k, v = (self._cast(name, x) for name, x in (("q", q), ("k", k), ("v", v)))
         want = {"q": self._batch_shape + (self.head_dim,), "k": self._batch_shape + (self.head_dim,),
                 "v": self._batch_shape + (self.dv,)}
@@ -226,7 +237,12 @@ class RaceState:
 
     # -- persistence ------------------------------------------------------------
     def save(self, path):
-        """Write the state to ``path`` (npz; written atomically via a temporary file).
+        """Write the state to ``path`` (npz), atomically.
+
+        The file is written under a unique temporary name in the same
+        directory, flushed to disk and renamed over ``path``, so concurrent
+        saves from threads or processes never interleave and a reader sees
+        either the old file or a complete new one.
 
         The file holds a format tag and version, the planes, beta, dtype,
         batch_shape, the token count and the float64 state, so a loaded state
@@ -237,16 +253,7 @@ class RaceState:
                     beta=np.array(self._beta), dtype=np.array(self._dtype.name),
                     batch_shape=np.array(self._batch_shape, dtype=np.int64), count=np.array(self._count),
                     A=self._A, B=self._B)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        try:
-            with open(tmp, "wb") as fh:
-                np.savez(fh, **data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        _write_atomic(path, lambda fh: np.savez(fh, **data))
 
     @classmethod
     def load(cls, path, *, planes=None, beta=None):
@@ -264,33 +271,26 @@ class RaceState:
         Raises
         ------
         ValueError
-            If the file is truncated or corrupt, of another format or version,
-            inconsistent, or made with other planes/beta than those passed.
+            If the file is not a regular file (a FIFO or device is refused
+            without reading it), truncated or corrupt, of another format or
+            version, inconsistent, declares entries larger than a state of its
+            shape (or than this machine's memory) holds, or was made with other
+            planes/beta than those passed.  Nothing is read beyond the sizes
+            the stored shapes allow.
         """
         path = os.fspath(path)
         try:
-            with open(path, "rb") as fh:
-                raw = fh.read()
+            fh = _open_regular(path)
         except OSError as exc:
             raise ValueError(f"cannot read RaceState file {path!r}: {exc}") from None
         try:
-            with np.load(io.BytesIO(raw), allow_pickle=False) as z:
-                missing = [key for key in _KEYS if key not in z.files]
-                if "format" in z.files and str(z["format"]) != FORMAT:
-                    raise _Invalid(f"not a RaceState file (format tag {str(z['format'])!r})")
-                if missing:
-                    raise _Invalid(f"missing entries {missing}")
-                version = int(z["version"])
-                if version != FORMAT_VERSION:
-                    raise _Invalid(f"format version {version}, but this racecpu reads version "
-                                   f"{FORMAT_VERSION} only")
-                d = {key: z[key] for key in _KEYS}  # reading checks every member's CRC-32
+            with fh:
+                d = _read_state(fh)
         except _Invalid as exc:
             raise ValueError(f"{path!r}: {exc}") from None
-        except (zipfile.BadZipFile, EOFError, OSError, ValueError, KeyError, TypeError) as exc:
+        except Exception as exc:  # noqa: BLE001 -- whatever a damaged zip or .npy raises (zlib, struct, ...)
             raise ValueError(f"{path!r} is not a valid RaceState file (truncated or corrupt?): "
                              f"{type(exc).__name__}: {exc}") from None
-
         try:
             dtype = np.dtype(str(d["dtype"]))
             batch_shape = tuple(int(s) for s in d["batch_shape"])
@@ -299,11 +299,13 @@ class RaceState:
             G, F = st._A.shape
             if d["A"].shape != (G, F) or d["B"].shape != (G, F, st.dv) or d["A"].dtype != np.float64 \
                     or d["B"].dtype != np.float64 or d["planes"].dtype != dtype:
-                raise ValueError("state arrays do not match planes/batch_shape")
+                raise _Invalid("inconsistent RaceState file: state arrays do not match planes/batch_shape")
             count = int(d["count"])
             if count < 0:
-                raise ValueError(f"negative token count {count}")
-        except (ValueError, TypeError) as exc:
+                raise _Invalid(f"inconsistent RaceState file: negative token count {count}")
+        except _Invalid as exc:
+            raise ValueError(f"{path!r}: {exc}") from None
+        except (ValueError, TypeError, OverflowError) as exc:  # the constructor's checks of what was stored
             raise ValueError(f"{path!r}: inconsistent RaceState file: {exc}") from None
         if planes is not None:
             p = np.asarray(planes)
@@ -316,6 +318,151 @@ class RaceState:
         st._B = np.ascontiguousarray(d["B"])
         st._count = count
         return st
+
+
+def _write_atomic(path, write):
+    """Write ``path`` through ``write(fh)`` on a unique temporary file in its
+    directory: flush, fsync, rename over ``path``, then fsync the directory
+    (where the platform allows) so the rename itself is durable."""
+    directory = os.path.dirname(os.path.abspath(path))
+    # Unique per call (pid, thread and random token); O_EXCL never reuses a name; mode 0o666 less the
+    # umask, as open() would give (mkstemp's 0o600 would change the saved file's permissions).
+    tmp = f"{path}.{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
+    try:
+        dfd = os.open(directory, os.O_RDONLY)
+    except OSError:  # Windows cannot open a directory
+        return
+    try:
+        os.fsync(dfd)
+    except OSError:  # some file systems do not sync directories
+        pass
+    finally:
+        os.close(dfd)
+
+
+#: Bytes of one .npy header that :func:`_read_state` accepts (NumPy writes < 200 here).
+_HEADER_BYTES = 1 << 16
+#: Bytes of the small entries (format tag, version, beta, dtype, batch_shape, count).
+_SMALL_BYTES = 4096
+#: Compressed entries (``save`` never writes one) may expand to at most this many bytes.
+_MAX_INFLATED = 64 << 20
+
+
+def _max_state_bytes():
+    """The largest state :class:`RaceState` builds or loads: the machine's physical memory."""
+    from ._memory import _physical_memory
+    return _physical_memory()
+
+
+def _open_regular(path):
+    """``path`` opened for binary reading if it is a regular file; OSError otherwise.
+
+    A FIFO, device (``/dev/zero``) or directory is refused before it is read:
+    stat first, then open without blocking (a FIFO swapped in between does not
+    hang the open) and check the opened file again."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise OSError(errno.EINVAL, "not a regular file")
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _read_entry(zf, names, key, max_bytes, kinds, ndim=None):
+    """One .npy entry of a saved state, reading at most ``max_bytes`` of data.
+
+    The entry's declared size is checked before it is opened, and the shape in
+    its header (product in Python ints) before its data are read, so a damaged
+    or hostile file cannot make this read or allocate more than a state of the
+    accepted shape holds.  Reading the data to its end checks the CRC-32."""
+    info = zf.getinfo(names[key])
+    if info.compress_type != zipfile.ZIP_STORED and info.file_size > _MAX_INFLATED:
+        raise _Invalid(f"corrupt RaceState file: compressed entry {key} declares {info.file_size} bytes")
+    if info.file_size > max_bytes + _HEADER_BYTES:
+        raise _Invalid(f"inconsistent or corrupt RaceState file: entry {key} declares {info.file_size} bytes, "
+                       f"more than the {max_bytes} it can hold")
+    with zf.open(info) as f:
+        version = npformat.read_magic(f)
+        if version == (1, 0):
+            shape, fortran, dt = npformat.read_array_header_1_0(f)
+        elif version == (2, 0):
+            shape, fortran, dt = npformat.read_array_header_2_0(f)
+        else:
+            raise _Invalid(f"corrupt RaceState file: entry {key} has .npy version {version}")
+        if dt.hasobject or dt.kind not in kinds or (ndim is not None and len(shape) != ndim):
+            raise _Invalid(f"inconsistent or corrupt RaceState file: entry {key} has dtype {dt} and "
+                           f"shape {shape}")
+        nbytes = math.prod(shape) * dt.itemsize
+        if nbytes > max_bytes:
+            raise _Invalid(f"inconsistent or corrupt RaceState file: entry {key} has shape {shape} "
+                           f"({nbytes} bytes), more than the {max_bytes} bytes it can hold")
+        data = bytearray()  # writable, so the loaded state's arrays are; grows only as data arrive
+        while len(data) < nbytes:
+            chunk = f.read(min(nbytes - len(data), 1 << 24))
+            if not chunk:
+                break
+            data += chunk
+        if len(data) != nbytes or f.read(1):
+            raise _Invalid(f"corrupt RaceState file: entry {key}'s data do not match its shape {shape}")
+    x = np.frombuffer(data, dt) if nbytes else np.zeros(0, dt)
+    return x.reshape(shape, order="F" if fortran else "C")
+
+
+def _read_state(fh):
+    """The entries of a saved state (``_KEYS``) from an open file, bounded as
+    :func:`_read_entry` says; raises ``_Invalid`` or whatever the zip or .npy
+    parsing raises."""
+    with zipfile.ZipFile(fh) as zf:
+        names = {}
+        for name in zf.namelist():  # np.savez names entries key + ".npy"
+            if name.endswith(".npy"):
+                names.setdefault(name[:-4], name)
+        if "format" in names:
+            tag = _read_entry(zf, names, "format", _SMALL_BYTES, "U", 0)
+            if str(tag) != FORMAT:
+                raise _Invalid(f"not a RaceState file (format tag {str(tag)!r})")
+        missing = [key for key in _KEYS if key not in names]
+        if missing:
+            raise _Invalid(f"missing entries {missing}")
+        version = _read_entry(zf, names, "version", _SMALL_BYTES, "iu", 0)
+        if int(version) != FORMAT_VERSION:
+            raise _Invalid(f"format version {int(version)}, but this racecpu reads version "
+                           f"{FORMAT_VERSION} only")
+        d = dict(format=tag, version=version)
+        d["dtype"] = _read_entry(zf, names, "dtype", _SMALL_BYTES, "U", 0)
+        d["beta"] = _read_entry(zf, names, "beta", _SMALL_BYTES, "f", 0)
+        d["count"] = _read_entry(zf, names, "count", _SMALL_BYTES, "iu", 0)
+        d["batch_shape"] = _read_entry(zf, names, "batch_shape", _SMALL_BYTES, "iu", 1)
+        limit = _max_state_bytes()
+        d["planes"] = planes = _read_entry(zf, names, "planes", limit, "f", 3)
+        L, P, _ = planes.shape
+        batch_shape = [int(s) for s in d["batch_shape"]]
+        if any(s < 0 for s in batch_shape) or P > 62:
+            raise _Invalid(f"inconsistent RaceState file: batch_shape {batch_shape}, planes {planes.shape}")
+        nA = math.prod(batch_shape) * L * 2 ** P * 8  # Python ints: no int64 wrap-around
+        if nA > limit:
+            raise _Invalid(f"inconsistent RaceState file: batch_shape {tuple(batch_shape)} and planes "
+                           f"{planes.shape} need a {nA}-byte state, more than this machine's memory")
+        d["A"] = _read_entry(zf, names, "A", nA, "f", 2)
+        d["B"] = _read_entry(zf, names, "B", limit - nA, "f", 3)
+        return d
 
 
 class _Invalid(Exception):
@@ -349,6 +496,7 @@ def advance(q, k, v, planes, beta, A0, B0, out, *, phik=None, tk=None, phiq=None
     chunk length and the carried-in states ``(chunk, carryA, carryB)`` that a
     backward needs.
     """
+    _fork.check()
     G, n, _ = q.shape
     dv = v.shape[2]
     L, P, _ = planes.shape
