@@ -3,7 +3,7 @@
 The roofline of ``racecpu bench`` divides the flops by the square-SGEMM rate.
 RACE's products are thin: per token, a (d x L*P) hash projection and
 (F x dv) sketch / readout products with F = L * 2**P = 24; the causal scans
-add products within each step of SCAN_BLOCK = 16 tokens.  This script
+add products within each step of SCAN_BLOCK (8) tokens.  This script
 measures what BLAS itself reaches on exactly those shapes (one thread,
 1024-row blocks as the non-causal kernels use them, 16-row steps called from
 Numba as the causal scans do), what racecpu's own soft-hash math costs, what a

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _fork  # registers the at-fork hook (the lead moves this import to racecpu/__init__.py)
+from . import _fork
 from . import config
 from ._kernels import count_nonfinite
 

@@ -45,15 +45,23 @@ def _after_fork_in_child():
             _UNSAFE = False
 
 
+_REGISTERED = False
+
+
 def check():
-    """Raise RuntimeError where this process cannot run racecpu's CPU kernels (see the module docstring)."""
+    """Raise RuntimeError where this process cannot run racecpu's CPU kernels (see the module docstring).
+
+    The first call registers the after-fork hook (nothing is registered at
+    import: a child forked before any racecpu call has nothing to fear).
+    """
+    global _REGISTERED
+    if not _REGISTERED:
+        _REGISTERED = True
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=_after_fork_in_child)
     if _UNSAFE:
         raise RuntimeError(
             "racecpu cannot run in a process forked after it (or anything using Numba's GNU OpenMP threading "
             "layer) ran in the parent: OpenMP's threads do not survive fork, and Numba kills such a child at "
             "its first parallel call.  Use the 'spawn' or 'forkserver' start method "
             "(multiprocessing.get_context('spawn')), or fork before the first racecpu call")
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)

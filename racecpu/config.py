@@ -49,9 +49,16 @@ CHUNK = 1024
 #: above it chunks grow, which only matters for very large P.  (read per call)
 PARTIAL_BUDGET = 256 * 2 ** 20
 
-#: Chunks per task of the non-causal forward, while every thread keeps at
-#: least eight tasks (docs/performance.md, "sketch tasks").  (read per call)
+#: Chunks per task of the non-causal forward, while each of TASK_THREADS
+#: threads would keep at least eight tasks (docs/performance.md, "sketch
+#: tasks").  (read per call)
 SKETCH_CHUNKS = 4
+
+#: The thread count the non-causal forward's tasks are sized for.  A fixed
+#: number, not the threads of this machine: the task length sets the order
+#: in which float64 partials are summed, so results are the same bits at any
+#: thread count.  (read per call)
+TASK_THREADS = 64
 
 #: Below this many tokens (all groups together) a kernel runs on the calling
 #: thread: waking the other threads costs more than such calls' work
@@ -105,6 +112,12 @@ TANH_SERIES_MAX = 0.04
 #: corners; the rows of phi issue the rest (docs/performance.md, "hash
 #: prefetch").  (compiled in)
 PREFETCH_MATH, PREFETCH_T, PREFETCH_CORNERS = 12, 20, 24
+
+#: OpenMP's wait policy for Numba's worker threads: "PASSIVE" (idle workers
+#: sleep), "ACTIVE" (they spin), or None (the runtime's default).  Read once,
+#: when racecpu first starts Numba's threads, and only where the environment
+#: sets no OMP_WAIT_POLICY itself (racecpu._kernels.runtime.start_threads).
+WAIT_POLICY = "PASSIVE"
 
 # ---------------------------------------------------------------------------
 # environment variables (read once, when first needed)

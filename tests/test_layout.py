@@ -32,3 +32,200 @@ def test_import_racecpu_loads_no_application():
 def test_other_core_modules_load_no_application(module):
     loaded = loaded_after(f"import {module}")
     assert [m for m in loaded if m.startswith(NOT_CORE)] == []
+
+
+# ---------------------------------------------------------------------------
+# the import graph
+# ---------------------------------------------------------------------------
+
+def _module_name(path):
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path, name):
+    """racecpu modules that ``path`` (module ``name``) imports, at any depth of its code."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("racecpu"))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if not mod.startswith("racecpu"):
+                continue
+            found.add(mod)
+            for a in node.names:  # "from . import x" imports the submodule x
+                found.add(f"{mod}.{a.name}")
+    return found
+
+
+def import_graph():
+    """{module: racecpu modules it imports}, over every module of the package."""
+    files = {_module_name(p): p for p in (ROOT / "racecpu").rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        # A module's ancestor packages are imported before it by Python itself:
+        # ``from .. import config`` is an edge to racecpu.config, not to racecpu.
+        ancestors = {name.rsplit(".", i)[0] for i in range(1, name.count(".") + 1)}
+        graph[name] = {m for m in _imports(path, name) if m in files and m != name and m not in ancestors}
+    return graph
+
+
+def test_the_import_graph_is_acyclic():
+    # Every import counts, also one inside a function: a cycle broken only by
+    # importing late is still a cycle for a reader.
+    graph = import_graph()
+    assert "racecpu._kernels.causal" in graph and "racecpu.attention" in graph
+    state = {}
+
+    def visit(node, path):
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(path + [nxt]))
+            if nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+
+
+def test_the_leaf_layer_imports_nothing_above_it():
+    graph = import_graph()
+    assert graph["racecpu.config"] == set()
+    above = {"racecpu.attention", "racecpu.hashing", "racecpu.streaming", "racecpu.outofcore", "racecpu._blocks",
+             "racecpu.cuda", "racecpu.apps", "racecpu.autograd"}
+    for leaf in ("racecpu._checks", "racecpu._kernels", "racecpu._memory"):
+        deps = set().union(*(graph[m] for m in graph if m == leaf or m.startswith(leaf + ".")))
+        assert not {d for d in deps if d.startswith(tuple(above))}, leaf
+
+
+# ---------------------------------------------------------------------------
+# no process-wide side effects
+# ---------------------------------------------------------------------------
+
+def test_import_changes_nothing_outside_racecpu():
+    code = """
+import os, sys, warnings
+import numba, numpy, scipy, llvmlite, threadpoolctl  # their own import-time effects are theirs
+import numba.np.ufunc.parallel as parallel
+env, filters = dict(os.environ), list(warnings.filters)
+import racecpu
+assert dict(os.environ) == env, "environment changed"
+assert warnings.filters == filters, "warning filters changed"
+assert not parallel._is_initialized, "threads started at import"
+x = numpy.ones((1, 600, 8), numpy.float32)
+racecpu.race_attention(x, x, x, racecpu.hyperplanes(8), causal=True)
+assert dict(os.environ) == env, "environment changed by a call"
+assert "OMP_WAIT_POLICY" not in os.environ
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env={k: v for k, v in __import__("os").environ.items() if k != "OMP_WAIT_POLICY"})
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr
+
+
+def test_import_works_without_the_resource_module():
+    # Windows has no 'resource'; racecpu imports and computes without it.
+    code = ("import sys; sys.modules['resource'] = None\n"
+            "import numpy as np, racecpu\n"
+            "x = np.ones((1, 8, 4)); racecpu.race_attention(x, x, x, racecpu.hyperplanes(4)); print('ok')")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr
+
+
+def test_threads_context_manager_restores_the_count():
+    import numba
+    import racecpu
+    before = numba.get_num_threads()
+    with racecpu.threads(1):
+        assert numba.get_num_threads() == 1
+    assert numba.get_num_threads() == before
+    with pytest.raises(ValueError, match="NUMBA_NUM_THREADS"):
+        racecpu.set_threads(0)
+    with pytest.raises(ValueError):
+        racecpu.set_threads(numba.config.NUMBA_NUM_THREADS + 1)
+
+
+# ---------------------------------------------------------------------------
+# the kernels' cache
+# ---------------------------------------------------------------------------
+
+def test_cache_stamp_covers_every_kernel_source_and_config(tmp_path, monkeypatch):
+    from racecpu._kernels import _jit
+    pkg = tmp_path / "racecpu"
+    (pkg / "_kernels").mkdir(parents=True)
+    for f in (ROOT / "racecpu" / "_kernels").glob("*.py"):
+        (pkg / "_kernels" / f.name).write_text(f.read_text())
+    (pkg / "config.py").write_text((ROOT / "racecpu" / "config.py").read_text())
+    monkeypatch.setattr(_jit, "_SOURCES", pkg / "_kernels")
+    stamps = []
+    for edit in (None, "_kernels/tiles.py", "config.py", "_kernels/products.py"):
+        if edit:
+            with open(pkg / edit, "a") as fh:
+                fh.write("\n# edited\n")
+        _jit.source_digest.cache_clear()
+        stamps.append(_jit.source_digest())
+    _jit.source_digest.cache_clear()
+    assert len(set(stamps)) == len(stamps)
+
+
+def test_cache_dir_falls_back_until_none_is_writable(monkeypatch, tmp_path):
+    from racecpu._kernels import _jit
+    monkeypatch.setattr(_jit.numba_config, "CACHE_DIR", str(tmp_path / "numba"))
+    tried = []
+
+    def writable(path, ok=()):
+        tried.append(str(path))
+        return any(str(path).startswith(str(p)) for p in ok)
+    try:
+        for ok, want in (((tmp_path / "numba",), tmp_path / "numba"),
+                         ((_jit._SOURCES / "__pycache__",), _jit._SOURCES / "__pycache__")):
+            monkeypatch.setattr(_jit, "_writable", lambda p, ok=ok: writable(p, ok))
+            _jit.cache_dir.cache_clear()
+            assert _jit.cache_dir().startswith(str(want))
+        monkeypatch.setattr(_jit, "_writable", lambda p: False)
+        monkeypatch.setattr(_jit.tempfile, "mkdtemp", lambda **kw: str(tmp_path / "private"))
+        _jit.cache_dir.cache_clear()
+        assert _jit.cache_dir() == str(tmp_path / "private")
+
+        def no_tmp(**kw):
+            raise OSError("read-only")
+        monkeypatch.setattr(_jit.tempfile, "mkdtemp", no_tmp)
+        _jit.cache_dir.cache_clear()
+        with pytest.warns(RuntimeWarning, match="no writable directory"):
+            assert _jit.cache_dir() is None
+    finally:
+        _jit.cache_dir.cache_clear()
+
+
+def test_import_and_a_call_work_with_an_unwritable_cache_and_recompile_a_corrupt_one(tmp_path):
+    import os
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    code = ("import numpy as np, racecpu\n"
+            "x = np.ones((1, 8, 4)); y = racecpu.race_attention(x, x, x, racecpu.hyperplanes(4))\n"
+            "print('ok', float(y.sum()))")
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(cache))
+    first = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert first.returncode == 0, first.stderr
+    entries = list(cache.rglob("*.nbc"))
+    assert entries, "nothing was cached"
+    for f in entries:  # damaged entries: compiled again, not fatal
+        f.write_bytes(b"not a pickle")
+    again = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                           env=env)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.split() == first.stdout.split()

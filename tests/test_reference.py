@@ -62,7 +62,7 @@ def test_angular_kernel_formula(rng):
 
 
 def test_race_kernel_is_product_of_collision_factors(rng):
-    # DESIGN.md: phi(q).phi(k) = prod_p [a_p(q) a_p(k) + (1-a_p(q))(1-a_p(k))], a_p = sigmoid(2 beta t_p).
+    # docs/design.md section 2: phi(q).phi(k) = prod_p [a_p(q) a_p(k) + (1-a_p(q))(1-a_p(k))], a_p = sigmoid(2 beta t_p).
     W = racecpu.hyperplanes(5, 4, 1, seed=3, dtype=np.float64)
     q, k = rng.standard_normal((1, 5)), rng.standard_normal((1, 5))
     beta = 0.7

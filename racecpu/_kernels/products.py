@@ -1,4 +1,14 @@
-"""TODO products"""
+"""The small matrix products every kernel is made of.
+
+The products are thin (one side is F = L * 2**P or L * P long, a few dozen
+values, the other d or dv long), where BLAS's call overhead or copying paths
+cost more than the work: :func:`dot_rows` and :func:`combine_rows` run them
+in the register tiles of :mod:`.tiles` with plain loops at the edges;
+:func:`step_scores` gives a scan step's triangular scores; :func:`step_product`
+and :func:`span_totals` the rank-k state updates and chunk totals (BLAS from
+BLAS_ROWS rows).  Sums run in the dtype of the rows unless a docstring says
+float64.
+"""
 
 from __future__ import annotations
 
@@ -87,7 +97,7 @@ def combine_rows(X, S, out, stream=False, ahead=0, lines=0):
 def _combine_rows_loop(X, S, out):
     """:func:`combine_rows` by loops: eight rows of S per sweep over out[j],
     the first sweep assigning, so that the dv-long loop is bound by FMAs,
-    not by reloading and storing out[j] once per row of S (2.8x faster)."""
+    not by reloading and storing out[j] once per row of S."""
     n, F = X.shape
     dv = S.shape[1]
     for j in range(n):
@@ -162,9 +172,8 @@ def dot_rows(S, X, Y):
 def _dot_rows_loop(S, X, Y):
     """:func:`dot_rows` by loops.  Two rows of X and four of S per sweep, each product with
     its own accumulator: every load feeds two FMAs and the horizontal sums
-    overlap (the hash's 9 planes: 45 vs 53 ns per row against eight rows of
-    S and one of X; 2.4x one product at a time).  A whole block per call,
-    not a row: the call per row cost ~15 ns of a ~60 ns row.
+    overlap.  A whole block per call, not a row, so the call's cost is
+    shared (docs/performance.md, "dot tiles").
     """
     F, dv = S.shape
     n = X.shape[0]
@@ -251,8 +260,9 @@ def step_product(w, x, out):
 def add_product(w, x, S, tmp, total, track):
     """S += w^T x (one scan step's state update; ``tmp`` (F, dv) holds the
     product), and ``total`` += the same product when ``track`` (one chunk's
-    sum, in the compute dtype as S: a float64 total cost 35 ns more per token,
-    one thread, its 24 KB pushing the step's arrays out of L1)."""
+    sum, in the compute dtype as S: a float64 total's 24 KB pushed the
+    step's arrays out of L1; docs/performance.md, "chunk totals in the
+    compute dtype")."""
     step_product(w, x, tmp)
     F, dv = S.shape
     if track:  # one pass over tmp for both sums
@@ -330,8 +340,8 @@ def step_scores(X, Y, out, lower):
     (each load of X feeds four FMAs; the masked entries of a sweep are
     overwritten with zeros); np.dot + a mask from BLAS_SCORE_F columns.
     Not :func:`dot_rows` (the same product, Y = X S^T): built for dv-long
-    rows, it took 195-200 ns on an 8 x 8 block of F = 24 against ~115 here,
-    and computes the masked half too.
+    rows, it was slower on these F-long ones and computes the masked half
+    too (docs/performance.md, "step scores").
     """
     m, F = X.shape
     k = Y.shape[0]

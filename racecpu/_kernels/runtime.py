@@ -1,9 +1,20 @@
-"""TODO runtime"""
+"""Running a kernel's (group, chunk) tasks on every core.
+
+:func:`run_tasks` runs ``task(t, *args)`` for every task ``t`` in one
+``prange`` loop, with subnormal floats flushed to zero while a task runs
+(:data:`FLUSH_SUBNORMALS`); :func:`blas_tasks` wraps a kernel whose tasks call
+BLAS so that BLAS stays on one thread inside them, and runs calls on fewer
+than ``config.SERIAL_TOKENS`` tokens on the calling thread alone.  Also the
+parallel NaN/Inf count of the input check (:func:`count_nonfinite`).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import numbers
+import os
 import platform
 
 import numba
@@ -22,14 +33,78 @@ from .tiles import stream_fence
 
 
 _blas_controller = None
+_threads_started = False
+
+
+def start_threads():
+    """Start Numba's threading layer (once), with OpenMP's wait policy from ``config.WAIT_POLICY``.
+
+    GNU OpenMP reads ``OMP_WAIT_POLICY`` when it is loaded, which Numba does
+    the first time it starts its threads.  Its default spins idle workers
+    for a while after every parallel region, which on a shared or busy
+    machine made small calls tens of times slower (docs/performance.md, "OMP
+    wait policy").  So the variable is set, unless the user set it, only
+    while this call loads the runtime, and removed again: nothing else in
+    the process, and no child process, sees it.  Where Numba's threads were
+    started before (by the user or another library), the policy stays theirs.
+    """
+    global _threads_started
+    if _threads_started:
+        return
+    _threads_started = True
+    policy = config.WAIT_POLICY
+    if not policy or "OMP_WAIT_POLICY" in os.environ:
+        numba.get_num_threads()  # starts the threading layer
+        return
+    os.environ["OMP_WAIT_POLICY"] = policy
+    try:
+        numba.get_num_threads()
+    finally:
+        os.environ.pop("OMP_WAIT_POLICY", None)
+
+
+def set_threads(n):
+    """Set how many threads racecpu's kernels use in the calling thread; returns the previous count.
+
+    Parameters
+    ----------
+    n : int
+        1 to ``numba.config.NUMBA_NUM_THREADS`` (the most Numba started,
+        set by the environment variable ``NUMBA_NUM_THREADS``).
+
+    Numba keeps the count per calling thread, so other threads of the
+    program keep theirs.  Results are the same bits at any count.
+    """
+    start_threads()
+    most = numba.config.NUMBA_NUM_THREADS
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 1 <= n <= most:
+        raise ValueError(f"n must be an integer from 1 to {most} (NUMBA_NUM_THREADS), got {n!r}")
+    previous = numba.get_num_threads()
+    numba.set_num_threads(int(n))
+    return previous
+
+
+@contextlib.contextmanager
+def threads(n):
+    """Context manager: racecpu's kernels use ``n`` threads in the calling thread inside the block.
+
+    >>> import racecpu
+    >>> with racecpu.threads(1):
+    ...     pass  # calls here run on one core
+    """
+    previous = set_threads(n)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(previous)
 
 
 def blas_tasks(kernel):
     """Run a parallel kernel whose tasks call BLAS (``np.dot``) with BLAS on one thread.
 
     Every core already runs its own prange task; a multi-threaded sgemm
-    inside each would oversubscribe the cores (10-50x slower on a busy
-    machine).  The limit (threadpoolctl, ~13 us) is skipped when the
+    inside each would oversubscribe the cores (docs/performance.md, "BLAS on
+    one thread").  The limit (threadpoolctl) is skipped when the
     kernel's ``chunk`` is too short to reach BLAS, so decode steps stay cheap,
     and calls on fewer than SERIAL_TOKENS tokens (the kernel's first argument
     is ``(G, n, ...)``) do not wake the other threads at all.
@@ -48,6 +123,7 @@ def blas_tasks(kernel):
 
     @functools.wraps(kernel)
     def run(*args, **kw):
+        start_threads()
         if args[0].shape[0] * args[0].shape[1] >= config.SERIAL_TOKENS:
             return call(args, kw)
         threads = numba.get_num_threads()
@@ -65,7 +141,7 @@ def blas_tasks(kernel):
 #: after it).  Products of two small soft-hash probabilities (phi_q . phi_k,
 #: the backward's phi_k . phi_q / den) land in float32's subnormal range
 #: (below 1.2e-38), where every multiply or FMA takes a microcode assist of
-#: ~100 cycles: an 8 x 8 step block of them took 4-10 us instead of 0.1-0.2.
+#: ~100 cycles (docs/performance.md, "flush subnormals").
 #: Flushed, such a term is 0 instead of a subnormal that has already lost
 #: most of its bits, beside sums > DEN_FLOOR = 1e-30 (smaller ones give
 #: zeros anyway).  Elsewhere (AArch64, ...) the platform's default stands.
@@ -151,6 +227,7 @@ def run_tasks(task, ntasks, *args):
     same call.  Alignment is not part of the key: code compiled for aligned
     arrays runs on unaligned ones, which x86-64 and AArch64 load and store alike.
     """
+    start_threads()
     key = (task, compute_fingerprint(args))
     runner = _task_runners.get(key)
     flat = tuple(_leaves(args))
@@ -179,8 +256,8 @@ def count_nonfinite(bits, exp_mask):
 
     A value is NaN or Inf iff its exponent bits are all set; counting that
     with integer ops vectorises and runs on every core, where
-    ``np.isfinite(x).all()`` builds a bool temporary on one core (it cost
-    ~65 ns per 128-float row, a fifth of a whole forward).
+    ``np.isfinite(x).all()`` builds a bool temporary on one core
+    (docs/performance.md, "count_nonfinite").
     """
     n = bits.size
     nb = (n + 65535) // 65536

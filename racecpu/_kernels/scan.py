@@ -1,4 +1,13 @@
-"""TODO scan"""
+"""How tokens are split into chunks, tasks and segments, and the scans that carry sums between them.
+
+A *chunk* (``chunk_length``: config.CHUNK tokens unless the float64 partials
+would outgrow config.PARTIAL_BUDGET) is the unit of parallel work and the
+longest run summed in the compute dtype; sums across chunks are float64.  A
+*segment* is a run of consecutive chunks that one task of the causal scan
+scans in order, carrying the state itself (:func:`scan_segments`); its first
+carry comes from a float64 exclusive scan of the chunk totals before it
+(:func:`exclusive_scan`).  ``docs/design.md`` (glossary) defines the words.
+"""
 
 from __future__ import annotations
 
@@ -82,10 +91,9 @@ def exclusive_scan(part, reverse=False, out=None, segments=None):
     """Exclusive prefix (or suffix, ``reverse``) sums over axis 1 of float64 ``part (G, nc, ...)``.
 
     Sums run in chunk order, as ``np.cumsum`` would.  ``out`` (optional, like
-    ``part``) may be ``part`` itself: the scan then allocates nothing.  At
-    2^20 tokens x 4 heads the partials are 100 MB; np.cumsum through
-    temporaries took 70-150 ns per token-head, this one pass ~3 (memory-bound
-    and short: one thread, no parallel kernel to compile).  ``segments``
+    ``part``) may be ``part`` itself: the scan then allocates nothing (one
+    pass on one thread, where np.cumsum went through temporaries:
+    docs/performance.md, "exclusive scan").  ``segments``
     (default: one per chunk): only the sums at the first chunk, in scan
     order, of each segment (:func:`scan_segments`) are written, and only the
     chunks of the other segments are read (those :func:`sketch_chunks` and
@@ -147,6 +155,12 @@ def chunk_length(n, G, F, dv):
 
 def sketch_task_length(chunk, n, G):
     """Task length of the non-causal forward: up to SKETCH_CHUNKS chunks, while
-    every thread keeps at least 8 tasks."""
-    tasks = G * n // (8 * numba.get_num_threads())
-    return max(chunk, min(config.SKETCH_CHUNKS * chunk, tasks // chunk * chunk))
+    each of config.TASK_THREADS threads would keep at least 8 tasks.
+
+    The tasks' float64 partials are summed in task order, so the task length
+    sets the bits of the result: it is sized for a fixed thread count, not
+    for ``numba.get_num_threads()``, so that results do not depend on the
+    thread count or the machine (docs/performance.md, "sketch tasks").
+    """
+    tokens = G * n // (8 * config.TASK_THREADS)
+    return max(chunk, min(config.SKETCH_CHUNKS * chunk, tokens // chunk * chunk))

@@ -7,9 +7,8 @@ each dot product's partial sums in 256-bit vectors and sums every one of
 them across its lanes on its own.  These intrinsics hold a whole tile of
 outputs in VECTOR_BYTES-byte vectors (64 with AVX-512: 16 float32 or 8
 float64 lanes; 32 otherwise) and, for dot products, sum a tile's partial
-sums across lanes together, in one tree of shuffles.  Measured on 4096 rows
-of 128 (one thread, in cache, ns per row): projection to 9 planes 38 ->
-25, y for F = 24: 95 -> 64, du W: 37 -> 20.
+sums across lanes together, in one tree of shuffles (docs/performance.md,
+"dot tiles" and "combine tiles").
 
 ``comb_tile_lines`` and ``comb_tile_pieces`` write their outputs with
 non-temporal stores (whole vectors, or 16-byte pieces of them): the
@@ -17,12 +16,12 @@ kernels' results (out, dq, dk, dv) are written once and not read again
 by them, and at scale a plain store first reads every line it writes.
 
 The tiles compute in the dtype of ``X``; ``S`` is converted to it on load,
-``Y`` from it on store.  Callers (``_kernels.dot_rows``,
-``_kernels.combine_rows``) pick the tiles, check the layouts they need and
+``Y`` from it on store.  Callers (``products.dot_rows``,
+``products.combine_rows``) pick the tiles, check the layouts they need and
 handle the edges with plain loops.
 
 ``prefetch_lines`` asks for lines of memory ahead of their use (the soft
-hash's next block of rows, ``_kernels.hash_block``).
+hash's next block of rows, ``hash.hash_block``).
 """
 
 from __future__ import annotations
@@ -57,9 +56,8 @@ TILE_ROWS = 4
 #: Vectors of S's columns in a combine tile, for each of its rows of X.
 COMB_VECTORS = 4
 #: Rows of X in a combine tile: 4 x COMB_VECTORS accumulators take 16 of
-#: AVX-512's 32 vector registers and hide the FMAs' latency (a 1024 x 24 by
-#: 24 x 128 product in cache, one thread: 59 -> 46 ns per row against 2
-#: rows); AVX2 has 16 registers in all, so 2 rows there.
+#: AVX-512's 32 vector registers and hide the FMAs' latency (docs/performance.md,
+#: "combine tiles"); AVX2 has 16 registers in all, so 2 rows there.
 COMB_ROWS = 4 if VECTOR_BYTES == 64 else 2
 
 
@@ -255,12 +253,10 @@ def _comb_tile(rows, store):
     ``"lines"``, whole vectors (out's rows must start on a vector: lanes
     of X times out's itemsize); :func:`stream_fence`
     orders them.  They skip the read of each line that a plain store makes
-    before writing it: a result that is only written, not read again soon,
-    goes out at ~2.8x the rate (512-byte rows, one thread: 59 -> 21 ns).
-    Pieces leave lines part-written while a tile's rows are in flight: with
-    4 rows they ran at half the rate of 2, so they take 2-row tiles; whole
-    aligned vectors complete a line per store (4 rows: 47 ns per row in
-    the product above, 2-row pieces 60).
+    before writing it, so a result that is only written, not read again
+    soon, goes out faster.  Pieces leave lines part-written while a tile's
+    rows are in flight, so they take 2-row tiles; whole aligned vectors
+    complete a line per store (docs/performance.md, "streamed stores").
     """
 
     def emit(context, builder, sig, arr, i0v, c0v):  # arrays X, S, out

@@ -60,7 +60,7 @@ Roofline (per token-head; itemsize ``s`` = 4 for float32)
 --------------------------------------------------------
 Notation: head dim ``d``, value dim ``dv``, ``L`` tables of ``P`` planes, ``R = 2**P``
 buckets, ``F = L * R`` soft-bucket features per token.  Per token and head the
-algorithm (Algorithms 1, 2 and the backward of DESIGN.md section 2) must move:
+algorithm (Algorithms 1, 2 and the backward of docs/design.md section 3) must move:
 
 forward
     reads q, k (``2 d s``), v (``dv s``); writes out (``dv s``) and the residuals
@@ -218,7 +218,7 @@ def numpy_race_fwd(q, k, v, planes, beta, causal=False):
 
 
 def numpy_race_bwd(residuals, g):
-    """Backward of :func:`numpy_race_fwd` (DESIGN.md section 2); returns ``(dq, dk, dv)``.
+    """Backward of :func:`numpy_race_fwd` (docs/design.md section 3); returns ``(dq, dk, dv)``.
 
     Causal: suffix sums over queries as reversed cumulative sums.
     """

@@ -5,7 +5,7 @@
   which exposes only the attention output).
 * :func:`expected_kernel` -- the exact expectation over the hyperplanes of one
   table's RACE kernel ``E[phi(q) . phi(k)]`` for unit-norm ``q, k``, by
-  quadrature.  The soft hash factorises over planes (DESIGN.md section 1), so
+  quadrature.  The soft hash factorises over planes (docs/design.md section 2), so
   with ``a_p(x) = sigmoid(2 beta tanh(w_p . x))`` and independent planes::
 
       E[phi(q) . phi(k)] = f(theta, beta) ** P,
