@@ -17,18 +17,6 @@ racecpu's own:
 * **Never fatal**: an entry that cannot be read (a truncated or corrupt
   file) is compiled again and overwritten.
 
-Every kernel is also compiled as an LLVM ``noinline`` function, so that its
-machine code depends on its own source alone.  Numba links a callee compiled
-in the same process into its callers as LLVM IR, where LLVM may inline it
-and, under the fast-math flags, reassociate its arithmetic with the
-caller's; a callee loaded from the cache is linked as machine code and
-never is.  The same call could thus round differently depending on what
-had been compiled or cached before (and on which caller, so two routes of
-the causal backward that promise the same bits could differ in the last
-one).  Small helpers called in inner loops are inlined at Numba's IR level
-instead (``@kernel(inline="always")``): their copy is part of each caller's
-own source, the same whether compiled or cached.
-
 The cache only changes where compiled code comes from, never what it
 computes.  Nothing here is process-wide: only functions made by
 :func:`kernel` use this cache.
@@ -48,13 +36,8 @@ from pathlib import Path
 import llvmlite
 import numba
 from numba.core import config as numba_config
-from numba.core import lowering
 from numba.core.caching import CompileResultCacheImpl, FunctionCache, _CacheLocator
-from numba.core.compiler import CompilerBase, DefaultPassBuilder
-from numba.core.compiler_machinery import register_pass
 from numba.core.errors import NumbaPerformanceWarning
-from numba.core.typed_passes import NativeLowering, NativeParforLowering
-from numba.parfors.parfor_lowering import ParforLower
 
 #: Fast-math flags of every kernel.  Reassociation lets LLVM vectorise the
 #: dv-long inner loops and dot products.  No 'nnan'/'ninf': the guards must
@@ -170,52 +153,6 @@ class _KernelCache(FunctionCache):
             super().save_overload(sig, data)
 
 
-class _NoInline:
-    """Lowering mixin: the function is declared ``noinline`` (unless it is ``alwaysinline``)."""
-
-    def pre_lower(self):
-        super().pre_lower()
-        attributes = self.builder.function.attributes
-        if "alwaysinline" not in attributes:
-            attributes.add("noinline")
-
-
-class _Lower(_NoInline, lowering.Lower):
-    pass
-
-
-class _ParforLower(_NoInline, ParforLower):
-    pass
-
-
-@register_pass(mutates_CFG=True, analysis_only=False)
-class _KernelLowering(NativeLowering):
-    _name = "racecpu_kernel_lowering"
-
-    @property
-    def lowering_class(self):
-        return _Lower
-
-
-@register_pass(mutates_CFG=True, analysis_only=False)
-class _KernelParforLowering(NativeParforLowering):
-    _name = "racecpu_kernel_parfor_lowering"
-
-    @property
-    def lowering_class(self):
-        return _ParforLower
-
-
-class _KernelCompiler(CompilerBase):
-    """Numba's nopython pipeline with :class:`_NoInline` lowering."""
-
-    def define_pipelines(self):
-        pm = DefaultPassBuilder.define_nopython_pipeline(self.state)
-        swap = {NativeLowering: _KernelLowering, NativeParforLowering: _KernelParforLowering}
-        pm.passes = [(swap.get(cls, cls), desc) for cls, desc in pm.passes]
-        return [pm]
-
-
 @contextlib.contextmanager
 def quiet_compilation():
     """Silence Numba's note on np.dot with views while the kernels compile.
@@ -237,7 +174,7 @@ def kernel(fn=None, *, parallel=False, inline="never", cache=True):
     ``cache=False`` for functions Numba makes at typing time.
     """
     def wrap(f):
-        disp = numba.njit(parallel=parallel, inline=inline, pipeline_class=_KernelCompiler, **OPTIONS)(f)
+        disp = numba.njit(parallel=parallel, inline=inline, **OPTIONS)(f)
         if cache and cache_dir() is not None:
             disp._cache = _KernelCache(f)
         # Compile with the dot-on-views note silenced, here only.

@@ -51,7 +51,7 @@ class StepScratch(NamedTuple):
     dS: np.ndarray
 
 
-@kernel(inline="always")
+@kernel
 def step_buffers(like, F, m):
     """:class:`StepScratch` for ``m`` tokens in the dtype of ``like (..., dv)``."""
     dv = like.shape[-1]

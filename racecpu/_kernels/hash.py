@@ -211,7 +211,7 @@ def hash_bwd_rows(dphi, phi, t, hsh, dx):
     return acc
 
 
-@kernel(inline="always")
+@kernel
 def hash_scratch(W):
     """:func:`hash_block`'s scratch ``(U, a, b, ph)`` for HASH_BLOCK rows, in the planes' dtype."""
     L, P, _ = W.shape
@@ -300,7 +300,7 @@ def soft_hash_rows(x, hsh, t, phi):
     run_tasks(_hash_rows_task, (n + 1023) // 1024, x, hsh, np.ones(n, np.bool_), t, phi)
 
 
-@kernel(inline="always")
+@kernel
 def residual_rows(res, g, lo, hi):
     """Rows lo..hi of group ``g`` of a residual ``res (G, N, ...)``, or scratch
     for them where the caller keeps none (``res`` has no rows: a forward with

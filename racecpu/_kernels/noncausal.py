@@ -53,7 +53,7 @@ def readout_rows(phiq, A, S, L, den, out):
     combine_rows(w, S, out, True)
 
 
-@kernel(inline="always")
+@kernel
 def dphi_from_y(phiq, A, den, L, dphi, wq):
     """Cotangent of one row of :func:`readout_rows` w.r.t. phiq, once ``dphi``
     (float64) holds y = S g; returns dden.
@@ -224,7 +224,7 @@ def queries_fwd(q, hsh, chunk, sketch, rows, out):
     return int(nan.sum())
 
 
-@kernel(inline="always")
+@kernel
 def query_bwd_buffers(grad, F, n):
     """:class:`QueryScratch` of a query chunk's backward of ``n`` rows."""
     return QueryScratch(np.empty(F, np.float64), np.empty((n, F), grad.dtype),

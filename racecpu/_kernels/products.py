@@ -20,7 +20,7 @@ from .tiles import (COMB_ROWS, COMB_VECTORS, TILE_ROWS, VECTOR_BYTES, comb_tile,
                     dot_tile_cols, dot_tile_cols1, dot_tile_rows, prefetch_lines)
 
 
-@kernel(inline="always")
+@kernel
 def prefetch_to(addr, done, target):
     """:func:`racecpu._simd.prefetch_lines` of lines done..target of ``addr``; returns the new count."""
     if target > done:
@@ -29,7 +29,7 @@ def prefetch_to(addr, done, target):
     return done
 
 
-@kernel(inline="always")
+@kernel
 def add_rows(A, rows):
     """A += the sum of the rows of ``rows (n, F)``, one row at a time (A: float64)."""
     for j in range(rows.shape[0]):
@@ -245,7 +245,7 @@ def outer_add(w, x, B):
         j += 1
 
 
-@kernel(inline="always")
+@kernel
 def step_product(w, x, out):
     """out = w^T x for ``w (m, F)``, ``x (m, dv)``, overwriting ``out (F, dv)``:
     sgemm from BLAS_ROWS rows, :func:`outer_add` below (call overhead wins)."""
@@ -256,7 +256,7 @@ def step_product(w, x, out):
         outer_add(w, x, out)
 
 
-@kernel(inline="always")
+@kernel
 def add_product(w, x, S, tmp, total, track):
     """S += w^T x (one scan step's state update; ``tmp`` (F, dv) holds the
     product), and ``total`` += the same product when ``track`` (one chunk's
@@ -277,7 +277,7 @@ def add_product(w, x, S, tmp, total, track):
                 S[f, c] += tmp[f, c]
 
 
-@kernel(inline="always")
+@kernel
 def add_into(acc, tmp):
     """acc += tmp for two (F, dv) arrays: the sum of a chunk's products."""
     F, dv = acc.shape
@@ -313,7 +313,7 @@ def span_totals(w, x, span, reverse, total, tmp):
             total[f, c] = acc[f, c]
 
 
-@kernel(inline="always")
+@kernel
 def zero_above(M):
     """Zero the strict upper triangle of square ``M`` (keep j <= i)."""
     m = M.shape[0]
@@ -322,7 +322,7 @@ def zero_above(M):
             M[i, j] = 0.0
 
 
-@kernel(inline="always")
+@kernel
 def zero_below(M):
     """Zero the strict lower triangle of square ``M`` (keep j >= i)."""
     m = M.shape[0]

@@ -20,7 +20,7 @@ from .. import config
 from ._jit import kernel
 
 
-@kernel(inline="always")
+@kernel
 def task_bounds(task, nc, chunk, n):
     g = task // nc
     c = task - g * nc
@@ -46,14 +46,14 @@ def spread_order(G, nc, t0, t1):
     return np.argsort(key, kind="stable")
 
 
-@kernel(inline="always")
+@kernel
 def segment_start(s, segments, nc):
     """First chunk of segment ``s`` of ``segments`` over ``nc`` chunks (``nc`` for s = segments;
     see :func:`scan_segments`)."""
     return s * nc // segments
 
 
-@kernel(inline="always")
+@kernel
 def exclusive_step(part, out, acc):
     """out = acc, then acc += part (one chunk of an exclusive scan; ``out`` may be ``part``)."""
     for e in range(acc.shape[0]):
@@ -125,7 +125,7 @@ def scan_segments(G, nc, n):
     return max(1, min(nc, threads // math.gcd(G, threads)))
 
 
-@kernel(inline="always")
+@kernel
 def segment_chunks(task, segments, nc):
     """Group and chunk range ``[c0, c1)`` of causal scan task ``task`` (:func:`segment_start`)."""
     g = task // segments
@@ -133,7 +133,7 @@ def segment_chunks(task, segments, nc):
     return g, segment_start(s, segments, nc), segment_start(s + 1, segments, nc)
 
 
-@kernel(inline="always")
+@kernel
 def carry_on(carry, g, c, dst, total, final):
     """carry[g, dst] = carry[g, c] + total (``final[g]`` when dst is past the
     chunks; float64 + the compute dtype) and total = 0: a segment's next
