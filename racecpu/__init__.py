@@ -19,6 +19,8 @@ from ._memory import pool_stats, release_memory, set_pool_limit
 from .attention import RaceAttention, Residuals, race_attention, race_attention_bwd, race_attention_fwd
 from .hashing import DEFAULT_BETA, DEN_FLOOR, corners, hyperplanes, soft_buckets
 from .streaming import RaceState
+from . import sketch  # a callable module: racecpu.sketch(k, v, planes) is racecpu.sketch.sketch
+from .sketch import Sketch, readout
 
 try:
     __version__ = _version("racecpu")
@@ -28,5 +30,5 @@ except PackageNotFoundError:  # running from a source tree
 __all__ = [
     "hyperplanes", "corners", "soft_buckets", "race_attention", "race_attention_fwd", "race_attention_bwd",
     "RaceAttention", "Residuals", "RaceState", "reference", "DEFAULT_BETA", "DEN_FLOOR", "__version__",
-    "set_pool_limit", "release_memory", "pool_stats",
+    "set_pool_limit", "release_memory", "pool_stats", "sketch", "Sketch", "readout",
 ]
