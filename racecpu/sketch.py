@@ -650,7 +650,9 @@ def state_from_sketch(sketch, count=0):
 
 def sketch_from_state(state):
     """The :class:`Sketch` of everything a :class:`racecpu.RaceState` has seen (copies)."""
-    return Sketch(state.A, state.B, state.planes, state.beta, state.dtype)
+    L, P, _ = state.planes.shape
+    lead = state.batch_shape + (L, 2 ** P)
+    return Sketch(state.A.reshape(lead), state.B.reshape(lead + (state.dv,)), state.planes, state.beta, state.dtype)
 
 
 class _CallableModule(types.ModuleType):
