@@ -56,6 +56,12 @@ __all__ = ["race_attention", "race_attention_fwd", "race_attention_bwd", "DaskRe
 FAN_IN = 8
 
 
+@dask.sizeof.sizeof.register(S.Sketch)
+def _sizeof_sketch(s):
+    """Bytes of a sketch, for the scheduler's placement and transfer accounting."""
+    return s.nbytes + s.planes.nbytes + 200
+
+
 # ---------------------------------------------------------------------------
 # tasks (module level: they are pickled to the workers)
 # ---------------------------------------------------------------------------
@@ -118,7 +124,8 @@ def _t_causal_bwd(threads, q, k, v, g, mask, planes, beta, state, dstate, cf):
 
 
 def _item(x, i):
-    return x[i]
+    """``x[i]``, or ``x`` for ``i`` None."""
+    return x if i is None else x[i]
 
 
 # ---------------------------------------------------------------------------
@@ -166,13 +173,19 @@ def _blocks(x):
     return None if x is None else x.to_delayed(optimize_graph=False)
 
 
-def _assemble(pieces, chunks, dtype):
-    """Dask array from an object array of delayed blocks laid out as ``chunks``."""
-    arr = np.empty(pieces.shape, object)
-    for idx in np.ndindex(pieces.shape):
-        shape = tuple(c[i] for c, i in zip(chunks, idx))
-        arr[idx] = da.from_delayed(pieces[idx], shape, dtype=dtype)
-    return da.block(arr.tolist())
+def _assemble(pieces, chunks, dtype, name):
+    """Dask array from an object array of delayed blocks laid out as ``chunks``.
+
+    Each block's key is the array's own key ``(name, *index)``, computed by a
+    task whose one dependency is the block's racecpu task: no alias task
+    that the scheduler could place on another worker and move rows to."""
+    from dask.highlevelgraph import HighLevelGraph
+    name = f"race-{name}-{dask.base.tokenize(*(p.key for p in pieces.flat))}"
+    keys = [dask.delayed(_item, pure=True)(p, None, dask_key_name=(name,) + idx)
+            for idx, p in zip(np.ndindex(pieces.shape), pieces.flat)]
+    graph = HighLevelGraph.merge(*(x.__dask_graph__() for x in keys))
+    meta = np.empty((0,) * len(chunks), dtype)
+    return da.Array(graph, name, chunks, dtype=dtype, meta=meta)
 
 
 def _scalar(items):
@@ -280,7 +293,7 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
             states[b] = total
             for i in range(qb.shape[-2]):
                 out[b + (i, 0)] = _call("readout", _t_readout, thr, qb[b + (i, 0)], total, cf)
-    y = _assemble(out, q.chunks[:-1] + ((dv,),), odt)
+    y = _assemble(out, q.chunks[:-1] + ((dv,),), odt, "out")
     return y, DaskResiduals(q, k, v, m, W, beta, bool(causal), cdt, odt, cf, threads, states)
 
 
@@ -363,5 +376,5 @@ def race_attention_bwd(residuals, grad_out):
                           nout=3)
                 dk[b + (j, 0)], dv[b + (j, 0)] = t[0], t[1]
                 dbetas.append(t[2])
-    return (_assemble(dq, r.q.chunks, r.q.dtype), _assemble(dk, r.k.chunks, r.k.dtype),
-            _assemble(dv, r.v.chunks, r.v.dtype), _scalar(dbetas))
+    return (_assemble(dq, r.q.chunks, r.q.dtype, "dq"), _assemble(dk, r.k.chunks, r.k.dtype, "dk"),
+            _assemble(dv, r.v.chunks, r.v.dtype, "dv"), _scalar(dbetas))

@@ -236,8 +236,11 @@ def test_dask_cluster_bytes_moved_per_block(client, causal):
     client.run(lambda dask_worker: dask_worker.transfer_incoming_log.clear())
     out, res = rd.race_attention_fwd(Q, K, V, W, causal=causal)
     grads = rd.race_attention_bwd(res, G)
-    client.gather(client.compute([out, *grads]))
+    distributed = pytest.importorskip("distributed")
+    kept = client.persist([out, *grads])  # not compute: its final concatenation moves every block to one worker
+    distributed.wait(kept)
     logs = client.run(_incoming)
+    del kept
     moved = {}
     for entries in logs.values():
         for e in entries:
