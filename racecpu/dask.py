@@ -181,9 +181,8 @@ def _assemble(pieces, chunks, dtype, name):
     that the scheduler could place on another worker and move rows to."""
     from dask.highlevelgraph import HighLevelGraph
     name = f"race-{name}-{dask.base.tokenize(*(p.key for p in pieces.flat))}"
-    keys = [dask.delayed(_item, pure=True)(p, None, dask_key_name=(name,) + idx)
-            for idx, p in zip(np.ndindex(pieces.shape), pieces.flat)]
-    graph = HighLevelGraph.merge(*(x.__dask_graph__() for x in keys))
+    layer = {(name,) + idx: (_item, p.key, None) for idx, p in zip(np.ndindex(pieces.shape), pieces.flat)}
+    graph = HighLevelGraph.from_collections(name, layer, dependencies=list(pieces.flat))
     meta = np.empty((0,) * len(chunks), dtype)
     return da.Array(graph, name, chunks, dtype=dtype, meta=meta)
 
