@@ -18,6 +18,7 @@ from .attention import RaceAttention, Residuals, race_attention, race_attention_
 from .config import DEFAULT_BETA, DEN_FLOOR
 from .hashing import corners, hyperplanes, soft_buckets
 from .streaming import RaceState
+from .sketches import Sketch, readout, sketch
 
 try:
     __version__ = _version("racecpu")
@@ -28,4 +29,5 @@ __all__ = [
     "hyperplanes", "corners", "soft_buckets", "race_attention", "race_attention_fwd", "race_attention_bwd",
     "RaceAttention", "Residuals", "RaceState", "reference", "config", "DEFAULT_BETA", "DEN_FLOOR",
     "__version__", "set_pool_limit", "release_memory", "pool_stats", "set_threads", "threads",
+    "sketch", "Sketch", "readout",
 ]

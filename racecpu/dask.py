@@ -1,0 +1,378 @@
+"""RACE attention on Dask arrays: the NumPy API's forward and backward as lazy task graphs.
+
+:func:`race_attention`, :func:`race_attention_fwd` and :func:`race_attention_bwd`
+take ``dask.array`` inputs chunked along the sequence axis (any chunks along
+the leading batch/head axes; the feature axis is rechunked to one chunk) and
+return lazy dask arrays.  Every task is one *block* of rows (one chunk along
+the sequence axis and the leading axes) plus small float64 sketches
+(:class:`racecpu.Sketch`, ``L * R * (dv + 1)`` numbers per group); the only
+values that cross between tasks of different blocks are sketches and
+scalars, never rows:
+
+* non-causal forward: a sketch per key block, summed by a tree of additions
+  (fan-in :data:`FAN_IN`), then a readout per query block;
+* causal forward: a sketch per block (its total), an exclusive scan of the
+  totals across blocks (a chain of additions of sketches), then every block
+  from its carried-in state (:func:`racecpu.sketches.causal_block`);
+* non-causal backward: per query block the queries' gradients and the
+  sketch's cotangent, summed by a tree, then per key block the keys' and
+  values' gradients;
+* causal backward: per block the cotangent its outputs send to its
+  carried-in state (:func:`racecpu.sketches.causal_block_dstate`), a reverse
+  exclusive scan of those, then every block's gradients from its carried-in
+  state and reverse carry (:func:`racecpu.sketches.causal_block_bwd`).
+
+The blocks' forwards are recomputed in the backward (the residuals hold only
+the sketches' tasks), so the causal backward costs about one more forward and
+queries' backward than the in-memory one; in exchange no task holds more than
+one block's rows.  Results equal the in-memory API up to float rounding (the
+chunk totals are summed in another order).
+
+Threads.  Dask workers cap OpenMP and BLAS threads but not Numba's: each task
+sets Numba's thread count (for the thread it runs on) to ``threads``, by
+default the worker's thread count on a ``distributed`` worker, and leaves it
+unchanged under other schedulers.
+
+Requires ``dask[array]`` (and ``distributed`` for clusters): ``pip install racecpu[dask]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+import dask
+import dask.array as da
+
+from . import sketches as S
+from ._checks import check_args
+from .config import DEFAULT_BETA
+
+__all__ = ["race_attention", "race_attention_fwd", "race_attention_bwd", "DaskResiduals", "FAN_IN"]
+
+#: Sketches summed per task of the tree reductions.
+FAN_IN = 8
+
+
+@dask.sizeof.sizeof.register(S.Sketch)
+def _sizeof_sketch(s):
+    """Bytes of a sketch, for the scheduler's placement and transfer accounting."""
+    return s.nbytes + s.planes.nbytes + 200
+
+
+# ---------------------------------------------------------------------------
+# tasks (module level: they are pickled to the workers)
+# ---------------------------------------------------------------------------
+
+def _set_threads(threads):
+    """Numba threads for this task: ``threads``, or the distributed worker's thread count."""
+    import numba
+    if threads is None:
+        try:
+            from distributed import get_worker
+            w = get_worker()
+        except (ImportError, ValueError):
+            return
+        state = getattr(w, "state", None)
+        threads = getattr(state, "nthreads", None) or getattr(w, "nthreads", 1)
+    numba.set_num_threads(max(1, min(int(threads), numba.config.NUMBA_NUM_THREADS)))
+
+
+def _t_sketch(threads, k, v, mask, planes, beta, cdt, cf):
+    _set_threads(threads)
+    return S.sketch(k, v, planes, beta, key_mask=mask, dtype=cdt, check_finite=cf)
+
+
+def _t_add(*sketches):
+    return sum(sketches)
+
+
+def _t_sum(*xs):
+    return float(sum(xs))
+
+
+def _t_readout(threads, q, sk, cf):
+    _set_threads(threads)
+    return S.readout(q, sk, check_finite=cf)
+
+
+def _t_readout_bwd(threads, q, sk, g, cf):
+    _set_threads(threads)
+    return S.readout_bwd(q, sk, g, check_finite=cf)
+
+
+def _t_sketch_bwd(threads, k, v, dsk, mask, cdt, cf):
+    _set_threads(threads)
+    return S.sketch_bwd(k, v, dsk, key_mask=mask, dtype=cdt, check_finite=cf)
+
+
+def _t_causal(threads, q, k, v, mask, planes, beta, state, cf):
+    _set_threads(threads)
+    return S.causal_block(q, k, v, planes, beta, state, key_mask=mask, check_finite=cf)[0]
+
+
+def _t_causal_dstate(threads, q, k, v, g, mask, planes, beta, state, cf):
+    _set_threads(threads)
+    return S.causal_block_dstate(q, k, v, planes, beta, g, state, key_mask=mask, check_finite=cf)
+
+
+def _t_causal_bwd(threads, q, k, v, g, mask, planes, beta, state, dstate, cf):
+    _set_threads(threads)
+    return S.causal_block_bwd(q, k, v, planes, beta, g, state, dstate, key_mask=mask, check_finite=cf)[:4]
+
+
+def _item(x, i):
+    """``x[i]``, or ``x`` for ``i`` None."""
+    return x if i is None else x[i]
+
+
+# ---------------------------------------------------------------------------
+# graph building
+# ---------------------------------------------------------------------------
+
+def _call(name, fn, *args, nout=None):
+    """A delayed call with a readable, deterministic key ``race-<name>-<token>``."""
+    token = dask.base.tokenize(fn.__name__, *args)
+    return dask.delayed(fn, pure=True, nout=nout)(*args, dask_key_name=f"race-{name}-{token}")
+
+
+def _tree_sum(items, name):
+    """Sum of delayed sketches (or floats) by a tree of FAN_IN-ary additions."""
+    items = list(items)
+    if not items:
+        return None
+    while len(items) > 1:
+        items = [items[i] if len(items[i:i + FAN_IN]) == 1 else _call(name, _t_add, *items[i:i + FAN_IN])
+                 for i in range(0, len(items), FAN_IN)]
+    return items[0]
+
+
+def _stand_in(x):
+    """A zero-stride array with x's shape and dtype, for the NumPy API's shape checks."""
+    return np.broadcast_to(np.zeros((), x.dtype), x.shape)
+
+
+def _as_dask(name, x):
+    if x is None or isinstance(x, da.Array):
+        return x
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        x = np.asarray(x)
+    return da.from_array(x, chunks=x.shape if x.ndim == 0 else "auto", name=False)
+
+
+def _align(x, like_chunks, whole_last=True):
+    """Rechunk x to ``like_chunks`` on all axes but the last (one chunk on the last)."""
+    chunks = tuple(like_chunks) + ((x.shape[-1],) if whole_last else ())
+    return x.rechunk(chunks) if x.chunks != chunks else x
+
+
+def _blocks(x):
+    """``x``'s delayed blocks as an object array of its numblocks (None for None)."""
+    return None if x is None else x.to_delayed(optimize_graph=False)
+
+
+def _assemble(pieces, chunks, dtype, name):
+    """Dask array from an object array of delayed blocks laid out as ``chunks``.
+
+    Each block's key is the array's own key ``(name, *index)``, computed by a
+    task whose one dependency is the block's racecpu task: no alias task
+    that the scheduler could place on another worker and move rows to."""
+    from dask.highlevelgraph import HighLevelGraph
+    name = f"race-{name}-{dask.base.tokenize(*(p.key for p in pieces.flat))}"
+    layer = {(name,) + idx: (_item, p.key, None) for idx, p in zip(np.ndindex(pieces.shape), pieces.flat)}
+    graph = HighLevelGraph.from_collections(name, layer, dependencies=list(pieces.flat))
+    meta = np.empty((0,) * len(chunks), dtype)
+    return da.Array(graph, name, chunks, dtype=dtype, meta=meta)
+
+
+def _scalar(items):
+    items = [x for x in items if x is not None]
+    total = _tree_sum(items, "dbeta") if items else dask.delayed(0.0)
+    return da.from_delayed(dask.delayed(float)(total), (), dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class DaskResiduals:
+    """What :func:`race_attention_bwd` needs from :func:`race_attention_fwd` (treat as opaque).
+
+    The (rechunked) dask inputs and the delayed sketches: per block of the
+    leading axes, the key sketch's total (non-causal) or the carried-in
+    state of every sequence block (causal).  Nothing is computed until a
+    result is; computing the forward's output and the gradients together
+    (``dask.compute(out, dq, ...)``) computes the sketches once.
+    """
+    q: object
+    k: object
+    v: object
+    mask: object
+    planes: np.ndarray
+    beta: float
+    causal: bool
+    cdt: np.dtype
+    odt: np.dtype
+    check_finite: bool
+    threads: object
+    states: dict
+
+
+def _prepare(q, k, v, planes, beta, causal, key_mask):
+    q, k, v, key_mask = (_as_dask(n, x) for n, x in (("q", q), ("k", k), ("v", v), ("key_mask", key_mask)))
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dtype.kind != "f" or x.dtype.itemsize > 8:
+            raise TypeError(f"{name} must be a float16, float32 or float64 array, got dtype {x.dtype}")
+        if x.ndim < 2:
+            raise ValueError(f"{name} must have at least 2 dims (..., N, d), got shape {x.shape}")
+    if key_mask is not None and key_mask.dtype != np.bool_:
+        raise TypeError(f"key_mask must be a bool array, got dtype {key_mask.dtype}")
+    cdt, odt, lead, _, W, beta = check_args(_stand_in(q), _stand_in(k), _stand_in(v), planes, beta, causal,
+                                            None if key_mask is None else _stand_in(key_mask))
+    q = q.rechunk(q.chunks[:-1] + ((q.shape[-1],),)) if len(q.chunks[-1]) > 1 else q
+    if causal:
+        k, v = _align(k, q.chunks[:-1]), _align(v, q.chunks[:-1])
+        key_mask = None if key_mask is None else _align(key_mask, q.chunks[:-1], False)
+    else:
+        k = _align(k, q.chunks[:-2] + (k.chunks[-2],))
+        v = _align(v, k.chunks[:-1])
+        key_mask = None if key_mask is None else _align(key_mask, k.chunks[:-1], False)
+    return q, k, v, key_mask, W, beta, cdt, odt
+
+
+def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None, check_finite=True,
+                       threads=None):
+    """RACE attention forward on Dask arrays; returns ``(out, residuals)`` for :func:`race_attention_bwd`.
+
+    Parameters
+    ----------
+    q : dask array (or array-like), shape (..., Nq, d)
+    k : dask array, shape (..., Nk, d)
+    v : dask array, shape (..., Nk, dv)
+        Chunked along the sequence axis; ``k`` and ``v`` are rechunked to
+        ``q``'s chunks on the leading axes (causal: on the sequence axis
+        too), ``v`` to ``k``'s, every input to one chunk on its last axis.
+        Other array-likes (NumPy, zarr) become one-chunk-per-"auto" dask
+        arrays.
+    planes, beta, causal, check_finite :
+        As for :func:`racecpu.race_attention`.
+    key_mask : bool dask array, shape (..., Nk), optional
+        Rechunked to ``k``'s chunks.
+    threads : int, optional
+        Numba threads per task (default: the worker's thread count on a
+        ``distributed`` worker; unchanged under other schedulers).
+
+    Returns
+    -------
+    out : dask array, shape (..., Nq, dv)
+        Chunks of ``q`` (last axis: one chunk); dtype as :func:`racecpu.race_attention`.
+    residuals : DaskResiduals
+    """
+    q, k, v, m, W, beta, cdt, odt = _prepare(q, k, v, planes, beta, causal, key_mask)
+    qb, kb, vb, mb = _blocks(q), _blocks(k), _blocks(v), _blocks(m)
+    nlead = qb.shape[:-2]
+    dv = v.shape[-1]
+    out = np.empty(qb.shape, object)
+    states = {}
+    cf, thr = bool(check_finite), threads
+    for b in np.ndindex(nlead):
+        mask = (lambda j: None) if mb is None else (lambda j: mb[b + (j,)])
+        tot = [_call("sketch", _t_sketch, thr, kb[b + (j, 0)], vb[b + (j, 0)], mask(j), W, beta, cdt, cf)
+               for j in range(kb.shape[-2])]
+        if causal:
+            carries = [None]
+            for j in range(1, len(tot)):
+                carries.append(tot[0] if j == 1 else _call("carry", _t_add, carries[-1], tot[j - 1]))
+            states[b] = carries
+            for j in range(qb.shape[-2]):
+                out[b + (j, 0)] = _call("causal", _t_causal, thr, qb[b + (j, 0)], kb[b + (j, 0)], vb[b + (j, 0)],
+                                        mask(j), W, beta, carries[j], cf)
+        else:
+            total = _tree_sum(tot, "sum") if tot else _call("zeros", _zero_sketch, W, beta,
+                                                              tuple(c[i] for c, i in zip(q.chunks, b)), dv, cdt)
+            states[b] = total
+            for i in range(qb.shape[-2]):
+                out[b + (i, 0)] = _call("readout", _t_readout, thr, qb[b + (i, 0)], total, cf)
+    y = _assemble(out, q.chunks[:-1] + ((dv,),), odt, "out")
+    return y, DaskResiduals(q, k, v, m, W, beta, bool(causal), cdt, odt, cf, threads, states)
+
+
+def _zero_sketch(W, beta, lead, dv, cdt):
+    return S.Sketch.zeros(W, beta, lead=lead, dv=dv, dtype=cdt)
+
+
+def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None, check_finite=True,
+                   threads=None):
+    """RACE attention on Dask arrays: :func:`race_attention_fwd`'s output alone (lazy).
+
+    Arguments as :func:`race_attention_fwd`.  Returns a dask array of shape
+    ``(..., Nq, dv)`` that equals :func:`racecpu.race_attention` on the
+    computed inputs up to float rounding.
+    """
+    return race_attention_fwd(q, k, v, planes, beta, causal=causal, key_mask=key_mask, check_finite=check_finite,
+                              threads=threads)[0]
+
+
+def race_attention_bwd(residuals, grad_out):
+    """RACE attention backward on Dask arrays.
+
+    Parameters
+    ----------
+    residuals : DaskResiduals
+        From :func:`race_attention_fwd`.
+    grad_out : dask array (or array-like), shape of the forward's output
+        Rechunked to the output's chunks.
+
+    Returns
+    -------
+    dq, dk, dv : dask arrays
+        Shapes and dtypes of q, k, v; chunks those of the (rechunked) inputs.
+    dbeta : 0-d dask array, float64
+        Gradient w.r.t. beta, summed over every batch, head and token.
+    """
+    r = residuals
+    if not isinstance(r, DaskResiduals):
+        raise TypeError(f"residuals must come from racecpu.dask.race_attention_fwd, got {type(r).__name__}")
+    g = _as_dask("grad_out", grad_out)
+    want = r.q.shape[:-1] + (r.v.shape[-1],)
+    if g.shape != want:
+        raise ValueError(f"grad_out must have the output's shape {want}, got {g.shape}")
+    if g.dtype.kind != "f" or g.dtype.itemsize > 8:
+        raise TypeError(f"grad_out must be a float16, float32 or float64 array, got dtype {g.dtype}")
+    g = _align(g, r.q.chunks[:-1])
+    qb, kb, vb, gb, mb = _blocks(r.q), _blocks(r.k), _blocks(r.v), _blocks(g), _blocks(r.mask)
+    dq = np.empty(qb.shape, object)
+    dk = np.empty(kb.shape, object)
+    dv = np.empty(vb.shape, object)
+    dbetas = []
+    cf, thr, W, beta = r.check_finite, r.threads, r.planes, r.beta
+    for b in np.ndindex(qb.shape[:-2]):
+        mask = (lambda j: None) if mb is None else (lambda j: mb[b + (j,)])
+        if r.causal:
+            carries = r.states[b]
+            nb = qb.shape[-2]
+            blk = [(qb[b + (j, 0)], kb[b + (j, 0)], vb[b + (j, 0)], gb[b + (j, 0)]) for j in range(nb)]
+            rc, acc = [None] * nb, None
+            for j in range(nb - 1, -1, -1):
+                rc[j] = acc
+                if j > 0:
+                    part = _call("dstate", _t_causal_dstate, thr, *blk[j], mask(j), W, beta, carries[j], cf)
+                    acc = part if acc is None else _call("rcarry", _t_add, acc, part)
+            for j in range(nb):
+                t = _call("causal-bwd", _t_causal_bwd, thr, *blk[j], mask(j), W, beta, carries[j], rc[j], cf, nout=4)
+                dq[b + (j, 0)], dk[b + (j, 0)], dv[b + (j, 0)] = t[0], t[1], t[2]
+                dbetas.append(t[3])
+        else:
+            total = r.states[b]
+            parts = []
+            for i in range(qb.shape[-2]):
+                t = _call("readout-bwd", _t_readout_bwd, thr, qb[b + (i, 0)], total, gb[b + (i, 0)], cf, nout=3)
+                dq[b + (i, 0)] = t[0]
+                parts.append(t[1])
+                dbetas.append(t[2])
+            dsk = _tree_sum(parts, "dsum")  # every dask array has a block, even of no rows
+            for j in range(kb.shape[-2]):
+                t = _call("sketch-bwd", _t_sketch_bwd, thr, kb[b + (j, 0)], vb[b + (j, 0)], dsk, mask(j), r.cdt, cf,
+                          nout=3)
+                dk[b + (j, 0)], dv[b + (j, 0)] = t[0], t[1]
+                dbetas.append(t[2])
+    return (_assemble(dq, r.q.chunks, r.q.dtype, "dq"), _assemble(dk, r.k.chunks, r.k.dtype, "dk"),
+            _assemble(dv, r.v.chunks, r.v.dtype, "dv"), _scalar(dbetas))

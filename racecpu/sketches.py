@@ -1,0 +1,652 @@
+"""Mergeable RACE sketches: the primitives that block-wise and distributed RACE attention compose.
+
+Non-causal RACE attention of queries ``q`` over keys ``k`` with values ``v``
+reads one *sketch* of the keys per (batch, head) group::
+
+    A = sum_j phi(k_j)            (L, R)        R = 2**P soft buckets per table
+    B = sum_j phi(k_j) v_j^T      (L, R, dv)
+    out_i = (phi(q_i) . B) / (phi(q_i) . A)
+
+A sketch is a sum over keys, so the sketch of a sequence is the sum of the
+sketches of its blocks, and a sketch is ``L * R * (dv + 1)`` float64 numbers
+per group whatever the number of keys.  This module makes that algebra
+public:
+
+* :func:`sketch` -- the :class:`Sketch` of a block of keys; sketches add with
+  ``+`` and :func:`sum`;
+* :func:`readout` -- non-causal attention of queries against a sketch;
+  ``readout(q, sketch(k, v, W, beta))`` equals
+  ``race_attention(q, k, v, W, beta)`` up to float rounding (the chunk totals
+  are summed in another order);
+* :func:`causal_block` -- causal attention of a block of tokens given the
+  sketch of every token before it (the carried *state*, itself a
+  :class:`Sketch`); returns the state after the block;
+* the backward of each: :func:`readout_bwd`, :func:`sketch_bwd`,
+  :func:`causal_block_bwd` (given the incoming state and the cotangent of the
+  outgoing one), and :func:`causal_block_dstate` (the cotangent a block sends
+  back to its incoming state, without the rows' gradients);
+* :func:`state_from_sketch` / :func:`sketch_from_state` -- conversions to
+  and from :class:`racecpu.RaceState` for streaming decode.
+
+Every function calls the same Numba kernels as :func:`racecpu.race_attention`,
+with the same float64 sketches; :mod:`racecpu.dask` builds its task graphs
+from them.  A cotangent of a sketch (``dA, dB``) is also a :class:`Sketch`:
+cotangents from several query blocks add the same way.
+
+``racecpu.sketch`` is :func:`sketch`; the module is ``racecpu.sketches``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import _kernels as K
+from ._checks import SUMS_OVERFLOW, all_finite, check_array, check_beta, check_derived, check_planes, prepare
+from ._kernels.bundles import Grads, Hash, Rows, Sums
+from .config import DEFAULT_BETA
+
+__all__ = ["Sketch", "sketch", "readout", "readout_bwd", "sketch_bwd", "causal_block", "causal_block_bwd",
+           "causal_block_dstate", "state_from_sketch", "sketch_from_state", "planes_digest"]
+
+
+def planes_digest(planes):
+    """A digest of hyperplanes by value: shape and float64 values (so float32
+    planes and the same values in float64 have the same digest)."""
+    p = np.asarray(planes)
+    h = hashlib.sha256(repr(p.shape).encode())
+    h.update(np.ascontiguousarray(p, dtype=np.float64).tobytes())
+    return h.hexdigest()
+
+
+def _compute_dtype(*dts):
+    """float16 computes in float32 (as in :func:`racecpu.race_attention`)."""
+    dt = np.result_type(*dts)
+    return np.dtype(np.float32) if dt == np.float16 else dt
+
+
+@dataclass(frozen=True, eq=False)
+class Sketch:
+    """The RACE sketch of a set of keys, or the cotangent of one; adds with ``+`` and :func:`sum`.
+
+    Parameters
+    ----------
+    A : ndarray, shape (..., L, R), float64
+        ``sum_j phi(k_j)`` per group; ``...`` are the inputs' leading
+        (batch, head) dims.  Cast to C-contiguous float64 (kept by reference
+        when it already is).
+    B : ndarray, shape (..., L, R, dv), float64
+        ``sum_j phi(k_j) v_j^T``.
+    planes : ndarray, shape (L, P, d)
+        The hyperplanes it was built with (``R = 2**P``).
+    beta : float
+        The soft-hash temperature it was built with.
+    dtype : {float32, float64}
+        The compute dtype the keys were hashed in.  A readout computes in
+        this dtype or wider (that of its queries).
+    in_dtype : dtype, optional
+        The inputs' dtype (float16 where they were; default ``dtype``); a
+        readout returns ``result_type(q, in_dtype)``.
+
+    Notes
+    -----
+    Treat a sketch as immutable: ``+`` returns a new one and never writes
+    into its operands' arrays; the functions here never write into a
+    sketch they are given.  Two sketches add when their planes are equal by
+    value (:func:`planes_digest`), their beta equal and their shapes equal;
+    otherwise ``+`` raises ValueError.  ``0 + s`` is ``s`` (so ``sum`` works).
+    """
+
+    A: np.ndarray
+    B: np.ndarray
+    planes: np.ndarray
+    beta: float
+    dtype: np.dtype = np.dtype(np.float32)
+    in_dtype: np.dtype = None
+    digest: str = field(default=None, compare=False)
+
+    def __post_init__(self):
+        A = np.ascontiguousarray(self.A, dtype=np.float64)
+        B = np.ascontiguousarray(self.B, dtype=np.float64)
+        planes = np.asarray(self.planes)
+        if planes.ndim != 3:
+            raise ValueError(f"planes must have shape (L, P, d), got shape {planes.shape}")
+        L, P, _ = planes.shape
+        R = 2 ** P
+        if A.ndim < 2 or A.shape[-2:] != (L, R):
+            raise ValueError(f"A must have shape (..., L, R) = (..., {L}, {R}) for planes {planes.shape}, "
+                             f"got {A.shape}")
+        if B.ndim != A.ndim + 1 or B.shape[:-1] != A.shape:
+            raise ValueError(f"B must have shape A.shape + (dv,) = {A.shape} + (dv,), got {B.shape}")
+        dtype = np.dtype(self.dtype)
+        if dtype not in (np.float32, np.float64):
+            raise TypeError(f"dtype must be float32 or float64, got {dtype}")
+        in_dtype = dtype if self.in_dtype is None else np.dtype(self.in_dtype)
+        object.__setattr__(self, "A", A)
+        object.__setattr__(self, "B", B)
+        object.__setattr__(self, "planes", planes)
+        object.__setattr__(self, "beta", check_beta(self.beta))
+        object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "in_dtype", in_dtype)
+        if self.digest is None:
+            object.__setattr__(self, "digest", planes_digest(planes))
+
+    # -- shape ----------------------------------------------------------------
+    @property
+    def lead(self):
+        """Leading (batch, head) dims."""
+        return self.A.shape[:-2]
+
+    @property
+    def dv(self):
+        return self.B.shape[-1]
+
+    @property
+    def head_dim(self):
+        return self.planes.shape[2]
+
+    @property
+    def nbytes(self):
+        """Bytes of ``A`` and ``B`` (independent of the number of keys)."""
+        return self.A.nbytes + self.B.nbytes
+
+    def __repr__(self):
+        L, P, d = self.planes.shape
+        return (f"Sketch(lead={self.lead}, L={L}, P={P}, d={d}, dv={self.dv}, beta={self.beta}, "
+                f"dtype={self.dtype.name})")
+
+    def _flat(self):
+        """``A (G, F)``, ``B (G, F, dv)``: views in the kernels' layout."""
+        G = math.prod(self.lead)
+        F = self.A.shape[-2] * self.A.shape[-1]
+        return self.A.reshape(G, F), self.B.reshape(G, F, self.dv)
+
+    def _like(self, A, B, dtype=None, in_dtype=None):
+        return Sketch(A, B, self.planes, self.beta, self.dtype if dtype is None else dtype,
+                      self.in_dtype if in_dtype is None else in_dtype, self.digest)
+
+    def check_compatible(self, other, what="sketch"):
+        """Raise ValueError unless ``other`` has the same planes (by value), beta and shapes."""
+        if not isinstance(other, Sketch):
+            raise TypeError(f"{what} must be a racecpu.Sketch, got {type(other).__name__}")
+        if other.digest != self.digest:
+            raise ValueError(f"{what} was built with other planes (shapes {other.planes.shape} and "
+                             f"{self.planes.shape}, or other values)")
+        if other.beta != self.beta:
+            raise ValueError(f"{what} was built with beta={other.beta}, not {self.beta}")
+        if other.A.shape != self.A.shape or other.B.shape != self.B.shape:
+            raise ValueError(f"{what} has shapes A {other.A.shape}, B {other.B.shape}; expected "
+                             f"A {self.A.shape}, B {self.B.shape}")
+
+    def __add__(self, other):
+        if isinstance(other, (int, np.integer)) and not isinstance(other, bool) and other == 0:
+            return self
+        if not isinstance(other, Sketch):
+            return NotImplemented
+        self.check_compatible(other, "the other sketch")
+        return self._like(self.A + other.A, self.B + other.B, np.promote_types(self.dtype, other.dtype),
+                          np.promote_types(self.in_dtype, other.in_dtype))
+
+    __radd__ = __add__
+
+    @classmethod
+    def zeros(cls, planes, beta=DEFAULT_BETA, *, lead=(), dv, dtype=np.float32):
+        """The sketch of no keys (the causal state before the first token)."""
+        L, P, _ = np.shape(planes)
+        lead = tuple(int(s) for s in lead)
+        return cls(np.zeros(lead + (L, 2 ** P)), np.zeros(lead + (L, 2 ** P, int(dv))), planes, beta, dtype)
+
+
+# ---------------------------------------------------------------------------
+# internals
+# ---------------------------------------------------------------------------
+
+_OVERFLOW = "its projections onto the planes overflow {}"
+
+
+def _none(G, cdt, width=None):
+    """A residual with no rows (the kernels keep those rows in per-chunk scratch)."""
+    return np.empty((G, 0) if width is None else (G, 0, width), cdt)
+
+
+def _keys(k, v, planes, beta, key_mask, check_finite, dtype):
+    """Checked keys and values ``(G, n, d)``, ``(G, n, dv)``, mask, planes, beta, lead, cdt, in dtype."""
+    k, _, _ = check_array("k", k, False)
+    a = prepare(k[..., :0, :], k, v, planes, beta, False, key_mask, check_finite, defer=True)
+    cdt = a.k.dtype if dtype is None else np.dtype(dtype)
+    if cdt not in (np.float32, np.float64):
+        raise TypeError(f"dtype must be float32 or float64, got {cdt}")
+    kk, vv = (np.ascontiguousarray(x, dtype=cdt) for x in (a.k, a.v))
+    W = check_planes(planes, kk.shape[2], cdt)
+    return kk, vv, a.mask, W, a.beta, a.lead, cdt, np.result_type(*a.in_dtypes[1:])
+
+
+def _check_state(state, what, planes, beta, lead, dv):
+    ref = Sketch(np.zeros(lead + (planes.shape[0], 2 ** planes.shape[1])),
+                 np.zeros(lead + (planes.shape[0], 2 ** planes.shape[1], dv)), planes, beta)
+    ref.check_compatible(state, what)
+
+
+def _flat_state(state, G, F, dv):
+    if state is None:
+        return np.zeros((G, F)), np.zeros((G, F, dv))
+    return state._flat()
+
+
+def _advance(q, k, v, mask, W, beta, A0, B0, out, rows):
+    """:func:`racecpu.streaming.advance` with a key mask: causal RACE over a
+    block from the state ``(A0, B0)``; returns ``(A1, B1, chunk, carryA,
+    carryB, nan_q, nan_k)``.  The same chunk grid and kernel calls."""
+    G, n, _ = q.shape
+    dv = v.shape[2]
+    F = rows.phik.shape[2]
+    chunk = K.chunk_length(n, G, F, dv)
+    nc = -(-n // chunk)
+    partA = np.zeros((G, nc, F))
+    partB = np.zeros((G, nc, F, dv))
+    hsh = Hash(W, beta)
+    nan_k = K.sketch_chunks(k, v, mask, hsh, chunk, rows, Sums(partA, partB))
+    carryA = K.exclusive_scan(partA)
+    carryB = K.exclusive_scan(partB)
+    carryA += A0[:, None]
+    carryB += B0[:, None]
+    nan_q = K.causal_fwd(q, v, hsh, chunk, rows, Sums(carryA, carryB), out)
+    return A0 + partA.sum(1), B0 + partB.sum(1), chunk, carryA, carryB, nan_q, nan_k
+
+
+def _causal_rows(G, n, F, LP, cdt):
+    return Rows(np.empty((G, n, F), cdt), np.empty((G, n, LP), cdt), np.empty((G, n, F), cdt),
+                np.empty((G, n, LP), cdt), np.zeros((G, n)))
+
+
+def _grad(name, g, shape, cdt, check_finite):
+    g, _, _ = check_array(name, g, False)
+    if g.shape != shape:
+        raise ValueError(f"{name} must have the output's shape {shape}, got {g.shape}")
+    return g
+
+
+# ---------------------------------------------------------------------------
+# non-causal
+# ---------------------------------------------------------------------------
+
+def sketch(k, v, planes, beta=DEFAULT_BETA, *, key_mask=None, dtype=None, check_finite=True):
+    """The RACE sketch of a block of keys.
+
+    Parameters
+    ----------
+    k : array_like, shape (..., Nk, d)
+    v : array_like, shape (..., Nk, dv)
+        float16/32/64; any number of leading (batch, head) dims, the same for both.
+    planes : array_like, shape (L, P, d)
+    beta : float, default ``DEFAULT_BETA``
+    key_mask : bool array, shape (..., Nk), optional
+        False keys contribute nothing.
+    dtype : {float32, float64}, optional
+        Compute dtype of the keys' hash (default: that of ``k`` and ``v``,
+        float16 in float32).  Pass the dtype a whole attention call would
+        use (``result_type(q, k, v)``) to reproduce it.
+    check_finite : bool, default True
+        Raise ValueError on NaN/Inf in k or v, or sums that overflow.
+
+    Returns
+    -------
+    Sketch
+        New float64 arrays ``A (..., L, R)``, ``B (..., L, R, dv)``; nothing
+        aliases the inputs.
+    """
+    k, v, mask, W, beta, lead, cdt, in_dt = _keys(k, v, planes, beta, key_mask, check_finite, dtype)
+    G, nk, d = k.shape
+    dv = v.shape[2]
+    L, P, _ = W.shape
+    F = L * 2 ** P
+    A, B = np.zeros((G, F)), np.zeros((G, F, dv))
+    if G and nk:
+        chunk = K.sketch_task_length(K.chunk_length(nk, G, F, dv), nk, G)
+        nc = -(-nk // chunk)
+        partA, partB = np.zeros((G, nc, F)), np.empty((G, nc, F, dv))
+        rows = Rows(_none(G, cdt, F), _none(G, cdt, L * P), _none(G, cdt, F), _none(G, cdt, L * P),
+                    _none(G, np.float64))
+        nan = K.sketch_chunks(k, v, mask, Hash(W, beta), chunk, rows, Sums(partA, partB), span=K.SKETCH_FUSED)
+        A, B = partA.sum(1), partB.sum(1)
+        check_derived(check_finite, ("k", k, nan == 0, _OVERFLOW.format(cdt)), ("v", v, all_finite(B), SUMS_OVERFLOW))
+    R = 2 ** P
+    return Sketch(A.reshape(lead + (L, R)), B.reshape(lead + (L, R, dv)), np.asarray(planes), beta, cdt, in_dt)
+
+
+def _queries(q, sk, check_finite):
+    if not isinstance(sk, Sketch):
+        raise TypeError(f"sketch must be a racecpu.Sketch, got {type(sk).__name__}")
+    q, qdt, _ = check_array("q", q, False)
+    if q.shape[:-2] != sk.lead:
+        raise ValueError(f"q has leading dims {q.shape[:-2]} but the sketch has {sk.lead}")
+    d = q.shape[-1]
+    cdt = _compute_dtype(q.dtype, sk.dtype)
+    odt = np.result_type(qdt, sk.in_dtype)
+    W = check_planes(sk.planes, d, cdt)
+    G = math.prod(sk.lead)
+    qf = np.ascontiguousarray(q.reshape(G, q.shape[-2], d), dtype=cdt)
+    return qf, W, cdt, odt
+
+
+def readout(q, sketch, *, check_finite=True):
+    """Non-causal RACE attention of queries against a sketch of keys.
+
+    Parameters
+    ----------
+    q : array_like, shape (..., Nq, d)
+        Leading dims those of the sketch.
+    sketch : Sketch
+    check_finite : bool, default True
+        Raise ValueError on NaN/Inf in q (or on q whose projections overflow).
+
+    Returns
+    -------
+    out : ndarray, shape (..., Nq, dv)
+        A new array in ``result_type(q, sketch.in_dtype)``, computed in the
+        wider of q's and the sketch's compute dtypes.  ``readout(q, sketch(k,
+        v, W, beta))`` equals ``race_attention(q, k, v, W, beta)`` up to
+        rounding (the same kernels; the keys' chunk totals summed in another
+        order).  A query whose buckets hold no key mass gets zeros.
+    """
+    qf, W, cdt, odt = _queries(q, sketch, check_finite)
+    G, nq, _ = qf.shape
+    A, B = sketch._flat()
+    F, dv = B.shape[1:]
+    LP = W.shape[0] * W.shape[1]
+    o = np.empty((G, nq, dv), cdt)
+    if G and nq:
+        rows = Rows(_none(G, cdt, F), _none(G, cdt, LP), _none(G, cdt, F), _none(G, cdt, LP), _none(G, np.float64))
+        nan = K.queries_fwd(qf, Hash(W, sketch.beta), K.chunk_length(nq, G, F, dv), Sums(A, B.astype(cdt)), rows, o)
+        check_derived(check_finite, ("q", qf, nan == 0, _OVERFLOW.format(cdt)))
+    return o.reshape(sketch.lead + (nq, dv)).astype(odt, copy=False)
+
+
+def readout_bwd(q, sketch, grad_out, *, check_finite=True):
+    """Backward of :func:`readout`.
+
+    Parameters
+    ----------
+    q, sketch :
+        As for :func:`readout` (the forward is recomputed from them).
+    grad_out : array_like, shape (..., Nq, dv)
+        Cotangent of the readout's output.
+
+    Returns
+    -------
+    dq : ndarray, shape of q, dtype of q
+    dsketch : Sketch
+        Cotangent of the sketch, ``dA (..., L, R)``, ``dB (..., L, R, dv)``
+        float64, with the sketch's planes and beta: the cotangents of several
+        query blocks against one sketch add with ``+``.  Feed the total to
+        :func:`sketch_bwd`.
+    dbeta : float
+        The queries' share of the gradient w.r.t. beta (the keys' share comes
+        from :func:`sketch_bwd`).
+    """
+    qdt = np.asarray(q).dtype
+    qf, W, cdt, odt = _queries(q, sketch, check_finite)
+    G, nq, d = qf.shape
+    A, B = sketch._flat()
+    F, dv = B.shape[1:]
+    L, P, _ = W.shape
+    g = _grad("grad_out", grad_out, sketch.lead + (nq, dv), cdt, check_finite)
+    g = np.ascontiguousarray(g.reshape(G, nq, dv), dtype=cdt)
+    dq = np.empty((G, nq, d), cdt)
+    dA, dB = np.zeros((G, F)), np.zeros((G, F, dv))
+    dbeta = 0.0
+    if G and nq:
+        chunk = K.chunk_length(nq, G, F, dv)
+        nc = -(-nq // chunk)
+        hsh, Bc = Hash(W, sketch.beta), B.astype(cdt)
+        none = _none(G, cdt, F)
+        rows = Rows(np.empty((G, nq, F), cdt), np.empty((G, nq, L * P), cdt), none, none, np.zeros((G, nq)))
+        nan = K.queries_fwd(qf, hsh, chunk, Sums(A, Bc), rows, np.empty((G, nq, dv), cdt))
+        check_derived(check_finite, ("q", qf, nan == 0, _OVERFLOW.format(cdt)))
+        pdA, pdB = np.zeros((G, nc, F)), np.empty((G, nc, F, dv))
+        dbq = np.zeros((G, nc))
+        K.queries_bwd(g, g, rows, Sums(A, Bc), hsh, chunk, Grads(dq, dq, dq, _none(G, np.float64), dbq, dbq),
+                      Sums(pdA, pdB))
+        dA, dB = pdA.sum(1), pdB.sum(1)
+        check_derived(check_finite, ("grad_out", g, all_finite(dB), SUMS_OVERFLOW))
+        dbeta = float(dbq.sum())
+    else:
+        check_array("grad_out", g, check_finite)
+        dq[...] = 0
+    R = 2 ** P
+    ds = sketch._like(dA.reshape(sketch.lead + (L, R)), dB.reshape(sketch.lead + (L, R, dv)), cdt)
+    return dq.reshape(np.shape(q)).astype(qdt if qdt.kind == "f" else cdt, copy=False), ds, dbeta
+
+
+def sketch_bwd(k, v, dsketch, *, key_mask=None, dtype=None, check_finite=True):
+    """Backward of :func:`sketch`: the keys' and values' cotangents from the sketch's.
+
+    Parameters
+    ----------
+    k, v, key_mask, dtype, check_finite :
+        As given to :func:`sketch` (its planes and beta are ``dsketch``'s).
+    dsketch : Sketch
+        Cotangent of the sketch (e.g. the sum of :func:`readout_bwd`'s over
+        every query block).
+
+    Returns
+    -------
+    dk, dv : ndarray
+        Shapes and dtypes of k and v (masked keys: zeros).  New arrays.
+    dbeta : float
+        The keys' share of the gradient w.r.t. beta.
+    """
+    if not isinstance(dsketch, Sketch):
+        raise TypeError(f"dsketch must be a racecpu.Sketch, got {type(dsketch).__name__}")
+    kdt, vdt = np.asarray(k).dtype, np.asarray(v).dtype
+    k, v, mask, W, beta, lead, cdt, _ = _keys(k, v, dsketch.planes, dsketch.beta, key_mask, check_finite, dtype)
+    G, nk, d = k.shape
+    dv = v.shape[2]
+    L, P, _ = W.shape
+    F = L * 2 ** P
+    _check_state(dsketch, "dsketch", W, beta, lead, dv)
+    dk, dv_ = np.empty((G, nk, d), cdt), np.empty((G, nk, dv), cdt)
+    dbeta = 0.0
+    if G and nk:
+        chunk = K.chunk_length(nk, G, F, dv)
+        nc = -(-nk // chunk)
+        none, none2 = _none(G, cdt, F), _none(G, np.float64)
+        rows = Rows(none, none, np.empty((G, nk, F), cdt), np.empty((G, nk, L * P), cdt), none2)
+        hsh = Hash(W, beta)
+        # the hash only: no B totals (totals=(0, 0)); A's are summed and dropped
+        nan = K.sketch_chunks(k, v, mask, hsh, chunk, rows, Sums(np.zeros((G, nc, F)), np.empty((G, nc, F, 0))),
+                              totals=(0, 0))
+        check_derived(check_finite, ("k", k, nan == 0, _OVERFLOW.format(cdt)))
+        dA, dB = dsketch._flat()
+        dbk = np.zeros((G, nc))
+        K.keys_bwd(v, rows, Sums(dA, dB.astype(cdt)), hsh, chunk, Grads(dk, dk, dv_, none2, dbk, dbk))
+        dbeta = float(dbk.sum())
+    else:
+        dk[...] = 0
+        dv_[...] = 0
+    return (dk.reshape(lead + (nk, d)).astype(kdt if kdt.kind == "f" else cdt, copy=False),
+            dv_.reshape(lead + (nk, dv)).astype(vdt if vdt.kind == "f" else cdt, copy=False), dbeta)
+
+
+# ---------------------------------------------------------------------------
+# causal
+# ---------------------------------------------------------------------------
+
+def _causal_args(q, k, v, planes, beta, key_mask, check_finite, state, what="initial_state"):
+    a = prepare(q, k, v, planes, beta, True, key_mask, check_finite, defer=True)
+    G, n, _ = a.q.shape
+    dv = a.v.shape[2]
+    L, P, _ = a.planes.shape
+    F = L * 2 ** P
+    if state is not None:
+        _check_state(state, what, a.planes, a.beta, a.lead, dv)
+    return a, G, n, dv, L, P, F
+
+
+def causal_block(q, k, v, planes, beta=DEFAULT_BETA, initial_state=None, *, key_mask=None, check_finite=True):
+    """Causal RACE attention of a block of tokens after everything before it.
+
+    Parameters
+    ----------
+    q, k : array_like, shape (..., n, d)
+    v : array_like, shape (..., n, dv)
+        The block's tokens (q and k the same length).
+    planes, beta, key_mask, check_finite :
+        As for :func:`racecpu.race_attention`.
+    initial_state : Sketch, optional
+        The sketch of every key before the block (same planes, beta, leading
+        dims, dv); default none (the block starts the sequence).
+
+    Returns
+    -------
+    out : ndarray, shape (..., n, dv)
+        Query i sees the initial state and the block's keys j <= i; dtype as
+        :func:`racecpu.race_attention`.  A new array.
+    final_state : Sketch
+        ``initial_state + sketch(k, v)``: the state the next block starts from.
+
+    Notes
+    -----
+    Splitting a sequence into blocks and chaining them through the state
+    equals one ``race_attention(..., causal=True)`` over the whole sequence
+    up to rounding (the state is float64; float32 blocks cast the carry to
+    float32 at every chunk start, as the whole call does).
+    """
+    a, G, n, dv, L, P, F = _causal_args(q, k, v, planes, beta, key_mask, check_finite, initial_state)
+    cdt = a.q.dtype
+    A0, B0 = _flat_state(initial_state, G, F, dv)
+    o = np.empty((G, n, dv), cdt)
+    A1, B1 = A0.copy(), B0.copy()
+    if G and n:
+        rows = Rows(_none(G, cdt, F), _none(G, cdt, L * P), np.empty((G, n, F), cdt), _none(G, cdt, L * P),
+                    _none(G, np.float64))
+        A1, B1, _, _, _, nan_q, nan_k = _advance(a.q, a.k, a.v, a.mask, a.planes, a.beta, A0, B0, o, rows)
+        ov = _OVERFLOW.format(cdt)
+        check_derived(a.check_finite, ("q", a.q, nan_q == 0, ov), ("k", a.k, nan_k == 0, ov),
+                      ("v", a.v, all_finite(B1), SUMS_OVERFLOW))
+    R = 2 ** P
+    st = Sketch(A1.reshape(a.lead + (L, R)), B1.reshape(a.lead + (L, R, dv)), np.asarray(planes), a.beta, cdt,
+                np.result_type(*a.in_dtypes))
+    return o.reshape(a.lead + (n, dv)).astype(a.out_dtype, copy=False), st
+
+
+def _causal_backward(q, k, v, planes, beta, grad_out, initial_state, dfinal_state, key_mask, check_finite,
+                     queries_only):
+    a, G, n, dv, L, P, F = _causal_args(q, k, v, planes, beta, key_mask, check_finite, initial_state)
+    if dfinal_state is not None:
+        _check_state(dfinal_state, "dfinal_state", a.planes, a.beta, a.lead, dv)
+    cdt = a.q.dtype
+    d = a.q.shape[2]
+    g = _grad("grad_out", grad_out, a.lead + (n, dv), cdt, check_finite)
+    g = np.ascontiguousarray(g.reshape(G, n, dv), dtype=cdt)
+    A0, B0 = _flat_state(initial_state, G, F, dv)
+    sA, sB = _flat_state(dfinal_state, G, F, dv)
+    dq, dk, dv_ = (np.zeros((G, n, x), cdt) for x in (d, d, dv))
+    dA0, dB0 = sA.copy(), sB.copy()
+    dbeta = 0.0
+    if G and n:
+        rows = _causal_rows(G, n, F, L * P, cdt)
+        hsh = Hash(a.planes, a.beta)
+        _, B1, chunk, cA, cB, nan_q, nan_k = _advance(a.q, a.k, a.v, a.mask, a.planes, a.beta, A0, B0,
+                                                      np.empty((G, n, dv), cdt), rows)
+        ov = _OVERFLOW.format(cdt)
+        check_derived(a.check_finite, ("q", a.q, nan_q == 0, ov), ("k", a.k, nan_k == 0, ov),
+                      ("v", a.v, all_finite(B1), SUMS_OVERFLOW))
+        nc = cA.shape[1]
+        pdA, pdB = np.zeros((G, nc, F)), np.zeros((G, nc, F, dv))
+        dbq, dbk = np.zeros((G, nc)), np.zeros((G, nc))
+        grads = Grads(dq, dk, dv_, np.zeros((G, n)), dbq, dbk)
+        K.causal_queries_bwd(g, a.v, rows, Sums(cA, cB), hsh, chunk, grads, Sums(pdA, pdB))
+        dA0, dB0 = sA + pdA.sum(1), sB + pdB.sum(1)
+        check_derived(a.check_finite, ("grad_out", g, all_finite(dB0), SUMS_OVERFLOW))
+        if not queries_only:
+            cdA = K.exclusive_scan(pdA, reverse=True)
+            cdB = K.exclusive_scan(pdB, reverse=True)
+            cdA += sA[:, None]
+            cdB += sB[:, None]
+            K.causal_keys_bwd(g, a.v, rows, Sums(cdA, cdB), hsh, chunk, grads)
+            dbeta = float(dbq.sum() + dbk.sum())
+    else:
+        check_array("grad_out", g, check_finite)
+    R = 2 ** P
+    dstate = Sketch(dA0.reshape(a.lead + (L, R)), dB0.reshape(a.lead + (L, R, dv)), np.asarray(planes), a.beta,
+                    cdt, np.result_type(*a.in_dtypes))
+    if queries_only:
+        return dstate
+    qdt, kdt, vdt = a.in_dtypes
+    return (dq.reshape(a.lead + (n, d)).astype(qdt, copy=False), dk.reshape(a.lead + (n, d)).astype(kdt, copy=False),
+            dv_.reshape(a.lead + (n, dv)).astype(vdt, copy=False), dbeta, dstate)
+
+
+def causal_block_bwd(q, k, v, planes, beta, grad_out, initial_state=None, dfinal_state=None, *, key_mask=None,
+                     check_finite=True):
+    """Backward of :func:`causal_block` (the forward is recomputed from the block and its state).
+
+    Parameters
+    ----------
+    q, k, v, planes, beta, initial_state, key_mask, check_finite :
+        As given to :func:`causal_block`.
+    grad_out : array_like, shape (..., n, dv)
+        Cotangent of the block's output.
+    dfinal_state : Sketch, optional
+        Cotangent of the block's final state: the reverse carry from every
+        later block, i.e. the sum of their :func:`causal_block_dstate` (default
+        zero: the last block).
+
+    Returns
+    -------
+    dq, dk, dv : ndarray
+        New arrays, shapes and dtypes of q, k, v.
+    dbeta : float
+        The block's share of the gradient w.r.t. beta.
+    dinitial_state : Sketch
+        Cotangent of ``initial_state``: ``dfinal_state`` plus what the
+        block's outputs send back (:func:`causal_block_dstate`).
+    """
+    return _causal_backward(q, k, v, planes, beta, grad_out, initial_state, dfinal_state, key_mask,
+                            check_finite, False)
+
+
+def causal_block_dstate(q, k, v, planes, beta, grad_out, initial_state=None, *, key_mask=None, check_finite=True):
+    """The cotangent a block's outputs send back to its initial state, without dq, dk, dv.
+
+    Equals ``causal_block_bwd(..., dfinal_state=None)[4]`` and costs the
+    forward and the queries' backward of the block only.  A distributed
+    backward sums these over the blocks after each block (a reverse scan)
+    to get each block's ``dfinal_state``.  Arguments as :func:`causal_block_bwd`.
+
+    Returns
+    -------
+    Sketch
+        ``dA (..., L, R)``, ``dB (..., L, R, dv)`` float64.
+    """
+    return _causal_backward(q, k, v, planes, beta, grad_out, initial_state, None, key_mask, check_finite, True)
+
+
+# ---------------------------------------------------------------------------
+# RaceState
+# ---------------------------------------------------------------------------
+
+def state_from_sketch(sketch, count=0):
+    """A :class:`racecpu.RaceState` that continues a stream from ``sketch``.
+
+    ``count`` is the number of tokens the sketch summarises (recorded only).
+    The state's arrays are copies.
+    """
+    from .streaming import RaceState
+    if not isinstance(sketch, Sketch):
+        raise TypeError(f"sketch must be a racecpu.Sketch, got {type(sketch).__name__}")
+    st = RaceState(sketch.planes, sketch.beta, batch_shape=sketch.lead, dv=sketch.dv, dtype=sketch.dtype)
+    A, B = sketch._flat()
+    st._A, st._B, st._count = A.copy(), B.copy(), int(count)
+    return st
+
+
+def sketch_from_state(state):
+    """The :class:`Sketch` of everything a :class:`racecpu.RaceState` has seen (copies)."""
+    L, P, _ = state.planes.shape
+    lead = state.batch_shape + (L, 2 ** P)
+    return Sketch(state.A.reshape(lead), state.B.reshape(lead + (state.dv,)), state.planes, state.beta, state.dtype)

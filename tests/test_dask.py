@@ -1,0 +1,278 @@
+"""racecpu.sketches (the public sketch algebra) and racecpu.dask (the same forward and
+backward as Dask graphs), held to the in-memory API: float64 1e-12, float32 1e-5.
+
+The Dask tests run under the threaded scheduler and on a real
+``distributed.LocalCluster`` of 2 worker processes x 1 thread (module-scoped).
+"""
+
+import numpy as np
+import pytest
+
+import racecpu
+from racecpu import sketches as S
+
+TOL = {np.float64: 1e-12, np.float32: 1e-5}
+
+
+def close(got, want, dtype, what=""):
+    """Max error relative to the largest value of ``want`` (gradients grow with the sequence)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    scale = max(1.0, float(np.abs(want).max()) if want.size else 1.0)
+    err = float(np.abs(got - want).max()) / scale if want.size else 0.0
+    assert err <= TOL[dtype], f"{what}: error {err:.3g} > {TOL[dtype]}"
+    return err
+
+
+def data(rng, lead, nq, nk, d, dv, dtype, masked):
+    q, k, v, g = (rng.standard_normal(lead + s).astype(dtype) for s in ((nq, d), (nk, d), (nk, dv), (nq, dv)))
+    m = rng.random(lead + (nk,)) > 0.3 if masked else None
+    return q, k, v, g, m
+
+
+# ---------------------------------------------------------------------------
+# the sketch algebra
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_sketch_add_sum_readout(rng, dtype):
+    W = racecpu.hyperplanes(16, dtype=dtype)
+    q, k, v, g, m = data(rng, (2, 3), 40, 70, 16, 8, dtype, True)
+    cuts = [(0, 30), (30, 31), (31, 70)]
+    parts = [racecpu.sketch(k[..., a:b, :], v[..., a:b, :], W, 4.0, key_mask=m[..., a:b]) for a, b in cuts]
+    whole = racecpu.sketch(k, v, W, 4.0, key_mask=m)
+    assert isinstance(whole, racecpu.Sketch) and whole.A.shape == (2, 3, 3, 8) and whole.B.shape == (2, 3, 3, 8, 8)
+    assert whole.A.dtype == whole.B.dtype == np.float64 and whole.dtype == dtype
+    total = sum(parts)
+    added = parts[0] + parts[1] + parts[2]
+    np.testing.assert_allclose(total.A, whole.A, rtol=TOL[dtype])
+    np.testing.assert_allclose(added.B, whole.B, rtol=TOL[dtype], atol=TOL[dtype])
+    ref = racecpu.race_attention(q, k, v, W, 4.0, key_mask=m)
+    out = racecpu.readout(q, total)
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    close(out, ref, dtype, "readout")
+    close(racecpu.readout(q, whole), ref, dtype, "readout whole")
+
+
+def test_sketch_mismatch_raises(rng):
+    W = racecpu.hyperplanes(16)
+    k = rng.standard_normal((5, 16)).astype(np.float32)
+    s = racecpu.sketch(k, k, W)
+    assert (s + racecpu.sketch(k, k, W.astype(np.float64))).A.shape == s.A.shape  # planes compared by value
+    with pytest.raises(ValueError, match="other planes"):
+        s + racecpu.sketch(k, k, racecpu.hyperplanes(16, seed=1))
+    with pytest.raises(ValueError, match="beta"):
+        s + racecpu.sketch(k, k, W, 3.0)
+    with pytest.raises(ValueError, match="shapes"):
+        s + racecpu.sketch(k[None], k[None], W)
+    with pytest.raises(TypeError):
+        s + 1.5
+    with pytest.raises(ValueError, match="leading dims"):
+        racecpu.readout(k[None], s)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_sketch_backward_composes(rng, dtype):
+    W = racecpu.hyperplanes(16, dtype=dtype)
+    q, k, v, g, m = data(rng, (2,), 50, 70, 16, 8, dtype, True)
+    _, res = racecpu.race_attention_fwd(q, k, v, W, 4.0, key_mask=m)
+    ref = racecpu.race_attention_bwd(res, g)
+    sk = sum(racecpu.sketch(k[:, a:b], v[:, a:b], W, 4.0, key_mask=m[:, a:b]) for a, b in ((0, 30), (30, 70)))
+    rq = [S.readout_bwd(q[:, a:b], sk, g[:, a:b]) for a, b in ((0, 20), (20, 50))]
+    dsk = sum(r[1] for r in rq)
+    rk = [S.sketch_bwd(k[:, a:b], v[:, a:b], dsk, key_mask=m[:, a:b]) for a, b in ((0, 30), (30, 70))]
+    close(np.concatenate([r[0] for r in rq], 1), ref[0], dtype, "dq")
+    close(np.concatenate([r[0] for r in rk], 1), ref[1], dtype, "dk")
+    close(np.concatenate([r[1] for r in rk], 1), ref[2], dtype, "dv")
+    close(sum(r[2] for r in rq + rk), ref[3], dtype, "dbeta")
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_causal_blocks_compose(rng, dtype):
+    W = racecpu.hyperplanes(16, dtype=dtype)
+    q, k, v, g, m = data(rng, (2,), 70, 70, 16, 8, dtype, True)
+    ref, res = racecpu.race_attention_fwd(q, k, v, W, 4.0, causal=True, key_mask=m)
+    rg = racecpu.race_attention_bwd(res, g)
+    cuts = [(0, 25), (25, 26), (26, 70)]
+    states, outs = [None], []
+    for a, b in cuts:
+        o, st = S.causal_block(q[:, a:b], k[:, a:b], v[:, a:b], W, 4.0, states[-1], key_mask=m[:, a:b])
+        outs.append(o)
+        states.append(st)
+    close(np.concatenate(outs, 1), ref, dtype, "causal out")
+    np.testing.assert_allclose(states[-1].B, racecpu.sketch(k, v, W, 4.0, key_mask=m).B,
+                               rtol=TOL[dtype], atol=TOL[dtype])
+    # reverse scan of the states' cotangents
+    dfinal, grads = None, [None] * 3
+    for i in range(2, -1, -1):
+        a, b = cuts[i]
+        args = (q[:, a:b], k[:, a:b], v[:, a:b], W, 4.0, g[:, a:b], states[i])
+        grads[i] = S.causal_block_bwd(*args, dfinal, key_mask=m[:, a:b])
+        part = S.causal_block_dstate(*args, key_mask=m[:, a:b])
+        total = part + (0 if dfinal is None else dfinal)
+        np.testing.assert_array_equal(grads[i][4].B, total.B)
+        dfinal = total
+    for j, name in enumerate(("dq", "dk", "dv")):
+        close(np.concatenate([x[j] for x in grads], 1), rg[j], dtype, name)
+    close(sum(x[3] for x in grads), rg[3], dtype, "dbeta")
+
+
+def test_state_round_trip(rng):
+    W = racecpu.hyperplanes(16)
+    x = rng.standard_normal((2, 12, 16)).astype(np.float32)
+    out, st = S.causal_block(x[:, :8], x[:, :8], x[:, :8], W, 8.0)
+    rs = S.state_from_sketch(st, count=8)
+    o2 = rs.extend(x[:, 8:], x[:, 8:], x[:, 8:])
+    _, st2 = S.causal_block(x[:, 8:], x[:, 8:], x[:, 8:], W, 8.0, S.sketch_from_state(S.state_from_sketch(st)))
+    full = racecpu.race_attention(x, x, x, W, 8.0, causal=True)
+    np.testing.assert_allclose(o2, full[:, 8:], atol=1e-5)
+    np.testing.assert_allclose(S.sketch_from_state(rs).B, st2.B, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# racecpu.dask
+# ---------------------------------------------------------------------------
+
+da = pytest.importorskip("dask.array")
+import dask  # noqa: E402
+
+import racecpu.dask as rd  # noqa: E402
+
+CASES = [  # (causal, masked, dtype)
+    (False, False, np.float64), (False, True, np.float32), (True, False, np.float32), (True, True, np.float64),
+]
+
+
+def dask_inputs(rng, causal, masked, dtype):
+    lead, nq, nk = (2, 2), 70, (70 if causal else 90)
+    q, k, v, g, m = data(rng, lead, nq, nk, 16, 8, dtype, masked)
+    Q = da.from_array(q, chunks=(1, 2, (20, 1, 49), 8))  # uneven; the last axis rechunked to one
+    K = da.from_array(k, chunks=(2, 1, (33, 37) if causal else (40, 50), 16))
+    V = da.from_array(v, chunks=(2, 2, 30, 8))
+    G = da.from_array(g, chunks=(2, 2, 35, 8))
+    M = None if m is None else da.from_array(m, chunks=(1, 1, 45))
+    return (q, k, v, g, m), (Q, K, V, G, M)
+
+
+def check_against_numpy(rng, causal, masked, dtype, compute):
+    W = racecpu.hyperplanes(16, dtype=dtype)
+    (q, k, v, g, m), (Q, K, V, G, M) = dask_inputs(rng, causal, masked, dtype)
+    out, res = rd.race_attention_fwd(Q, K, V, W, 4.0, causal=causal, key_mask=M)
+    grads = rd.race_attention_bwd(res, G)
+    assert out.chunks[-2] == (20, 1, 49) and grads[3].shape == ()
+    got = compute(out, *grads)
+    ref, r = racecpu.race_attention_fwd(q, k, v, W, 4.0, causal=causal, key_mask=m)
+    want = (ref,) + racecpu.race_attention_bwd(r, g)
+    errs = {}
+    for name, x, y in zip(("out", "dq", "dk", "dv", "dbeta"), got, want):
+        assert np.shape(x) == np.shape(y) and np.asarray(x).dtype == np.asarray(y).dtype, name
+        errs[name] = close(x, y, dtype, name)
+    return errs
+
+
+@pytest.mark.parametrize("causal,masked,dtype", CASES)
+def test_dask_threaded_equals_numpy(rng, causal, masked, dtype):
+    with dask.config.set(scheduler="threads"):
+        check_against_numpy(rng, causal, masked, dtype, dask.compute)
+
+
+def test_dask_race_attention_lazy(rng):
+    W = racecpu.hyperplanes(16)
+    (q, k, v, _, _), (Q, K, V, _, _) = dask_inputs(rng, True, False, np.float32)
+    out = rd.race_attention(Q, K, V, W, causal=True)
+    assert isinstance(out, da.Array)
+    with dask.config.set(scheduler="sync"):
+        close(out.compute(), racecpu.race_attention(q, k, v, W, causal=True), np.float32, "out")
+
+
+def test_readout_tasks_read_only_their_block_and_the_sketch(rng):
+    """Graph-level check: every readout task depends on one query block and one summed sketch,
+    every causal block on its own q, k, v blocks and one carried state."""
+    W = racecpu.hyperplanes(16)
+    _, (Q, K, V, _, _) = dask_inputs(rng, False, False, np.float32)
+    out = rd.race_attention(Q, K, V, W)
+    graph = dict(out.__dask_graph__())
+    from dask.core import get_dependencies
+    readouts = [key for key in graph if isinstance(key, str) and key.startswith("race-readout-")]
+    assert len(readouts) == Q.numblocks[0] * Q.numblocks[1] * Q.numblocks[2]
+    for key in readouts:
+        deps = get_dependencies(graph, key)
+        assert len(deps) == 2, deps
+        assert sum(isinstance(dep, str) and dep.startswith("race-sum-") for dep in deps) == 1
+
+
+@pytest.fixture(scope="module")
+def client():
+    distributed = pytest.importorskip("distributed")
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
+                                  silence_logs=40) as cluster, distributed.Client(cluster) as c:
+        yield c
+
+
+@pytest.mark.parametrize("causal,masked,dtype", CASES)
+def test_dask_cluster_equals_numpy(rng, client, causal, masked, dtype):
+    errs = check_against_numpy(rng, causal, masked, dtype, lambda *xs: client.gather(client.compute(list(xs))))
+    print(causal, masked, np.dtype(dtype).name, {k: f"{v:.2g}" for k, v in errs.items()})
+
+
+def _incoming(dask_worker):
+    return [dict(keys=e["keys"], total=e["total"]) for e in dask_worker.transfer_incoming_log]
+
+
+def _numba_threads():
+    import numba
+    return numba.get_num_threads()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dask_cluster_bytes_moved_per_block(client, causal):
+    """What moves between workers: sketches, not rows.  Each block's q, k, v, g are views of
+    one stacked block, so the scheduler keeps them on one worker; what racecpu's tasks
+    send to each other is at most 2x the state's size per block."""
+    rng = np.random.default_rng(7)
+    lead, n, d, nb = (2,), 4096, 16, 8
+    W = racecpu.hyperplanes(d)
+    X = da.from_array(rng.standard_normal((4,) + lead + (n, d)).astype(np.float32), chunks=(4, 2, n // nb, d))
+    Q, K, V, G = X[0], X[1], X[2], X[3]
+    client.run(lambda dask_worker: dask_worker.transfer_incoming_log.clear())
+    out, res = rd.race_attention_fwd(Q, K, V, W, causal=causal)
+    grads = rd.race_attention_bwd(res, G)
+    distributed = pytest.importorskip("distributed")
+    kept = client.persist([out, *grads])  # not compute: its final concatenation moves every block to one worker
+    distributed.wait(kept)
+    logs = client.run(_incoming)
+    del kept
+    moved = {}
+    for entries in logs.values():
+        for e in entries:
+            for key, nbytes in e["keys"].items():
+                name = key if isinstance(key, str) else key[0]
+                moved[name] = moved.get(name, 0) + nbytes
+    ours = sum(b for name, b in moved.items() if name.startswith("race-"))
+    rows = sum(b for name, b in moved.items() if not name.startswith("race-"))
+    state = int(np.prod(lead)) * 24 * (d + 1) * 8
+    print(f"causal={causal}: {ours / nb:.0f} B of sketches per block moved (forward + backward) (state {state} B), "
+          f"{rows / nb:.0f} B of other keys per block")
+    assert ours / (2 * nb) <= 2 * state  # per block and pass (forward, backward)
+
+
+def test_worker_tasks_use_the_worker_threads(client):
+    def probe(x):
+        rd._set_threads(None)
+        return np.array([_numba_threads()])
+    got = client.gather(client.compute(da.from_array(np.zeros(2), chunks=1).map_blocks(probe, dtype=int)))
+    assert set(got.tolist()) == {1}
+
+
+def test_zarr_in_and_out(rng, tmp_path):
+    zarr = pytest.importorskip("zarr")
+    W = racecpu.hyperplanes(16)
+    q, k, v, _, _ = data(rng, (2,), 64, 64, 16, 8, np.float32, False)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        z = zarr.open_array(str(tmp_path / name), mode="w", shape=x.shape, chunks=(2, 16, 16), dtype=x.dtype)
+        z[...] = x
+    Q, K, V = (da.from_zarr(str(tmp_path / name)) for name in "qkv")
+    out = rd.race_attention(Q, K, V, W, causal=True)
+    with dask.config.set(scheduler="threads"):
+        out.to_zarr(str(tmp_path / "out"))
+    close(zarr.open_array(str(tmp_path / "out"), mode="r")[...], racecpu.race_attention(q, k, v, W, causal=True),
+          np.float32, "zarr out")
