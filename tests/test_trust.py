@@ -1,10 +1,17 @@
 """Trust (issue 40): aliasing of every input, damaged or hostile state files,
 atomic saves, the pool's environment and memory limits, and fork safety."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 import racecpu
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _planes_buffer(d, dtype=np.float64):
@@ -354,3 +361,61 @@ def test_a_child_forked_before_any_call_computes():
                        timeout=120, cwd=os.path.dirname(os.path.dirname(racecpu.__file__)))
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == ["child ok True", "child exit 0"], (r.stdout, r.stderr)
+
+
+# ---------------------------------------------------------------------------
+# item 8: threads of the caller, the workqueue layer and BLAS's limit
+# ---------------------------------------------------------------------------
+
+_CONCURRENT = """
+import threading, numpy as np, racecpu
+rng = np.random.default_rng(0)
+q, k, v = (rng.standard_normal((2, 3000, 16)).astype(np.float32) for _ in range(3))
+W = racecpu.hyperplanes(16)
+want = racecpu.race_attention(q, k, v, W, causal=True)
+errors = []
+def work():
+    try:
+        for _ in range(4):
+            out, res = racecpu.race_attention_fwd(q, k, v, W, causal=True)
+            racecpu.race_attention_bwd(res, out)
+            assert np.array_equal(out, want)
+    except BaseException as exc:
+        errors.append(repr(exc))
+ts = [threading.Thread(target=work) for _ in range(2)]
+[t.start() for t in ts]; [t.join() for t in ts]
+import numba
+print(numba.threading_layer(), "errors", errors)
+"""
+
+
+def test_two_threads_under_the_workqueue_layer_take_turns_instead_of_aborting():
+    env = dict(os.environ, NUMBA_THREADING_LAYER="workqueue")
+    r = subprocess.run([sys.executable, "-c", _CONCURRENT], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert r.stdout.split()[:3] == ["workqueue", "errors", "[]"], r.stdout
+
+
+def test_blas_limit_is_restored_after_concurrent_calls(rng):
+    import threading
+    from threadpoolctl import threadpool_info, threadpool_limits
+    blas = [i for i in threadpool_info() if i["user_api"] == "blas"]
+    if not blas:
+        pytest.skip("no BLAS seen by threadpoolctl")
+    q, k, v = (rng.standard_normal((2, 3000, 16)).astype(np.float32) for _ in range(3))
+    W = racecpu.hyperplanes(16)
+    with threadpool_limits(limits=2, user_api="blas"):
+        before = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+        barrier = threading.Barrier(2)
+
+        def work():
+            barrier.wait()
+            for _ in range(3):
+                out, res = racecpu.race_attention_fwd(q, k, v, W, causal=True)
+                racecpu.race_attention_bwd(res, out)
+        ts = [threading.Thread(target=work) for _ in range(2)]
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+        after = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+    assert after == before

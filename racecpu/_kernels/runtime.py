@@ -16,6 +16,7 @@ import inspect
 import numbers
 import os
 import platform
+import threading
 
 import numba
 import numpy as np
@@ -99,6 +100,58 @@ def threads(n):
         numba.set_num_threads(previous)
 
 
+_blas_lock = threading.Lock()
+_blas_users = 0
+_blas_limiter = None
+
+
+@contextlib.contextmanager
+def _blas_on_one_thread():
+    """BLAS limited to one thread while any racecpu call in any thread needs it.
+
+    threadpoolctl's limit restores what it found on entry, so two calls that
+    overlap in two threads would leave BLAS on one thread for good (the
+    second finds the first one's limit and restores it last).  The limit is
+    taken by the first call in and given back by the last one out.
+    """
+    global _blas_users, _blas_limiter, _blas_controller
+    with _blas_lock:
+        if _blas_users == 0:
+            if _blas_controller is None:
+                # Imported on first use: importing threadpoolctl sets an
+                # environment variable (KMP_DUPLICATE_LIB_OK), which
+                # importing racecpu must not.
+                from threadpoolctl import ThreadpoolController
+                _blas_controller = ThreadpoolController()
+            _blas_limiter = _blas_controller.limit(limits=1, user_api="blas")
+        _blas_users += 1
+    try:
+        yield
+    finally:
+        with _blas_lock:
+            _blas_users -= 1
+            if _blas_users == 0:
+                _blas_limiter.restore_original_limits()
+                _blas_limiter = None
+
+
+_launch_lock = threading.Lock()
+_serialize = None
+
+
+def _parallel_region():
+    """A lock around a parallel launch where the threading layer cannot run two at once.
+
+    Numba's ``workqueue`` layer (used where neither OpenMP nor TBB is
+    available) aborts the process when two threads launch parallel work
+    together; there racecpu's calls from several threads take turns.
+    """
+    global _serialize
+    if _serialize is None:
+        _serialize = _launch_lock if numba.threading_layer() == "workqueue" else contextlib.nullcontext()
+    return _serialize
+
+
 def blas_tasks(kernel):
     """Run a parallel kernel whose tasks call BLAS (``np.dot``) with BLAS on one thread.
 
@@ -112,13 +165,9 @@ def blas_tasks(kernel):
     chunk_at = list(inspect.signature(kernel).parameters).index("chunk")
 
     def call(args, kw):
-        global _blas_controller
         if args[chunk_at] < BLAS_ROWS:
             return kernel(*args, **kw)
-        if _blas_controller is None:
-            from threadpoolctl import ThreadpoolController
-            _blas_controller = ThreadpoolController()
-        with _blas_controller.limit(limits=1, user_api="blas"):
+        with _blas_on_one_thread():
             return kernel(*args, **kw)
 
     @functools.wraps(kernel)
@@ -239,7 +288,8 @@ def run_tasks(task, ntasks, *args):
         _run_tasks.compile(sig)
         runner = _task_runners[key] = addr, _run_tasks.overloads[sig].entry_point
     addr, entry = runner
-    entry(addr, ntasks, flat)
+    with _parallel_region():
+        entry(addr, ntasks, flat)
 
 
 @kernel
@@ -251,7 +301,7 @@ def _count_nonfinite_run(bits, exp_mask):
 
 
 @kernel(parallel=True)
-def count_nonfinite(bits, exp_mask):
+def _count_nonfinite(bits, exp_mask):
     """Number of NaN/Inf values in a float array viewed as unsigned ints.
 
     A value is NaN or Inf iff its exponent bits are all set; counting that
@@ -265,3 +315,11 @@ def count_nonfinite(bits, exp_mask):
     for blk in prange(nb):
         total += _count_nonfinite_run(bits[blk * 65536:min(n, blk * 65536 + 65536)], exp_mask)
     return total
+
+
+def count_nonfinite(bits, exp_mask):
+    """:func:`_count_nonfinite` (the number of NaN/Inf values of a float array viewed as
+    unsigned ints ``bits``, ``exp_mask`` the exponent bits) on Numba's threads."""
+    start_threads()
+    with _parallel_region():
+        return _count_nonfinite(bits, exp_mask)
