@@ -29,18 +29,22 @@ def warmup(progress=None):
     rng = np.random.default_rng(0)
     for dtype in (np.float32, np.float64):
         W = racecpu.hyperplanes(8, 3, 2, seed=0, dtype=dtype)
-        q, k, v, g = (rng.standard_normal((2, 40, 8)).astype(dtype) for _ in range(4))
         for causal in (False, True):
             name = f"{np.dtype(dtype).name} {'causal' if causal else 'non-causal'}"
             t0 = time.perf_counter()
-            racecpu.race_attention(q, k, v, W, causal=causal)              # no residuals
-            out, res = racecpu.race_attention_fwd(q, k, v, W, causal=causal)
-            racecpu.race_attention_bwd(res, g)
-            racecpu.race_attention(q, k, v, W, causal=causal, key_mask=np.ones((2, 40), bool))
+            # 40 tokens run on one thread; 4101 tokens x 1, 2 and 3 heads take several chunks, a
+            # partial one and the scans' segments: every code path of a large call
+            for heads, n in ((2, 40), (1, 4101), (2, 4101), (3, 4101)):
+                q, k, v, g = (rng.standard_normal((heads, n, 8)).astype(dtype) for _ in range(4))
+                racecpu.race_attention(q, k, v, W, causal=causal)              # no residuals
+                out, res = racecpu.race_attention_fwd(q, k, v, W, causal=causal)
+                racecpu.race_attention_bwd(res, g)
+                racecpu.race_attention(q, k, v, W, causal=causal, key_mask=np.ones((heads, n), bool))
             times[name] = time.perf_counter() - t0
             if progress:
                 progress(name, times[name])
         t0 = time.perf_counter()
+        q, k, v = (rng.standard_normal((2, 40, 8)).astype(dtype) for _ in range(3))
         racecpu.soft_buckets(q, W)
         state = racecpu.RaceState(W, racecpu.DEFAULT_BETA, batch_shape=(2,), dv=8, dtype=dtype)
         state.extend(q[:, :10], k[:, :10], v[:, :10])
