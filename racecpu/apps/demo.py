@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from ..cli import UsageError, add_common_arguments, add_race_arguments, note, positive_int
+from ..cli import UsageError, add_common_arguments, add_race_arguments, note, positive_float, positive_int
 
 DEFAULT_TOKENS = 2 ** 18
 _GIB = 2.0 ** 30
@@ -40,7 +40,7 @@ def add_arguments(p):
                    help="stream the sequence through memory-mapped files in DIR with bounded RAM; inputs are "
                         "generated per block from --seed, results written to DIR; rerunning resumes "
                         "(e.g. --tokens 8388608 --causal --out-of-core DIR needs ~68 GiB of disk)")
-    p.add_argument("--max-memory-gib", type=float, default=None, metavar="GIB",
+    p.add_argument("--max-memory-gib", type=positive_float, default=None, metavar="GIB",
                    help="refuse sizes needing more than this (default: the memory available now)")
     add_common_arguments(p)
 
