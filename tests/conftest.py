@@ -33,3 +33,8 @@ def _pool_every_result(monkeypatch):
     # while an array still views it.
     from racecpu._memory import POOL
     monkeypatch.setattr(POOL, "MIN_BYTES", 0)
+
+
+def pytest_report_header(config):
+    import racecpu
+    return f"racecpu {racecpu.__version__} imported from {os.path.dirname(racecpu.__file__)}"

@@ -102,8 +102,19 @@ def test_cli_json(capsys):
                "--seq-len", "16", "--d-model", "8", "--n-layers", "1", "--num-pairs", "2", "--eval-size", "4",
                "--quiet", "--json"])
     assert rc == 0
-    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    res = json.loads(capsys.readouterr().out)  # exactly one JSON document on stdout
     assert res["attention"] == "softmax" and res["steps"] == 3 and 0 <= res["val_accuracy"] <= 1
+
+
+@pytest.mark.parametrize("flags", [["--steps", "0"], ["--tokens", "-3"], ["--beta", "-1"], ["--num-planes", "40"],
+                                   ["--lr", "nan"], ["--tokens", "8", "--num-pairs", "4"]])
+def test_cli_bad_flags_are_usage_errors(flags, capsys):
+    with pytest.raises(SystemExit) as exc:
+        rc = main(["train", *flags])
+        raise SystemExit(rc)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "Traceback" not in err
 
 
 def test_cli_compare_writes_outputs(tmp_path, capsys):
@@ -122,7 +133,7 @@ def test_cli_timing_table(tmp_path, capsys):
     rc = main(["train", "--timing", "--timing-lengths", "16,32", "--d-model", "8", "--n-layers", "1",
                "--out", str(tmp_path), "--json"])
     assert rc == 0
-    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["timing"]
+    rows = json.loads(capsys.readouterr().out)["timing"]
     assert [r["seq_len"] for r in rows] == [16, 32]
     assert all(r["race_ms"] > 0 and r["softmax_ms"] > 0 and r["linear_ms"] > 0 for r in rows)
     assert "| 32 |" in (tmp_path / "step_timing.md").read_text()

@@ -624,16 +624,11 @@ def _extrapolate(seen, impl, n):
 # ---------------------------------------------------------------------------
 
 def add_arguments(parser):
-    """Flags of ``racecpu bench``."""
-    g = parser.add_argument_group("setting")
-    g.add_argument("--batch", type=int, default=1, help="batch size B (default 1)")
-    g.add_argument("--heads", type=int, default=4, help="heads H (default 4)")
-    g.add_argument("--dim", type=int, default=128, help="head dim d (default 128)")
-    g.add_argument("--value-dim", type=int, default=None, help="value dim dv (default: --dim)")
-    g.add_argument("--planes", type=int, default=3, help="hyperplanes per table P (default 3)")
-    g.add_argument("--tables", type=int, default=3, help="hash tables L (default 3)")
-    g.add_argument("--beta", type=float, default=None, help="soft-hash temperature (default racecpu.DEFAULT_BETA)")
-    g.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    from ..cli import add_common_arguments, add_race_arguments, positive_float, positive_int
+
+    g = add_race_arguments(parser, heads=4, head_dim=128, causal=False, seed=False)
+    g.add_argument("--batch", type=positive_int, default=1, help="batch size B (default 1)")
+    g.add_argument("--value-dim", type=positive_int, default=None, help="value dim dv (default: --head-dim)")
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu (Numba kernels) or cuda (racecpu.cuda with CuPy; needs a GPU)")
     s = parser.add_argument_group("sizes and repeats")
@@ -642,16 +637,16 @@ def add_arguments(parser):
     s.add_argument("--large", action="store_true", help="go up to N = 2**22 (needs --heads 1 to fit 24 GiB)")
     s.add_argument("--quick", action="store_true",
                    help="small run: N <= 2**14, 3 repeats, 3 GiB memory cap (for a busy machine)")
-    s.add_argument("--repeats", type=int, default=None, help="timed calls per measurement (default 5; 3 with --quick)")
-    s.add_argument("--rounds", type=int, default=1,
+    s.add_argument("--repeats", type=positive_int, default=None, help="timed calls per measurement (default 5; 3 with --quick)")
+    s.add_argument("--rounds", type=positive_int, default=1,
                    help="fresh processes per measurement, alternating implementations (default 1)")
-    s.add_argument("--budget-seconds", type=float, default=60.0,
+    s.add_argument("--budget-seconds", type=positive_float, default=60.0,
                    help="stop repeating once a measurement's calls took this long (default 60)")
-    s.add_argument("--max-call-seconds", type=float, default=60.0,
+    s.add_argument("--max-call-seconds", type=positive_float, default=60.0,
                    help="skip a configuration predicted to take longer per call (default 60)")
-    s.add_argument("--mem-cap-gib", type=float, default=None,
+    s.add_argument("--mem-cap-gib", type=positive_float, default=None,
                    help="skip a measurement predicted to peak above this (default 90%% of MemAvailable; 3 with --quick)")
-    s.add_argument("--threads", type=int, default=None, help="threads for every implementation (default: all cores)")
+    s.add_argument("--threads", type=positive_int, default=None, help="threads for every implementation (default: all cores)")
     o = parser.add_argument_group("what to run and where to write")
     o.add_argument("--no-torch", action="store_true", help="skip the torch peers even if torch is installed")
     o.add_argument("--impls", default=None,
@@ -661,8 +656,10 @@ def add_arguments(parser):
                    help="call RACE with check_finite=False (default: the library default, True)")
     o.add_argument("--no-cold", action="store_true",
                    help="skip the cold-compile measurement (~1 min); the warm-cache one uses the default cache")
-    o.add_argument("--out", type=Path, default=None, help="output folder (default benchmarks/results)")
+    o.add_argument("--sections", default="scaling,threads,compile",
+                   help="comma-separated sections to run besides the machine's (default scaling,threads,compile)")
     o.add_argument("--tag", default=None, help="file stem of the outputs (default 'bench' or 'bench-quick')")
+    add_common_arguments(parser, out=True)
 
 
 def _mem_available():
@@ -683,21 +680,14 @@ def _loadavg():
         return float("nan")
 
 
-def _default_out():
-    root = Path(__file__).resolve().parents[1]
-    if (root / "benchmarks").is_dir():
-        return root / "benchmarks" / "results"
-    return Path.cwd() / "benchmarks" / "results"
-
-
 def _settings(args):
     """Resolved settings (dict) from parsed flags; raises ValueError on bad values."""
     from racecpu.hashing import DEFAULT_BETA, MAX_PLANES
 
     cores = os.cpu_count() or 1
     st = dict(
-        batch=args.batch, heads=args.heads, d=args.dim, dv=args.value_dim or args.dim, planes=args.planes,
-        tables=args.tables, beta=DEFAULT_BETA if args.beta is None else args.beta, dtype=args.dtype,
+        batch=args.batch, heads=args.heads, d=args.head_dim, dv=args.value_dim or args.head_dim,
+        planes=args.num_planes, tables=args.num_tables, beta=DEFAULT_BETA if args.beta is None else args.beta, dtype=args.dtype,
         device=args.device, threads=args.threads or cores,
         min_log2n=args.min_log2n,
         max_log2n=args.max_log2n if args.max_log2n is not None else (14 if args.quick else 22 if args.large else 20),
@@ -705,12 +695,12 @@ def _settings(args):
         budget_s=args.budget_seconds, max_call_s=args.max_call_seconds,
         seed=0, quick=args.quick, no_cold=args.no_cold, check_finite=not args.no_check_finite,
     )
-    for name, flag in (("batch", "batch"), ("heads", "heads"), ("d", "dim"), ("dv", "value-dim"),
-                       ("tables", "tables"), ("repeats", "repeats"), ("rounds", "rounds"), ("threads", "threads")):
+    for name, flag in (("batch", "batch"), ("heads", "heads"), ("d", "head-dim"), ("dv", "value-dim"),
+                       ("tables", "num-tables"), ("repeats", "repeats"), ("rounds", "rounds"), ("threads", "threads")):
         if st[name] < 1:
             raise ValueError(f"--{flag} must be >= 1, got {st[name]}")
     if not 1 <= st["planes"] <= MAX_PLANES:
-        raise ValueError(f"--planes must be 1..{MAX_PLANES}, got {st['planes']}")
+        raise ValueError(f"--num-planes must be 1..{MAX_PLANES}, got {st['planes']}")
     if not 4 <= st["min_log2n"] <= st["max_log2n"] <= 26:
         raise ValueError(f"need 4 <= --min-log2n <= --max-log2n <= 26, got {st['min_log2n']}, {st['max_log2n']}")
     if not st["beta"] > 0:
@@ -756,6 +746,8 @@ def _cuda_problem():
 
 def run(args):
     """Run the suite; returns 0, or 2 when the requested device is unavailable."""
+    from ..cli import output_dir, require
+
     try:
         st = _settings(args)
     except ValueError as exc:
@@ -767,8 +759,12 @@ def run(args):
             print(f"racecpu bench --device cuda: {why}. Install the 'cuda' extra on a machine with an NVIDIA GPU, "
                   f"or run without --device cuda.", file=sys.stderr)
             return 2
-    out_dir = args.out or _default_out()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    sections = [x.strip() for x in args.sections.split(",") if x.strip()]
+    if not sections or set(sections) - {"scaling", "threads", "compile"}:
+        print(f"racecpu bench: --sections {args.sections!r}: choose from scaling,threads,compile", file=sys.stderr)
+        return 2
+    require("matplotlib", "racecpu bench (its plots)", "bench")
+    out_dir = Path(output_dir(args, "bench"))
     tag = args.tag or ("bench-quick" if args.quick else "bench")
     use_torch = not args.no_torch and _torch_ok(st["device"])
     impls = [i for i in IMPLS[st["device"]] if use_torch or i not in TORCH_IMPLS]
@@ -791,7 +787,7 @@ def run(args):
 
 class _Suite:
     def __init__(self, st, impls, out_dir, tag, args):
-        self.st, self.impls, self.out_dir, self.tag = st, impls, out_dir, tag
+        self.st, self.impls, self.out_dir, self.tag, self.args = st, impls, out_dir, tag, args
         self.notes = []
         self.rows = []
         self.machine = {}
@@ -802,9 +798,11 @@ class _Suite:
         self.F = st["tables"] * 2 ** st["planes"]
         self.LP = st["tables"] * st["planes"]
         self.itemsize = np.dtype(st["dtype"]).itemsize
-        self.sections = ["machine", "scaling", "threads", "compile"]
+        wanted = [x.strip() for x in getattr(args, "sections", "scaling,threads,compile").split(",")]
+        self.sections = ["machine"] + [x for x in ("scaling", "threads", "compile") if x in wanted]
         if st["device"] == "cuda":
-            self.sections = ["machine", "scaling"]
+            self.sections = [x for x in self.sections if x in ("machine", "scaling")]
+        self.progress = getattr(args, "progress", False)
 
     # -- helpers ---------------------------------------------------------
     def _note(self, text):
@@ -841,7 +839,7 @@ class _Suite:
         from tqdm import tqdm
 
         st = self.st
-        n_scaling = len(self.ns) * len(CONFIGS) * len(self.impls) * st["rounds"]
+        n_scaling = len(self.ns) * len(CONFIGS) * len(self.impls) * st["rounds"] if "scaling" in self.sections else 0
         n_threads = self._thread_runs() if "threads" in self.sections else 0
         n_compile = (1 if st["no_cold"] else 2) if "compile" in self.sections else 0
         total = 2 + n_scaling + n_threads + n_compile
@@ -856,9 +854,11 @@ class _Suite:
         if self.load[0] > 0.5:
             print(f"warning: load average {self.load[0]:.1f} before starting: other work is running, "
                   "absolute timings will be noisy", flush=True)
-        with tqdm(total=total, desc="bench", unit="run", file=sys.stderr, dynamic_ncols=True) as self.bar:
+        with tqdm(total=total, desc="bench", unit="run", file=sys.stderr, dynamic_ncols=True,
+                  disable=not self.progress) as self.bar:
             self._machine_section("start")
-            self._scaling_section()
+            if "scaling" in self.sections:
+                self._scaling_section()
             if "threads" in self.sections:
                 self._threads_section()
             if "compile" in self.sections:
@@ -1104,6 +1104,8 @@ class _Suite:
         png_path = self.out_dir / f"{self.tag}.png"
         self._plot(png_path)
         print(f"wrote {csv_path}, {txt_path}, {png_path}")
+        self.args.result = dict(out=str(self.out_dir), csv=str(csv_path), txt=str(txt_path), png=str(png_path),
+                                rows=self.rows, notes=self.notes, settings={k: v for k, v in self.st.items()})
         return 0
 
     def _versions(self):
@@ -1246,12 +1248,14 @@ class _Suite:
             ax.legend(fontsize=7, loc="upper left", ncol=ncol)
 
     def _plot(self, path):
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        # A Figure on an Agg canvas: pyplot's backend and figures are left as the caller has them.
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
 
         rows = [r for r in self.rows if r["section"] == "scaling" and r["status"] == "ok"]
-        fig, axes = plt.subplots(2, 4, figsize=(21, 9), constrained_layout=True)
+        fig = Figure(figsize=(21, 9), constrained_layout=True)
+        FigureCanvasAgg(fig)
+        axes = fig.subplots(2, 4)
         colors = dict(zip(IMPLS["cpu"] + IMPLS["cuda"], ("C0", "C4", "C1", "C2", "C3", "C0", "C3")))
         st = self.st
         tok = st["batch"] * st["heads"]
@@ -1295,4 +1299,3 @@ class _Suite:
                      f"L={st['tables']} {st['dtype']}, {st['threads']} threads "
                      f"(copy {self.machine['bandwidth'] / 1e9:.0f} GB/s, SGEMM {self.machine['sgemm'] / 1e9:.0f} GFLOP/s)")
         fig.savefig(path, dpi=110)
-        plt.close(fig)

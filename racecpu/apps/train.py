@@ -40,10 +40,10 @@ TASK_DEFAULTS = {
 # every model's bits/char (RACE 3.24 -> 2.63, softmax 2.85 -> 2.63 at 1000 steps); on MQAR (PyTorch's
 # default Conv1d init) it lowered RACE's accuracy to 0.93 (softmax 1.0), so MQAR keeps it off.
 
-DEFAULT_OUT = os.path.join("benchmarks", "results", "train")
-
-
 def add_arguments(p):
+    from ..cli import (add_alias, add_common_arguments, nonnegative_float, nonnegative_int, num_planes,
+                       positive_float, positive_int)
+
     p.add_argument("--task", choices=sorted(TASK_DEFAULTS), default="mqar",
                    help="mqar: multi-query associative recall; chars: character LM on stdlib docstrings/comments")
     p.add_argument("--attention", choices=ATTENTIONS, default="race")
@@ -52,37 +52,56 @@ def add_arguments(p):
     p.add_argument("--timing", action="store_true",
                    help="time one training step at several sequence lengths (RACE vs softmax vs linear)")
     g = p.add_argument_group("model and budget (defaults depend on --task)")
-    for name, typ in (("steps", int), ("batch-size", int), ("seq-len", int), ("d-model", int), ("n-heads", int),
-                      ("n-layers", int), ("lr", float), ("warmup", float), ("vocab-size", int), ("num-pairs", int),
-                      ("eval-every", int), ("eval-size", int)):
-        key = name.replace("-", "_")
-        g.add_argument(f"--{name}", type=typ, default=None,
+    for name, typ in (("steps", positive_int), ("batch-size", positive_int), ("tokens", positive_int),
+                      ("d-model", positive_int), ("heads", positive_int), ("layers", positive_int),
+                      ("lr", positive_float), ("warmup", nonnegative_float), ("vocab-size", positive_int),
+                      ("num-pairs", positive_int), ("eval-every", positive_int), ("eval-size", positive_int)):
+        key = _KEYS.get(name, name.replace("-", "_"))
+        g.add_argument(f"--{name}", dest=key, type=typ, default=None,
                        help="default: " + ", ".join(f"{t} {d[key]}" for t, d in sorted(TASK_DEFAULTS.items())
                                                     if d[key] is not None))
+    for old, key, typ in (("--seq-len", "seq_len", positive_int), ("--n-heads", "n_heads", positive_int),
+                          ("--n-layers", "n_layers", positive_int)):
+        add_alias(g, old, key, typ)
     g.add_argument("--token-shift", choices=("on", "off"), default=None,
                    help="add an embedding of the previous token (default: on)")
-    g.add_argument("--conv-size", type=int, default=None,
+    g.add_argument("--conv-size", type=nonnegative_int, default=None,
                    help="width of a causal depthwise convolution on q, k, v, for every attention type (0: none); "
                         "default: " + ", ".join(f"{t} {d['conv_size']}" for t, d in sorted(TASK_DEFAULTS.items())))
     g.add_argument("--conv-act", choices=("on", "off"), default="on", help="SiLU after the convolution")
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
+    g.add_argument("--weight-decay", type=nonnegative_float, default=0.01)
+    g.add_argument("--clip", type=positive_float, default=1.0, help="global gradient-norm clip")
     g.add_argument("--dtype", choices=("float32", "float64"), default="float32")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=nonnegative_int, default=0)
     r = p.add_argument_group("RACE")
-    r.add_argument("--num-planes", type=int, default=3, help="P (angular attention uses gamma = P)")
-    r.add_argument("--num-tables", type=int, default=3, help="L")
-    r.add_argument("--beta", type=float, default=DEFAULT_BETA, help="initial temperature")
+    r.add_argument("--num-planes", type=num_planes, default=3, help="P, 1..16 (angular attention uses gamma = P)")
+    add_alias(r, "--planes", "num_planes", num_planes)
+    r.add_argument("--num-tables", type=positive_int, default=3, help="L")
+    add_alias(r, "--tables", "num_tables", positive_int)
+    r.add_argument("--beta", type=positive_float, default=DEFAULT_BETA, help="initial temperature, > 0")
     r.add_argument("--fixed-beta", action="store_true", help="do not train beta")
     r.add_argument("--estimator", choices=ESTIMATORS, default="ratio",
                    help="ratio: the paper's (linear in N); "
                         "bucket_mean: the authors' released code's (O(N^2) reference)")
     r.add_argument("--beta-per-head", action="store_true", help="one trained temperature per head")
-    o = p.add_argument_group("output")
-    o.add_argument("--out", default=DEFAULT_OUT, help="folder for --compare / --timing outputs")
-    o.add_argument("--timing-lengths", default="256,512,1024,2048", help="comma-separated sequence lengths")
-    o.add_argument("--json", action="store_true", help="print the metrics as JSON on the last line")
-    o.add_argument("--quiet", action="store_true", help="no progress bar")
+    o = add_common_arguments(p, out=True)
+    o.add_argument("--timing-lengths", type=_lengths, default="256,512,1024,2048",
+                   help="comma-separated sequence lengths for --timing")
+
+
+# flag name -> the config key (the config keeps the model's own words)
+_KEYS = {"tokens": "seq_len", "heads": "n_heads", "layers": "n_layers"}
+
+
+def _lengths(text):
+    import argparse
+    try:
+        values = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
 
 
 def config_from_args(args, attention=None):
@@ -170,7 +189,7 @@ def train_step(model, opt, x, y, clip):
     return float(loss.data)
 
 
-def train(cfg, progress=True, desc=None):
+def train(cfg, progress=False, desc=None):
     """Train one model from ``cfg`` (see :func:`config_from_args`); returns the metrics dict.
 
     The dict holds the final validation metrics, ``time_per_step_ms`` (median
@@ -243,10 +262,11 @@ def _metric(task):
 
 def compare(args):
     task = args.task
-    results = [train(config_from_args(args, att), progress=not args.quiet) for att in ATTENTIONS]
+    from ..cli import output_dir
+
+    results = [train(config_from_args(args, att), progress=args.progress) for att in ATTENTIONS]
     key, label = _metric(task)
-    os.makedirs(args.out, exist_ok=True)
-    base = os.path.join(args.out, f"{task}_compare")
+    base = os.path.join(output_dir(args, "train"), f"{task}_compare")
     rows = [{"attention": r["attention"], label: round(r[key], 4), "val_loss": round(r["val_loss"], 4),
              "ms_per_step": round(r["time_per_step_ms"], 2), "train_s": round(r["train_seconds"], 1),
              "steps": r["steps"], "params": r["num_parameters"],
@@ -270,18 +290,19 @@ def compare(args):
     _plot_curves(results, key, label, base + ".png")
     print("\n".join(md))
     print(f"wrote {base}.csv, .md, .json, .png")
-    if args.json:
-        print(json.dumps({"task": task, "results": [{k: v for k, v in r.items() if k not in ("history", "config")}
-                                                    for r in results]}))
+    args.result = {"task": task, "out": os.path.dirname(base),
+                   "results": [{k: v for k, v in r.items() if k not in ("history", "config")} for r in results]}
     return 0
 
 
 def _plot_curves(results, key, label, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # A Figure on an Agg canvas: pyplot's backend and figures are left as the caller has them.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig = Figure(figsize=(10, 4))
+    FigureCanvasAgg(fig)
+    a1, a2 = fig.subplots(1, 2)
     for r in results:
         h = r["history"]
         loss = np.asarray(h["loss"])
@@ -296,12 +317,13 @@ def _plot_curves(results, key, label, path):
         a.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def timing(args, repeats=5):
     """Median seconds of one training step vs sequence length for race, softmax, linear."""
-    lengths = [int(s) for s in args.timing_lengths.split(",")]
+    from ..cli import output_dir
+
+    lengths = args.timing_lengths if isinstance(args.timing_lengths, list) else _lengths(args.timing_lengths)
     rows = []
     for n in lengths:
         row = {"seq_len": n}
@@ -322,41 +344,51 @@ def timing(args, repeats=5):
             row[f"{att}_ms"] = round(1e3 * float(np.median(ts)), 2)
         row["softmax/race"] = round(row["softmax_ms"] / row["race_ms"], 2)
         rows.append(row)
-        print(row, file=sys.stderr)
+        print(row, file=sys.stderr) if not args.quiet else None
     cfg = config_from_args(args, "race")
     head = (f"training step (forward+backward+AdamW), batch 1, d_model={cfg['d_model']}, n_heads={cfg['n_heads']}, "
             f"n_layers={cfg['n_layers']}, conv_size={cfg['conv_size']} ({cfg['task']} default), {cfg['dtype']}, "
             f"median of {repeats}; {_threads_note()}")
     md = [head, "", "| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
     md += ["| " + " | ".join(str(v) for v in r.values()) + " |" for r in rows]
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "step_timing.md"), "w") as f:
+    out = output_dir(args, "train")
+    with open(os.path.join(out, "step_timing.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     print("\n".join(md))
-    if args.json:
-        print(json.dumps({"timing": rows}))
+    args.result = {"timing": rows, "out": out}
     return 0
 
 
 def run(args):
+    from ..cli import UsageError, require
+
+    if args.compare:
+        require("matplotlib", "racecpu train --compare (its learning-curve plot)", "train")
+    cfg = config_from_args(args)
+    if cfg["task"] == "mqar" and not args.timing and cfg["seq_len"] < 4 * cfg["num_pairs"]:
+        raise UsageError(f"mqar needs --tokens >= 4 * --num-pairs = {4 * cfg['num_pairs']}, got {cfg['seq_len']}")
     if args.timing:
         return timing(args)
     if args.compare:
         return compare(args)
-    res = train(config_from_args(args), progress=not args.quiet)
+    res = train(config_from_args(args), progress=args.progress)
     key, label = _metric(args.task)
     print(f"{res['task']} / {res['attention']}: validation {label} {res[key]:.4f}, val loss {res['val_loss']:.4f}, "
           f"{res['time_per_step_ms']:.1f} ms/step, {res['train_seconds']:.0f} s"
           + (f", beta {', '.join(f'{b:.2f}' for b in res['beta'])}" if res["beta"] else ""))
-    if args.json:
-        print(json.dumps({k: v for k, v in res.items() if k != "history"}))
+    args.result = {k: v for k, v in res.items() if k != "history"}
     return 0
 
 
 def main(argv=None):  # pragma: no cover - convenience for python -m
     p = argparse.ArgumentParser(prog="racecpu train")
     add_arguments(p)
-    return run(p.parse_args(argv))
+    args = p.parse_args(argv)
+    args.progress, args.result = not args.quiet and sys.stderr.isatty(), None
+    rc = run(args)
+    if args.json:
+        print(json.dumps(args.result, default=str))
+    return rc
 
 
 if __name__ == "__main__":  # pragma: no cover

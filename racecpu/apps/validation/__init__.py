@@ -32,7 +32,7 @@ import sys
 import time
 
 from . import assumptions, data, kernel, softmax, theorem
-from .common import Claim, Result, write_csv
+from .common import Claim, Result, style, write_csv
 
 __all__ = ["run_all", "add_arguments", "run", "main", "EXPERIMENTS", "Claim", "Result"]
 
@@ -40,7 +40,7 @@ __all__ = ["run_all", "add_arguments", "run", "main", "EXPERIMENTS", "Claim", "R
 EXPERIMENTS = {"kernel": kernel, "theorem": theorem, "softmax": softmax, "assumptions": assumptions}
 
 
-def run_all(out_dir, *, quick=False, seed=0, only=None, datasets=None, show_progress=True, argv=None):
+def run_all(out_dir, *, quick=False, seed=0, only=None, datasets=None, show_progress=False, argv=None):
     """Run the experiments, write CSVs, PNGs and a report into ``out_dir``.
 
     Parameters
@@ -56,8 +56,14 @@ def run_all(out_dir, *, quick=False, seed=0, only=None, datasets=None, show_prog
     datasets : iterable of str, optional
         Data set names (keys of ``data.DATASETS``) used by the data-driven
         experiments instead of their defaults; names not in a preset are added.
-    show_progress : bool
-        tqdm progress bars.
+    show_progress : bool, default False
+        Draw tqdm progress bars on stderr.
+
+    Notes
+    -----
+    Plots are drawn on :class:`matplotlib.figure.Figure` objects with an Agg
+    canvas inside :func:`matplotlib.rc_context`: the caller's backend,
+    rcParams and pyplot figures are left as they were.
 
     Returns
     -------
@@ -78,7 +84,8 @@ def run_all(out_dir, *, quick=False, seed=0, only=None, datasets=None, show_prog
         mod = EXPERIMENTS[name]
         t0 = time.perf_counter()
         kwargs = {} if name == "kernel" else {"datasets": datasets}
-        res = mod.run(mode, seed=seed, out_dir=out_dir, show_progress=show_progress, **kwargs)
+        with style():
+            res = mod.run(mode, seed=seed, out_dir=out_dir, show_progress=show_progress, **kwargs)
         res.seconds = time.perf_counter() - t0
         for fname, rows in res.tables.items():
             write_csv(os.path.join(out_dir, fname), rows)
@@ -109,9 +116,9 @@ def _datasets_note(datasets):
 
 def add_arguments(parser):
     """Options of ``racecpu validate``."""
+    from ...cli import add_alias, add_common_arguments, nonnegative_int
+
     parser.add_argument("--quick", action="store_true", help="small sizes: under a minute (default: full run, minutes)")
-    parser.add_argument("--out", default="racecpu-validation", metavar="DIR",
-                        help="output folder for CSVs, PNGs and REPORT.md (default: ./racecpu-validation)")
     parser.add_argument("--only", nargs="+", choices=list(EXPERIMENTS), metavar="EXP",
                         help=f"run only these experiments ({', '.join(EXPERIMENTS)})")
     parser.add_argument("--datasets", nargs="+", metavar="NAME",
@@ -119,36 +126,46 @@ def add_arguments(parser):
     parser.add_argument("--qkv", action="append", default=[], metavar="FILE.npz",
                         help="add a data set of queries/keys/values (arrays q, k, v of shape (..., N, d)), "
                              "e.g. dumped from a trained model; repeatable")
-    parser.add_argument("--seed", type=int, default=0, help="root seed (default 0)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--seed", type=nonnegative_int, default=0, help="root seed (default 0)")
     parser.add_argument("--strict", action="store_true", help="exit with status 1 if any claim does not hold")
+    add_common_arguments(parser, out=True)
+    add_alias(parser, "--no-progress", "quiet")  # old spelling; value ignored (store)
     return parser
 
 
 def run(args):
     """Entry point of ``racecpu validate``; returns the exit status."""
+    from ...cli import UsageError, output_dir, require
+
+    require("matplotlib", "racecpu validate (its plots)", "validate")
     datasets = list(args.datasets) if args.datasets else None
+    for name in datasets or ():
+        if name not in data.DATASETS:
+            raise UsageError(f"--datasets: unknown data set {name!r}; known: {', '.join(sorted(data.DATASETS))}")
     for path in args.qkv:
         if not os.path.isfile(path):
-            print(f"racecpu validate: --qkv {path}: no such file", file=sys.stderr)
-            return 2
+            raise UsageError(f"--qkv {path}: no such file")
         name = data.register_dataset(f"npz:{os.path.splitext(os.path.basename(path))[0]}", data.npz_dataset(path))
         if datasets is None:
             datasets = ["isotropic", "clustered", "near_duplicate"]
         datasets.append(name)
     argv = getattr(args, "command_line", None) or "racecpu " + " ".join(sys.argv[1:])
+    out = output_dir(args, "validate")
     try:
-        results = run_all(args.out, quick=args.quick, seed=args.seed, only=args.only, datasets=datasets,
-                          show_progress=not args.no_progress, argv=argv)
+        results = run_all(out, quick=args.quick, seed=args.seed, only=args.only, datasets=datasets,
+                          show_progress=getattr(args, "progress", False), argv=argv)
     except ValueError as exc:
-        print(f"racecpu validate: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(str(exc)) from None
     failed = 0
+    claims = []
     for r in results:
         for c in r.claims:
             print(f"[{c.verdict:>13}] {c.key}: {c.statement} -- {c.measured}")
             failed += c.holds is False
-    print(f"wrote {os.path.abspath(args.out)} ({failed} claim(s) do not hold)")
+            claims.append(dict(experiment=r.name, key=c.key, verdict=c.verdict,
+                               holds=c.holds, statement=c.statement, measured=c.measured))
+    print(f"wrote {out} ({failed} claim(s) do not hold)")
+    args.result = dict(out=out, claims=claims, failed=failed)
     return 1 if (args.strict and failed) else 0
 
 
@@ -162,4 +179,9 @@ def main(argv=None, default_out=None):
     args = parser.parse_args(argv)
     script = os.path.relpath(sys.argv[0]) if sys.argv and sys.argv[0] else "racecpu.apps.validation"
     args.command_line = " ".join(["python", script, *sys.argv[1:]])
-    return run(args)
+    args.progress = not args.quiet and sys.stderr.isatty()
+    from ...cli import UsageError
+    try:
+        return run(args)
+    except UsageError as exc:
+        parser.error(str(exc))

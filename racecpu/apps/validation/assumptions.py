@@ -44,7 +44,7 @@ def _spectral_norm(S):
     return float(svds(S, k=1, return_singular_vectors=False, random_state=0)[0])
 
 
-def run(mode="quick", seed=0, out_dir=".", show_progress=True, datasets=None):
+def run(mode="quick", seed=0, out_dir=".", show_progress=False, datasets=None):
     cfg = PRESETS[mode]
     names = tuple(datasets) if datasets else cfg["datasets"]
     rows = []

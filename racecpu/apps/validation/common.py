@@ -62,25 +62,57 @@ def write_csv(path, rows):
             w.writerow([f"{v:.6g}" if isinstance(v, (float, np.floating)) else v for v in (r[k] for k in keys)])
 
 
+STYLE = {"figure.dpi": 90, "savefig.dpi": 90, "font.size": 9, "axes.grid": True, "grid.alpha": 0.3,
+         "legend.fontsize": 7}
+
+
+class _Figures:
+    """The part of ``matplotlib.pyplot`` the experiments use, without pyplot's global state.
+
+    Figures are :class:`matplotlib.figure.Figure` objects on an Agg canvas: no
+    backend is selected and no figure is registered with pyplot, so a caller's
+    interactive session is left as it was.  :func:`style` holds the rcParams.
+    """
+
+    def __init__(self, matplotlib):
+        self._mpl = matplotlib
+
+    @property
+    def rcParams(self):
+        return self._mpl.rcParams
+
+    def subplots(self, *args, figsize=None, **kw):
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=figsize)
+        FigureCanvasAgg(fig)
+        return fig, fig.subplots(*args, **kw)
+
+
 def pyplot():
-    """matplotlib.pyplot on the Agg backend (no display needed)."""
+    """A pyplot-like figure factory on an Agg canvas (no display needed; pyplot's state untouched)."""
     try:
         import matplotlib
     except ImportError:
-        raise ImportError("racecpu validate draws its plots with matplotlib: pip install 'racecpu[validate]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    plt.rcParams.update({"figure.dpi": 90, "savefig.dpi": 90, "font.size": 9, "axes.grid": True,
-                         "grid.alpha": 0.3, "legend.fontsize": 7})
-    return plt
+        raise ImportError("racecpu validate draws its plots with matplotlib: pip install matplotlib") from None
+    return _Figures(matplotlib)
+
+
+def style():
+    """A context in which the experiments' rcParams hold; the caller's are restored on exit."""
+    import contextlib
+    try:
+        import matplotlib
+    except ImportError:
+        return contextlib.nullcontext()
+    return matplotlib.rc_context(STYLE)
 
 
 def savefig(fig, out_dir, name):
     path = os.path.join(out_dir, name)
     fig.tight_layout()
     fig.savefig(path)
-    import matplotlib.pyplot as plt
-    plt.close(fig)
     return name
 
 

@@ -167,7 +167,7 @@ def _self_check(q, k, v, planes, beta):
         raise AssertionError(f"per-table terms disagree with the references: {e1:.3g}, {e2:.3g}")
 
 
-def run(mode="quick", seed=0, out_dir=".", show_progress=True, datasets=None):
+def run(mode="quick", seed=0, out_dir=".", show_progress=False, datasets=None):
     """Run the sweep and the limit checks; returns a :class:`Result` (tables, figure, claims, values)."""
     cfg = PRESETS[mode]
     names = tuple(datasets) if datasets else cfg["datasets"]

@@ -58,7 +58,7 @@ def _per_table(q, k, planes, beta):
     return soft, hard
 
 
-def run(mode="quick", seed=0, out_dir=".", show_progress=True):
+def run(mode="quick", seed=0, out_dir=".", show_progress=False):
     cfg = PRESETS[mode]
     thetas = np.linspace(0.0, np.pi, cfg["n_theta"])
     q, k = _pair_vectors(thetas)

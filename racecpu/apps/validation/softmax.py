@@ -55,7 +55,7 @@ def _attention_matrices(q, k, gammas):
     return soft, angs
 
 
-def run(mode="quick", seed=0, out_dir=".", show_progress=True, datasets=None):
+def run(mode="quick", seed=0, out_dir=".", show_progress=False, datasets=None):
     cfg = PRESETS[mode]
     names = tuple(datasets) if datasets else cfg["datasets"]
     gammas = np.array(cfg["gammas"], dtype=np.float64)

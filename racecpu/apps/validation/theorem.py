@@ -92,7 +92,7 @@ def _limit_output(q, k, v, beta, P, causal):
     return (S @ v) / S.sum(1, keepdims=True)
 
 
-def run(mode="quick", seed=0, out_dir=".", show_progress=True, datasets=None):
+def run(mode="quick", seed=0, out_dir=".", show_progress=False, datasets=None):
     cfg = PRESETS[mode]
     names = tuple(datasets) if datasets else cfg["datasets"]
     d, P = cfg["d"], cfg["P"]
