@@ -112,3 +112,44 @@ def test_dplanes_without_queries_or_keys_is_zero(rng):
     out, res = racecpu.race_attention_fwd(q, k, v, W, 1.5)
     *_, dW = racecpu.race_attention_bwd(res, np.zeros(out.shape), dplanes=True)
     assert dW.shape == W.shape and not dW.any()
+
+
+# ---------------------------------------------------------------------------
+# autograd: planes as a Tensor, learn_planes=True
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_autograd_planes_tensor_gets_its_gradient(rng, causal, per_head):
+    from racecpu.autograd import Tensor
+    from racecpu.autograd import functional as F
+    q, k, v, W, mask = make(rng, (1, 2), 9, 4, 3, 2, 2)
+    beta = Tensor(np.array([1.3, 1.7]), requires_grad=True) if per_head else Tensor(np.array(1.5), requires_grad=True)
+    ts = [Tensor(x, requires_grad=True) for x in (q, k, v, W)]
+    assert F.check_grad(lambda q_, k_, v_, W_: F.race_attention(q_, k_, v_, W_, beta, causal=causal, key_mask=mask),
+                        *ts) < 1e-6
+    # a constant Tensor (or array) of planes: no gradient asked for, none given
+    Wc = Tensor(W)
+    F.race_attention(ts[0], ts[1], ts[2], Wc, 1.5, causal=causal).sum().backward()
+    assert Wc.grad is None
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_learn_planes_train_step_changes_the_planes(causal):
+    from racecpu.autograd import nn
+    from racecpu.autograd.optim import AdamW
+    m = nn.MultiHeadAttention(8, 2, causal=causal, num_planes=2, num_tables=2, learn_planes=True, seed=1)
+    assert isinstance(m.planes, nn.Parameter) and any(p is m.planes for p in m.parameters())
+    assert "planes" in m.state_dict()
+    before = m.planes.data.copy()
+    x = np.random.default_rng(0).standard_normal((2, 12, 8)).astype(np.float32)
+    opt = AdamW(m.parameters(), lr=1e-2)
+    (m(x) ** 2).sum().backward()
+    assert m.planes.grad is not None and m.planes.grad.shape == before.shape and np.abs(m.planes.grad).max() > 0
+    opt.step()
+    assert not np.array_equal(m.planes.data, before)
+    fixed = nn.MultiHeadAttention(8, 2, causal=causal, num_planes=2, num_tables=2, seed=1)
+    assert not isinstance(fixed.planes, nn.Parameter)
+    fixed.load_state_dict(m.state_dict())  # the same names either way
+    with pytest.raises(ValueError, match="learn_planes"):
+        nn.MultiHeadAttention(8, 2, attention="softmax", learn_planes=True)
