@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _kernels as K
-from ._kernels.bundles import Grads, Hash, Rows, Sums
+from ._kernels.bundles import Grads, Hash, PlanesGrad, Rows, Sums, no_planes_grad
 from ._checks import SUMS_OVERFLOW, all_finite, check_array, check_beta, check_derived, check_out, prepare
 from ._memory import POOL
 from .config import DEFAULT_BETA
@@ -45,8 +45,11 @@ class Residuals:
 
     Holds O(N * L * R) numbers per head (soft buckets, tanh projections, the
     denominators) plus the O(L * R * dv) sketch or, for causal attention, the
-    carried state at every chunk start.  ``v`` is kept by reference (in the
-    compute dtype): do not modify it between forward and backward.
+    carried state at every chunk start.  ``v``, ``q`` and ``k`` are kept by
+    reference (in the compute dtype, flattened to ``(G, N, d)``: the caller's
+    own arrays where those are C-contiguous in it): do not modify them
+    between forward and backward.  Only the planes' gradient
+    (``race_attention_bwd(..., dplanes=True)``) reads ``q`` and ``k``.
     """
     planes: np.ndarray
     beta: float
@@ -64,6 +67,9 @@ class Residuals:
     in_dtypes: tuple
     out_dtype: np.dtype
     check_finite: bool
+    q: np.ndarray        # (G, Nq, d), for the planes' gradient only
+    k: np.ndarray        # (G, Nk, d), for the planes' gradient only
+    planes_dtype: np.dtype  # the dtype the planes were given in (their gradient's)
 
     @property
     def out_shape(self):
@@ -134,11 +140,13 @@ def _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residua
     y = _deliver(o, out, a.lead + (nq, dv), a.out_dtype)
     if not residuals:
         return y, None
+    pdt = np.asarray(planes).dtype
     return y, Residuals(a.planes, a.beta, a.causal, base, a.v, phiq, tq, phik, tk, den, A, B,
-                        a.lead, a.in_dtypes, a.out_dtype, a.check_finite)
+                        a.lead, a.in_dtypes, a.out_dtype, a.check_finite, a.q, a.k,
+                        pdt if pdt.kind == "f" else np.dtype(cdt))
 
 
-def race_attention_bwd(residuals, grad_out, *, out=None):
+def race_attention_bwd(residuals, grad_out, *, out=None, dplanes=False):
     """RACE attention backward.
 
     Parameters
@@ -150,6 +158,9 @@ def race_attention_bwd(residuals, grad_out, *, out=None):
     out : tuple of three ndarrays, optional
         Buffers ``(dq, dk, dv)`` to write the gradients into, each with the
         shape and dtype of its input (see :func:`race_attention`'s ``out``).
+    dplanes : bool, default False
+        Also return the gradient w.r.t. the planes (learnable hash planes).
+        Without it nothing of that gradient is computed.
 
     Returns
     -------
@@ -157,6 +168,13 @@ def race_attention_bwd(residuals, grad_out, *, out=None):
         Gradients, each in the dtype of its input (the ``out`` buffers if given).
     dbeta : float
         Gradient w.r.t. beta, summed over every batch, head and token.
+    dplanes : ndarray, shape (L, P, d)
+        Only with ``dplanes=True``: the gradient w.r.t. the planes, summed
+        over every batch, head, query and key (``docs/design.md`` section
+        3.3), in the dtype the planes were given in (the compute dtype for
+        integer planes); each chunk's share is one product in
+        the compute dtype, the shares are summed in float64 in a fixed
+        order, so the bits do not depend on the thread count.
     """
     POOL.tick()
     r = residuals
@@ -194,29 +212,40 @@ def race_attention_bwd(residuals, grad_out, *, out=None):
     # The kernels write every row; without queries or keys they do not run.
     dq, dk, dv_ = (_target(buf, (G,) + shape[-2:], cdt) for buf, shape in zip(out, shapes))
     dbeta = 0.0
+    LP = r.planes.shape[0] * r.planes.shape[1]
+    dW = np.zeros((LP, d))
     if not (G and nq and nk):
         check_array("grad_out", g, r.check_finite)  # no kernel sums it
         for x in (dq, dk, dv_):
             x[...] = 0
     else:
+        if dplanes:  # per-chunk shares, summed below in a fixed order
+            pg = PlanesGrad(r.q, r.k, POOL.empty((G, ncq, LP, d), np.float64), POOL.empty((G, nck, LP, d), np.float64))
+        else:
+            pg = no_planes_grad(g, G, ncq, nck, d)
         partdA = POOL.zeros((G, ncq, F))
         partdB = POOL.empty((G, ncq, F, dv), np.float64)  # the kernels write every value read
         dbq = POOL.zeros((G, ncq))
         dbk = POOL.zeros((G, nck))
         if r.causal:
             dB = POOL.zeros((G, F, dv))  # the scan's total of dB, for the check of grad_out
-            grads = Grads(dq, dk, dv_, POOL.zeros((G, nq)), dbq, dbk)
+            grads = Grads(dq, dk, dv_, POOL.zeros((G, nq)), dbq, dbk, pg)
             K.causal_backward(g, r.v, rows, Sums(r.A, r.B), hsh, chunk, grads, Sums(partdA, partdB), final=dB)
             check_derived(r.check_finite, ("grad_out", g, all_finite(dB), SUMS_OVERFLOW))
         else:
-            grads = Grads(dq, dk, dv_, POOL.zeros((G, 0)), dbq, dbk)
+            grads = Grads(dq, dk, dv_, POOL.zeros((G, 0)), dbq, dbk, pg)
             K.queries_bwd(g, r.v, rows, Sums(r.A, r.B.astype(cdt)), hsh, chunk, grads, Sums(partdA, partdB))
             dB = partdB.sum(1)
             check_derived(r.check_finite, ("grad_out", g, all_finite(dB), SUMS_OVERFLOW))  # before the keys' backward
             K.keys_bwd(r.v, rows, Sums(partdA.sum(1), dB.astype(cdt)), hsh, chunk, grads)
         dbeta = float(dbq.sum() + dbk.sum())
-    return tuple(_deliver(x, buf, shape, dt)
-                 for x, buf, shape, dt in zip((dq, dk, dv_), out, shapes, (qdt, kdt, vdt))) + (dbeta,)
+        if dplanes:
+            dW = pg.dWq.sum((0, 1)) + pg.dWk.sum((0, 1))
+    grads = tuple(_deliver(x, buf, shape, dt)
+                  for x, buf, shape, dt in zip((dq, dk, dv_), out, shapes, (qdt, kdt, vdt))) + (dbeta,)
+    if not dplanes:
+        return grads
+    return grads + (dW.reshape(r.planes.shape).astype(r.planes_dtype),)
 
 
 def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None, check_finite=True,
@@ -327,5 +356,5 @@ class RaceAttention:
         return race_attention_fwd(q, k, v, self.planes, self.beta, causal=causal, key_mask=key_mask,
                                   check_finite=check_finite, out=out)
 
-    def bwd(self, residuals, grad_out, *, out=None):
-        return race_attention_bwd(residuals, grad_out, out=out)
+    def bwd(self, residuals, grad_out, *, out=None, dplanes=False):
+        return race_attention_bwd(residuals, grad_out, out=out, dplanes=dplanes)

@@ -44,7 +44,7 @@ import numpy as np
 
 from . import _blocks as engine
 from . import _kernels as K
-from ._kernels.bundles import Grads, Hash, Rows, Sums
+from ._kernels.bundles import Grads, Hash, Rows, Sums, no_planes_grad
 from ._checks import check_beta, check_planes
 from .config import CHUNK
 from .hashing import DEFAULT_BETA, soft_buckets
@@ -271,7 +271,7 @@ def race_attention_bwd_ooc(res, grad_out, *, dq, dk, dv, checkpoint=None, commit
             dbq = bufs("dbq", (G, nc), np.float64, zero=True)
             dbk = bufs("dbk", (G, nc), np.float64, zero=True)
             rows = Rows(phiq, tq, phik, tk, den)
-            grads = Grads(dqb, dkb, dvb, dden, dbq, dbk)
+            grads = Grads(dqb, dkb, dvb, dden, dbq, dbk, no_planes_grad(dqb, G, nc, nc, d))
             K.causal_queries_bwd(gb, vb, rows, Sums(cA, cB), hsh, chunk, grads, Sums(pdA, pdB))
             sA = K.exclusive_scan(pdA, reverse=True)
             sB = K.exclusive_scan(pdB, reverse=True)
@@ -304,7 +304,8 @@ def race_attention_bwd_ooc(res, grad_out, *, dq, dk, dv, checkpoint=None, commit
         pdA = bufs("pdA", (G, nc, F), np.float64, zero=True)
         pdB = bufs("pdB", (G, nc, F, dvdim), np.float64, zero=True)
         dbq = bufs("dbq", (G, nc), np.float64, zero=True)
-        grads = Grads(dqb, dqb, dqb, none2, dbq, dbq)  # the queries' pass writes dq and dbq only
+        # the queries' pass writes dq and dbq only
+        grads = Grads(dqb, dqb, dqb, none2, dbq, dbq, no_planes_grad(dqb, G, nc, nc, d))
         K.queries_bwd(gb, gb, rows, Sums(A, Bc), hsh, chunk, grads, Sums(pdA, pdB))
         engine.store_block(dq, lead, lo, hi, dqb)
         return (state[0] + pdA.sum(1), state[1] + pdB.sum(1)), float(dbq.sum())
@@ -326,7 +327,8 @@ def race_attention_bwd_ooc(res, grad_out, *, dq, dk, dv, checkpoint=None, commit
         dkb = bufs("dk", (G, n, d), cdt, zero=True)
         dvb = bufs("dv", (G, n, dvdim), cdt, zero=True)
         dbk = bufs("dbk", (G, nc), np.float64, zero=True)
-        grads = Grads(dkb, dkb, dvb, none2, dbk, dbk)  # the keys' pass writes dk, dv and dbk only
+        # the keys' pass writes dk, dv and dbk only
+        grads = Grads(dkb, dkb, dvb, none2, dbk, dbk, no_planes_grad(dkb, G, nc, nc, d))
         K.keys_bwd(vb, Rows(none, none, phik, tk, none2), Sums(dA, dBc), hsh, chunk, grads)
         for x, a in ((dk, dkb), (dv, dvb)):
             engine.store_block(x, lead, lo, hi, a)

@@ -200,31 +200,41 @@ def race_attention_dense_fwd(q, k, v, planes, beta, *, causal=False, key_mask=No
     vis = _visibility(q.shape[-2], k.shape[-2], causal, key_mask, np.broadcast_shapes(q.shape[:-2], k.shape[:-2]), dt)
     S = np.einsum("...ilr,...jlr->...ij", pq, pk) / L * vis
     out, nres = _normalized_fwd(S, v)
-    return out, (planes, beta, pq, tq, pk, tk, vis, nres)
+    return out, (planes, beta, pq, tq, pk, tk, vis, nres, q, k)
 
 
-def _soft_buckets_dense_bwd(dphi, phi, t, planes, beta):
-    """Back through softmax over corners, tanh and the projection: (dx, dbeta)."""
+def _soft_buckets_dense_bwd(dphi, phi, t, planes, beta, x=None):
+    """Back through softmax over corners, tanh and the projection: ``(dx, dbeta)``,
+    and with the rows ``x (..., N, d)`` also the planes' gradient
+    ``dW_l = sum_n du_{n,l} x_n^T`` (shape of ``planes``, summed over every
+    leading axis): ``(dx, dbeta, dW)``."""
     C = corners(planes.shape[1]).astype(phi.dtype)
     dz = phi * (dphi - (phi * dphi).sum(-1, keepdims=True))
     s = dz @ C  # (..., N, L, P)
     du = beta * s * (1 - t * t)
     dx = np.einsum("...nlp,lpd->...nd", du, planes)
-    return dx, float((s * t).sum())
+    if x is None:
+        return dx, float((s * t).sum())
+    x = np.broadcast_to(x, du.shape[:-2] + x.shape[-1:])
+    dW = (du.reshape(-1, t.shape[-2] * t.shape[-1]).T @ x.reshape(-1, x.shape[-1])).reshape(planes.shape)
+    return dx, float((s * t).sum()), dW
 
 
-def race_attention_dense_bwd(residuals, grad_out):
-    """Returns ``(dq, dk, dv, dbeta)`` with ``dbeta`` summed over everything."""
-    planes, beta, pq, tq, pk, tk, vis, nres = residuals
+def race_attention_dense_bwd(residuals, grad_out, *, dplanes=False):
+    """Returns ``(dq, dk, dv, dbeta)`` with ``dbeta`` summed over everything,
+    and with ``dplanes=True`` also the planes' gradient ``(L, P, d)``
+    (summed over everything, the queries' and the keys' shares)."""
+    planes, beta, pq, tq, pk, tk, vis, nres, q, k = residuals
     L = planes.shape[0]
     dS, dv = _normalized_bwd(nres, np.asarray(grad_out, dtype=pq.dtype))
     dS = dS * vis / L
     dpq = np.einsum("...ij,...jlr->...ilr", dS, pk)
     dpk = np.einsum("...ij,...ilr->...jlr", dS, pq)
-    dq, db_q = _soft_buckets_dense_bwd(dpq, pq, tq, planes, beta)
-    dk, db_k = _soft_buckets_dense_bwd(dpk, pk, tk, planes, beta)
+    dq, db_q, *dw_q = _soft_buckets_dense_bwd(dpq, pq, tq, planes, beta, q if dplanes else None)
+    dk, db_k, *dw_k = _soft_buckets_dense_bwd(dpk, pk, tk, planes, beta, k if dplanes else None)
     dt = pq.dtype
-    return dq.astype(dt), dk.astype(dt), dv.astype(dt), db_q + db_k
+    grads = dq.astype(dt), dk.astype(dt), dv.astype(dt), db_q + db_k
+    return grads + ((dw_q[0] + dw_k[0]).astype(dt),) if dplanes else grads
 
 
 def race_attention_dense(q, k, v, planes, beta, *, causal=False, key_mask=None):

@@ -10,6 +10,8 @@ operation                     forward                     backward              
 ============================  ==========================  ===============================  ==============================  =======================
 soft hash (Algorithm 1)       hash.hash_block             hash.hash_rows_du,               soft_hash_rows                  test_race: soft hash,
                               (hash_range, hash_chunk)    hash.hash_bwd_rows                                               exp_neg, tanh
+planes' gradient (dplanes)    --                          hash.hash_bwd_rows_dw (per                                       test_planes_grad
+                                                          chunk, in the hash backward)
 keys' sketch, per chunk       noncausal.sketch_chunks     noncausal.keys_bwd               sketch_chunks, keys_bwd         test_race: gradients
 non-causal readout            noncausal.queries_fwd       noncausal.queries_bwd            queries_fwd, queries_bwd        test_race: vs reference
                               (readout_rows)              (dphi_from_y, queries_chunk_end)

@@ -59,11 +59,28 @@ class Sums(NamedTuple):
     B: np.ndarray
 
 
+class PlanesGrad(NamedTuple):
+    """What the planes' gradient reads and writes: the forward's rows
+    ``q (G, Nq, d)``, ``k (G, Nk, d)`` (compute dtype) and the per-chunk
+    shares ``dWq (G, ncq, LP, d)``, ``dWk (G, nck, LP, d)`` (float64, each
+    chunk's ``du^T x`` over its query or key rows, summed by the caller).
+
+    ``dWq`` and ``dWk`` with no rows per chunk (``(G, nc, 0, d)``, see
+    :func:`no_planes_grad`): not computed, and q and k are not read.
+    """
+
+    q: np.ndarray
+    k: np.ndarray
+    dWq: np.ndarray
+    dWk: np.ndarray
+
+
 class Grads(NamedTuple):
     """What a backward writes: ``dq (G, Nq, d)``, ``dk (G, Nk, d)``, ``dv (G, Nk, dv)``
     (compute dtype), ``dden (G, Nq)`` (float64, the causal passes' cotangent of
-    each denominator) and the per-chunk shares of dbeta ``dbq (G, ncq)``,
-    ``dbk (G, nck)`` (float64, summed by the caller)."""
+    each denominator), the per-chunk shares of dbeta ``dbq (G, ncq)``,
+    ``dbk (G, nck)`` (float64, summed by the caller) and the :class:`PlanesGrad`
+    (per-chunk shares of the planes' gradient, or none)."""
 
     dq: np.ndarray
     dk: np.ndarray
@@ -71,6 +88,7 @@ class Grads(NamedTuple):
     dden: np.ndarray
     dbq: np.ndarray
     dbk: np.ndarray
+    planes: PlanesGrad
 
 
 class Backward(NamedTuple):
@@ -112,3 +130,10 @@ def no_rows(like, G, width, dtype=None):
     """An array ``(G, 0, width)`` (``(G, 0)`` for width None): a residual that is not kept."""
     shape = (G, 0) if width is None else (G, 0, width)
     return np.empty(shape, like.dtype if dtype is None else dtype)
+
+
+def no_planes_grad(like, G, ncq, nck, d):
+    """A :class:`PlanesGrad` that computes nothing: shares ``(G, nc, 0, d)``
+    (no memory) and rows ``(G, 0, d)`` in the dtype of ``like``, never read."""
+    rows = np.empty((G, 0, d), like.dtype)
+    return PlanesGrad(rows, rows, np.empty((G, ncq, 0, d)), np.empty((G, nck, 0, d)))

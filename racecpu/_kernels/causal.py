@@ -29,7 +29,7 @@ from .. import config
 from ..config import DEN_FLOOR, SCAN_BLOCK
 from ._jit import kernel
 from .bundles import Backward, Spread, Sums
-from .hash import hash_bwd_rows, hash_chunk, residual_rows
+from .hash import hash_bwd_rows_dw, hash_chunk, residual_rows
 from .noncausal import dphi_from_y, queries_chunk_end, query_bwd_buffers
 from .products import add_product, add_rows, combine_rows, dot_rows, step_scores, zero_above, zero_below
 from .runtime import blas_tasks, run_tasks
@@ -237,7 +237,7 @@ def causal_queries_bwd(grad, v, rows, carry, hsh, chunk, grads, partd, totals=No
     hsh : Hash
     chunk : int
     grads : Grads
-        Out: ``dq``, ``dden``, ``dbq``.
+        Out: ``dq``, ``dden``, ``dbq`` and, where computed, ``planes.dWq``.
     partd : Sums
         Out: the chunk totals of ``(dA, dB)`` (float64, written, not added),
         those of dB for the chunks ``totals = (c0, c1)`` only (default all;
@@ -299,7 +299,9 @@ def _causal_keys_bwd_chunk(bwd, dcarry, g, c, c0, track, last, final, total):
                 dA[f] += Pq[j, f] * ddv[j]
                 DPHI[i0 + j - lo, f] = Y[j, f] + Z[j, f] + dA[f]
         add_product(wb, Gb, dB, dS, total, track)
-    grads.dbk[g, c] = hash_bwd_rows(DPHI, phik[g, lo:hi], rows.tk[g, lo:hi], hsh, grads.dk[g, lo:hi])
+    pg = grads.planes
+    grads.dbk[g, c] = hash_bwd_rows_dw(DPHI, phik[g, lo:hi], rows.tk[g, lo:hi], hsh, grads.dk[g, lo:hi],
+                                       pg.k[g, lo:hi], pg.dWk[g, c])
     if c - 1 >= c0 or last:
         carry_on(dcarry.B, g, c, c - 1, total, final)
 
@@ -334,7 +336,8 @@ def causal_keys_bwd(grad, v, rows, dcarry, hsh, chunk, grads, final=None, segmen
         (exclusive suffix) carries at every chunk; of dB only the carry at
         the last chunk of each segment is read, the scan writes the others.
     grads : Grads
-        ``dden`` read (from pass 1); out: ``dk``, ``dv``, ``dbk``.
+        ``dden`` read (from pass 1); out: ``dk``, ``dv``, ``dbk`` and, where
+        computed, ``planes.dWk``.
     final : (G, F, dv) float64, optional
         Out: the total dB.
     segments : int, optional

@@ -203,10 +203,44 @@ def hash_bwd_rows(dphi, phi, t, hsh, dx):
     ``dphi (n, F)`` (float64, overwritten); returns their share of dbeta.
     The hash backward runs SIMD over the rows, then :func:`combine_rows` gives
     dx, streamed (a result of the backward, not read again)."""
+    return hash_bwd_rows_dw(dphi, phi, t, hsh, dx, dx[:0], np.empty((0, dx.shape[1])))
+
+
+@kernel
+def hash_bwd_rows_dw(dphi, phi, t, hsh, dx, x, dW):
+    """:func:`hash_bwd_rows`, and the rows' share of the planes' gradient.
+
+    Parameters
+    ----------
+    dphi, phi, t, hsh, dx
+        As :func:`hash_bwd_rows` (``dphi`` overwritten, ``dx`` written).
+    x : (n, d)
+        The rows whose soft hash this is (compute dtype); not read when
+        ``dW`` has no rows.
+    dW : (L*P, d) float64, or (0, d)
+        Out: ``du^T x``, row ``l*P + p`` the gradient of plane p of table l
+        from these rows (``docs/design.md`` section 3.3), overwritten; one
+        product in the compute dtype (:func:`combine_rows` with ``du^T`` as
+        X: register tiles over x's rows, where an sgemm of LP = 9 rows was
+        20x slower, docs/performance.md "planes' gradient"), written as
+        float64 for the caller's sum over chunks.  With no rows: nothing is
+        computed (the backward without the planes' gradient).
+
+    Returns
+    -------
+    float
+        The rows' share of dbeta.
+    """
     W, beta = hsh
     L, P, d = W.shape
     du = np.empty((dphi.shape[0], L * P), W.dtype)
     acc = hash_rows_du(dphi, phi, t, P, beta, du)
+    if dW.shape[0]:  # before dx's streamed stores, which a call with arrays would wait for
+        tmp = np.empty((L * P, d), W.dtype)
+        combine_rows(du.T, x, tmp, False)
+        for m in range(L * P):
+            for c in range(d):
+                dW[m, c] = tmp[m, c]
     combine_rows(du, W.reshape(L * P, d), dx, True)
     return acc
 

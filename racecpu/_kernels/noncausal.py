@@ -17,7 +17,7 @@ import numpy as np
 
 from ..config import BLAS_SPAN, DEN_FLOOR, SCAN_BLOCK
 from ._jit import kernel
-from .hash import hash_bwd_rows, hash_chunk, hash_sketch_range, residual_rows
+from .hash import hash_bwd_rows_dw, hash_chunk, hash_sketch_range, residual_rows
 from .products import add_rows, combine_rows, dot_rows, span_totals
 from .runtime import blas_tasks, run_tasks
 from .bundles import Backward, QueryScratch, Spread
@@ -158,7 +158,9 @@ def _keys_bwd_task(task, v, rows, dsum, hsh, chunk, grads):
     for j in range(hi - lo):
         for f in range(F):
             DPHI[j, f] += dA[g, f]
-    grads.dbk[g, c] = hash_bwd_rows(DPHI, phik[g, lo:hi], tk[g, lo:hi], hsh, grads.dk[g, lo:hi])
+    pg = grads.planes
+    grads.dbk[g, c] = hash_bwd_rows_dw(DPHI, phik[g, lo:hi], tk[g, lo:hi], hsh, grads.dk[g, lo:hi], pg.k[g, lo:hi],
+                                       pg.dWk[g, c])
 
 
 @blas_tasks
@@ -177,8 +179,9 @@ def keys_bwd(v, rows, dsum, hsh, chunk, grads):
     hsh : Hash
     chunk : int
     grads : Grads
-        Out: ``dk``, ``dv`` (every row written) and ``dbk (G, nc)`` (each
-        chunk's share of dbeta).
+        Out: ``dk``, ``dv`` (every row written), ``dbk (G, nc)`` (each
+        chunk's share of dbeta) and, where computed, ``planes.dWk`` (each
+        chunk's share of the planes' gradient, from ``planes.k``).
     """
     G = v.shape[0]
     run_tasks(_keys_bwd_task, G * grads.dbk.shape[1], v, rows, dsum, hsh, chunk, grads)
@@ -239,7 +242,8 @@ def queries_chunk_end(bwd, partd, g, c, scratch, span):
     (float64) its dB = sum_i wq_i g_i^T by :func:`span_totals` over ``span``
     rows (last span first, as the reverse scan meets them; span 0: none),
     then the hash backward of every query (``scratch.DPHI`` holds the dphi
-    rows) with dq (:func:`hash_bwd_rows`).
+    rows) with dq and the chunk's share of the planes' gradient
+    (:func:`racecpu._kernels.hash.hash_bwd_rows_dw`).
     """
     grad = bwd.grad
     n = grad.shape[1]
@@ -249,8 +253,9 @@ def queries_chunk_end(bwd, partd, g, c, scratch, span):
     if span > 0:
         span_totals(scratch.wblock, grad[g, lo:hi], span, True, partd.B[g, c],
                     np.empty((scratch.wblock.shape[1], grad.shape[2]), grad.dtype))
-    return hash_bwd_rows(scratch.DPHI, bwd.rows.phiq[g, lo:hi], bwd.rows.tq[g, lo:hi], bwd.hsh,
-                         bwd.grads.dq[g, lo:hi])
+    pg = bwd.grads.planes
+    return hash_bwd_rows_dw(scratch.DPHI, bwd.rows.phiq[g, lo:hi], bwd.rows.tq[g, lo:hi], bwd.hsh,
+                            bwd.grads.dq[g, lo:hi], pg.q[g, lo:hi], pg.dWq[g, c])
 
 
 @kernel
@@ -291,7 +296,8 @@ def queries_bwd(grad, v, rows, sketch, hsh, chunk, grads, partd):
     hsh : Hash
     chunk : int
     grads : Grads
-        Out: ``dq`` (every row) and ``dbq (G, nc)``.
+        Out: ``dq`` (every row), ``dbq (G, nc)`` and, where computed,
+        ``planes.dWq`` (from ``planes.q``).
     partd : Sums
         Out: the chunk totals ``dA (G, nc, F)``, ``dB (G, nc, F, dv)`` (float64).
     """

@@ -180,28 +180,34 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
     ``(H,)`` for inputs ``(B, H, N, d)`` (one temperature per head; the heads
     are then computed one at a time).  As a Tensor it receives the gradient
     :func:`racecpu.race_attention_bwd` returns (summed over the tokens, and
-    over the heads for a scalar).  ``planes`` are constants (the paper does
-    not train them).
+    over the heads for a scalar).  ``planes`` (L, P, d) are an array
+    (constants, as in the paper) or a Tensor; a Tensor that requires grad
+    receives the planes' gradient (``race_attention_bwd(..., dplanes=True)``,
+    summed over every batch, head and token): learnable hash planes.
     """
     q, k, v = as_tensor(q), as_tensor(k), as_tensor(v)
+    planes_t = planes if isinstance(planes, Tensor) else None
+    W = planes_t.data if planes_t is not None else planes
+    learn = planes_t is not None and planes_t.requires_grad
+    extra = (planes_t,) if learn else ()
     beta_t = beta if isinstance(beta, Tensor) else None
     if beta_t is not None and beta_t.ndim == 1 and q.ndim == 4 and beta_t.shape[0] == q.shape[1]:
-        return _race_per_head(q, k, v, planes, beta_t, causal, key_mask)
+        return _race_per_head(q, k, v, W, beta_t, causal, key_mask, extra)
     if beta_t is not None and beta_t.size != 1:
         raise ValueError(f"beta must be a scalar Tensor, or of shape (H,) for q of shape (B, H, N, d); got beta "
                          f"of shape {beta_t.shape} and q of shape {q.shape}")
     b = float(beta_t.data) if beta_t is not None else beta
-    out, res = race_attention_fwd(q.data, k.data, v.data, planes, b, causal=causal, key_mask=key_mask)
+    out, res = race_attention_fwd(q.data, k.data, v.data, W, b, causal=causal, key_mask=key_mask)
 
     def vjp(g):
-        dq, dk, dv, dbeta = race_attention_bwd(res, g)
-        if beta_t is None:
-            return dq, dk, dv
-        return dq, dk, dv, np.full(beta_t.shape, dbeta, dtype=beta_t.dtype)
-    return _op(out, (q, k, v) + ((beta_t,) if beta_t is not None else ()), vjp)
+        dq, dk, dv, dbeta, *dW = race_attention_bwd(res, g, dplanes=learn)
+        dbeta = () if beta_t is None else (np.full(beta_t.shape, dbeta, dtype=beta_t.dtype),)
+        return (dq, dk, dv) + dbeta + tuple(dW)
+    return _op(out, (q, k, v) + ((beta_t,) if beta_t is not None else ()) + extra, vjp)
 
 
-def _race_per_head(q, k, v, planes, beta_t, causal, key_mask):
+def _race_per_head(q, k, v, planes, beta_t, causal, key_mask, extra=()):
+    """Heads one at a time (one beta each); ``extra``: the planes' Tensor when it learns."""
     H = q.shape[1]
     outs, ress = [], []
     for h in range(H):
@@ -212,10 +218,12 @@ def _race_per_head(q, k, v, planes, beta_t, causal, key_mask):
         ress.append(r)
 
     def vjp(g):
-        grads = [race_attention_bwd(r, np.ascontiguousarray(g[:, h])) for h, r in enumerate(ress)]
+        grads = [race_attention_bwd(r, np.ascontiguousarray(g[:, h]), dplanes=bool(extra))
+                 for h, r in enumerate(ress)]
         dq, dk, dv = (np.stack([gr[i] for gr in grads], axis=1) for i in range(3))
-        return dq, dk, dv, np.array([gr[3] for gr in grads], dtype=beta_t.dtype)
-    return _op(np.stack(outs, axis=1), (q, k, v, beta_t), vjp)
+        dW = (sum(gr[4] for gr in grads),) if extra else ()
+        return (dq, dk, dv, np.array([gr[3] for gr in grads], dtype=beta_t.dtype)) + dW
+    return _op(np.stack(outs, axis=1), (q, k, v, beta_t) + extra, vjp)
 
 
 def race_attention_bucket_mean(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None, eps=1e-6):
@@ -244,6 +252,11 @@ def race_attention_bucket_mean(q, k, v, planes, beta=DEFAULT_BETA, *, causal=Fal
     Tensor, shape (..., Nq, dv), the inputs' dtype.
     """
     q, k, v = as_tensor(q), as_tensor(k), as_tensor(v)
+    if isinstance(planes, Tensor):
+        if planes.requires_grad:
+            raise NotImplementedError("the bucket-mean estimator has no gradient for the planes; "
+                                      "learnable planes need race_attention (the ratio estimator)")
+        planes = planes.data
     beta_t = beta if isinstance(beta, Tensor) else None
     per_head = beta_t is not None and beta_t.ndim == 1 and q.ndim == 4 and beta_t.shape[0] == q.shape[1]
     if beta_t is not None and beta_t.size != 1 and not per_head:

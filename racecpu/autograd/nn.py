@@ -191,6 +191,11 @@ class MultiHeadAttention(Module):
         per bucket, summed over buckets and tables, no 1/L), computed by the
         O(N^2) reference, so for small models.  Same hash, same q/k scaling.
     train_beta : bool, default True
+    learn_planes : bool, default False
+        RACE (``estimator="ratio"``) only: the hyperplanes are a
+        :class:`Parameter` trained with the rest (their gradient from
+        ``racecpu.race_attention_bwd(..., dplanes=True)``) instead of a
+        constant buffer; the state dict keeps the name ``planes``.
     beta_per_head : bool, default False
         RACE only: one trained temperature per head instead of one per layer.
     conv_size : int, default 0
@@ -207,7 +212,7 @@ class MultiHeadAttention(Module):
 
     def __init__(self, d_model, n_heads, *, attention="race", causal=True, num_planes=3, num_tables=3,
                  beta=DEFAULT_BETA, estimator="ratio", train_beta=True, beta_per_head=False, conv_size=0,
-                 conv_act=True, seed=0, dtype=np.float32):
+                 conv_act=True, learn_planes=False, seed=0, dtype=np.float32):
         if attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
         if estimator not in ESTIMATORS:
@@ -224,6 +229,12 @@ class MultiHeadAttention(Module):
         self.proj = Linear(d_model, d_model, seed=rng, dtype=dtype)
         self.num_planes = num_planes
         self.planes = hyperplanes(self.head_dim, num_planes, num_tables, seed=rng, dtype=dtype)
+        if learn_planes:
+            if attention != "race" or estimator != "ratio":
+                raise ValueError("learn_planes=True needs attention='race' with estimator='ratio', got "
+                                 f"attention={attention!r}, estimator={estimator!r}")
+            self.planes = Parameter(self.planes)
+            self._buffers = ()  # a parameter now, saved under the same name
         if attention == "race" and train_beta:
             shape = (n_heads,) if beta_per_head else ()
             self.log_beta = Parameter(np.full(shape, np.log(beta), dtype))
@@ -328,7 +339,7 @@ class TransformerLM(_Backbone):
     pre-LN blocks, final LayerNorm and a linear head.  ``attention``,
     ``num_planes``, ``num_tables``, ``beta``, ``train_beta`` go to every
     :class:`MultiHeadAttention`, and so do ``estimator``, ``beta_per_head``,
-    ``conv_size`` and ``conv_act`` (see there).  ``token_shift=True`` adds an embedding of the
+    ``conv_size``, ``conv_act`` and ``learn_planes`` (see there).  ``token_shift=True`` adds an embedding of the
     previous token to each position (a width-2 causal convolution on the
     tokens, like the short convolutions of H3/Based or RWKV's token shift), so a
     position knows its predecessor without spending an attention layer on it.
@@ -336,11 +347,12 @@ class TransformerLM(_Backbone):
 
     def __init__(self, vocab_size, d_model, n_heads, n_layers, *, attention="race", num_planes=3, num_tables=3,
                  beta=DEFAULT_BETA, estimator="ratio", train_beta=True, beta_per_head=False, conv_size=0,
-                 conv_act=True, max_len=1024, dropout=0.0, token_shift=False, seed=0, dtype=np.float32):
+                 conv_act=True, max_len=1024, dropout=0.0, token_shift=False, learn_planes=False, seed=0,
+                 dtype=np.float32):
         rng = self._build(vocab_size, d_model, n_heads, n_layers, max_len, True, dropout, seed, dtype,
                           dict(attention=attention, num_planes=num_planes, num_tables=num_tables,
                                beta=beta, estimator=estimator, train_beta=train_beta, beta_per_head=beta_per_head,
-                               conv_size=conv_size, conv_act=conv_act), token_shift)
+                               conv_size=conv_size, conv_act=conv_act, learn_planes=learn_planes), token_shift)
         self.head = Linear(d_model, vocab_size, seed=rng, dtype=dtype)
 
     def forward(self, tokens):
@@ -351,15 +363,15 @@ class TransformerClassifier(_Backbone):
     """Bidirectional Transformer encoder + mean pooling: tokens (B, N) -> logits (B, num_classes).
 
     ``key_mask`` (bool (B, N), False = padding) hides padding from attention
-    and from the pooling.  ``estimator`` as in :class:`MultiHeadAttention`.
+    and from the pooling.  ``estimator`` and ``learn_planes`` as in :class:`MultiHeadAttention`.
     """
 
     def __init__(self, vocab_size, num_classes, d_model, n_heads, n_layers, *, attention="race", num_planes=3,
                  num_tables=3, beta=DEFAULT_BETA, estimator="ratio", train_beta=True, max_len=1024, dropout=0.0,
-                 seed=0, dtype=np.float32):
+                 learn_planes=False, seed=0, dtype=np.float32):
         rng = self._build(vocab_size, d_model, n_heads, n_layers, max_len, False, dropout, seed, dtype,
                           dict(attention=attention, num_planes=num_planes, num_tables=num_tables,
-                               beta=beta, estimator=estimator, train_beta=train_beta))
+                               beta=beta, estimator=estimator, train_beta=train_beta, learn_planes=learn_planes))
         self.head = Linear(d_model, num_classes, seed=rng, dtype=dtype)
 
     def forward(self, tokens, key_mask=None):
