@@ -46,7 +46,7 @@ import numpy as np
 
 from . import _kernels as K
 from ._checks import SUMS_OVERFLOW, all_finite, check_array, check_beta, check_derived, check_planes, prepare
-from ._kernels.bundles import Grads, Hash, Rows, Sums
+from ._kernels.bundles import Grads, Hash, Rows, Sums, no_planes_grad
 from .config import DEFAULT_BETA
 
 __all__ = ["Sketch", "sketch", "readout", "readout_bwd", "sketch_bwd", "causal_block", "causal_block_bwd",
@@ -408,7 +408,7 @@ def readout_bwd(q, sketch, grad_out, *, check_finite=True):
         check_derived(check_finite, ("q", qf, nan == 0, _OVERFLOW.format(cdt)))
         pdA, pdB = np.zeros((G, nc, F)), np.empty((G, nc, F, dv))
         dbq = np.zeros((G, nc))
-        K.queries_bwd(g, g, rows, Sums(A, Bc), hsh, chunk, Grads(dq, dq, dq, _none(G, np.float64), dbq, dbq),
+        K.queries_bwd(g, g, rows, Sums(A, Bc), hsh, chunk, Grads(dq, dq, dq, _none(G, np.float64), dbq, dbq, no_planes_grad(dq, G, nc, nc, d)),
                       Sums(pdA, pdB))
         dA, dB = pdA.sum(1), pdB.sum(1)
         check_derived(check_finite, ("grad_out", g, all_finite(dB), SUMS_OVERFLOW))
@@ -462,7 +462,7 @@ def sketch_bwd(k, v, dsketch, *, key_mask=None, dtype=None, check_finite=True):
         check_derived(check_finite, ("k", k, nan == 0, _OVERFLOW.format(cdt)))
         dA, dB = dsketch._flat()
         dbk = np.zeros((G, nc))
-        K.keys_bwd(v, rows, Sums(dA, dB.astype(cdt)), hsh, chunk, Grads(dk, dk, dv_, none2, dbk, dbk))
+        K.keys_bwd(v, rows, Sums(dA, dB.astype(cdt)), hsh, chunk, Grads(dk, dk, dv_, none2, dbk, dbk, no_planes_grad(dk, G, nc, nc, d)))
         dbeta = float(dbk.sum())
     else:
         dk[...] = 0
@@ -558,7 +558,7 @@ def _causal_backward(q, k, v, planes, beta, grad_out, initial_state, dfinal_stat
         nc = cA.shape[1]
         pdA, pdB = np.zeros((G, nc, F)), np.zeros((G, nc, F, dv))
         dbq, dbk = np.zeros((G, nc)), np.zeros((G, nc))
-        grads = Grads(dq, dk, dv_, np.zeros((G, n)), dbq, dbk)
+        grads = Grads(dq, dk, dv_, np.zeros((G, n)), dbq, dbk, no_planes_grad(dq, G, nc, nc, d))
         K.causal_queries_bwd(g, a.v, rows, Sums(cA, cB), hsh, chunk, grads, Sums(pdA, pdB))
         dA0, dB0 = sA + pdA.sum(1), sB + pdB.sum(1)
         check_derived(a.check_finite, ("grad_out", g, all_finite(dB0), SUMS_OVERFLOW))
