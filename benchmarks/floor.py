@@ -57,6 +57,7 @@ from tqdm import tqdm
 
 import racecpu
 from racecpu import _kernels as K
+from racecpu._kernels.bundles import Grads, Hash, Rows, Sums, no_planes_grad
 from racecpu.apps.bench import best_time as best
 
 
@@ -165,7 +166,7 @@ def thin_gemms(W, dv, reps):
         # projection above is another loop, and at 1024 rows it can be the slower of the two.
         U = np.empty(LP * K.HASH_BLOCK, np.float32)
         own_proj = best(lambda: _projection(x, W.reshape(LP, d), U), reps) / n
-        hash_f = best(lambda: K.soft_hash_rows(x, W, racecpu.DEFAULT_BETA, t, ph), reps) / n
+        hash_f = best(lambda: K.soft_hash_rows(x, Hash(W, racecpu.DEFAULT_BETA), t, ph), reps) / n
         hash_b = best(lambda: K.hash_rows_du(dphi, ph, t, P, racecpu.DEFAULT_BETA, du_out), reps) / n
         numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
     res["proj_own"] = ("hash projection   racecpu's loop", own_proj)
@@ -195,33 +196,35 @@ def _kernel_calls(causal, q, k, v, g, W, beta):
     phik, tk, phiq, tq, den, o = r.phik, r.tk, r.phiq, r.tq, r.den, out.reshape(G, N, d)
     dq, dk, dv = (np.zeros((G, N, d), np.float32) for _ in range(3))
     pdA, pdB, dbq, dbk = np.zeros((G, nc, F)), np.zeros((G, nc, F, d)), np.zeros((G, nc)), np.zeros((G, nc))
+    hsh, rows = Hash(W, beta), Rows(phiq, tq, phik, tk, den)
+    dden = np.zeros((G, N)) if causal else np.zeros((G, 0))
+    grads = Grads(dq, dk, dv, dden, dbq, dbk, no_planes_grad(dq, G, nc, nc, d))
     if not causal:
         A, B = r.A, r.B.astype(np.float32)
         rng = np.random.default_rng(1)
         dA, dB = rng.random((G, F)), rng.standard_normal((G, F, d)).astype(np.float32)
         return {
-            "sketch_chunks (hash k, sketch)": lambda: K.sketch_chunks(k, v, mask, W, beta, chunk, phik, tk,
-                                                                      partA, partB, span=K.BLAS_SPAN),
-            "queries_fwd (hash q, readout)": lambda: K.queries_fwd(q, W, beta, chunk, A, B, phiq, tq, den, o),
-            "queries_bwd (y, dB, dq)": lambda: K.queries_bwd(g, phiq, tq, den, A, B, W, beta, chunk,
-                                                             dq, pdA, pdB, dbq),
-            "keys_bwd (dphik, dv, dk)": lambda: K.keys_bwd(v, phik, tk, dA, dB, W, beta, chunk, dk, dv, dbk),
+            "sketch_chunks (hash k, sketch)": lambda: K.sketch_chunks(k, v, mask, hsh, chunk, rows,
+                                                                      Sums(partA, partB), span=K.SKETCH_FUSED),
+            "queries_fwd (hash q, readout)": lambda: K.queries_fwd(q, hsh, chunk, Sums(A, B), rows, o),
+            "queries_bwd (y, dB, dq)": lambda: K.queries_bwd(g, v, rows, Sums(A, B), hsh, chunk, grads,
+                                                             Sums(pdA, pdB)),
+            "keys_bwd (dphik, dv, dk)": lambda: K.keys_bwd(v, rows, Sums(dA, dB), hsh, chunk, grads),
         }
-    dden = np.zeros((G, N))
     # totals of B (dB) before the last (after the first) segment: none with one segment per group
     tB, tdB = (0, K.segment_start(seg - 1, seg, nc)), (K.segment_start(1, seg, nc), nc)
-    K.causal_queries_bwd(g, v, phik, phiq, tq, den, r.A, r.B, W, beta, chunk, dq, dden, pdA, pdB, dbq, totals=tdB)
+    K.causal_queries_bwd(g, v, rows, Sums(r.A, r.B), hsh, chunk, grads, Sums(pdA, pdB), totals=tdB)
     cdA, cdB = K.exclusive_scan(pdA, True), K.exclusive_scan(pdB, True, segments=seg)
     B, final = r.B.copy(), np.zeros((G, F, d))  # the scans rewrite the carries within segments
     return {  # each call first zeroes the sums it adds to
         "causal sketch_chunks (hash k)": lambda: (_zero(partA), K.sketch_chunks(
-            k, v, mask, W, beta, chunk, phik, tk, partA, partB, totals=tB)),
+            k, v, mask, hsh, chunk, rows, Sums(partA, partB), totals=tB)),
         "causal_fwd (hash q, scan)": lambda: K.causal_fwd(
-            q, v, phik, r.A, B, W, beta, chunk, phiq, tq, den, o, final=final, segments=seg),
+            q, v, hsh, chunk, rows, Sums(r.A, B), o, final=final, segments=seg),
         "causal_queries_bwd (rescan, dq)": lambda: (_zero(pdA), K.causal_queries_bwd(
-            g, v, phik, phiq, tq, den, r.A, r.B, W, beta, chunk, dq, dden, pdA, pdB, dbq, totals=tdB)),
+            g, v, rows, Sums(r.A, r.B), hsh, chunk, grads, Sums(pdA, pdB), totals=tdB)),
         "causal_keys_bwd (reverse scan, dk, dv)": lambda: K.causal_keys_bwd(
-            g, v, phik, tk, phiq, den, dden, cdA, cdB, W, beta, chunk, dk, dv, dbk, final=final, segments=seg),
+            g, v, rows, Sums(cdA, cdB), hsh, chunk, grads, final=final, segments=seg),
     }
 
 

@@ -187,7 +187,7 @@ def test_lm_with_the_bucket_mean_is_causal():
 def test_tiny_model_trains_with_either_estimator(estimator):
     import argparse
 
-    from racecpu.autograd import train as T
+    from racecpu.apps import train as T
     p = argparse.ArgumentParser()
     T.add_arguments(p)
     args = p.parse_args(["--task", "mqar", "--attention", "race", "--estimator", estimator, "--steps", "40",
@@ -207,7 +207,7 @@ def test_tiny_model_trains_with_either_estimator(estimator):
 # ---------------------------------------------------------------------------
 
 def test_estimator_terms_match_the_references(rng):
-    from racecpu.validation import estimators as E
+    from racecpu.apps.validation import estimators as E
     q, k, v = _data(rng, lead=(), nq=7, nk=9, d=5)
     W = racecpu.hyperplanes(5, 3, 4, seed=7, dtype=np.float64)
     num, den, bm = E.table_terms(q, k, v, W, 1.3)
@@ -221,7 +221,7 @@ def test_estimator_terms_match_the_references(rng):
 
 
 def test_estimator_experiment_quick(tmp_path):
-    from racecpu.validation import estimators as E
+    from racecpu.apps.validation import estimators as E
     res = E.run("quick", out_dir=str(tmp_path), show_progress=False)
     verdicts = {c.key: c.holds for c in res.claims}
     assert verdicts["E1"] and verdicts["E2"] and verdicts["E3"] and verdicts["E5"]

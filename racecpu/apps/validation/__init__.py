@@ -27,6 +27,7 @@ Python use::
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -116,7 +117,7 @@ def _datasets_note(datasets):
 
 def add_arguments(parser):
     """Options of ``racecpu validate``."""
-    from ...cli import add_alias, add_common_arguments, nonnegative_int
+    from ...cli import add_common_arguments, nonnegative_int
 
     parser.add_argument("--quick", action="store_true", help="small sizes: under a minute (default: full run, minutes)")
     parser.add_argument("--only", nargs="+", choices=list(EXPERIMENTS), metavar="EXP",
@@ -129,7 +130,8 @@ def add_arguments(parser):
     parser.add_argument("--seed", type=nonnegative_int, default=0, help="root seed (default 0)")
     parser.add_argument("--strict", action="store_true", help="exit with status 1 if any claim does not hold")
     add_common_arguments(parser, out=True)
-    add_alias(parser, "--no-progress", "quiet")  # old spelling; value ignored (store)
+    # old flag: progress bars are drawn only on a terminal now, so it changes nothing
+    parser.add_argument("--no-progress", action="store_true", dest="_no_progress", help=argparse.SUPPRESS)
     return parser
 
 
