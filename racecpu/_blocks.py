@@ -30,12 +30,19 @@ import hashlib
 import json
 import mmap
 import os
+import stat
 import time
+import warnings
 
 import numpy as np
 
 #: Checkpoint format; a manifest written under another version is not resumed.
-FORMAT_VERSION = 1
+#: 2: per-block checksums of the outputs and states, and of the manifest itself.
+FORMAT_VERSION = 2
+
+
+class CheckpointWarning(RuntimeWarning):
+    """A checkpoint did not match what is on disk (or the arguments); its pass restarts."""
 
 
 # ---------------------------------------------------------------------------
@@ -100,11 +107,11 @@ def identity(x, written=False, digest=True):
     """
     if is_row_source(x):
         return ["source", type(x).__name__, x.checkpoint_key()]
-    if isinstance(x, np.memmap) and isinstance(x.filename, str):
-        ident = ["memmap", os.path.realpath(x.filename), int(x.offset), list(x.shape), x.dtype.name,
+    if isinstance(x, np.memmap) and isinstance(x.filename, (str, os.PathLike)):  # open_memmap(Path) keeps the Path
+        ident = ["memmap", os.path.realpath(os.fspath(x.filename)), int(x.offset), list(x.shape), x.dtype.name,
                  list(x.strides)]
         if not written:
-            st = os.stat(x.filename)
+            st = os.stat(os.fspath(x.filename))
             ident += [st.st_size, st.st_mtime_ns]
         return ident
     tag = hashlib.sha256(np.ascontiguousarray(x)).hexdigest() if digest and not written else id(x)
@@ -184,14 +191,72 @@ def block_ranges(n, block, reverse=False):
 # the scan with optional checkpoints
 # ---------------------------------------------------------------------------
 
+def _digest(*arrays):
+    """A 128-bit BLAKE2b of the bytes of ``arrays`` (C order), as hex."""
+    h = hashlib.blake2b(digest_size=16)
+    for a in arrays:
+        h.update(np.ascontiguousarray(a).view(np.uint8).reshape(-1))
+    return h.hexdigest()
+
+
+def _json_digest(value):
+    return hashlib.blake2b(json.dumps(value, sort_keys=True).encode(), digest_size=16).hexdigest()
+
+
+def block_digest(outputs, lo, hi):
+    """Checksum of rows ``lo:hi`` of every output ``(..., N, d)`` (all groups, their dtypes' bytes)."""
+    return _digest(*(x[..., lo:hi, :] for x in outputs))
+
+
+def _open_state(path, shape):
+    """A state file checked before use: a regular file holding a C-order little-endian
+    float64 ``.npy`` of exactly ``shape`` and exactly its size (never zero-extended).
+
+    Returns ``(offset, read-only memmap)``; raises ``ValueError`` saying what is wrong.
+    """
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{path} is not a regular file")
+    with open(path, "rb") as fh:
+        try:
+            version = np.lib.format.read_magic(fh)
+            read = {(1, 0): np.lib.format.read_array_header_1_0,
+                    (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+            if read is None:
+                raise ValueError(f".npy version {version}")
+            hshape, fortran, dtype = read(fh)
+        except Exception as e:  # numpy parses the header with ast: a damaged one raises SyntaxError, TokenError...
+            raise ValueError(f"{path} has a damaged .npy header ({type(e).__name__}: {e})") from None
+        offset = fh.tell()
+    if dtype != np.dtype("<f8") or fortran or tuple(hshape) != tuple(shape):
+        raise ValueError(f"{path} holds {dtype} {hshape} (fortran={fortran}), expected float64 {tuple(shape)}")
+    want = offset + 8 * int(np.prod(shape, dtype=np.int64))
+    if st.st_size != want:
+        raise ValueError(f"{path} has {st.st_size} bytes, expected {want} (truncated or extended)")
+    return offset, np.memmap(path, mode="r", dtype="<f8", shape=tuple(shape), offset=offset)
+
+
 class Scan:
     """One pass over ``nb`` blocks carrying float64 arrays of ``shapes`` and a scalar.
 
     ``states[i]`` is the carried state before the i-th processed block
-    (``states[nb]`` the final one).  With a checkpoint ``directory`` the
-    states live in ``{name}.state{i}.npy`` files there and ``{name}.json``
-    records ``key`` and how many blocks are done; a manifest with another key
-    (or unreadable state files) restarts the pass.  Without one they live in RAM.
+    (``states[nb]`` the final one).  Without a checkpoint ``directory`` they
+    live in RAM.  With one, they live in ``{name}.state{i}.npy`` files there
+    and ``{name}.json`` (the manifest) records ``key``, how many blocks are
+    done, the scalar, a checksum of each recorded state row and of each done
+    block's outputs, and a checksum of the manifest itself.
+
+    A resume trusts nothing on disk: the manifest's checksum and key, each
+    state file's header and exact size (opened read-only first, never
+    zero-extended), the checksum of every recorded state row and (in
+    :func:`run`, which knows the outputs) of every done block's outputs are
+    checked, and on any mismatch the pass restarts from the first block with
+    a :class:`CheckpointWarning` that says why.  Checking every done block's
+    outputs costs one read of what the pass has written so far, far less
+    than the pass (which reads the larger inputs and computes), and is the
+    only check that sees a file reopened ``'w+'``, truncated, or partly
+    overwritten: boundary rows or file identity (path, inode, mtime) would
+    not see the last.
     """
 
     def __init__(self, directory, name, key, nb, shapes, commit_every=0.0):
@@ -199,33 +264,91 @@ class Scan:
         self.commit_every, self._last = float(commit_every), time.monotonic()
         self.key = json.loads(json.dumps(dict(key, version=FORMAT_VERSION, pass_=name, blocks=nb)))
         self.done, self.scalar = 0, 0.0
+        self.shapes = [(nb + 1,) + tuple(s) for s in shapes]
+        self.state_sums, self.out_sums = [], []
         if directory is None:
-            self.states = [np.zeros((nb + 1,) + s) for s in shapes]
+            self.states = [np.zeros(s) for s in self.shapes]
             return
         os.makedirs(directory, exist_ok=True)
         self.manifest = os.path.join(directory, f"{name}.json")
-        paths = [os.path.join(directory, f"{name}.state{i}.npy") for i in range(len(shapes))]
-        rec = None
+        self.paths = [os.path.join(directory, f"{name}.state{i}.npy") for i in range(len(shapes))]
+        reason = self._resume()
+        if reason is not None:
+            self.restart(reason)
+
+    def _resume(self):
+        """Take up the recorded progress if everything checks; else the reason why not (None: resumed)."""
         try:
-            with open(self.manifest) as fh:
-                rec = json.load(fh)
-        except (OSError, ValueError):
-            pass
-        if rec is not None and rec.get("key") == self.key and all(os.path.exists(p) for p in paths):
-            try:
-                self.states = [np.lib.format.open_memmap(p, mode="r+") for p in paths]
-                if [s.shape for s in self.states] != [(nb + 1,) + s for s in shapes]:
-                    raise ValueError("state file shapes")
-                self.done, self.scalar = int(rec["done"]), float(rec["scalar"])
-                return
-            except (OSError, ValueError, KeyError, TypeError):
-                pass
-        # fresh start: invalidate the manifest first, then (re)create the state files
-        if os.path.exists(self.manifest):
+            st = os.stat(self.manifest)
+        except OSError:
+            return ""  # no checkpoint yet: a first run, nothing to warn about
+        try:
+            if not stat.S_ISREG(st.st_mode) or st.st_size > 2 ** 30:
+                raise ValueError("not a regular file of a sane size")
+            with open(self.manifest, "rb") as fh:
+                rec = json.loads(fh.read().decode())
+            if not isinstance(rec, dict) or rec.get("sum") != _json_digest({k: v for k, v in rec.items()
+                                                                           if k != "sum"}):
+                raise ValueError("its checksum does not match its contents")
+        except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            return f"the manifest is unreadable or damaged ({e})"
+        if rec.get("key") != self.key:
+            old = rec.get("key") if isinstance(rec.get("key"), dict) else {}
+            diff = sorted(k for k in set(old) | set(self.key) if old.get(k) != self.key.get(k))
+            return f"it was written for other arguments (differing: {', '.join(diff)})"
+        done, scalar, ssums, osums = (rec.get(k) for k in ("done", "scalar", "states", "outputs"))
+        if not (isinstance(done, int) and not isinstance(done, bool) and 0 <= done <= self.nb
+                and isinstance(scalar, float) and isinstance(ssums, list) and isinstance(osums, list)
+                and len(ssums) == done + 1 and len(osums) == done
+                and all(isinstance(x, str) for x in ssums + osums)):
+            return "the manifest's fields are inconsistent"
+        try:
+            opened = [_open_state(p, s) for p, s in zip(self.paths, self.shapes)]
+        except (OSError, ValueError) as e:
+            return f"a state file is missing or damaged ({e})"
+        for i in range(done + 1):
+            if _digest(*(m[i] for _, m in opened)) != ssums[i]:
+                return f"state row {i} does not match its checksum"
+        # checked and of the right size: writable from here on (r+ cannot extend it)
+        self.states = [np.memmap(p, mode="r+", dtype="<f8", shape=s, offset=off)
+                       for p, s, (off, _) in zip(self.paths, self.shapes, opened)]
+        self.done, self.scalar, self.state_sums, self.out_sums = done, scalar, ssums, osums
+        return None
+
+    def restart(self, reason=""):
+        """Forget any progress: warn with ``reason`` (if any), invalidate the manifest first,
+        then recreate the state files and commit zero blocks done."""
+        if reason:
+            warnings.warn(f"checkpoint {self.manifest}: {reason}; pass {self.name!r} restarts from the first block",
+                          CheckpointWarning, stacklevel=3)
+        if os.path.lexists(self.manifest):
             os.remove(self.manifest)
-        self.states = [np.lib.format.open_memmap(p, mode="w+", dtype=np.float64, shape=(nb + 1,) + s)
-                       for p, s in zip(paths, shapes)]
+        for p in self.paths:  # a link or special file is replaced, not written through
+            if os.path.islink(p) or (os.path.lexists(p) and not os.path.isfile(p)):
+                os.remove(p)
+        self.states = [np.lib.format.open_memmap(p, mode="w+", dtype=np.float64, shape=s)
+                       for p, s in zip(self.paths, self.shapes)]
+        self.done, self.scalar = 0, 0.0
+        self.state_sums, self.out_sums = [_digest(*(s[0] for s in self.states))], []
         self._commit()
+
+    def verify_outputs(self, blocks, outputs):
+        """Check every done block's outputs against its checksum; restart the pass if one differs."""
+        if self.dir is None:
+            return
+        for i in range(self.done):
+            if block_digest(outputs, *blocks[i]) != self.out_sums[i]:
+                lo, hi = blocks[i]
+                self.restart(f"the outputs of done block {i} (tokens {lo}:{hi}) do not match their checksum "
+                             f"(an output file reopened 'w+', truncated or changed)")
+                return
+
+    def digest(self):
+        """Checksum of this pass's recorded states and outputs (None without a checkpoint):
+        what a later pass that uses its state must match."""
+        if self.dir is None:
+            return None
+        return _json_digest([self.state_sums, self.out_sums])
 
     @property
     def complete(self):
@@ -234,8 +357,9 @@ class Scan:
     def state(self, i):
         return [np.array(s[i]) for s in self.states]
 
-    def record(self, new_state, scalar, outputs):
-        """After block ``done`` is written: store the state; commit at most every ``commit_every`` s.
+    def record(self, new_state, scalar, outputs, lo, hi):
+        """After block ``done`` (tokens ``lo:hi``) is written: store the state and the
+        checksums of it and of the block's outputs; commit at most every ``commit_every`` s.
 
         A commit flushes the outputs and states to disk and only then
         replaces the manifest, so a recorded block is always on disk; blocks
@@ -244,6 +368,9 @@ class Scan:
         i = self.done + 1
         for s, a in zip(self.states, new_state):
             s[i] = a
+        if self.dir is not None:
+            self.state_sums = self.state_sums[:i] + [_digest(*(s[i] for s in self.states))]
+            self.out_sums = self.out_sums[:i - 1] + [block_digest(outputs, lo, hi)]
         self.scalar = scalar
         self.done = i
         if self.dir is not None and (self.complete or time.monotonic() - self._last >= self.commit_every):
@@ -257,7 +384,9 @@ class Scan:
         release_pages(*self.states)
 
     def _commit(self):
-        rec = dict(key=self.key, done=self.done, scalar=self.scalar, complete=self.complete)
+        rec = dict(key=self.key, done=self.done, scalar=float(self.scalar), complete=self.complete,
+                   states=self.state_sums, outputs=self.out_sums)
+        rec["sum"] = _json_digest(rec)
         tmp = self.manifest + ".tmp"
         with open(tmp, "w") as fh:
             json.dump(rec, fh)
@@ -300,6 +429,7 @@ def run(scan, blocks, body, progress, desc, outputs, inputs):
     (state, scalar)
         The final carried state (list of arrays) and scalar.
     """
+    scan.verify_outputs(blocks, outputs)
     bar, owned = _bar(progress, scan.nb, desc)
     try:
         if bar is not None and scan.done:  # blocks done by an earlier, interrupted run
@@ -307,7 +437,7 @@ def run(scan, blocks, body, progress, desc, outputs, inputs):
         while not scan.complete:
             lo, hi = blocks[scan.done]
             new_state, ds = body(lo, hi, scan.state(scan.done))
-            scan.record(new_state, scan.scalar + ds, outputs)
+            scan.record(new_state, scan.scalar + ds, outputs, lo, hi)
             release_pages(*inputs, *outputs)
             if bar is not None:
                 bar.update(1)

@@ -29,7 +29,13 @@ manifest (JSON, replaced atomically).  Rerunning with the same arguments and
 ``DIR`` resumes after the last recorded block, giving the same bits as an
 uninterrupted run; if anything in the arguments changed (shapes, planes,
 beta, block, output files, input files' size/mtime) the pass restarts from
-the first block.  A pass is reported complete only by its manifest.
+the first block.  A pass is reported complete only by its manifest.  Nothing
+on disk is trusted: the manifest, every recorded state row and every done
+block's outputs carry checksums that a resume verifies (so an output file
+reopened ``'w+'``, a truncated state file or an edited manifest restarts the
+pass from its first block, with a :class:`racecpu._blocks.CheckpointWarning`
+that says why), and a pass that reads another's state resumes only onto
+the same state.
 
 Not supported here: ``key_mask`` and float16 compute (pass float32).
 """
@@ -162,6 +168,7 @@ def race_attention_fwd_ooc(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, 
         scan = engine.Scan(ckdir, "fwd_causal", key, -(-nk // block), shapes, commit_every)
         engine.run(scan, engine.block_ranges(nk, block), body, progress, "forward (causal)", [out], [q, k, v])
         A, B = scan.states
+        key = dict(key, fwd_sum=scan.digest())  # the backward resumes only onto these very states
     else:
         def sketch(lo, hi, state):
             n = hi - lo
@@ -180,6 +187,7 @@ def race_attention_fwd_ooc(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, 
         (A, B), _ = engine.run(scan, engine.block_ranges(nk, block), sketch, progress, "forward: key sketch", [],
                                [k, v])
         Bc = B.astype(cdt)
+        key = dict(key, sketch_sum=scan.digest())  # what reads the sketch resumes only onto this very one
 
         def readout(lo, hi, state):
             n = hi - lo
@@ -334,7 +342,8 @@ def race_attention_bwd_ooc(res, grad_out, *, dq, dk, dv, checkpoint=None, commit
             engine.store_block(x, lead, lo, hi, a)
         return (), float(dbk.sum())
 
-    scan2 = engine.Scan(ckdir, "bwd_keys", dict(key, queries=scan.key), -(-nk // block), [], commit_every)
+    scan2 = engine.Scan(ckdir, "bwd_keys", dict(key, queries=scan.key, queries_sum=scan.digest()), -(-nk // block), [],
+                        commit_every)
     _, dbeta_k = engine.run(scan2, engine.block_ranges(nk, block), keys, progress, "backward: keys", [dk, dv],
                             [r.k, r.v])
     return dbeta_q + dbeta_k
