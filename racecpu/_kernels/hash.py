@@ -237,7 +237,8 @@ def hash_bwd_rows_dw(dphi, phi, t, hsh, dx, x, dW):
     acc = hash_rows_du(dphi, phi, t, P, beta, du)
     if dW.shape[0]:  # before dx's streamed stores, which a call with arrays would wait for
         tmp = np.empty((L * P, d), W.dtype)
-        combine_rows(du.T, x, tmp, False)
+        # du^T copied to rows (9 x n values): a strided X would compile combine_rows once more
+        combine_rows(np.ascontiguousarray(du.T), x, tmp, False)
         for m in range(L * P):
             for c in range(d):
                 dW[m, c] = tmp[m, c]
