@@ -203,8 +203,11 @@ def test_readout_tasks_read_only_their_block_and_the_sketch(rng):
 @pytest.fixture(scope="module")
 def client():
     distributed = pytest.importorskip("distributed")
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
-                                  silence_logs=40) as cluster, distributed.Client(cluster) as c:
+    # No work stealing: on a loaded machine the scheduler moves queued tasks (and then their
+    # inputs) to an idle worker, which measures the machine's load, not what racecpu's graph sends.
+    with dask.config.set({"distributed.scheduler.work-stealing": False}), \
+            distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
+                                     silence_logs=40) as cluster, distributed.Client(cluster) as c:
         yield c
 
 
