@@ -5,6 +5,8 @@ The Dask tests run under the threaded scheduler and on a real
 ``distributed.LocalCluster`` of 2 worker processes x 1 thread (module-scoped).
 """
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -200,6 +202,22 @@ def test_readout_tasks_read_only_their_block_and_the_sketch(rng):
         assert sum(isinstance(dep, str) and dep.startswith("race-sum-") for dep in deps) == 1
 
 
+# The functions this module sends to worker processes travel by value: the workers cannot
+# import the tests (pytest imports them with --import-mode=importlib, the tree is not on their path).
+cloudpickle = pytest.importorskip("cloudpickle")
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+#: Seconds any one cluster operation may take: a cluster that lost its workers fails the test, not the suite.
+TIMEOUT = 300
+
+
+def _gather(client, futures):
+    """The futures' results, waiting at most TIMEOUT seconds for them."""
+    import distributed
+    distributed.wait(futures, timeout=TIMEOUT)
+    return client.gather(futures)
+
+
 @pytest.fixture(scope="module")
 def client():
     distributed = pytest.importorskip("distributed")
@@ -213,7 +231,7 @@ def client():
 
 @pytest.mark.parametrize("causal,masked,dtype", CASES)
 def test_dask_cluster_equals_numpy(rng, client, causal, masked, dtype):
-    errs = check_against_numpy(rng, causal, masked, dtype, lambda *xs: client.gather(client.compute(list(xs))))
+    errs = check_against_numpy(rng, causal, masked, dtype, lambda *xs: _gather(client, client.compute(list(xs))))
     print(causal, masked, np.dtype(dtype).name, {k: f"{v:.2g}" for k, v in errs.items()})
 
 
@@ -241,7 +259,7 @@ def test_dask_cluster_bytes_moved_per_block(client, causal):
     grads = rd.race_attention_bwd(res, G)
     distributed = pytest.importorskip("distributed")
     kept = client.persist([out, *grads])  # not compute: its final concatenation moves every block to one worker
-    distributed.wait(kept)
+    distributed.wait(kept, timeout=TIMEOUT)
     logs = client.run(_incoming)
     del kept
     moved = {}
@@ -262,7 +280,7 @@ def test_worker_tasks_use_the_worker_threads(client):
     def probe(x):
         rd._set_threads(None)
         return np.array([_numba_threads()])
-    got = client.gather(client.compute(da.from_array(np.zeros(2), chunks=1).map_blocks(probe, dtype=int)))
+    got = _gather(client, client.compute(da.from_array(np.zeros(2), chunks=1).map_blocks(probe, dtype=int)))
     assert set(got.tolist()) == {1}
 
 
