@@ -287,6 +287,7 @@ def torch_race(q, k, v, planes, beta, causal=False):
 from .._memory import peak_rss as _peak_rss  # noqa: E402
 from .._memory import proc_status as _proc_status  # noqa: E402
 from .._memory import reset_peak_rss as _reset_peak  # noqa: E402
+from .demo import available_memory  # noqa: E402
 
 
 def _inputs(spec, n):
@@ -662,15 +663,6 @@ def add_arguments(parser):
     add_common_arguments(parser, out=True)
 
 
-def _mem_available():
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def _loadavg():
@@ -707,7 +699,7 @@ def _settings(args):
         raise ValueError(f"--beta must be > 0, got {st['beta']}")
     if st["threads"] > cores:
         raise ValueError(f"--threads {st['threads']} exceeds the {cores} cores of this machine")
-    avail = _mem_available()
+    avail = available_memory()
     if args.mem_cap_gib is not None:
         cap = args.mem_cap_gib * _GIB
     elif args.quick:
