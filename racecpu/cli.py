@@ -47,26 +47,25 @@ class UsageError(Exception):
 
 
 # -- argparse types ---------------------------------------------------------------
-def positive_int(text):
-    """An int >= 1 (argparse type)."""
+def _int_at_least(text, least, wanted):
+    """``text`` as an int >= ``least``, else argparse's type error naming ``wanted``."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected {wanted}, got {value}")
     return value
+
+
+def positive_int(text):
+    """An int >= 1 (argparse type)."""
+    return _int_at_least(text, 1, "a positive integer")
 
 
 def nonnegative_int(text):
     """An int >= 0 (argparse type)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+    return _int_at_least(text, 0, "an integer >= 0")
 
 
 def positive_float(text):
