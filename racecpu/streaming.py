@@ -201,7 +201,9 @@ class RaceState:
                 raise ValueError(f"{name} contains NaN or Inf (pass check_finite=False to skip this check)")
         G = self._A.shape[0]
         if G:
-            out = self._step(q.reshape(G, 1, -1), k.reshape(G, 1, -1), v.reshape(G, 1, -1))
+            # C-contiguous like extend's inputs, so a view (q[..., i, :]) runs the same compiled code
+            q, k, v = (np.ascontiguousarray(x.reshape(G, 1, -1)) for x in (q, k, v))
+            out = self._step(q, k, v)
         else:
             out = np.empty((0, self.dv), self._dtype)
         self._count += 1

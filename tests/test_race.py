@@ -283,6 +283,32 @@ def test_run_tasks_compiles_per_argument_types():
     assert not dst.any()
 
 
+def test_run_tasks_tells_apart_long_argument_lists():
+    # Many arguments in a bundle, the strided one first: Numba 0.59's compute_fingerprint
+    # garbled the first bytes of a key this long, and a strided call after a contiguous
+    # one then ran the contiguous code (it read the wrong rows; found in CI at the floors).
+    from collections import namedtuple
+
+    from numba import njit
+    from racecpu._kernels import run_tasks
+
+    Bundle = namedtuple("Bundle", "src pad0 pad1 pad2 pad3 pad4 pad5")
+
+    @njit
+    def task(t, bundle, dst):
+        for j in range(bundle.src.shape[1]):
+            dst[t, j] = bundle.src[t, j]
+
+    base = np.arange(40.0).reshape(8, 5)
+    wide = np.zeros((8, 10))
+    wide[:, ::2] = base
+    pads = [np.zeros((2, 3))] * 6
+    for src in (base, wide[:, ::2], base.copy(), wide[:, ::2], np.asfortranarray(base)):
+        dst = np.full((8, 5), np.nan)
+        run_tasks(task, 8, Bundle(src, *pads), dst)
+        np.testing.assert_array_equal(dst, base)
+
+
 @pytest.mark.parametrize("reverse", [False, True])
 def test_exclusive_scan_sums_in_chunk_order(rng, reverse):
     # The carries of the causal scan: np.cumsum's sums, in the same order (bit for bit).

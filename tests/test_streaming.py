@@ -66,6 +66,19 @@ def test_splits_across_kernel_chunks(rng, dtype):
                                rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-4 if dtype == np.float32 else 1e-12)
 
 
+def test_steps_on_strided_views_and_copies_equal_one_causal_pass(rng):
+    # q[..., i, :] of a (batch, n, d) array is a strided view: views and contiguous copies
+    # alternate here (a stale compiled loop for the other layout once gave wrong rows).
+    q, k, v, W = make(rng, lead=(2, 3), n=8)
+    state = RaceState(W, 4.0, batch_shape=(2, 3), dv=5, dtype=np.float64)
+    outs = []
+    for i in range(8):
+        step = [x[..., i, :] for x in (q, k, v)]
+        outs.append(state.step(*(step if i % 2 == 0 else [x.copy() for x in step])))
+    np.testing.assert_allclose(np.stack(outs, axis=-2), racecpu.race_attention(q, k, v, W, 4.0, causal=True),
+                               rtol=1e-12, atol=1e-12)
+
+
 def test_state_size_is_constant_and_inputs_untouched(rng):
     q, k, v, W = make(rng, n=50)
     copies = [x.copy() for x in (q, k, v)]

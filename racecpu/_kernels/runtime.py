@@ -23,7 +23,6 @@ import numpy as np
 import scipy.linalg.cython_blas  # noqa: F401  (the BLAS that np.dot in the kernels calls)
 from llvmlite import ir
 from numba import prange, types
-from numba._dispatcher import compute_fingerprint
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -241,16 +240,32 @@ def _run_tasks(addr, ntasks, args):
         stream_fence()  # the task's streamed stores (combine_rows) done before the join
 
 
-_task_runners = {}  # (task, fingerprint of the argument types) -> (task address, compiled _run_tasks)
+_task_runners = {}  # (task, key of the argument types) -> (task address, compiled _run_tasks)
+
+# The array flags that Numba's type of an array depends on, alignment aside (see run_tasks): its
+# layout ('C', 'F' or 'A') and whether it is read-only.
+_TYPE_FLAGS = 0x1 | 0x2 | 0x400  # NPY_ARRAY_C_CONTIGUOUS, NPY_ARRAY_F_CONTIGUOUS, NPY_ARRAY_WRITEABLE
 
 
-def _leaves(args):
-    """The arrays and scalars of ``args``, nested tuples (the bundles) flattened, in order."""
+def _flatten(args, leaves, key):
+    """Append the arrays and scalars of ``args`` (nested tuples, the bundles, flattened, in
+    order) to ``leaves``, and to ``key`` what their Numba types depend on: each array's dtype,
+    ndim and type flags, each scalar's Python type, and each tuple's class and length.
+
+    Not ``numba._dispatcher.compute_fingerprint``: up to Numba 0.59 at least, it returns
+    corrupted leading bytes once a fingerprint passes ~40 bytes, so two calls whose first
+    arguments differ in layout could share a key and one run code compiled for the other.
+    """
     for a in args:
-        if isinstance(a, tuple):
-            yield from _leaves(a)
+        if isinstance(a, np.ndarray):
+            leaves.append(a)
+            key.append((a.dtype, a.ndim, a.flags.num & _TYPE_FLAGS))
+        elif isinstance(a, tuple):
+            key.append((type(a), len(a)))
+            _flatten(a, leaves, key)
         else:
-            yield a
+            leaves.append(a)
+            key.append(type(a))
 
 
 def run_tasks(task, ntasks, *args):
@@ -267,9 +282,9 @@ def run_tasks(task, ntasks, *args):
     The parallel loop calls ``task`` through its address, so each task is
     compiled once, on its own, instead of being linked, optimised and
     generated again inside every parallel loop that calls it; the address
-    and the compiled loop are looked up once per argument types, by the
-    fingerprint Numba's own dispatcher keys its type cache with
-    (docs/performance.md, "run_tasks by address").  The loop gets the
+    and the compiled loop are looked up once per argument types, by a key of
+    what the types depend on (:func:`_flatten`; docs/performance.md, "run_tasks
+    by address").  The loop gets the
     arguments' leaves as one flat tuple (Numba's parallel loops take no
     nested tuples) and calls the task with them: Numba's calling convention
     passes a tuple argument as its flattened members, so the two are the
@@ -277,9 +292,10 @@ def run_tasks(task, ntasks, *args):
     arrays runs on unaligned ones, which x86-64 and AArch64 load and store alike.
     """
     start_threads()
-    key = (task, compute_fingerprint(args))
+    leaves, key = [], [task]
+    _flatten(args, leaves, key)
+    key, flat = tuple(key), tuple(leaves)
     runner = _task_runners.get(key)
-    flat = tuple(_leaves(args))
     if runner is None:
         argtypes = tuple(numba.typeof(a) for a in args)
         cres = task.get_compile_result(types.none(types.int64, *argtypes))
