@@ -81,6 +81,11 @@ def _user_cache_home():
     return os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
 
 
+def cache_tag():
+    """The name that tells this checkout's kernels apart from another's in a shared cache."""
+    return "kernels-" + hashlib.sha1(str(_SOURCES).encode()).hexdigest()[:12]
+
+
 @functools.lru_cache(maxsize=None)
 def cache_dir():
     """The directory the kernels are cached in, or None (no writable place: no cache).
@@ -89,7 +94,7 @@ def cache_dir():
     ``<user cache>/racecpu/<tag>``, a new private temporary directory.  ``<tag>``
     tells checkouts apart (a hash of this package's path).
     """
-    tag = "kernels-" + hashlib.sha1(str(_SOURCES).encode()).hexdigest()[:12]
+    tag = cache_tag()
     candidates = []
     if numba_config.CACHE_DIR:
         candidates.append(Path(numba_config.CACHE_DIR) / f"racecpu-{tag}")
@@ -167,6 +172,57 @@ def quiet_compilation():
         yield
 
 
+_compiling = 0  # > 0 while a kernel compiles (under Numba's global compiler lock)
+_own_copies_installed = False
+
+
+def _install_own_copies():
+    """Make every kernel's module run its own copies of the functions it calls.
+
+    Numba links a callee into each caller's module as a ``linkonce_odr``
+    copy, which object code marks weak; the JIT's linker then binds every
+    module's calls of that symbol to the first copy loaded in the process.
+    Copies optimised in different modules differ in their last bits under
+    ``reassoc``, so which copy ran depended on load order: a process that
+    compiled the kernels and one that loaded them from the cache gave other
+    backward bits (docs/performance.md, "own copies of callees").  Made
+    internal, the copies are the ones each module was optimised and cached
+    with.  Installed at the first kernel compilation and active only while
+    one runs: other Numba code in the process is untouched.
+    """
+    global _own_copies_installed
+    if _own_copies_installed:
+        return
+    import llvmlite.binding as llvm
+    from numba.core.codegen import CPUCodeLibrary
+
+    optimize = CPUCodeLibrary._optimize_final_module
+
+    @functools.wraps(optimize)
+    def optimize_with_own_copies(self):
+        if _compiling:
+            for fn in self._final_module.functions:
+                if not fn.is_declaration and fn.linkage == llvm.Linkage.linkonce_odr:
+                    fn.linkage = "internal"
+        return optimize(self)
+
+    CPUCodeLibrary._optimize_final_module = optimize_with_own_copies
+    _own_copies_installed = True
+
+
+@contextlib.contextmanager
+def _kernel_compilation():
+    """The scope of one kernel's compilation: the np.dot note silenced, callees' copies own."""
+    global _compiling
+    _install_own_copies()
+    _compiling += 1
+    try:
+        with quiet_compilation():
+            yield
+    finally:
+        _compiling -= 1
+
+
 def kernel(fn=None, *, parallel=False, inline="never", cache=True):
     """``numba.njit`` with the kernels' options (:data:`OPTIONS`) and racecpu's cache.
 
@@ -177,13 +233,12 @@ def kernel(fn=None, *, parallel=False, inline="never", cache=True):
         disp = numba.njit(parallel=parallel, inline=inline, **OPTIONS)(f)
         if cache and cache_dir() is not None:
             disp._cache = _KernelCache(f)
-        # Compile with the dot-on-views note silenced, here only.
         compile_ = disp.compile
 
-        def compile_quietly(sig):
-            with quiet_compilation():
+        def compile_kernel(sig):
+            with _kernel_compilation():
                 return compile_(sig)
-        disp.compile = compile_quietly
+        disp.compile = compile_kernel
         return disp
 
     return wrap if fn is None else wrap(fn)
