@@ -231,7 +231,7 @@ def _default_limit():
 POOL = BufferPool()
 
 
-def set_pool_limit(nbytes):
+def set_pool_limit(nbytes: int) -> int:
     """Set how many bytes of idle result memory racecpu may keep for reuse.
 
     racecpu keeps the memory of the large arrays it returns (outputs,
@@ -257,11 +257,11 @@ def set_pool_limit(nbytes):
     return POOL.set_limit(nbytes)
 
 
-def release_memory():
+def release_memory() -> int:
     """Release the idle result memory racecpu keeps for reuse; returns the bytes released."""
     return POOL.release()
 
 
-def pool_stats():
+def pool_stats() -> dict:
     """What racecpu's result pool holds: ``live_bytes``, ``idle_bytes``, ``limit``, ``hits``, ``misses``."""
     return POOL.stats()

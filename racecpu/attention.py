@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
 
 from . import _kernels as K
 from ._kernels.bundles import Grads, Hash, PlanesGrad, Rows, Sums, no_planes_grad
@@ -76,8 +77,9 @@ class Residuals:
         return self.lead + (self.phiq.shape[1], self.v.shape[2])
 
 
-def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None, check_finite=True,
-                       out=None):
+def race_attention_fwd(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, beta: float = DEFAULT_BETA, *,
+                       causal: bool = False, key_mask: ArrayLike | None = None, check_finite: bool = True,
+                       out: np.ndarray | None = None) -> tuple[np.ndarray, Residuals]:
     """RACE attention forward; returns ``(out, residuals)`` for :func:`race_attention_bwd`.
 
     Arguments are those of :func:`race_attention`, which computes the same
@@ -146,7 +148,9 @@ def _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residua
                         pdt if pdt.kind == "f" else np.dtype(cdt))
 
 
-def race_attention_bwd(residuals, grad_out, *, out=None, dplanes=False):
+def race_attention_bwd(residuals: Residuals, grad_out: ArrayLike, *,
+                       out: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+                       dplanes: bool = False) -> tuple:
     """RACE attention backward.
 
     Parameters
@@ -248,8 +252,9 @@ def race_attention_bwd(residuals, grad_out, *, out=None, dplanes=False):
     return grads + (dW.reshape(r.planes.shape).astype(r.planes_dtype),)
 
 
-def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None, check_finite=True,
-                   out=None):
+def race_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, beta: float = DEFAULT_BETA, *,
+                   causal: bool = False, key_mask: ArrayLike | None = None, check_finite: bool = True,
+                   out: np.ndarray | None = None) -> np.ndarray:
     """RACE attention: linear-time soft-LSH estimate of sharpened angular attention.
 
     The forward alone: it keeps none of the residuals that
@@ -328,7 +333,8 @@ class RaceAttention:
     (2, 128, 64)
     """
 
-    def __init__(self, head_dim, num_planes=3, num_tables=3, beta=DEFAULT_BETA, seed=0, dtype=np.float32):
+    def __init__(self, head_dim: int, num_planes: int = 3, num_tables: int = 3, beta: float = DEFAULT_BETA,
+                 seed: int | None = 0, dtype: DTypeLike = np.float32):
         self.planes = hyperplanes(head_dim, num_planes, num_tables, seed=seed, dtype=dtype)
         self.beta = check_beta(beta)
 
@@ -348,13 +354,18 @@ class RaceAttention:
         return (f"RaceAttention(head_dim={self.head_dim}, num_planes={self.num_planes}, "
                 f"num_tables={self.num_tables}, beta={self.beta})")
 
-    def __call__(self, q, k, v, *, causal=False, key_mask=None, check_finite=True, out=None):
+    def __call__(self, q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
+                 key_mask: ArrayLike | None = None, check_finite: bool = True,
+                 out: np.ndarray | None = None) -> np.ndarray:
         return race_attention(q, k, v, self.planes, self.beta, causal=causal, key_mask=key_mask,
                               check_finite=check_finite, out=out)
 
-    def fwd(self, q, k, v, *, causal=False, key_mask=None, check_finite=True, out=None):
+    def fwd(self, q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
+            key_mask: ArrayLike | None = None, check_finite: bool = True,
+            out: np.ndarray | None = None) -> tuple[np.ndarray, Residuals]:
         return race_attention_fwd(q, k, v, self.planes, self.beta, causal=causal, key_mask=key_mask,
                                   check_finite=check_finite, out=out)
 
-    def bwd(self, residuals, grad_out, *, out=None, dplanes=False):
+    def bwd(self, residuals: Residuals, grad_out: ArrayLike, *,
+            out: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None, dplanes: bool = False) -> tuple:
         return race_attention_bwd(residuals, grad_out, out=out, dplanes=dplanes)

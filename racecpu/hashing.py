@@ -16,6 +16,7 @@ from __future__ import annotations
 import numbers
 
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
 
 from ._checks import check_array, check_beta, check_planes
 from ._kernels import soft_hash_rows
@@ -24,7 +25,8 @@ from .config import DEFAULT_BETA, DEN_FLOOR, MAX_PLANES
 
 __all__ = ["hyperplanes", "corners", "soft_buckets", "DEFAULT_BETA", "DEN_FLOOR", "MAX_PLANES"]
 
-def hyperplanes(head_dim, num_planes=3, num_tables=3, *, seed=0, dtype=np.float32):
+def hyperplanes(head_dim: int, num_planes: int = 3, num_tables: int = 3, *,
+                seed: int | np.random.Generator | None = 0, dtype: DTypeLike = np.float32) -> np.ndarray:
     """Draw the random hyperplanes of ``num_tables`` hash tables.
 
     Parameters
@@ -58,7 +60,7 @@ def hyperplanes(head_dim, num_planes=3, num_tables=3, *, seed=0, dtype=np.float3
     return rng.standard_normal((int(num_tables), int(num_planes), int(head_dim))).astype(dtype)
 
 
-def corners(num_planes):
+def corners(num_planes: int) -> np.ndarray:
     """The ``(2**P, P)`` matrix of hypercube corners in the public order.
 
     Row ``r`` has ``+1`` in column ``p`` iff bit ``P-1-p`` of ``r`` is set
@@ -70,7 +72,7 @@ def corners(num_planes):
     return (2 * bits - 1).astype(np.float64)
 
 
-def soft_buckets(x, planes, beta=DEFAULT_BETA):
+def soft_buckets(x: ArrayLike, planes: ArrayLike, beta: float = DEFAULT_BETA) -> np.ndarray:
     """Soft bucket probabilities ``phi_l(x)`` of every vector and table.
 
     Parameters

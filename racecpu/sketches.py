@@ -43,6 +43,7 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
 
 from . import _kernels as K
 from ._checks import SUMS_OVERFLOW, all_finite, check_array, check_beta, check_derived, check_planes, prepare
@@ -273,7 +274,8 @@ def _grad(name, g, shape, cdt, check_finite):
 # non-causal
 # ---------------------------------------------------------------------------
 
-def sketch(k, v, planes, beta=DEFAULT_BETA, *, key_mask=None, dtype=None, check_finite=True):
+def sketch(k: ArrayLike, v: ArrayLike, planes: ArrayLike, beta: float = DEFAULT_BETA, *,
+           key_mask: ArrayLike | None = None, dtype: DTypeLike | None = None, check_finite: bool = True) -> Sketch:
     """The RACE sketch of a block of keys.
 
     Parameters
@@ -332,7 +334,7 @@ def _queries(q, sk, check_finite):
     return qf, W, cdt, odt
 
 
-def readout(q, sketch, *, check_finite=True):
+def readout(q: ArrayLike, sketch: Sketch, *, check_finite: bool = True) -> np.ndarray:
     """Non-causal RACE attention of queries against a sketch of keys.
 
     Parameters
@@ -365,7 +367,8 @@ def readout(q, sketch, *, check_finite=True):
     return o.reshape(sketch.lead + (nq, dv)).astype(odt, copy=False)
 
 
-def readout_bwd(q, sketch, grad_out, *, check_finite=True):
+def readout_bwd(q: ArrayLike, sketch: Sketch, grad_out: ArrayLike, *,
+                check_finite: bool = True) -> tuple[np.ndarray, Sketch]:
     """Backward of :func:`readout`.
 
     Parameters
@@ -421,7 +424,8 @@ def readout_bwd(q, sketch, grad_out, *, check_finite=True):
     return dq.reshape(np.shape(q)).astype(qdt if qdt.kind == "f" else cdt, copy=False), ds, dbeta
 
 
-def sketch_bwd(k, v, dsketch, *, key_mask=None, dtype=None, check_finite=True):
+def sketch_bwd(k: ArrayLike, v: ArrayLike, dsketch: Sketch, *, key_mask: ArrayLike | None = None,
+               dtype: DTypeLike | None = None, check_finite: bool = True) -> tuple[np.ndarray, np.ndarray, float]:
     """Backward of :func:`sketch`: the keys' and values' cotangents from the sketch's.
 
     Parameters
@@ -486,7 +490,9 @@ def _causal_args(q, k, v, planes, beta, key_mask, check_finite, state, what="ini
     return a, G, n, dv, L, P, F
 
 
-def causal_block(q, k, v, planes, beta=DEFAULT_BETA, initial_state=None, *, key_mask=None, check_finite=True):
+def causal_block(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, beta: float = DEFAULT_BETA,
+                 initial_state: Sketch | None = None, *, key_mask: ArrayLike | None = None,
+                 check_finite: bool = True) -> tuple[np.ndarray, Sketch]:
     """Causal RACE attention of a block of tokens after everything before it.
 
     Parameters
@@ -581,8 +587,9 @@ def _causal_backward(q, k, v, planes, beta, grad_out, initial_state, dfinal_stat
             dv_.reshape(a.lead + (n, dv)).astype(vdt, copy=False), dbeta, dstate)
 
 
-def causal_block_bwd(q, k, v, planes, beta, grad_out, initial_state=None, dfinal_state=None, *, key_mask=None,
-                     check_finite=True):
+def causal_block_bwd(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, beta: float, grad_out: ArrayLike,
+                     initial_state: Sketch | None = None, dfinal_state: Sketch | None = None, *,
+                     key_mask: ArrayLike | None = None, check_finite: bool = True) -> tuple:
     """Backward of :func:`causal_block` (the forward is recomputed from the block and its state).
 
     Parameters
@@ -610,7 +617,9 @@ def causal_block_bwd(q, k, v, planes, beta, grad_out, initial_state=None, dfinal
                             check_finite, False)
 
 
-def causal_block_dstate(q, k, v, planes, beta, grad_out, initial_state=None, *, key_mask=None, check_finite=True):
+def causal_block_dstate(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, beta: float, grad_out: ArrayLike,
+                        initial_state: Sketch | None = None, *, key_mask: ArrayLike | None = None,
+                        check_finite: bool = True) -> Sketch:
     """The cotangent a block's outputs send back to its initial state, without dq, dk, dv.
 
     Equals ``causal_block_bwd(..., dfinal_state=None)[4]`` and costs the

@@ -29,6 +29,7 @@ import threading
 import zipfile
 
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
 from numpy.lib import format as npformat
 
 from . import _fork
@@ -86,7 +87,8 @@ class RaceState:
     (True, 8)
     """
 
-    def __init__(self, planes, beta, *, batch_shape=(), dv, dtype=np.float32):
+    def __init__(self, planes: ArrayLike, beta: float, *, batch_shape: tuple[int, ...] = (), dv: int,
+                 dtype: DTypeLike = np.float32):
         dtype = np.dtype(dtype)
         if dtype not in (np.float32, np.float64):
             raise TypeError(f"dtype must be float32 or float64, got {dtype}")
@@ -143,7 +145,7 @@ class RaceState:
         return (f"RaceState(L={L}, P={P}, d={d}, dv={self.dv}, beta={self._beta}, "
                 f"batch_shape={self._batch_shape}, dtype={self._dtype.name}, count={self._count})")
 
-    def copy(self):
+    def copy(self) -> RaceState:
         """An independent copy (same planes, beta, state and count)."""
         new = object.__new__(RaceState)
         new.__dict__.update(self.__dict__)
@@ -152,7 +154,7 @@ class RaceState:
         return new
 
     # -- streaming --------------------------------------------------------------
-    def extend(self, q, k, v, *, check_finite=True):
+    def extend(self, q: ArrayLike, k: ArrayLike, v: ArrayLike, *, check_finite: bool = True) -> np.ndarray:
         """Causal RACE attention of a block of new tokens given everything before.
 
         Parameters
@@ -183,7 +185,7 @@ class RaceState:
         self._count += n
         return out.reshape(self._batch_shape + (n, self.dv))
 
-    def step(self, q, k, v, *, check_finite=True):
+    def step(self, q: ArrayLike, k: ArrayLike, v: ArrayLike, *, check_finite: bool = True) -> np.ndarray:
         """One new token: ``q, k`` of shape batch_shape + (d,), ``v`` batch_shape + (dv,).
 
         Returns the attention output, shape batch_shape + (dv,).  Same as
@@ -238,7 +240,7 @@ class RaceState:
         return x.astype(self._dtype, copy=False)
 
     # -- persistence ------------------------------------------------------------
-    def save(self, path):
+    def save(self, path: str | os.PathLike) -> None:
         """Write the state to ``path`` (npz), atomically.
 
         The file is written under a unique temporary name in the same
@@ -258,7 +260,8 @@ class RaceState:
         _write_atomic(path, lambda fh: np.savez(fh, **data))
 
     @classmethod
-    def load(cls, path, *, planes=None, beta=None):
+    def load(cls, path: str | os.PathLike, *, planes: ArrayLike | None = None,
+             beta: float | None = None) -> RaceState:
         """Read a state written by :meth:`save`.
 
         Parameters

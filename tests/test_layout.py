@@ -229,3 +229,31 @@ def test_import_and_a_call_work_with_an_unwritable_cache_and_recompile_a_corrupt
                            env=env)
     assert again.returncode == 0, again.stderr
     assert again.stdout.split() == first.stdout.split()
+
+
+def test_the_public_api_is_typed():
+    # py.typed promises type checkers annotated signatures: every public
+    # function and method says what each parameter takes and what it returns.
+    import importlib.resources
+    import inspect
+
+    import racecpu
+    from racecpu import sketches
+
+    assert importlib.resources.files("racecpu").joinpath("py.typed").is_file()
+    functions = [getattr(racecpu, name) for name in racecpu.__all__ if inspect.isfunction(getattr(racecpu, name))]
+    functions += [getattr(sketches, name) for name in ("readout_bwd", "sketch_bwd", "causal_block",
+                                                       "causal_block_bwd", "causal_block_dstate")]
+    for cls in (racecpu.RaceState, racecpu.RaceAttention):
+        functions += [f for name, f in vars(cls).items() if inspect.isfunction(f) and not name.startswith("_")
+                      or name in ("__init__", "__call__")]
+        functions += [f.__func__ for f in vars(cls).values() if isinstance(f, classmethod)]
+    assert len(functions) > 20
+    missing = []
+    for f in functions:
+        sig = inspect.signature(f, eval_str=True)  # the annotations also evaluate
+        missing += [f"{f.__qualname__}({p})" for p in sig.parameters.values()
+                    if p.name not in ("self", "cls") and p.annotation is inspect.Parameter.empty]
+        if sig.return_annotation is inspect.Signature.empty and f.__name__ not in ("__init__", "threads"):
+            missing.append(f"{f.__qualname__} -> ?")
+    assert missing == []

@@ -63,7 +63,7 @@ def start_threads():
         os.environ.pop("OMP_WAIT_POLICY", None)
 
 
-def set_threads(n):
+def set_threads(n: int) -> int:
     """Set how many threads racecpu's kernels use in the calling thread; returns the previous count.
 
     Parameters
@@ -85,7 +85,7 @@ def set_threads(n):
 
 
 @contextlib.contextmanager
-def threads(n):
+def threads(n: int):
     """Context manager: racecpu's kernels use ``n`` threads in the calling thread inside the block.
 
     >>> import racecpu
