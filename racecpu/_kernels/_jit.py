@@ -17,9 +17,15 @@ racecpu's own:
 * **Never fatal**: an entry that cannot be read (a truncated or corrupt
   file) is compiled again and overwritten.
 
+* **Each kernel runs its own copies of its callees**, so its bits do not
+  depend on what the process compiled or loaded before it
+  (:func:`_install_own_copies`).
+
 The cache only changes where compiled code comes from, never what it
-computes.  Nothing here is process-wide: only functions made by
-:func:`kernel` use this cache.
+computes.  Only functions made by :func:`kernel` use this cache.  One thing
+touches Numba itself: from the first kernel compilation on, a wrapper around
+Numba's ``CPUCodeLibrary._optimize_final_module`` that acts only while a
+racecpu kernel compiles; other Numba code in the process compiles as before.
 """
 
 from __future__ import annotations
