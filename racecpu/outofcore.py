@@ -158,12 +158,12 @@ def race_attention_fwd_ooc(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, 
             kb = engine.load_block(k, "k", lead, lo, hi, bufs, cdt, check_finite)
             vb = engine.load_block(v, "v", lead, lo, hi, bufs, cdt, check_finite)
             ob = bufs("out", (G, n, dv), cdt)
-            A1, B1 = advance(qb, kb, vb, planes, beta, state[0], state[1], ob,
-                             phik=bufs("phik", (G, n, F), cdt), tk=bufs("tk", (G, n, L * P), cdt),
-                             phiq=bufs("phiq", (G, n, F), cdt), tq=bufs("tq", (G, n, L * P), cdt),
-                             den=bufs("den", (G, n), np.float64))
+            step = advance(qb, kb, vb, planes, beta, state[0], state[1], ob,
+                           rows=Rows(bufs("phiq", (G, n, F), cdt), bufs("tq", (G, n, L * P), cdt),
+                                     bufs("phik", (G, n, F), cdt), bufs("tk", (G, n, L * P), cdt),
+                                     bufs("den", (G, n), np.float64)))
             engine.store_block(out, lead, lo, hi, ob)
-            return (A1, B1), 0.0
+            return (step.A, step.B), 0.0
 
         scan = engine.Scan(ckdir, "fwd_causal", key, -(-nk // block), shapes, commit_every)
         engine.run(scan, engine.block_ranges(nk, block), body, progress, "forward (causal)", [out], [q, k, v])
@@ -267,8 +267,9 @@ def race_attention_bwd_ooc(res, grad_out, *, dq, dk, dv, checkpoint=None, commit
             phiq, tq = bufs("phiq", (G, n, F), cdt), bufs("tq", (G, n, L * P), cdt)
             den = bufs("den", (G, n), np.float64)
             ob = bufs("out", (G, n, dvdim), cdt)
-            _, _, chunk, cA, cB = advance(qb, kb, vb, planes, beta, np.array(r.A[b]), np.array(r.B[b]), ob,
-                                          phik=phik, tk=tk, phiq=phiq, tq=tq, den=den, return_carries=True)
+            rows = Rows(phiq, tq, phik, tk, den)
+            step = advance(qb, kb, vb, planes, beta, np.array(r.A[b]), np.array(r.B[b]), ob, rows=rows)
+            chunk, cA, cB = step.chunk, step.carryA, step.carryB
             nc = cA.shape[1]
             dqb = bufs("dq", (G, n, d), cdt, zero=True)
             dkb = bufs("dk", (G, n, d), cdt, zero=True)
@@ -278,7 +279,6 @@ def race_attention_bwd_ooc(res, grad_out, *, dq, dk, dv, checkpoint=None, commit
             pdB = bufs("pdB", (G, nc, F, dvdim), np.float64, zero=True)
             dbq = bufs("dbq", (G, nc), np.float64, zero=True)
             dbk = bufs("dbk", (G, nc), np.float64, zero=True)
-            rows = Rows(phiq, tq, phik, tk, den)
             grads = Grads(dqb, dkb, dvb, dden, dbq, dbk, no_planes_grad(dqb, G, nc, nc, d))
             K.causal_queries_bwd(gb, vb, rows, Sums(cA, cB), hsh, chunk, grads, Sums(pdA, pdB))
             sA = K.exclusive_scan(pdA, reverse=True)

@@ -49,6 +49,7 @@ from . import _kernels as K
 from ._checks import SUMS_OVERFLOW, all_finite, check_array, check_beta, check_derived, check_planes, prepare
 from ._kernels.bundles import Grads, Hash, Rows, Sums, no_planes_grad
 from .config import DEFAULT_BETA
+from .streaming import advance
 
 __all__ = ["Sketch", "sketch", "readout", "readout_bwd", "sketch_bwd", "causal_block", "causal_block_bwd",
            "causal_block_dstate", "state_from_sketch", "sketch_from_state", "planes_digest"]
@@ -235,27 +236,6 @@ def _flat_state(state, G, F, dv):
     if state is None:
         return np.zeros((G, F)), np.zeros((G, F, dv))
     return state._flat()
-
-
-def _advance(q, k, v, mask, W, beta, A0, B0, out, rows):
-    """:func:`racecpu.streaming.advance` with a key mask: causal RACE over a
-    block from the state ``(A0, B0)``; returns ``(A1, B1, chunk, carryA,
-    carryB, nan_q, nan_k)``.  The same chunk grid and kernel calls."""
-    G, n, _ = q.shape
-    dv = v.shape[2]
-    F = rows.phik.shape[2]
-    chunk = K.chunk_length(n, G, F, dv)
-    nc = -(-n // chunk)
-    partA = np.zeros((G, nc, F))
-    partB = np.zeros((G, nc, F, dv))
-    hsh = Hash(W, beta)
-    nan_k = K.sketch_chunks(k, v, mask, hsh, chunk, rows, Sums(partA, partB))
-    carryA = K.exclusive_scan(partA)
-    carryB = K.exclusive_scan(partB)
-    carryA += A0[:, None]
-    carryB += B0[:, None]
-    nan_q = K.causal_fwd(q, v, hsh, chunk, rows, Sums(carryA, carryB), out)
-    return A0 + partA.sum(1), B0 + partB.sum(1), chunk, carryA, carryB, nan_q, nan_k
 
 
 def _causal_rows(G, n, F, LP, cdt):
@@ -529,7 +509,8 @@ def causal_block(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, be
     if G and n:
         rows = Rows(_none(G, cdt, F), _none(G, cdt, L * P), np.empty((G, n, F), cdt), _none(G, cdt, L * P),
                     _none(G, np.float64))
-        A1, B1, _, _, _, nan_q, nan_k = _advance(a.q, a.k, a.v, a.mask, a.planes, a.beta, A0, B0, o, rows)
+        step = advance(a.q, a.k, a.v, a.planes, a.beta, A0, B0, o, rows=rows, mask=a.mask)
+        A1, B1, nan_q, nan_k = step.A, step.B, step.nan_q, step.nan_k
         ov = _OVERFLOW.format(cdt)
         check_derived(a.check_finite, ("q", a.q, nan_q == 0, ov), ("k", a.k, nan_k == 0, ov),
                       ("v", a.v, all_finite(B1), SUMS_OVERFLOW))
@@ -556,8 +537,8 @@ def _causal_backward(q, k, v, planes, beta, grad_out, initial_state, dfinal_stat
     if G and n:
         rows = _causal_rows(G, n, F, L * P, cdt)
         hsh = Hash(a.planes, a.beta)
-        _, B1, chunk, cA, cB, nan_q, nan_k = _advance(a.q, a.k, a.v, a.mask, a.planes, a.beta, A0, B0,
-                                                      np.empty((G, n, dv), cdt), rows)
+        step = advance(a.q, a.k, a.v, a.planes, a.beta, A0, B0, np.empty((G, n, dv), cdt), rows=rows, mask=a.mask)
+        B1, chunk, cA, cB, nan_q, nan_k = step.B, step.chunk, step.carryA, step.carryB, step.nan_q, step.nan_k
         ov = _OVERFLOW.format(cdt)
         check_derived(a.check_finite, ("q", a.q, nan_q == 0, ov), ("k", a.k, nan_k == 0, ov),
                       ("v", a.v, all_finite(B1), SUMS_OVERFLOW))

@@ -27,6 +27,7 @@ import secrets
 import stat
 import threading
 import zipfile
+from typing import NamedTuple
 
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
@@ -180,8 +181,8 @@ class RaceState:
         G, n, _ = a.q.shape
         out = np.zeros((G, n, self.dv), self._dtype)
         if G and n:
-            A1, B1 = advance(a.q, a.k, a.v, self._planes, self._beta, self._A, self._B, out)
-            self._A, self._B = A1, B1
+            step = advance(a.q, a.k, a.v, self._planes, self._beta, self._A, self._B, out)
+            self._A, self._B = step.A, step.B
         self._count += n
         return out.reshape(self._batch_shape + (n, self.dv))
 
@@ -484,22 +485,38 @@ def _check_shape(name, shape):
     return shape
 
 
-def advance(q, k, v, planes, beta, A0, B0, out, *, phik=None, tk=None, phiq=None, tq=None, den=None,
-            return_carries=False):
+class Advanced(NamedTuple):
+    """What :func:`advance` returns: the state after the block ``A (G, F)``,
+    ``B (G, F, dv)`` float64 (new arrays); the ``chunk`` length and the
+    carried-in state of every chunk ``carryA (G, nc, F)``, ``carryB (G, nc,
+    F, dv)`` that a backward needs; the NaN counts of the queries' and the
+    keys' tanh projections (:func:`racecpu._kernels.hash.hash_block`)."""
+
+    A: np.ndarray
+    B: np.ndarray
+    chunk: int
+    carryA: np.ndarray
+    carryB: np.ndarray
+    nan_q: int
+    nan_k: int
+
+
+def advance(q, k, v, planes, beta, A0, B0, out, *, rows=None, mask=None):
     """Causal RACE over a block of tokens from a carried state; the kernel-level step.
 
     ``q, k (G, n, d)``, ``v (G, n, dv)`` C-contiguous in the compute dtype
     (checked by the caller), ``A0 (G, F)``, ``B0 (G, F, dv)`` float64: the state
-    before the block.  Writes the outputs to ``out (G, n, dv)`` and returns the
-    state after the block ``(A1, B1)`` (new arrays).  The optional arrays
-    receive the soft buckets, tanh projections and denominators (the
-    residuals a backward needs); they are allocated when not given.
+    before the block.  Writes the outputs to ``out (G, n, dv)`` and returns
+    :class:`Advanced`.  ``rows`` (:class:`racecpu._kernels.bundles.Rows`)
+    receives the soft buckets, tanh projections and denominators (the
+    residuals a backward needs; ``phik`` must have every row, the others may
+    have none: not kept); allocated when not given.  ``mask (G, n)`` bool
+    leaves keys out (default: every key counts).
 
     The chunk grid and float64 carries are those of
     :func:`racecpu.race_attention_fwd`, with ``(A0, B0)`` added to every
-    chunk's carried-in state.  With ``return_carries`` the result also has the
-    chunk length and the carried-in states ``(chunk, carryA, carryB)`` that a
-    backward needs.
+    chunk's carried-in state.  Used by :class:`RaceState`,
+    :mod:`racecpu.outofcore` and :func:`racecpu.sketches.causal_block`.
     """
     _fork.check()
     G, n, _ = q.shape
@@ -509,22 +526,17 @@ def advance(q, k, v, planes, beta, A0, B0, out, *, phik=None, tk=None, phiq=None
     cdt = q.dtype
     chunk = K.chunk_length(n, G, F, dv)
     nc = -(-n // chunk)
-    phik = np.empty((G, n, F), cdt) if phik is None else phik
-    tk = np.empty((G, n, L * P), cdt) if tk is None else tk
-    phiq = np.empty((G, n, F), cdt) if phiq is None else phiq
-    tq = np.empty((G, n, L * P), cdt) if tq is None else tq
-    den = np.empty((G, n)) if den is None else den
+    if rows is None:
+        rows = Rows(np.empty((G, n, F), cdt), np.empty((G, n, L * P), cdt), np.empty((G, n, F), cdt),
+                    np.empty((G, n, L * P), cdt), np.empty((G, n)))
+    mask = np.ones((G, n), np.bool_) if mask is None else mask
     partA = np.zeros((G, nc, F))
     partB = np.zeros((G, nc, F, dv))
-    mask = np.ones((G, n), np.bool_)
-    hsh, rows = Hash(planes, beta), Rows(phiq, tq, phik, tk, den)
-    K.sketch_chunks(k, v, mask, hsh, chunk, rows, Sums(partA, partB))
+    hsh = Hash(planes, beta)
+    nan_k = K.sketch_chunks(k, v, mask, hsh, chunk, rows, Sums(partA, partB))
     carryA = K.exclusive_scan(partA)
     carryB = K.exclusive_scan(partB)
     carryA += A0[:, None]
     carryB += B0[:, None]
-    K.causal_fwd(q, v, hsh, chunk, rows, Sums(carryA, carryB), out)
-    A1, B1 = A0 + partA.sum(1), B0 + partB.sum(1)
-    if return_carries:
-        return A1, B1, chunk, carryA, carryB
-    return A1, B1
+    nan_q = K.causal_fwd(q, v, hsh, chunk, rows, Sums(carryA, carryB), out)
+    return Advanced(A0 + partA.sum(1), B0 + partB.sum(1), chunk, carryA, carryB, nan_q, nan_k)
