@@ -663,8 +663,6 @@ def add_arguments(parser):
     add_common_arguments(parser, out=True)
 
 
-
-
 def _loadavg():
     try:
         return os.getloadavg()[0]
