@@ -49,7 +49,7 @@ from . import _kernels as K
 from ._checks import SUMS_OVERFLOW, all_finite, check_array, check_beta, check_derived, check_planes, prepare
 from ._kernels.bundles import Grads, Hash, Rows, Sums, no_planes_grad
 from .config import DEFAULT_BETA
-from .streaming import advance
+from .streaming import advance, causal_rows
 
 __all__ = ["Sketch", "sketch", "readout", "readout_bwd", "sketch_bwd", "causal_block", "causal_block_bwd",
            "causal_block_dstate", "state_from_sketch", "sketch_from_state", "planes_digest"]
@@ -236,11 +236,6 @@ def _flat_state(state, G, F, dv):
     if state is None:
         return np.zeros((G, F)), np.zeros((G, F, dv))
     return state._flat()
-
-
-def _causal_rows(G, n, F, LP, cdt):
-    return Rows(np.empty((G, n, F), cdt), np.empty((G, n, LP), cdt), np.empty((G, n, F), cdt),
-                np.empty((G, n, LP), cdt), np.zeros((G, n)))
 
 
 def _grad(name, g, shape, cdt, check_finite):
@@ -535,7 +530,7 @@ def _causal_backward(q, k, v, planes, beta, grad_out, initial_state, dfinal_stat
     dA0, dB0 = sA.copy(), sB.copy()
     dbeta = 0.0
     if G and n:
-        rows = _causal_rows(G, n, F, L * P, cdt)
+        rows = causal_rows(G, n, F, L * P, cdt)
         hsh = Hash(a.planes, a.beta)
         step = advance(a.q, a.k, a.v, a.planes, a.beta, A0, B0, np.empty((G, n, dv), cdt), rows=rows, mask=a.mask)
         B1, chunk, cA, cB, nan_q, nan_k = step.B, step.chunk, step.carryA, step.carryB, step.nan_q, step.nan_k

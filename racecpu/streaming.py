@@ -485,6 +485,14 @@ def _check_shape(name, shape):
     return shape
 
 
+def causal_rows(G, n, F, LP, cdt):
+    """Every residual row of a causal block of ``n`` tokens in ``G`` groups:
+    :class:`racecpu._kernels.bundles.Rows` of ``phiq, phik (G, n, F)``, ``tq, tk
+    (G, n, LP)`` in the compute dtype ``cdt`` and ``den (G, n)`` float64."""
+    return Rows(np.empty((G, n, F), cdt), np.empty((G, n, LP), cdt), np.empty((G, n, F), cdt),
+                np.empty((G, n, LP), cdt), np.zeros((G, n)))
+
+
 class Advanced(NamedTuple):
     """What :func:`advance` returns: the state after the block ``A (G, F)``,
     ``B (G, F, dv)`` float64 (new arrays); the ``chunk`` length and the
@@ -527,8 +535,7 @@ def advance(q, k, v, planes, beta, A0, B0, out, *, rows=None, mask=None):
     chunk = K.chunk_length(n, G, F, dv)
     nc = -(-n // chunk)
     if rows is None:
-        rows = Rows(np.empty((G, n, F), cdt), np.empty((G, n, L * P), cdt), np.empty((G, n, F), cdt),
-                    np.empty((G, n, L * P), cdt), np.empty((G, n)))
+        rows = causal_rows(G, n, F, L * P, cdt)
     mask = np.ones((G, n), np.bool_) if mask is None else mask
     partA = np.zeros((G, nc, F))
     partB = np.zeros((G, nc, F, dv))
