@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from racecpu.cli import main
@@ -29,6 +30,25 @@ def test_demo_small_runs_and_checks_itself():
     assert "all outputs and gradients finite: True" in r.stdout
     err = float(r.stdout.split("float64): ")[1].split()[0])
     assert err < 1e-4
+
+
+def test_demo_dask_runs_on_a_local_cluster_and_writes_zarr(tmp_path):
+    """``demo --dask``: a LocalCluster of worker processes, results as zarr, the first tokens checked."""
+    pytest.importorskip("distributed")
+    zarr = pytest.importorskip("zarr")
+    r = _racecpu("demo", "--dask", "--tokens", "20000", "--heads", "2", "--head-dim", "16", "--block", "4096",
+                 "--dask-dir", str(tmp_path / "st"), "--quiet", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["ok"] and doc["workers"] >= 1 and doc["heads"] == 2 and doc["blocks"] == 10
+    assert doc["check_max_abs_err_out"] < 1e-5 and doc["check_max_abs_err_dq"] < 1e-5
+    # racecpu's tasks send each other sketches only: at most 2 states per block in each of the two passes
+    # (rows may still move when Dask's work stealing places a task away from its inputs).
+    assert doc["bytes_moved_sketches"] / doc["blocks"] <= 2 * 2 * doc["state_bytes"]
+    for name in ("out", "dq", "dk", "dv"):
+        z = zarr.open_array(str(tmp_path / "st" / name), mode="r")
+        assert z.shape == (2, 20000, 16) and np.isfinite(z[...]).all()
+    assert np.abs(zarr.open_array(str(tmp_path / "st" / "dk"), mode="r")[...]).max() > 0
 
 
 def test_demo_json_is_one_document(capsys):

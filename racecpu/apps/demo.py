@@ -40,9 +40,19 @@ def add_arguments(p):
                    help="stream the sequence through memory-mapped files in DIR with bounded RAM; inputs are "
                         "generated per block from --seed, results written to DIR; rerunning resumes "
                         "(e.g. --tokens 8388608 --causal --out-of-core DIR needs ~68 GiB of disk)")
+    p.add_argument("--dask", metavar="SCHEDULER", nargs="?", const="local", default=None,
+                   help="causal forward+backward on a Dask cluster (a distributed scheduler address, or none for a "
+                        "LocalCluster of one worker process per core); inputs generated per block from --seed, "
+                        "results written as zarr to --dask-dir (e.g. --tokens 16777216 --dask: 32 GiB per head); "
+                        "--heads defaults to as many as the disk holds. Needs racecpu[dask]")
+    p.add_argument("--dask-dir", metavar="DIR", default="racecpu-dask",
+                   help="where --dask writes out, dq, dk, dv (zarr; replaced; default ./racecpu-dask)")
+    p.add_argument("--block", type=positive_int, default=2 ** 18,
+                   help="tokens per block (one dask task and zarr chunk) for --dask (default 262,144)")
     p.add_argument("--max-memory-gib", type=positive_float, default=None, metavar="GIB",
                    help="refuse sizes needing more than this (default: the memory available now)")
     add_common_arguments(p)
+    p.set_defaults(heads=None)  # 4, or for --dask as many as the disk holds
 
 
 def available_memory():
@@ -136,6 +146,40 @@ def _run_out_of_core(args):
     return 0 if ok else 1
 
 
+def _run_dask(args, heads_given):
+    """``--dask [SCHEDULER]``: the causal layer's forward+backward on a Dask cluster, results as zarr."""
+    from ..cli import require
+    for module in ("dask", "distributed", "zarr"):
+        require(module, "racecpu demo --dask", "dask")
+    from .dask_demo import demo
+
+    scheduler = None if args.dask == "local" else args.dask
+    print(f"RACE attention on Dask: N={args.tokens:,} tokens, d=dv={args.head_dim}, P={args.num_planes}, "
+          f"L={args.num_tables}, beta={args.beta}, causal, float32, blocks of {args.block:,} tokens, "
+          f"{'a LocalCluster' if scheduler is None else scheduler}; results in {args.dask_dir}", flush=True)
+    m = demo(tokens=args.tokens, heads=args.heads if heads_given else None, dim=args.head_dim,
+             directory=args.dask_dir, scheduler=scheduler, seed=args.seed, num_planes=args.num_planes,
+             num_tables=args.num_tables, beta=args.beta, block=args.block, progress=args.progress)
+    th = m["tokens"] * m["heads"]
+    print(f"heads {m['heads']}, workers {m['workers']}, {m['blocks']} blocks")
+    for label, key in (("forward states", "seconds_states"), ("forward outputs", "seconds_forward"),
+                       ("reverse carries", "seconds_reverse"), ("gradients", "seconds_backward")):
+        print(f"{label:18}{m[key]:8.1f} s")
+    print(f"{'total':18}{m['seconds_total']:8.1f} s   {m['ns_per_token_head']:8.1f} ns per token-head "
+          f"({th:,} token-heads)")
+    for w, b in sorted(m["peak_rss_bytes"].items()):
+        print(f"peak RSS {w}: {b / _GIB:.2f} GiB")
+    print(f"bytes moved between workers: {m['bytes_moved_sketches']:,} of sketches "
+          f"({m['bytes_moved_sketches'] / m['blocks']:,.0f} per block; one state is {m['state_bytes']:,}), "
+          f"{m['bytes_moved_other']:,} of other keys")
+    print(f"disk used         {m['disk_bytes'] / _GIB:8.2f} GiB (out, dq, dk, dv in {m['directory']}; delete when done)")
+    print(f"max abs error of the first {m['check_tokens']:,} tokens vs the in-memory API: "
+          f"out {m['check_max_abs_err_out']:.2e}, dq {m['check_max_abs_err_dq']:.2e}")
+    ok = max(m["check_max_abs_err_out"], m["check_max_abs_err_dq"]) < 1e-4
+    args.result = dict(m, ok=ok)
+    return 0 if ok else 1
+
+
 def _kernels_cached():
     """Whether the kernels' cache directory already holds compiled kernels."""
     from .._kernels._jit import cache_dir
@@ -148,8 +192,15 @@ def _kernels_cached():
 
 
 def run(args):
+    heads_given = args.heads is not None
+    if not heads_given:
+        args.heads = 4
     if args.samples > args.tokens:
         raise UsageError(f"--samples {args.samples} exceeds --tokens {args.tokens}")
+    if args.dask is not None and args.out_of_core:
+        raise UsageError("choose one of --dask and --out-of-core")
+    if args.dask is not None:
+        return _run_dask(args, heads_given)
     if args.out_of_core:
         return _run_out_of_core(args)
 

@@ -1,0 +1,281 @@
+"""The Dask demo (``racecpu demo --dask [SCHEDULER]``): causal RACE over a cluster, results in zarr.
+
+:func:`demo` runs :func:`racecpu.dask.race_attention_fwd` and ``_bwd`` over
+``tokens`` tokens on a ``distributed`` cluster (by default a
+``LocalCluster`` of one single-threaded worker process per core of this
+machine).  The inputs ``q, k, v`` and the cotangent ``grad_out`` are never
+stored: every block is generated on the worker that uses it, from a seed
+(:class:`racecpu.apps.ooc_demo.SeededArray`), and the results ``out, dq, dk,
+dv`` go into zarr arrays on disk, one zarr chunk per block.
+
+The graph runs in four phases, each of which keeps its small results (the
+sketches, float64, ``L * 2**P * (dv + 1)`` numbers per head) in the cluster's
+memory for the next: (1) the forward's carried-in states, (2) the outputs,
+(3) the backward's reverse carries, (4) the gradients.  Within a phase every
+block depends only on its own rows and those small states, so a worker holds
+a few blocks' rows at a time whatever the length; computing the graph in one
+go would let the scheduler hold every block's rows across the scans.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import time
+
+import numpy as np
+
+__all__ = ["demo", "seeded_inputs"]
+
+_OUTPUTS = ("out", "dq", "dk", "dv")
+
+
+@functools.lru_cache(maxsize=2)
+def _source(shape, seed):
+    from .ooc_demo import SeededArray
+    return SeededArray(shape, np.float32, seed)
+
+
+def _seeded_block(shape, seed, block_info=None):
+    """One block of the stacked inputs ``(4, H, N, d)``: q, k, v and grad_out, generated here."""
+    (a0, a1), (h0, h1), (n0, n1), _ = block_info[None]["array-location"]
+    src = _source(shape, seed)
+    H = shape[1]
+    out = np.empty((a1 - a0, h1 - h0, n1 - n0, shape[-1]), np.float32)
+    for a in range(a0, a1):
+        for h in range(h0, h1):
+            out[a - a0, h - h0] = src.rows(a * H + h, n0, n1)
+    return out
+
+
+def seeded_inputs(tokens, heads, dim, block, seed=0):
+    """``q, k, v, grad_out`` as lazy dask arrays ``(heads, tokens, dim)`` float32, chunked by ``block`` tokens.
+
+    They are views of one stacked array whose blocks hold all four, so the
+    scheduler keeps a block's four inputs on one worker (no rows move between
+    workers), and every block is generated where it is used.
+    """
+    import dask.array as da
+
+    shape = (4, int(heads), int(tokens), int(dim))
+    chunks = ((4,), (1,) * heads, tuple(min(block, tokens - lo) for lo in range(0, tokens, block)), (dim,))
+    X = da.map_blocks(_seeded_block, shape, int(seed), chunks=chunks, dtype=np.float32,
+                      meta=np.empty((0, 0, 0, 0), np.float32), name=f"seeded-{tokens}-{heads}-{dim}-{block}-{seed}")
+    return X[0], X[1], X[2], X[3], _source(shape, int(seed))
+
+
+def _keys(collection, prefix):
+    graph = dict(collection.__dask_graph__())
+    return graph, [k for k in graph if isinstance(k, str) and k.startswith(prefix)]
+
+
+def _incoming(dask_worker):
+    """Bytes this worker received from others, split into racecpu's tasks (sketches) and the rest."""
+    ours = other = 0
+    for e in dask_worker.transfer_incoming_log:
+        for key, nbytes in e["keys"].items():
+            name = key if isinstance(key, str) else key[0]
+            if name.startswith("race-"):
+                ours += nbytes
+            else:
+                other += nbytes
+    return ours, other
+
+
+def _clear_log(dask_worker):
+    dask_worker.transfer_incoming_log.clear()
+
+
+def _peak():
+    from .._memory import peak_rss
+    return peak_rss()
+
+
+def _reset_peak():
+    from .._memory import reset_peak_rss
+    return reset_peak_rss()
+
+
+def _disk_free(directory):
+    return shutil.disk_usage(directory).free
+
+
+def _heads_for_disk(tokens, dim, directory, margin):
+    per_head = len(_OUTPUTS) * tokens * dim * 4
+    return int((_disk_free(directory) - margin) // per_head), per_head
+
+
+def _wait(futures, progress, label):
+    from distributed import progress as show, wait
+
+    if progress:
+        print(f"{label}:", flush=True)
+        show(futures, notebook=False)
+        print(flush=True)
+    wait(futures)
+    for f in futures:
+        if f.status == "error":
+            f.result()  # raises the task's exception
+
+
+def demo(tokens=2 ** 24, heads=None, dim=128, directory="racecpu-dask", scheduler=None, *, seed=0,
+         num_planes=3, num_tables=3, beta=None, block=2 ** 18, check=True, progress=True, disk_margin=4 * 2 ** 30,
+         n_workers=None):
+    """One causal RACE forward + backward over ``tokens`` tokens on a Dask cluster; returns metrics.
+
+    Parameters
+    ----------
+    tokens, dim : int
+        Sequence length and head dimension (d = dv).
+    heads : int, optional
+        Heads; default as many as the disk holds: the results take
+        ``4 * heads * tokens * dim * 4`` bytes (32 GiB per head at 2^24
+        tokens, d = 128).
+    directory : path
+        Where the zarr arrays ``out, dq, dk, dv`` are written (replaced if
+        present).
+    scheduler : str, optional
+        A ``distributed`` scheduler address; default a ``LocalCluster`` of
+        ``n_workers`` single-threaded worker processes (default: one per
+        core).
+    seed, num_planes, num_tables, beta, block :
+        Input seed, hash shape, temperature (default racecpu's) and tokens
+        per block (one dask and zarr chunk).
+    check : bool, default True
+        Compare the first ``min(tokens, 4096)`` tokens of ``out`` and ``dq``
+        (which, causal, depend on nothing later) with the in-memory
+        :func:`racecpu.race_attention_fwd` / ``_bwd``.
+    progress : bool, default True
+        Dask's progress bar for each phase.
+    disk_margin : int, default 4 GiB
+        Refuse to start unless this much disk stays free after the results.
+
+    Returns
+    -------
+    dict
+        tokens, heads, dim, block, workers, seconds per phase and in total,
+        ns_per_token_head, peak RSS per worker, bytes moved between workers
+        (racecpu's sketches and other keys, e.g. rows of a task that Dask's
+        work stealing moved), one block's state bytes, disk bytes, dbeta and
+        the check's max abs errors.
+    """
+    import dask
+    import zarr
+    from distributed import Client, LocalCluster, futures_of
+
+    from .. import dask as rd
+    from ..attention import race_attention_bwd, race_attention_fwd
+    from ..config import DEFAULT_BETA
+    from ..hashing import hyperplanes
+
+    beta = DEFAULT_BETA if beta is None else float(beta)
+    os.makedirs(directory, exist_ok=True)
+    for name in _OUTPUTS:
+        shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+    fit, per_head = _heads_for_disk(tokens, dim, directory, disk_margin)
+    if heads is None:
+        heads = fit
+    if heads < 1 or heads > fit:
+        raise RuntimeError(f"{heads if heads else 1} head(s) of results need {max(heads, 1) * per_head / 2**30:.1f} GiB "
+                           f"in {directory}, which has {_disk_free(directory) / 2**30:.1f} GiB free (keeping "
+                           f"{disk_margin / 2**30:.0f} GiB); choose fewer --tokens or another directory")
+    W = hyperplanes(dim, num_planes, num_tables, seed=seed, dtype=np.float32)
+    stores = [_zarr_array(zarr, os.path.join(directory, n), (heads, tokens, dim), (1, block, dim))
+              for n in _OUTPUTS]
+
+    # Workers must not spill: every phase's rows are bounded by construction, and spilling would
+    # write blocks to the same disk as the results.
+    cfg = {"distributed.worker.memory.target": False, "distributed.worker.memory.spill": False,
+           "distributed.worker.memory.pause": False, "distributed.worker.memory.terminate": False}
+    with dask.config.set(cfg):
+        cluster = None
+        if scheduler is None:
+            cluster = LocalCluster(n_workers=n_workers or os.cpu_count() or 1, threads_per_worker=1,
+                                   processes=True, dashboard_address=None)
+        client = Client(cluster if cluster is not None else scheduler)
+        try:
+            workers = len(client.scheduler_info()["workers"])
+            # Every worker loads (or compiles) the kernels before the clock starts.
+            wq, wk, wv, wg, _ = seeded_inputs(4 * 1024 + 5, 1, dim, 1024, seed + 1)
+            wo, wr = rd.race_attention_fwd(wq, wk, wv, W, beta, causal=True)
+            client.run(_warm, W, beta)
+            client.compute([wo, *rd.race_attention_bwd(wr, wg)], sync=True)
+            client.run(_clear_log)
+            client.run(_reset_peak)
+
+            Q, K, V, G, src = seeded_inputs(tokens, heads, dim, block, seed)
+            t = {}
+            t0 = time.perf_counter()
+            out, res = rd.race_attention_fwd(Q, K, V, W, beta, causal=True)
+            carries = [c for b in res.states.values() for c in b if c is not None]
+            kept = client.persist(carries)
+            _wait(futures_of(kept), progress, "1/4 forward: block totals and carried-in states")
+            t["states"] = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            f_out = client.compute(da_store(out, stores[0]))
+            _wait([f_out], progress, "2/4 forward: outputs")
+            t["forward"] = time.perf_counter() - t1
+            dq, dk, dv, dbeta = rd.race_attention_bwd(res, G)
+            t2 = time.perf_counter()
+            graph, rkeys = _keys(dq, "race-rcarry-")
+            _, dkeys = _keys(dq, "race-dstate-")
+            rfut = client.get(graph, rkeys + dkeys, sync=False) if rkeys or dkeys else []
+            _wait(list(rfut), progress, "3/4 backward: reverse carries")
+            t["reverse"] = time.perf_counter() - t2
+            t3 = time.perf_counter()
+            f_grads = client.compute([da_store(x, s) for x, s in zip((dq, dk, dv), stores[1:])] + [dbeta])
+            _wait(f_grads, progress, "4/4 backward: gradients")
+            t["backward"] = time.perf_counter() - t3
+            total = time.perf_counter() - t0
+            db = float(f_grads[-1].result())
+            del kept, rfut, f_out, f_grads
+            peaks = client.run(_peak)
+            moved = client.run(_incoming)
+        finally:
+            client.close()
+            if cluster is not None:
+                cluster.close()
+
+    m = dict(tokens=tokens, heads=heads, dim=dim, block=block, workers=workers, num_planes=num_planes,
+             num_tables=num_tables, beta=beta, seconds_states=t["states"], seconds_forward=t["forward"],
+             seconds_reverse=t["reverse"], seconds_backward=t["backward"], seconds_total=total,
+             ns_per_token_head=total / (tokens * heads) * 1e9, peak_rss_bytes=dict(peaks),
+             bytes_moved_sketches=sum(a for a, _ in moved.values()),
+             bytes_moved_other=sum(b for _, b in moved.values()),
+             blocks=-(-tokens // block) * heads, disk_bytes=len(_OUTPUTS) * heads * tokens * dim * 4,
+             dbeta=db, directory=os.path.abspath(directory))
+    m["state_bytes"] = num_tables * 2 ** num_planes * (dim + 1) * 8  # one block's (one head's) state
+    if check:
+        n = min(tokens, 4096)
+        x = np.stack([np.stack([src.rows(a * heads + h, 0, n) for h in range(heads)]) for a in range(4)])
+        o, r = race_attention_fwd(x[0], x[1], x[2], W, beta, causal=True)
+        dq0 = race_attention_bwd(r, x[3])[0]
+        m["check_tokens"] = n
+        m["check_max_abs_err_out"] = float(np.abs(stores[0][:, :n] - o).max())
+        m["check_max_abs_err_dq"] = float(np.abs(stores[1][:, :n] - dq0).max())
+    return m
+
+
+def _warm(W, beta):
+    """Load the kernels in a worker (each worker process compiles or loads its own)."""
+    from ..attention import race_attention_bwd, race_attention_fwd
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 1, 4 * 1024 + 5, W.shape[-1])).astype(np.float32)
+    o, r = race_attention_fwd(x[0], x[1], x[2], W, beta, causal=True)
+    race_attention_bwd(r, x[3])
+    return True
+
+
+def _zarr_array(zarr, path, shape, chunks):
+    """A new float32 zarr array without compression (random floats do not compress)."""
+    if hasattr(zarr, "create_array"):  # zarr 3
+        return zarr.create_array(path, shape=shape, chunks=chunks, dtype=np.float32, compressors=None,
+                                 overwrite=True)
+    return zarr.open_array(path, mode="w", shape=shape, chunks=chunks, dtype=np.float32, compressor=None)
+
+
+def da_store(x, target):
+    """A lazy store of dask array ``x`` into ``target`` (a zarr array with one chunk per block)."""
+    import dask.array as da
+    return da.store(x, target, lock=False, compute=False)
