@@ -2,7 +2,8 @@
 backward as Dask graphs), held to the in-memory API: float64 1e-12, float32 1e-5.
 
 The Dask tests run under the threaded scheduler and on a real
-``distributed.LocalCluster`` of 2 worker processes x 1 thread (module-scoped).
+``distributed.LocalCluster`` of 2 worker processes x 1 thread (module-scoped); the test that
+kills a worker process mid-compute starts a cluster of its own.
 """
 
 import sys
@@ -282,6 +283,83 @@ def test_worker_tasks_use_the_worker_threads(client):
         return np.array([_numba_threads()])
     got = _gather(client, client.compute(da.from_array(np.zeros(2), chunks=1).map_blocks(probe, dtype=int)))
     assert set(got.tolist()) == {1}
+
+
+def _key_name(key):
+    return key if isinstance(key, str) else key[0]
+
+
+#: Seconds the killed-worker test waits for any one step (a restarted worker imports racecpu
+#: and loads its Numba kernels); it normally takes a few seconds in all.
+KILL_TIMEOUT = 120
+
+
+def test_dask_cluster_survives_a_killed_worker():
+    """A worker process killed (SIGKILL) while the cluster runs racecpu's tasks: its nanny
+    restarts it, the scheduler recomputes what it held or was running, and the forward and
+    backward still equal the in-memory API.  On a cluster of its own (the module's keeps its
+    workers)."""
+    import logging
+    import os
+    import signal
+    import time
+    distributed = pytest.importorskip("distributed")
+    lead, n, d, nb = (2,), 1 << 16, 32, 16
+    W = racecpu.hyperplanes(d, dtype=np.float64)
+    # Inputs drawn per block by the tasks that use them (no rows in the graph); a block's
+    # q, k, v, g are views of one stacked block.
+    X = da.random.default_rng(3).standard_normal((4,) + lead + (n, d), chunks=(4,) + lead + (n // nb, d))
+    Q, K, V, G = X[0], X[1], X[2], X[3]
+    out, res = rd.race_attention_fwd(Q, K, V, W, causal=True)
+    grads = rd.race_attention_bwd(res, G)
+    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
+                                       silence_logs=logging.CRITICAL)
+    try:
+        with distributed.Client(cluster, set_as_default=False, timeout=KILL_TIMEOUT) as c:
+            c.wait_for_workers(2, timeout=KILL_TIMEOUT)
+            pids = c.run(os.getpid)  # {address: pid}
+            t0 = time.perf_counter()
+            futures = c.compute([out, *grads])
+            deadline = time.monotonic() + KILL_TIMEOUT
+            while True:  # until a racecpu task runs (or waits to run) on some worker
+                busy = sorted(w for w, keys in c.processing().items()
+                              if any(_key_name(key).startswith("race-") for key in keys))
+                if busy:
+                    break
+                assert not all(f.done() for f in futures), "the compute ended before any race- task was seen"
+                assert time.monotonic() < deadline, "no race- task processing"
+                time.sleep(0.005)
+            victim = busy[0]
+            os.kill(pids[victim], signal.SIGKILL)
+            t_kill = time.perf_counter() - t0
+            pending = sum(not f.done() for f in futures)
+            assert pending, "the compute ended before the kill"
+            got = [f.result(timeout=KILL_TIMEOUT) for f in futures]
+            t_done = time.perf_counter() - t0
+            # The scheduler removed the killed worker (unexpectedly) and the nanny started another.
+            while True:
+                removed = [msg for _, msg in c.get_events("all")
+                           if isinstance(msg, dict) and msg.get("action") == "remove-worker"
+                           and msg.get("worker") == victim]
+                after = c.run(os.getpid) if removed else {}
+                if len(after) == 2 and victim not in after:
+                    break
+                assert time.monotonic() < deadline + KILL_TIMEOUT, f"no restarted worker: {after}, {removed}"
+                time.sleep(0.05)
+            assert pids[victim] not in after.values() and set(after.values()) != set(pids.values())
+            assert len(removed) == 1 and not removed[0]["expected"], removed
+            lost = {_key_name(key) for key in removed[0]["processing-tasks"] | removed[0]["lost-computed-tasks"]}
+            assert lost, "the killed worker neither ran nor held anything"
+    finally:
+        cluster.close(timeout=KILL_TIMEOUT)
+    print(f"killed {victim} at {t_kill:.2f} s with {pending} of {len(futures)} results pending, "
+          f"results at {t_done:.2f} s; it lost {len(lost)} keys, {sum(x.startswith('race-') for x in lost)} of racecpu")
+    x = X.compute(scheduler="sync")
+    ref, r = racecpu.race_attention_fwd(x[0], x[1], x[2], W, causal=True)
+    want = (ref,) + racecpu.race_attention_bwd(r, x[3])
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dbeta"), got, want):
+        assert np.shape(a) == np.shape(b) and np.asarray(a).dtype == np.asarray(b).dtype, name
+        close(a, b, np.float64, name)
 
 
 def test_zarr_in_and_out(rng, tmp_path):
