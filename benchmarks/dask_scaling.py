@@ -1,0 +1,194 @@
+"""racecpu.dask on this machine: 1 vs 2 worker processes, against the in-memory call, and the scheduler's overhead.
+
+Usage::
+
+    python benchmarks/dask_scaling.py [--log2n 22] [--heads 4] [--dim 128] [--log2-block 18]
+                                      [--overhead-blocks 14,16,18,20] [--rounds 2] [--memory-log2n 19]
+
+What it measures (ns per token-head, float32, P = L = 3, medians over rounds):
+
+* the in-memory API (``racecpu.race_attention_fwd``/``_bwd`` on NumPy arrays, all
+  threads) at ``2**memory-log2n`` tokens x heads: the largest size whose eight
+  arrays and residuals fit this machine's RAM comfortably; its ns per
+  token-head is flat in N from ~2^17 up;
+* ``racecpu.dask`` at ``2**log2n`` tokens x heads on a ``distributed.LocalCluster``
+  of 1 and of 2 single-threaded worker processes, in blocks of ``2**log2-block``
+  tokens x 1 head.  Inputs are one cached random block per worker process
+  (no generation cost; every block reads the same numbers) and results are
+  discarded by a store that keeps nothing, so the time is racecpu's tasks plus
+  Dask's scheduling and the transfers of sketches;
+* the scheduler's overhead at several block sizes (causal forward+backward, 2
+  workers): ``(wall x workers - sum of task compute times) / sum of task compute
+  times`` from Dask's task stream, which counts everything that is not a task
+  computing: scheduling, transfers, and workers idle while the scans' chains
+  of small additions run.
+
+Prints a table and writes ``benchmarks/results/dask-scaling.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+MODES = (("fwd", False, False), ("fwd+bwd", False, True), ("causal fwd", True, False), ("causal fwd+bwd", True, True))
+
+
+@functools.lru_cache(maxsize=1)
+def _cached(shape):
+    x = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
+    x.flags.writeable = False
+    return x
+
+
+def _block(shape, block_info=None):
+    """A block of the stacked inputs: the worker's one cached random block, cut to this block's shape."""
+    loc = block_info[None]["array-location"]
+    want = tuple(b - a for a, b in loc)
+    return _cached(shape)[tuple(slice(0, w) for w in want)]
+
+
+class _Discard:
+    """A ``da.store`` target that keeps nothing."""
+
+    def __setitem__(self, key, value):
+        pass
+
+
+def inputs(n, heads, dim, block):
+    import dask.array as da
+    chunks = ((4,), (1,) * heads, tuple(min(block, n - lo) for lo in range(0, n, block)), (dim,))
+    X = da.map_blocks(_block, (4, 1, block, dim), chunks=chunks, dtype=np.float32,
+                      meta=np.empty((0, 0, 0, 0), np.float32), name=f"cached-{n}-{heads}-{dim}-{block}")
+    return X[0], X[1], X[2], X[3]
+
+
+def dask_run(client, n, heads, dim, block, causal, backward, W):
+    """One call on the cluster; returns (wall seconds, sum of task compute seconds)."""
+    import dask.array as da
+    from distributed import get_task_stream
+
+    import racecpu.dask as rd
+    q, k, v, g = inputs(n, heads, dim, block)
+    out, res = rd.race_attention_fwd(q, k, v, W, causal=causal)
+    if backward:
+        dq, dk, dv, dbeta = rd.race_attention_bwd(res, g)
+        work = [da.store([dq, dk, dv], [_Discard()] * 3, lock=False, compute=False), dbeta]
+    else:
+        work = [da.store(out, _Discard(), lock=False, compute=False)]
+    with get_task_stream(client) as ts:
+        t0 = time.perf_counter()
+        client.compute(work, sync=True)
+        wall = time.perf_counter() - t0
+    busy = sum(s["stop"] - s["start"] for t in ts.data for s in t["startstops"] if s["action"] == "compute")
+    return wall, busy
+
+
+def in_memory(n, heads, dim, rounds, W):
+    import numba
+
+    import racecpu
+    rng = np.random.default_rng(0)
+    q, k, v, g = (rng.standard_normal((heads, n, dim), dtype=np.float32) for _ in range(4))
+    res = {}
+    for name, causal, backward in MODES:
+        ts = []
+        for _ in range(rounds + 1):  # the first call faults pages in: not counted
+            t0 = time.perf_counter()
+            out, r = racecpu.race_attention_fwd(q, k, v, W, causal=causal)
+            if backward:
+                racecpu.race_attention_bwd(r, g)
+            ts.append(time.perf_counter() - t0)
+            del out, r
+        res[name] = statistics.median(ts[1:]) / (n * heads) * 1e9
+    return res
+
+
+def cluster(workers):
+    import dask
+    from distributed import Client, LocalCluster
+    cfg = {"distributed.worker.memory.target": False, "distributed.worker.memory.spill": False,
+           "distributed.worker.memory.pause": False, "distributed.worker.memory.terminate": False}
+    with dask.config.set(cfg):
+        c = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None)
+    return c, Client(c)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--log2n", type=int, default=22)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--log2-block", type=int, default=18)
+    ap.add_argument("--overhead-blocks", default="14,16,18,20")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--memory-log2n", type=int, default=19)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "dask-scaling.json"))
+    a = ap.parse_args(argv)
+
+    import numba
+
+    import racecpu
+    W = racecpu.hyperplanes(a.dim, 3, 3, seed=0, dtype=np.float32)
+    n, H, blk = 2 ** a.log2n, a.heads, 2 ** a.log2_block
+    th = n * H
+    result = dict(log2n=a.log2n, heads=H, dim=a.dim, log2_block=a.log2_block, rounds=a.rounds,
+                  cpu_count=os.cpu_count(), date=time.strftime("%Y-%m-%d"))
+
+    print(f"in-memory at 2^{a.memory_log2n} x {H} heads, {numba.get_num_threads()} threads ...", file=sys.stderr)
+    result["in_memory_ns"] = mem = in_memory(2 ** a.memory_log2n, H, a.dim, a.rounds, W)
+
+    result["dask_ns"], result["dask_busy"] = {}, {}
+    for workers in (1, 2):
+        c, client = cluster(workers)
+        try:
+            for _, causal, backward in MODES:  # warm-up: every worker loads the kernels
+                dask_run(client, 8 * 4096, 2 * workers, a.dim, 4096, causal, backward, W)
+            for name, causal, backward in MODES:
+                print(f"dask, {workers} worker(s), {name} ...", file=sys.stderr)
+                runs = [dask_run(client, n, H, a.dim, blk, causal, backward, W) for _ in range(a.rounds)]
+                result["dask_ns"][f"{workers}:{name}"] = statistics.median(w for w, _ in runs) / th * 1e9
+                result["dask_busy"][f"{workers}:{name}"] = statistics.median(b for _, b in runs) / th * 1e9
+            if workers == 2:
+                result["overhead"] = {}
+                for lb in (int(x) for x in a.overhead_blocks.split(",")):
+                    print(f"dask, 2 workers, causal fwd+bwd, blocks of 2^{lb} ...", file=sys.stderr)
+                    runs = [dask_run(client, n, H, a.dim, 2 ** lb, True, True, W) for _ in range(a.rounds)]
+                    wall = statistics.median(w for w, _ in runs)
+                    busy = statistics.median(b for _, b in runs)
+                    result["overhead"][str(lb)] = dict(wall_s=wall, busy_s=busy,
+                                                       overhead=(wall * workers - busy) / busy,
+                                                       ns_per_token_head=wall / th * 1e9,
+                                                       tasks_per_head=-(-n // 2 ** lb))
+        finally:
+            client.close()
+            c.close()
+
+    print(f"\nns per token-head, float32, d={a.dim}, P=L=3; in-memory at 2^{a.memory_log2n} x {H} heads on "
+          f"{numba.get_num_threads()} threads; dask at 2^{a.log2n} x {H} heads, blocks of 2^{a.log2_block} x 1 head")
+    print(f"{'mode':16}{'in-memory':>11}{'dask 1w':>10}{'dask 2w':>10}{'2w vs 1w':>10}{'2w / mem':>10}")
+    for name, _, _ in MODES:
+        one, two = result["dask_ns"][f"1:{name}"], result["dask_ns"][f"2:{name}"]
+        print(f"{name:16}{mem[name]:11.1f}{one:10.1f}{two:10.1f}{one / (2 * two):10.3f}{mem[name] / two:10.3f}")
+    print("(2w vs 1w: parallel efficiency of 2 workers; 2w / mem: dask's throughput as a fraction of the "
+          "in-memory call's)")
+    print(f"\nscheduler overhead, causal fwd+bwd, 2 workers, 2^{a.log2n} x {H} heads")
+    print(f"{'block':>8}{'tasks/head':>12}{'wall s':>9}{'busy s':>9}{'overhead':>10}{'ns/th':>9}")
+    for lb, o in result["overhead"].items():
+        print(f"{'2^' + lb:>8}{o['tasks_per_head']:12d}{o['wall_s']:9.2f}{o['busy_s']:9.2f}{o['overhead']:10.1%}"
+              f"{o['ns_per_token_head']:9.1f}")
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"\nwritten {a.out}")
+
+
+if __name__ == "__main__":
+    main()
