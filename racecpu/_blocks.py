@@ -9,19 +9,56 @@ the state before every block, in RAM or, with a checkpoint directory, in
 A rerun whose arguments have the same identity (:func:`identity`) resumes
 after the last recorded block and gives the same bits as an uninterrupted run.
 
-Inputs (*stores* read block by block) are ``np.ndarray`` / ``np.memmap`` of
-shape ``(..., N, d)`` or a *row source*: any object with
+Inputs (*stores* read block by block) are, of shape ``(..., N, d)`` and
+dtype float32 or float64:
 
-* ``shape`` ``(..., N, d)`` and ``dtype`` (float32 or float64);
-* ``rows(g, lo, hi)``: rows ``lo:hi`` of flat group ``g`` as an ndarray
-  ``(hi - lo, d)``, the same numbers however the rows are split;
-* ``checkpoint_key()``: a JSON-serialisable value that changes whenever the
-  contents may (a resume is valid only under the same key).
+* ``np.ndarray`` / ``np.memmap``, read one head at a time;
+* a *row source*: any object with
 
-Outputs are ``np.ndarray`` or ``np.memmap`` opened ``'r+'``/``'w+'``.  After
-every block the pages of memory-mapped arguments are dropped from this
+  * ``shape`` ``(..., N, d)`` and ``dtype`` (float32 or float64);
+  * ``rows(g, lo, hi)``: rows ``lo:hi`` of flat group ``g`` as an ndarray
+    ``(hi - lo, d)``, the same numbers however the rows are split;
+  * ``checkpoint_key()``: a JSON-serialisable value that changes whenever the
+    contents may (a resume is valid only under the same key);
+
+* an *array-like*: any other object with ``shape``, ``dtype`` (a NumPy dtype)
+  and ``__getitem__`` taking a tuple of one slice per dimension and returning
+  what ``np.asarray`` takes (a ``zarr.Array``, a dask array, an h5py
+  dataset...), read one block of tokens of every head per call.
+
+Outputs are ``np.ndarray``, ``np.memmap`` opened ``'r+'``/``'w+'``, or an
+array-like with ``shape``, a float ``dtype`` and ``__setitem__`` taking a
+tuple of one slice per dimension (a ``zarr.Array`` opened writable; one with
+``read_only`` true is refused), plus ``__getitem__`` when checkpointing (the
+checksums read the written blocks back).  An array-like output is given a
+fresh array, already cast to its dtype, per block (it may keep it).
+
+Identity (:func:`identity`: what a checkpoint's key holds, so that a resume
+is valid only onto the same arguments):
+
+* memmap (input): file, offset, shape, dtype, strides, file size and mtime;
+* in-RAM ndarray (input): a SHA-256 of its bytes (its ``id`` without a
+  checkpoint);
+* row source: its ``checkpoint_key()``;
+* ``zarr.Array`` (input): its store location (a local store by its real
+  path), shape, dtype and chunks, and a SHA-256 of its contents;
+* other array-like (input): type, shape, dtype and a SHA-256 of its contents;
+* outputs: a memmap by its file, offset and layout; a ``zarr.Array`` by its
+  store location, shape and dtype; anything else by its ``id`` (valid in this
+  process only).  The outputs' contents are checked by per-block checksums.
+
+The content digests of zarr and array-like inputs are taken only for a
+checkpointed run (``digest=True``): they cost one extra read pass over each
+such input, ``DIGEST_BYTES`` at a time along the token axis (so memory stays
+bounded).  Without a checkpoint a zarr input is identified by its location,
+shape, dtype and chunks, another array-like by its ``id``.
+
+After every block the pages of memory-mapped arguments are dropped from this
 process (``madvise(MADV_DONTNEED)``; written data stays in the file), so mapped
-files do not pile up in the resident set.
+files do not pile up in the resident set.  At a checkpoint commit memmap
+outputs are flushed (``msync``) and array-like outputs with a ``flush()``
+method have it called; a zarr array's writes are in its store when
+``__setitem__`` returns.
 """
 
 from __future__ import annotations
@@ -31,6 +68,7 @@ import json
 import mmap
 import os
 import stat
+import sys
 import time
 import warnings
 
@@ -39,6 +77,10 @@ import numpy as np
 #: Checkpoint format; a manifest written under another version is not resumed.
 #: 2: per-block checksums of the outputs and states, and of the manifest itself.
 FORMAT_VERSION = 2
+
+#: Bytes read at a time (rounded to whole rows and, for zarr, whole chunks along
+#: the token axis) by the content digest of a zarr or array-like input.
+DIGEST_BYTES = 64 * 2 ** 20
 
 
 class CheckpointWarning(RuntimeWarning):
@@ -55,37 +97,91 @@ def is_row_source(x):
         and callable(getattr(x, "checkpoint_key", None))
 
 
+def is_zarr(x):
+    """Whether ``x`` is a ``zarr.Array`` (without importing zarr: one exists only if it is)."""
+    zarr = sys.modules.get("zarr")
+    cls = getattr(zarr, "Array", None) if zarr is not None else None
+    return isinstance(cls, type) and isinstance(x, cls)
+
+
+def is_array_like(x):
+    """Whether ``x`` is read as an array-like: neither an ndarray nor a row source,
+    with ``shape``, ``dtype`` and ``__getitem__``."""
+    return not isinstance(x, np.ndarray) and not is_row_source(x) and hasattr(x, "shape") \
+        and hasattr(x, "dtype") and callable(getattr(x, "__getitem__", None))
+
+
+def _np_dtype(name, x):
+    try:
+        return np.dtype(x.dtype)
+    except TypeError:
+        raise TypeError(f"{name}.dtype must be a NumPy dtype, got {x.dtype!r}") from None
+
+
+def _rows_of(x, lo, hi):
+    """The index of rows ``lo:hi`` of every group of ``x (..., N, d)``: a tuple of slices."""
+    return (slice(None),) * (len(x.shape) - 2) + (slice(lo, hi), slice(None))
+
+
+def read_rows(x, lo, hi, name="array"):
+    """Rows ``lo:hi`` of every group of the array-like ``x (..., N, d)`` as an ndarray
+    ``(..., hi - lo, d)`` in ``x.dtype`` (one ``__getitem__`` call)."""
+    a = np.asarray(x[_rows_of(x, lo, hi)], dtype=np.dtype(x.dtype))
+    want = tuple(x.shape[:-2]) + (hi - lo, x.shape[-1])
+    if a.shape != want:
+        raise ValueError(f"{name}[..., {lo}:{hi}, :] returned shape {a.shape}, expected {want}")
+    return a
+
+
 def check_store_input(name, x):
-    """An input read block by block: ndarray, np.memmap or row source, float32/64,
-    at least 2 dims ``(..., N, d)``.  Returns its dtype (it is not copied or cast)."""
+    """An input read block by block: ndarray, np.memmap, row source or array-like
+    (``shape``, ``dtype``, ``__getitem__``), float32/64, at least 2 dims ``(..., N, d)``.
+    Returns its dtype (it is not copied or cast)."""
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise TypeError(f"{name} must be an array (np.memmap, ndarray or row source), got {type(x).__name__}")
-    if not (isinstance(x, np.ndarray) or is_row_source(x)):
-        raise TypeError(f"{name} must be an np.memmap, ndarray or row source (an object with rows() and "
-                        f"checkpoint_key(), e.g. racecpu.apps.ooc_demo.SeededArray), got {type(x).__name__}")
-    dt = np.dtype(x.dtype)
+        raise TypeError(f"{name} must be an array (np.memmap, ndarray, zarr.Array, row source or array-like with "
+                        f"shape, dtype and __getitem__), got {type(x).__name__}")
+    if not (isinstance(x, np.ndarray) or is_row_source(x) or is_array_like(x)):
+        raise TypeError(f"{name} must be an np.memmap, ndarray, row source (an object with rows() and "
+                        f"checkpoint_key(), e.g. racecpu.apps.ooc_demo.SeededArray) or array-like with "
+                        f"__getitem__ (e.g. a zarr.Array), got {type(x).__name__}")
+    dt = _np_dtype(name, x)
     if dt not in (np.float32, np.float64):
         raise TypeError(f"{name} must be float32 or float64, got {dt}")
     if len(x.shape) < 2:
-        raise ValueError(f"{name} must have at least 2 dims (..., N, d), got shape {x.shape}")
+        raise ValueError(f"{name} must have at least 2 dims (..., N, d), got shape {tuple(x.shape)}")
     return dt
 
 
-def check_store_out(name, x, shape):
+def check_store_out(name, x, shape, readback=False):
     """An output written block by block: ndarray or np.memmap opened ``'r+'``/``'w+'``,
-    writeable, of exactly ``shape`` and any float dtype (results are cast to it).
+    writeable, or an array-like with ``__setitem__`` (and ``__getitem__`` if
+    ``readback``: a checkpointed run reads the written blocks back), not
+    ``read_only`` (a zarr array opened ``'r'``); of exactly ``shape`` and any
+    float dtype (results are cast to it).
 
     Unlike :func:`racecpu._checks.check_out` the dtype is free and aliasing is
     not checked: blocks are computed in buffers and only then stored.
     """
     if not isinstance(x, np.ndarray):
-        raise TypeError(f"{name} must be an np.memmap or ndarray, got {type(x).__name__}")
-    if isinstance(x, np.memmap) and x.mode not in ("r+", "w+"):
-        raise ValueError(f"{name} is an np.memmap opened with mode {x.mode!r}; open it with 'r+' or 'w+'")
-    if not x.flags.writeable:
-        raise ValueError(f"{name} is read-only")
-    if x.dtype.kind != "f":
-        raise TypeError(f"{name} must be a float array, got dtype {x.dtype}")
+        if not (hasattr(x, "shape") and hasattr(x, "dtype") and callable(getattr(x, "__setitem__", None))):
+            raise TypeError(f"{name} must be an np.memmap, ndarray, writable zarr.Array or array-like with shape, "
+                            f"dtype and __setitem__, got {type(x).__name__}")
+        if readback and not callable(getattr(x, "__getitem__", None)):
+            raise TypeError(f"{name} must also have __getitem__ with a checkpoint (its blocks are read back "
+                            f"for their checksums), got {type(x).__name__}")
+        for attr in ("read_only", "readonly"):
+            ro = getattr(x, attr, False)
+            if isinstance(ro, (bool, np.bool_)) and ro:
+                raise ValueError(f"{name} is a read-only {type(x).__name__} ({attr}=True); open it writable "
+                                 f"(e.g. zarr mode 'r+' or 'a')")
+    else:
+        if isinstance(x, np.memmap) and x.mode not in ("r+", "w+"):
+            raise ValueError(f"{name} is an np.memmap opened with mode {x.mode!r}; open it with 'r+' or 'w+'")
+        if not x.flags.writeable:
+            raise ValueError(f"{name} is read-only")
+    dt = _np_dtype(name, x)
+    if dt.kind != "f":
+        raise TypeError(f"{name} must be a float array, got dtype {dt}")
     if tuple(x.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
 
@@ -97,13 +193,49 @@ def check_block(block):
     return int(block)
 
 
+def _zarr_location(x):
+    """Where a ``zarr.Array`` lives: ``file://`` and the real path for a local store, else its store URL."""
+    sp = getattr(x, "store_path", None)
+    store, path = (sp.store, sp.path) if sp is not None else (getattr(x, "store", None), getattr(x, "path", ""))
+    root = getattr(store, "root", None)
+    if isinstance(root, (str, os.PathLike)):
+        return "file://" + os.path.realpath(os.path.join(os.fspath(root), path or ""))
+    return str(sp) if sp is not None else f"{type(store).__name__}:{id(store)}/{path}"
+
+
+def _digest_rows(x):
+    """Rows read at a time by :func:`content_digest`: about ``DIGEST_BYTES``, whole zarr chunks."""
+    row = max(1, int(np.prod(x.shape[:-2], dtype=np.int64)) * int(x.shape[-1]) * np.dtype(x.dtype).itemsize)
+    rows = max(1, DIGEST_BYTES // row)
+    chunks = getattr(x, "chunks", None) if is_zarr(x) else None
+    if isinstance(chunks, tuple) and len(chunks) == len(x.shape) and int(chunks[-2]) > 0:
+        c = int(chunks[-2])
+        rows = max(c, rows // c * c)
+    return rows
+
+
+def content_digest(x):
+    """SHA-256 of an array-like's contents, read ``(..., rows, d)`` at a time along the
+    token axis (:func:`read_rows`), each block's C-order bytes in ``x.dtype`` in turn."""
+    h = hashlib.sha256()
+    n, rows = int(x.shape[-2]), _digest_rows(x)
+    for lo in range(0, n, rows):
+        h.update(np.ascontiguousarray(read_rows(x, lo, min(lo + rows, n))).view(np.uint8).reshape(-1))
+    return h.hexdigest()
+
+
 def identity(x, written=False, digest=True):
     """What a checkpoint must match for a resume to be valid.
 
     A memmap is its file, offset, layout and (unless ``written``: an output,
     which the pass itself changes) the file's size and mtime; an in-RAM array
     is a SHA-256 of its bytes when ``digest`` (a checkpointed run) and its
-    ``id`` otherwise; a row source is its ``checkpoint_key()``.
+    ``id`` otherwise; a row source is its ``checkpoint_key()``.  A
+    ``zarr.Array`` is its store location, shape and dtype, and as an input
+    also its chunks and, when ``digest``, a SHA-256 of its contents; another
+    array-like is its type, shape, dtype and, as an input with ``digest``, a
+    SHA-256 of its contents, else its ``id``.  The content digests read the
+    input once (:func:`content_digest`, bounded memory).
     """
     if is_row_source(x):
         return ["source", type(x).__name__, x.checkpoint_key()]
@@ -114,8 +246,20 @@ def identity(x, written=False, digest=True):
             st = os.stat(os.fspath(x.filename))
             ident += [st.st_size, st.st_mtime_ns]
         return ident
-    tag = hashlib.sha256(np.ascontiguousarray(x)).hexdigest() if digest and not written else id(x)
-    return ["array", list(x.shape), x.dtype.name, tag]
+    if isinstance(x, np.ndarray):
+        tag = hashlib.sha256(np.ascontiguousarray(x)).hexdigest() if digest and not written else id(x)
+        return ["array", list(x.shape), x.dtype.name, tag]
+    shape, dtype = [int(s) for s in x.shape], np.dtype(x.dtype).name
+    if is_zarr(x):
+        ident = ["zarr", _zarr_location(x), shape, dtype]
+        if not written:
+            chunks = getattr(x, "chunks", None)
+            ident.append([int(c) for c in chunks] if isinstance(chunks, tuple) else None)
+            if digest:
+                ident.append(content_digest(x))
+        return ident
+    tag = content_digest(x) if digest and not written else id(x)
+    return ["arraylike", type(x).__name__, shape, dtype, tag]
 
 
 def _mmap_of(x):
@@ -140,23 +284,37 @@ def release_pages(*arrays):
 
 def load_block(x, name, lead, lo, hi, bufs, cdt, check_finite):
     """Rows ``lo:hi`` of every group of ``x (*lead, N, d)`` as ``(G, hi - lo, d)`` in
-    ``cdt``, in the buffer ``bufs(name)`` (valid until that name is asked for again)."""
+    ``cdt``, in the buffer ``bufs(name)`` (valid until that name is asked for again).
+
+    An ndarray or row source is read one group at a time, an array-like in one
+    ``__getitem__`` call for every group (:func:`read_rows`).
+    """
     G = int(np.prod(lead, dtype=np.int64))
     a = bufs(name, (G, hi - lo, x.shape[-1]), cdt)
-    for g in range(G):
-        if is_row_source(x):
-            a[g] = x.rows(g, lo, hi)
-        else:
-            a[g] = x[np.unravel_index(g, lead) + (slice(lo, hi),)]
+    if is_array_like(x):
+        a[...] = read_rows(x, lo, hi, name).reshape(a.shape)
+    else:
+        for g in range(G):
+            if is_row_source(x):
+                a[g] = x.rows(g, lo, hi)
+            else:
+                a[g] = x[np.unravel_index(g, lead) + (slice(lo, hi),)]
     if check_finite and not np.isfinite(a).all():
         raise ValueError(f"{name} contains NaN or Inf in tokens {lo}:{hi} (pass check_finite=False to skip)")
     return a
 
 
 def store_block(x, lead, lo, hi, data):
-    """Write ``data (G, hi - lo, d)`` into rows ``lo:hi`` of ``x (*lead, N, d)`` (cast to its dtype)."""
-    for g in range(data.shape[0]):
-        x[np.unravel_index(g, lead) + (slice(lo, hi),)] = data[g]
+    """Write ``data (G, hi - lo, d)`` into rows ``lo:hi`` of ``x (*lead, N, d)`` (cast to its dtype).
+
+    An ndarray is written one group at a time; an array-like gets one fresh
+    array ``(*lead, hi - lo, d)`` in its dtype, in one ``__setitem__`` call.
+    """
+    if isinstance(x, np.ndarray):
+        for g in range(data.shape[0]):
+            x[np.unravel_index(g, lead) + (slice(lo, hi),)] = data[g]
+    else:
+        x[_rows_of(x, lo, hi)] = np.array(data.reshape(tuple(lead) + data.shape[1:]), dtype=np.dtype(x.dtype))
 
 
 class Buffers:
@@ -204,8 +362,9 @@ def _json_digest(value):
 
 
 def block_digest(outputs, lo, hi):
-    """Checksum of rows ``lo:hi`` of every output ``(..., N, d)`` (all groups, their dtypes' bytes)."""
-    return _digest(*(x[..., lo:hi, :] for x in outputs))
+    """Checksum of rows ``lo:hi`` of every output ``(..., N, d)`` (all groups, their dtypes' bytes);
+    an array-like output is read back (:func:`read_rows`)."""
+    return _digest(*(x[..., lo:hi, :] if isinstance(x, np.ndarray) else read_rows(x, lo, hi) for x in outputs))
 
 
 def _open_state(path, shape):
@@ -361,9 +520,10 @@ class Scan:
         """After block ``done`` (tokens ``lo:hi``) is written: store the state and the
         checksums of it and of the block's outputs; commit at most every ``commit_every`` s.
 
-        A commit flushes the outputs and states to disk and only then
-        replaces the manifest, so a recorded block is always on disk; blocks
-        after the last commit are recomputed by a rerun.
+        A commit flushes the outputs (memmaps, and array-likes with a
+        ``flush()``) and states to disk and only then replaces the manifest,
+        so a recorded block is always on disk; blocks after the last commit
+        are recomputed by a rerun.
         """
         i = self.done + 1
         for s, a in zip(self.states, new_state):
@@ -375,7 +535,8 @@ class Scan:
         self.done = i
         if self.dir is not None and (self.complete or time.monotonic() - self._last >= self.commit_every):
             for x in outputs:
-                if isinstance(x, np.memmap):
+                if isinstance(x, np.memmap) or (not isinstance(x, np.ndarray)
+                                                and callable(getattr(x, "flush", None))):
                     x.flush()
             for s in self.states:
                 s.flush()

@@ -1,14 +1,21 @@
-"""RACE attention over sequences larger than RAM (chunked, on ``np.memmap``).
+"""RACE attention over sequences larger than RAM (chunked, on ``np.memmap``, zarr or any sliceable array).
 
 :func:`race_attention_fwd_ooc` and :func:`race_attention_bwd_ooc` compute
 exactly what :func:`racecpu.race_attention_fwd` / ``_bwd`` compute, but read
 their inputs and write their outputs one *block* of tokens at a time, so peak
 RAM is ``O(block * heads * (d + dv))`` whatever the sequence length.  Inputs
-are ``np.memmap``, ``ndarray`` or row sources (objects that generate rows on
-demand, such as :class:`racecpu.apps.ooc_demo.SeededArray`; see
+are ``np.memmap``, ``ndarray``, row sources (objects that generate rows on
+demand, such as :class:`racecpu.apps.ooc_demo.SeededArray`) or array-likes
+that slice (``shape``, ``dtype`` and ``__getitem__`` returning what
+``np.asarray`` takes: a ``zarr.Array``, a dask array...; see
 :mod:`racecpu._blocks`), and outputs go into caller-supplied ``out=`` arrays
-(``np.memmap`` opened ``'r+'``/``'w+'``, or ``ndarray``).  After every block
-the pages of memory-mapped arguments are dropped from this process
+(``np.memmap`` opened ``'r+'``/``'w+'``, ``ndarray``, or an array-like with
+``__setitem__`` such as a ``zarr.Array`` opened writable; read-only ones are
+refused).  The results are the same bits whatever the kinds.  An array-like
+is read or written one block of every head per call, so a zarr array is best
+chunked along the tokens by a divisor of ``block`` (other chunks work, with
+partial-chunk reads and writes).  After every block the pages of
+memory-mapped arguments are dropped from this process
 (``madvise(MADV_DONTNEED)``; written data stays in the file), so mapped files
 do not pile up in the resident set.
 
@@ -28,8 +35,12 @@ whose outputs are flushed to disk, the carried state (``.npy`` row) and then a
 manifest (JSON, replaced atomically).  Rerunning with the same arguments and
 ``DIR`` resumes after the last recorded block, giving the same bits as an
 uninterrupted run; if anything in the arguments changed (shapes, planes,
-beta, block, output files, input files' size/mtime) the pass restarts from
-the first block.  A pass is reported complete only by its manifest.  Nothing
+beta, block, output files or zarr stores, input files' size/mtime, the
+contents of in-RAM, zarr and array-like inputs) the pass restarts from the
+first block.  What identifies each kind of argument is listed in
+:mod:`racecpu._blocks`; the contents of a zarr or array-like input are
+checked by a SHA-256 that costs one extra read pass over it per checkpointed
+call (none without ``checkpoint``).  A pass is reported complete only by its manifest.  Nothing
 on disk is trusted: the manifest, every recorded state row and every done
 block's outputs carry checksums that a resume verifies (so an output file
 reopened ``'w+'``, a truncated state file or an edited manifest restarts the
@@ -99,13 +110,13 @@ def race_attention_fwd_ooc(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, 
 
     Parameters
     ----------
-    q, k : np.memmap, ndarray or row source, shape (..., Nq, d), (..., Nk, d)
+    q, k : np.memmap, ndarray, row source or array-like (e.g. zarr.Array), shape (..., Nq, d), (..., Nk, d)
     v : same kinds, shape (..., Nk, dv)
         float32 or float64 (the compute dtype is their common type).
     planes, beta, causal :
         As for :func:`racecpu.race_attention`.
-    out : np.memmap ('r+'/'w+') or ndarray, shape (..., Nq, dv)
-        Receives the output (cast to its dtype).
+    out : np.memmap ('r+'/'w+'), ndarray or writable array-like (e.g. zarr.Array), shape (..., Nq, dv)
+        Receives the output (cast to its dtype); any float dtype.
     block : int, default BLOCK
         Tokens per head read at a time; peak RAM grows linearly with it.
     checkpoint : path, optional
@@ -135,7 +146,7 @@ def race_attention_fwd_ooc(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, 
     planes = check_planes(planes, d, cdt)
     beta = check_beta(beta)
     block = engine.check_block(block)
-    engine.check_store_out("out", out, lead + (nq, dv))
+    engine.check_store_out("out", out, lead + (nq, dv), readback=checkpoint is not None)
     G = int(np.prod(lead, dtype=np.int64))
     L, P, _ = planes.shape
     F = L * 2 ** P
@@ -212,9 +223,9 @@ def race_attention_bwd_ooc(res, grad_out, *, dq, dk, dv, checkpoint=None, commit
     ----------
     res : OocResiduals
         From :func:`race_attention_fwd_ooc` (its inputs must be unchanged).
-    grad_out : np.memmap, ndarray or row source, shape (..., Nq, dv)
-    dq, dk, dv : np.memmap ('r+'/'w+') or ndarray
-        Receive the gradients, shapes of q, k, v.
+    grad_out : np.memmap, ndarray, row source or array-like (e.g. zarr.Array), shape (..., Nq, dv)
+    dq, dk, dv : np.memmap ('r+'/'w+'), ndarray or writable array-like (e.g. zarr.Array)
+        Receive the gradients, shapes of q, k, v; any float dtype.
     checkpoint : path, optional
         Directory recording progress (may be the forward's); a rerun resumes.
     commit_every : float, default 30
@@ -235,7 +246,7 @@ def race_attention_bwd_ooc(res, grad_out, *, dq, dk, dv, checkpoint=None, commit
     if tuple(grad_out.shape) != lead + (nq, dvdim):
         raise ValueError(f"grad_out must have the output's shape {lead + (nq, dvdim)}, got {tuple(grad_out.shape)}")
     for name, x, shape in (("dq", dq, r.q.shape), ("dk", dk, r.k.shape), ("dv", dv, r.v.shape)):
-        engine.check_store_out(name, x, shape)
+        engine.check_store_out(name, x, shape, readback=checkpoint is not None)
     G = int(np.prod(lead, dtype=np.int64))
     L, P, _ = r.planes.shape
     F = L * 2 ** P
@@ -249,7 +260,7 @@ def race_attention_bwd_ooc(res, grad_out, *, dq, dk, dv, checkpoint=None, commit
     shapes = [(G, F), (G, F, dvdim)]
     if G == 0 or nq == 0 or nk == 0:
         for x in (dq, dk, dv):
-            x[...] = 0
+            x[(slice(None),) * len(x.shape)] = 0  # one slice a dimension: what array-likes must take
         return 0.0
 
     if r.causal:
