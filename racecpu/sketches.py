@@ -48,6 +48,7 @@ from numpy.typing import ArrayLike, DTypeLike
 from . import _kernels as K
 from ._checks import SUMS_OVERFLOW, all_finite, check_array, check_beta, check_derived, check_planes, prepare
 from ._kernels.bundles import Grads, Hash, Rows, Sums, no_planes_grad
+from ._memory import POOL
 from .config import DEFAULT_BETA
 from .streaming import advance, causal_rows
 
@@ -275,6 +276,7 @@ def sketch(k: ArrayLike, v: ArrayLike, planes: ArrayLike, beta: float = DEFAULT_
         New float64 arrays ``A (..., L, R)``, ``B (..., L, R, dv)``; nothing
         aliases the inputs.
     """
+    POOL.tick()  # a public call: the pool ages its idle blocks, as racecpu.race_attention's calls do
     k, v, mask, W, beta, lead, cdt, in_dt = _keys(k, v, planes, beta, key_mask, check_finite, dtype)
     G, nk, d = k.shape
     dv = v.shape[2]
@@ -295,6 +297,7 @@ def sketch(k: ArrayLike, v: ArrayLike, planes: ArrayLike, beta: float = DEFAULT_
 
 
 def _queries(q, sk, check_finite):
+    POOL.tick()  # readout and readout_bwd: a public call
     if not isinstance(sk, Sketch):
         raise TypeError(f"sketch must be a racecpu.Sketch, got {type(sk).__name__}")
     q, qdt, _ = check_array("q", q, False)
@@ -334,7 +337,7 @@ def readout(q: ArrayLike, sketch: Sketch, *, check_finite: bool = True) -> np.nd
     A, B = sketch._flat()
     F, dv = B.shape[1:]
     LP = W.shape[0] * W.shape[1]
-    o = np.empty((G, nq, dv), cdt)
+    o = POOL.empty((G, nq, dv), cdt)
     if G and nq:
         rows = Rows(_none(G, cdt, F), _none(G, cdt, LP), _none(G, cdt, F), _none(G, cdt, LP), _none(G, np.float64))
         nan = K.queries_fwd(qf, Hash(W, sketch.beta), K.chunk_length(nq, G, F, dv), Sums(A, B.astype(cdt)), rows, o)
@@ -373,7 +376,7 @@ def readout_bwd(q: ArrayLike, sketch: Sketch, grad_out: ArrayLike, *,
     L, P, _ = W.shape
     g = _grad("grad_out", grad_out, sketch.lead + (nq, dv), cdt, check_finite)
     g = np.ascontiguousarray(g.reshape(G, nq, dv), dtype=cdt)
-    dq = np.empty((G, nq, d), cdt)
+    dq = POOL.empty((G, nq, d), cdt)
     dA, dB = np.zeros((G, F)), np.zeros((G, F, dv))
     dbeta = 0.0
     if G and nq:
@@ -381,8 +384,8 @@ def readout_bwd(q: ArrayLike, sketch: Sketch, grad_out: ArrayLike, *,
         nc = -(-nq // chunk)
         hsh, Bc = Hash(W, sketch.beta), B.astype(cdt)
         none = _none(G, cdt, F)
-        rows = Rows(np.empty((G, nq, F), cdt), np.empty((G, nq, L * P), cdt), none, none, np.zeros((G, nq)))
-        nan = K.queries_fwd(qf, hsh, chunk, Sums(A, Bc), rows, np.empty((G, nq, dv), cdt))
+        rows = Rows(POOL.empty((G, nq, F), cdt), POOL.empty((G, nq, L * P), cdt), none, none, POOL.zeros((G, nq)))
+        nan = K.queries_fwd(qf, hsh, chunk, Sums(A, Bc), rows, POOL.empty((G, nq, dv), cdt))
         check_derived(check_finite, ("q", qf, nan == 0, _OVERFLOW.format(cdt)))
         pdA, pdB = np.zeros((G, nc, F)), np.empty((G, nc, F, dv))
         dbq = np.zeros((G, nc))
@@ -421,19 +424,20 @@ def sketch_bwd(k: ArrayLike, v: ArrayLike, dsketch: Sketch, *, key_mask: ArrayLi
     if not isinstance(dsketch, Sketch):
         raise TypeError(f"dsketch must be a racecpu.Sketch, got {type(dsketch).__name__}")
     kdt, vdt = np.asarray(k).dtype, np.asarray(v).dtype
+    POOL.tick()
     k, v, mask, W, beta, lead, cdt, _ = _keys(k, v, dsketch.planes, dsketch.beta, key_mask, check_finite, dtype)
     G, nk, d = k.shape
     dv = v.shape[2]
     L, P, _ = W.shape
     F = L * 2 ** P
     _check_state(dsketch, "dsketch", W, beta, lead, dv)
-    dk, dv_ = np.empty((G, nk, d), cdt), np.empty((G, nk, dv), cdt)
+    dk, dv_ = POOL.empty((G, nk, d), cdt), POOL.empty((G, nk, dv), cdt)
     dbeta = 0.0
     if G and nk:
         chunk = K.chunk_length(nk, G, F, dv)
         nc = -(-nk // chunk)
         none, none2 = _none(G, cdt, F), _none(G, np.float64)
-        rows = Rows(none, none, np.empty((G, nk, F), cdt), np.empty((G, nk, L * P), cdt), none2)
+        rows = Rows(none, none, POOL.empty((G, nk, F), cdt), POOL.empty((G, nk, L * P), cdt), none2)
         hsh = Hash(W, beta)
         # the hash only: no B totals (totals=(0, 0)); A's are summed and dropped
         nan = K.sketch_chunks(k, v, mask, hsh, chunk, rows, Sums(np.zeros((G, nc, F)), np.empty((G, nc, F, 0))),
@@ -496,13 +500,14 @@ def causal_block(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, be
     up to rounding (the state is float64; float32 blocks cast the carry to
     float32 at every chunk start, as the whole call does).
     """
+    POOL.tick()
     a, G, n, dv, L, P, F = _causal_args(q, k, v, planes, beta, key_mask, check_finite, initial_state)
     cdt = a.q.dtype
     A0, B0 = _flat_state(initial_state, G, F, dv)
-    o = np.empty((G, n, dv), cdt)
+    o = POOL.empty((G, n, dv), cdt)
     A1, B1 = A0.copy(), B0.copy()
     if G and n:
-        rows = Rows(_none(G, cdt, F), _none(G, cdt, L * P), np.empty((G, n, F), cdt), _none(G, cdt, L * P),
+        rows = Rows(_none(G, cdt, F), _none(G, cdt, L * P), POOL.empty((G, n, F), cdt), _none(G, cdt, L * P),
                     _none(G, np.float64))
         step = advance(a.q, a.k, a.v, a.planes, a.beta, A0, B0, o, rows=rows, mask=a.mask)
         A1, B1, nan_q, nan_k = step.A, step.B, step.nan_q, step.nan_k
@@ -517,6 +522,7 @@ def causal_block(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, be
 
 def _causal_backward(q, k, v, planes, beta, grad_out, initial_state, dfinal_state, key_mask, check_finite,
                      queries_only):
+    POOL.tick()
     a, G, n, dv, L, P, F = _causal_args(q, k, v, planes, beta, key_mask, check_finite, initial_state)
     if dfinal_state is not None:
         _check_state(dfinal_state, "dfinal_state", a.planes, a.beta, a.lead, dv)
@@ -526,13 +532,13 @@ def _causal_backward(q, k, v, planes, beta, grad_out, initial_state, dfinal_stat
     g = np.ascontiguousarray(g.reshape(G, n, dv), dtype=cdt)
     A0, B0 = _flat_state(initial_state, G, F, dv)
     sA, sB = _flat_state(dfinal_state, G, F, dv)
-    dq, dk, dv_ = (np.zeros((G, n, x), cdt) for x in (d, d, dv))
+    dq, dk, dv_ = (POOL.zeros((G, n, x), cdt) for x in (d, d, dv))
     dA0, dB0 = sA.copy(), sB.copy()
     dbeta = 0.0
     if G and n:
         rows = causal_rows(G, n, F, L * P, cdt)
         hsh = Hash(a.planes, a.beta)
-        step = advance(a.q, a.k, a.v, a.planes, a.beta, A0, B0, np.empty((G, n, dv), cdt), rows=rows, mask=a.mask)
+        step = advance(a.q, a.k, a.v, a.planes, a.beta, A0, B0, POOL.empty((G, n, dv), cdt), rows=rows, mask=a.mask)
         B1, chunk, cA, cB, nan_q, nan_k = step.B, step.chunk, step.carryA, step.carryB, step.nan_q, step.nan_k
         ov = _OVERFLOW.format(cdt)
         check_derived(a.check_finite, ("q", a.q, nan_q == 0, ov), ("k", a.k, nan_k == 0, ov),
@@ -540,7 +546,7 @@ def _causal_backward(q, k, v, planes, beta, grad_out, initial_state, dfinal_stat
         nc = cA.shape[1]
         pdA, pdB = np.zeros((G, nc, F)), np.zeros((G, nc, F, dv))
         dbq, dbk = np.zeros((G, nc)), np.zeros((G, nc))
-        grads = Grads(dq, dk, dv_, np.zeros((G, n)), dbq, dbk, no_planes_grad(dq, G, nc, nc, d))
+        grads = Grads(dq, dk, dv_, POOL.zeros((G, n)), dbq, dbk, no_planes_grad(dq, G, nc, nc, d))
         K.causal_queries_bwd(g, a.v, rows, Sums(cA, cB), hsh, chunk, grads, Sums(pdA, pdB))
         dA0, dB0 = sA + pdA.sum(1), sB + pdB.sum(1)
         check_derived(a.check_finite, ("grad_out", g, all_finite(dB0), SUMS_OVERFLOW))

@@ -35,6 +35,7 @@ from numpy.lib import format as npformat
 
 from . import _fork
 from . import _kernels as K
+from ._memory import POOL
 from ._kernels.bundles import Hash, Rows, Sums
 from ._checks import check_beta, check_planes, prepare
 
@@ -489,8 +490,8 @@ def causal_rows(G, n, F, LP, cdt):
     """Every residual row of a causal block of ``n`` tokens in ``G`` groups:
     :class:`racecpu._kernels.bundles.Rows` of ``phiq, phik (G, n, F)``, ``tq, tk
     (G, n, LP)`` in the compute dtype ``cdt`` and ``den (G, n)`` float64."""
-    return Rows(np.empty((G, n, F), cdt), np.empty((G, n, LP), cdt), np.empty((G, n, F), cdt),
-                np.empty((G, n, LP), cdt), np.zeros((G, n)))
+    return Rows(POOL.empty((G, n, F), cdt), POOL.empty((G, n, LP), cdt), POOL.empty((G, n, F), cdt),
+                POOL.empty((G, n, LP), cdt), POOL.zeros((G, n)))
 
 
 class Advanced(NamedTuple):
