@@ -17,6 +17,8 @@ What it measures (ns per token-head, float32, P = L = 3, medians over rounds):
   (no generation cost; every block reads the same numbers) and results are
   discarded by a store that keeps nothing, so the time is racecpu's tasks plus
   Dask's scheduling and the transfers of sketches;
+* the latency of one link of the causal scans' chain of carries (a sketch
+  addition whose carry crosses between worker processes);
 * the scheduler's overhead at several block sizes (causal forward+backward, 2
   workers): ``(wall x workers - sum of task compute times) / sum of task compute
   times`` from Dask's task stream, which counts everything that is not a task
@@ -64,14 +66,17 @@ class _Discard:
 
 def inputs(n, heads, dim, block):
     import dask.array as da
+
+    from racecpu.apps.dask_demo import stacked_view
     chunks = ((4,), (1,) * heads, tuple(min(block, n - lo) for lo in range(0, n, block)), (dim,))
     X = da.map_blocks(_block, (4, 1, block, dim), chunks=chunks, dtype=np.float32,
                       meta=np.empty((0, 0, 0, 0), np.float32), name=f"cached-{n}-{heads}-{dim}-{block}")
-    return X[0], X[1], X[2], X[3]
+    return tuple(stacked_view(X, i) for i in range(4))
 
 
 def dask_run(client, n, heads, dim, block, causal, backward, W):
-    """One call on the cluster; returns (wall seconds, sum of task compute seconds)."""
+    """One call on the cluster; returns (wall seconds, sum of every task's compute seconds, of
+    racecpu's tasks alone)."""
     import dask.array as da
     from distributed import get_task_stream
 
@@ -87,8 +92,40 @@ def dask_run(client, n, heads, dim, block, causal, backward, W):
         t0 = time.perf_counter()
         client.compute(work, sync=True)
         wall = time.perf_counter() - t0
-    busy = sum(s["stop"] - s["start"] for t in ts.data for s in t["startstops"] if s["action"] == "compute")
-    return wall, busy
+    busy = race = 0.0
+    for t in ts.data:
+        name = t["key"] if isinstance(t["key"], str) else t["key"][0]
+        for s in t["startstops"]:
+            if s["action"] == "compute":
+                busy += s["stop"] - s["start"]
+                race += (s["stop"] - s["start"]) * ("race-" in name)  # racecpu's tasks (fused ones too)
+    return wall, busy, race
+
+
+def chain_latency(client, links, dim, W):
+    """Seconds per link of a chain of sketch additions (the causal scans' carries) on the cluster.
+
+    Every link is one task that adds a block's total to the carry, as in
+    ``racecpu.dask``; its wall time is the latency a scan pays per block
+    whatever the block's size.  Links alternate between the workers, so a
+    carry crosses between processes at every step (the worst case)."""
+    import dask
+
+    import racecpu
+    import racecpu.dask as rd
+    rng = np.random.default_rng(0)
+    k, v = rng.standard_normal((2, 64, dim), dtype=np.float32)
+    sk = racecpu.sketch(k, v, W)
+    workers = sorted(client.scheduler_info()["workers"])
+    parts = client.scatter([sk] * links, broadcast=True)
+    carry = parts[0]
+    futs = []
+    t0 = time.perf_counter()
+    for i in range(1, links):
+        carry = client.submit(rd._t_add, carry, parts[i], workers=[workers[i % len(workers)]], pure=False)
+        futs.append(carry)
+    carry.result()
+    return (time.perf_counter() - t0) / (links - 1)
 
 
 def in_memory(n, heads, dim, rounds, W):
@@ -145,7 +182,7 @@ def main(argv=None):
     print(f"in-memory at 2^{a.memory_log2n} x {H} heads, {numba.get_num_threads()} threads ...", file=sys.stderr)
     result["in_memory_ns"] = mem = in_memory(2 ** a.memory_log2n, H, a.dim, a.rounds, W)
 
-    result["dask_ns"], result["dask_busy"] = {}, {}
+    result["dask_ns"], result["dask_busy"], result["dask_race"] = {}, {}, {}
     for workers in (1, 2):
         c, client = cluster(workers)
         try:
@@ -154,15 +191,17 @@ def main(argv=None):
             for name, causal, backward in MODES:
                 print(f"dask, {workers} worker(s), {name} ...", file=sys.stderr)
                 runs = [dask_run(client, n, H, a.dim, blk, causal, backward, W) for _ in range(a.rounds)]
-                result["dask_ns"][f"{workers}:{name}"] = statistics.median(w for w, _ in runs) / th * 1e9
-                result["dask_busy"][f"{workers}:{name}"] = statistics.median(b for _, b in runs) / th * 1e9
+                result["dask_ns"][f"{workers}:{name}"] = statistics.median(r[0] for r in runs) / th * 1e9
+                result["dask_busy"][f"{workers}:{name}"] = statistics.median(r[1] for r in runs) / th * 1e9
+                result["dask_race"][f"{workers}:{name}"] = statistics.median(r[2] for r in runs) / th * 1e9
             if workers == 2:
+                result["chain_link_s"] = statistics.median(chain_latency(client, 256, a.dim, W) for _ in range(3))
                 result["overhead"] = {}
                 for lb in (int(x) for x in a.overhead_blocks.split(",")):
                     print(f"dask, 2 workers, causal fwd+bwd, blocks of 2^{lb} ...", file=sys.stderr)
                     runs = [dask_run(client, n, H, a.dim, 2 ** lb, True, True, W) for _ in range(a.rounds)]
-                    wall = statistics.median(w for w, _ in runs)
-                    busy = statistics.median(b for _, b in runs)
+                    wall = statistics.median(r[0] for r in runs)
+                    busy = statistics.median(r[1] for r in runs)
                     result["overhead"][str(lb)] = dict(wall_s=wall, busy_s=busy,
                                                        overhead=(wall * workers - busy) / busy,
                                                        ns_per_token_head=wall / th * 1e9,
@@ -179,11 +218,18 @@ def main(argv=None):
         print(f"{name:16}{mem[name]:11.1f}{one:10.1f}{two:10.1f}{one / (2 * two):10.3f}{mem[name] / two:10.3f}")
     print("(2w vs 1w: parallel efficiency of 2 workers; 2w / mem: dask's throughput as a fraction of the "
           "in-memory call's)")
+    print(f"\nwhere a worker's time went, 1 worker, ns per token-head on one core (in-memory: x 2 threads)")
+    print(f"{'mode':16}{'in-memory':>11}{'racecpu tasks':>15}{'other tasks':>13}{'idle':>8}")
+    for name, _, _ in MODES:
+        key = f"1:{name}"
+        race, busy, wall = result["dask_race"][key], result["dask_busy"][key], result["dask_ns"][key]
+        print(f"{name:16}{2 * mem[name]:11.1f}{race:15.1f}{busy - race:13.1f}{wall - busy:8.1f}")
     print(f"\nscheduler overhead, causal fwd+bwd, 2 workers, 2^{a.log2n} x {H} heads")
     print(f"{'block':>8}{'tasks/head':>12}{'wall s':>9}{'busy s':>9}{'overhead':>10}{'ns/th':>9}")
     for lb, o in result["overhead"].items():
         print(f"{'2^' + lb:>8}{o['tasks_per_head']:12d}{o['wall_s']:9.2f}{o['busy_s']:9.2f}{o['overhead']:10.1%}"
               f"{o['ns_per_token_head']:9.1f}")
+    print(f"\na chain of sketch additions across 2 worker processes: {result['chain_link_s'] * 1e3:.2f} ms per link")
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
