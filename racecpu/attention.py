@@ -83,8 +83,13 @@ def race_attention_fwd(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLi
     """RACE attention forward; returns ``(out, residuals)`` for :func:`race_attention_bwd`.
 
     Arguments are those of :func:`race_attention`, which computes the same
-    ``out`` (bit for bit) without keeping residuals.
+    ``out`` (bit for bit) without keeping residuals.  CuPy ``q`` runs on the
+    GPU (:func:`racecpu.cuda.race_attention_fwd`: device arrays out, and
+    residuals that :func:`race_attention_bwd` sends back to the GPU).
     """
+    if _is_cupy(q):
+        return _gpu("race_attention_fwd", out)(q, k, v, planes, beta, causal=causal, key_mask=key_mask,
+                                               check_finite=check_finite)
     return _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residuals=True)
 
 
@@ -156,7 +161,9 @@ def race_attention_bwd(residuals: Residuals, grad_out: ArrayLike, *,
     Parameters
     ----------
     residuals : Residuals
-        From :func:`race_attention_fwd`.
+        From :func:`race_attention_fwd`.  Those of a forward on CuPy arrays
+        run the backward on the GPU (:func:`racecpu.cuda.race_attention_bwd`:
+        device arrays out; ``out`` and ``dplanes`` are not available there).
     grad_out : array_like, shape like the forward's output
         Cotangent of the output.
     out : tuple of three ndarrays, optional
@@ -180,6 +187,11 @@ def race_attention_bwd(residuals: Residuals, grad_out: ArrayLike, *,
         the compute dtype, the shares are summed in float64 in a fixed
         order, so the bits do not depend on the thread count.
     """
+    if type(residuals).__module__ == "racecpu.cuda":  # from a CuPy forward: the backward runs there too
+        if dplanes:
+            raise NotImplementedError("dplanes=True is not implemented on the GPU (racecpu.cuda) yet; "
+                                      "run the forward and backward on NumPy arrays for the planes' gradient")
+        return _gpu("race_attention_bwd", out)(residuals, grad_out)
     POOL.tick()
     r = residuals
     if not isinstance(r, Residuals):
@@ -299,16 +311,22 @@ def race_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, 
         (``den <= DEN_FLOOR``, e.g. every key masked) gets zeros.
     """
     if _is_cupy(q):
-        if out is not None:
-            raise TypeError("out is for NumPy arrays; CuPy's memory pool already reuses device memory")
-        from . import cuda  # noqa: F401  (the CUDA path registers itself lazily)
-        return cuda.race_attention(q, k, v, planes, beta, causal=causal, key_mask=key_mask,
-                                   check_finite=check_finite)
+        return _gpu("race_attention", out)(q, k, v, planes, beta, causal=causal, key_mask=key_mask,
+                                           check_finite=check_finite)
     return _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residuals=False)[0]
 
 
 def _is_cupy(x):
     return type(x).__module__.split(".")[0] == "cupy"
+
+
+def _gpu(name, out):
+    """``racecpu.cuda``'s function ``name``, for CuPy arrays given to the NumPy API (imported
+    only then: the CPU path never loads numba.cuda)."""
+    if out is not None:
+        raise TypeError("out is for NumPy arrays; CuPy's memory pool already reuses device memory")
+    from . import cuda
+    return getattr(cuda, name)
 
 
 class RaceAttention:

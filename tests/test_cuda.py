@@ -175,6 +175,34 @@ def test_top_level_keeps_numpy_on_the_cpu(rng):
     assert isinstance(racecpu.race_attention(q, k, v, planes), np.ndarray)
 
 
+def test_numpy_api_sends_cupy_input_and_gpu_residuals_to_the_gpu(rng, monkeypatch):
+    """racecpu.race_attention_fwd with CuPy ``q`` calls racecpu.cuda's forward (CuPy is not here:
+    a stand-in whose type lives in ``cupy``, and a recording forward); race_attention_bwd with
+    the GPU forward's residuals runs racecpu.cuda's backward (for real, on the simulator)."""
+    q, k, v, _ = problem(rng, (2,), 10, 10, 4, 3, np.float64)
+    planes = racecpu.hyperplanes(4, 2, 2, seed=8)
+    g = rng.standard_normal(q.shape[:-1] + (3,))
+    out, res = rc.race_attention_fwd(*(cuda.to_device(x) for x in (q, k, v)), planes, 2.0, causal=True)
+    grads = racecpu.race_attention_bwd(res, cuda.to_device(g))
+    assert all(cuda.devicearray.is_cuda_ndarray(x) for x in grads[:3])
+    ref = racecpu.race_attention_bwd(racecpu.race_attention_fwd(q, k, v, planes, 2.0, causal=True)[1], g)
+    for name, a, b in zip(("dq", "dk", "dv"), grads, ref):
+        assert_close(a, b, TOL[np.float64], name)
+    assert abs(grads[3] - ref[3]) <= 1e-9 * max(1.0, abs(ref[3]))
+    with pytest.raises(NotImplementedError, match="dplanes"):
+        racecpu.race_attention_bwd(res, cuda.to_device(g), dplanes=True)
+    with pytest.raises(TypeError, match="out is for NumPy"):
+        racecpu.race_attention_bwd(res, cuda.to_device(g), out=(q, k, v))
+
+    stand_in = type("ndarray", (), {"__module__": "cupy._core.core"})()
+    calls = []
+    monkeypatch.setattr(rc, "race_attention_fwd", lambda *a, **kw: calls.append((a, kw)) or ("out", "res"))
+    assert racecpu.race_attention_fwd(stand_in, k, v, planes, 2.0, causal=True) == ("out", "res")
+    assert calls == [((stand_in, k, v, planes, 2.0), dict(causal=True, key_mask=None, check_finite=True))]
+    with pytest.raises(TypeError, match="out is for NumPy"):
+        racecpu.race_attention_fwd(stand_in, k, v, planes, out=np.empty(3))
+
+
 def test_empty_inputs(rng):
     planes = racecpu.hyperplanes(4, 2, 2)
     q = np.zeros((0, 5, 4), np.float32)
