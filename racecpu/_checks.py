@@ -15,6 +15,7 @@ import numpy as np
 
 from . import _fork
 from . import config
+from ._arrays import ForeignArrayError, as_numpy
 from ._kernels import count_nonfinite
 
 def dtypes(*arrays):
@@ -33,7 +34,9 @@ def check_array(name, x, check_finite, min_ndim=2):
     """
     _fork.check()
     try:
-        x = np.asarray(x)
+        x = as_numpy(name, x)
+    except ForeignArrayError:
+        raise
     except Exception as exc:  # ragged lists and the like
         raise TypeError(f"{name} must be an array of floats: {exc}") from None
     if x.dtype.kind != "f" or x.dtype.itemsize > 8:

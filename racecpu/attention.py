@@ -7,13 +7,14 @@ packs the residuals the backward needs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
 from . import _kernels as K
 from ._kernels.bundles import Grads, Hash, PlanesGrad, Rows, Sums, no_planes_grad
+from ._arrays import namespace_of, to_namespace
 from ._checks import SUMS_OVERFLOW, all_finite, check_array, check_beta, check_derived, check_out, prepare
 from ._memory import POOL
 from .config import DEFAULT_BETA
@@ -71,6 +72,7 @@ class Residuals:
     q: np.ndarray        # (G, Nq, d), for the planes' gradient only
     k: np.ndarray        # (G, Nk, d), for the planes' gradient only
     planes_dtype: np.dtype  # the dtype the planes were given in (their gradient's)
+    namespace: object = None  # the array-API namespace of the forward's q (None: NumPy), for the gradients
 
     @property
     def out_shape(self):
@@ -90,7 +92,11 @@ def race_attention_fwd(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLi
     if _is_cupy(q):
         return _gpu("race_attention_fwd", out)(q, k, v, planes, beta, causal=causal, key_mask=key_mask,
                                                check_finite=check_finite)
-    return _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residuals=True)
+    xp = namespace_of(q)
+    y, res = _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residuals=True)
+    if xp is None:
+        return y, res
+    return (y if out is not None else to_namespace(xp, y)), replace(res, namespace=xp)
 
 
 def _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residuals):
@@ -176,7 +182,9 @@ def race_attention_bwd(residuals: Residuals, grad_out: ArrayLike, *,
     Returns
     -------
     dq, dk, dv : ndarray
-        Gradients, each in the dtype of its input (the ``out`` buffers if given).
+        Gradients, each in the dtype of its input (the ``out`` buffers if
+        given), in the array type of the forward's ``q`` (see
+        :func:`race_attention`'s ``out``).
     dbeta : float
         Gradient w.r.t. beta, summed over every batch, head and token.
     dplanes : ndarray, shape (L, P, d)
@@ -257,11 +265,12 @@ def race_attention_bwd(residuals: Residuals, grad_out: ArrayLike, *,
         dbeta = float(dbq.sum() + dbk.sum())
         if dplanes:
             dW = pg.dWq.sum((0, 1)) + pg.dWk.sum((0, 1))
-    grads = tuple(_deliver(x, buf, shape, dt)
+    xp = r.namespace
+    grads = tuple(to_namespace(xp if buf is None else None, _deliver(x, buf, shape, dt))
                   for x, buf, shape, dt in zip((dq, dk, dv_), out, shapes, (qdt, kdt, vdt))) + (dbeta,)
     if not dplanes:
         return grads
-    return grads + (dW.reshape(r.planes.shape).astype(r.planes_dtype),)
+    return grads + (to_namespace(xp, dW.reshape(r.planes.shape).astype(r.planes_dtype)),)
 
 
 def race_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, beta: float = DEFAULT_BETA, *,
@@ -280,6 +289,9 @@ def race_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, 
     k : array_like, shape (..., Nk, d)
     v : array_like, shape (..., Nk, dv)
         Any number (>= 0) of leading batch/head dims, the same for q, k, v.
+        NumPy arrays, or any array with ``__array__`` or DLPack (torch CPU
+        tensors without grad, JAX CPU arrays, ...), read without a copy where
+        the library allows; CuPy ``q`` runs on the GPU (:mod:`racecpu.cuda`).
     planes : array_like, shape (L, P, d)
         Hyperplanes from :func:`racecpu.hyperplanes` (cast to the compute dtype).
     beta : float, default ``DEFAULT_BETA``
@@ -306,6 +318,9 @@ def race_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, 
     Returns
     -------
     out : ndarray, shape (..., Nq, dv)
+        In ``q``'s array type when it is not NumPy and ``out`` is not given
+        (its array-API namespace through array-api-compat: a torch CPU
+        tensor sharing racecpu's result, a JAX array, ...); else NumPy.
         float32/float64 follow the inputs; float16 computes in float32 and
         returns float16.  A query whose buckets hold no key mass
         (``den <= DEN_FLOOR``, e.g. every key masked) gets zeros.
@@ -313,7 +328,8 @@ def race_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, 
     if _is_cupy(q):
         return _gpu("race_attention", out)(q, k, v, planes, beta, causal=causal, key_mask=key_mask,
                                            check_finite=check_finite)
-    return _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residuals=False)[0]
+    y = _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residuals=False)[0]
+    return y if out is not None else to_namespace(namespace_of(q), y)
 
 
 def _is_cupy(x):

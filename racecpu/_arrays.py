@@ -1,0 +1,74 @@
+"""Other libraries' arrays at the NumPy API's boundary.
+
+Inputs that are not NumPy arrays become NumPy arrays without a copy where
+their library allows it (``__array__``, else DLPack): a torch CPU tensor or a
+JAX CPU array shares its memory.  Results go back into the caller's array
+type through its array-API namespace (``array-api-compat``): a torch CPU
+tensor wraps racecpu's result without a copy (``torch.from_numpy``), other
+libraries get ``xp.asarray(result)``.  CuPy input never reaches here (the
+public functions send it to :mod:`racecpu.cuda`).  A leaf module: NumPy and,
+only when a foreign array arrives, array-api-compat.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class ForeignArrayError(TypeError):
+    """An input that the NumPy API cannot take as it is (the message says what to do instead)."""
+
+
+def _library(x):
+    return type(x).__module__.split(".")[0]
+
+
+def as_numpy(name, x):
+    """``x`` as a NumPy array (no copy where its library allows).
+
+    Raises
+    ------
+    ForeignArrayError
+        For a torch tensor that requires grad (its gradient cannot flow
+        through NumPy: use :mod:`racecpu.torch`) or that is not on the CPU.
+    """
+    if isinstance(x, np.ndarray):
+        return x
+    if _library(x) == "torch":
+        if getattr(x, "requires_grad", False):
+            raise ForeignArrayError(
+                f"{name} is a torch tensor that requires grad, and the NumPy API cannot carry its gradient: use "
+                f"racecpu.torch.race_attention (an op with autograd), or pass {name}.detach()")
+        device = getattr(x, "device", None)
+        if getattr(device, "type", "cpu") != "cpu":
+            raise ForeignArrayError(f"{name} is a torch tensor on {device}: use racecpu.torch.race_attention, "
+                                    f"which runs CUDA tensors on the GPU, or pass {name}.cpu()")
+    if not hasattr(x, "__array__") and hasattr(x, "__dlpack__"):
+        return np.from_dlpack(x)
+    return np.asarray(x)
+
+
+def namespace_of(x):
+    """The array-API namespace that results should be returned in, or None for NumPy.
+
+    None also for lists, scalars and anything array-api-compat does not know
+    (or when it is not installed): those get NumPy arrays back, as before.
+    """
+    if isinstance(x, np.ndarray) or not hasattr(x, "shape") or _library(x) == "numpy":
+        return None
+    try:
+        import array_api_compat
+        return array_api_compat.array_namespace(x)
+    except (ImportError, TypeError):
+        return None
+
+
+def to_namespace(xp, a):
+    """``a`` (a NumPy array, or None) in namespace ``xp`` (None: ``a`` itself)."""
+    if xp is None or a is None:
+        return a
+    import array_api_compat
+    if array_api_compat.is_torch_namespace(xp):
+        import torch
+        return torch.from_numpy(a)  # shares a's memory, as racecpu.torch does with its results
+    return xp.asarray(a)
