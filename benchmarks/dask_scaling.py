@@ -109,8 +109,6 @@ def chain_latency(client, links, dim, W):
     ``racecpu.dask``; its wall time is the latency a scan pays per block
     whatever the block's size.  Links alternate between the workers, so a
     carry crosses between processes at every step (the worst case)."""
-    import dask
-
     import racecpu
     import racecpu.dask as rd
     rng = np.random.default_rng(0)
@@ -129,8 +127,6 @@ def chain_latency(client, links, dim, W):
 
 
 def in_memory(n, heads, dim, rounds, W):
-    import numba
-
     import racecpu
     rng = np.random.default_rng(0)
     q, k, v, g = (rng.standard_normal((heads, n, dim), dtype=np.float32) for _ in range(4))
@@ -149,12 +145,10 @@ def in_memory(n, heads, dim, rounds, W):
 
 
 def cluster(workers):
-    import dask
-    from distributed import Client, LocalCluster
-    cfg = {"distributed.worker.memory.target": False, "distributed.worker.memory.spill": False,
-           "distributed.worker.memory.pause": False, "distributed.worker.memory.terminate": False}
-    with dask.config.set(cfg):
-        c = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None)
+    from distributed import Client
+
+    from racecpu.apps.dask_demo import local_cluster
+    c = local_cluster(workers)
     return c, Client(c)
 
 
@@ -218,12 +212,13 @@ def main(argv=None):
         print(f"{name:16}{mem[name]:11.1f}{one:10.1f}{two:10.1f}{one / (2 * two):10.3f}{mem[name] / two:10.3f}")
     print("(2w vs 1w: parallel efficiency of 2 workers; 2w / mem: dask's throughput as a fraction of the "
           "in-memory call's)")
-    print(f"\nwhere a worker's time went, 1 worker, ns per token-head on one core (in-memory: x 2 threads)")
+    nt = numba.get_num_threads()
+    print(f"\nwhere a worker's time went, 1 worker, ns per token-head on one core (in-memory: x {nt} threads)")
     print(f"{'mode':16}{'in-memory':>11}{'racecpu tasks':>15}{'other tasks':>13}{'idle':>8}")
     for name, _, _ in MODES:
         key = f"1:{name}"
         race, busy, wall = result["dask_race"][key], result["dask_busy"][key], result["dask_ns"][key]
-        print(f"{name:16}{2 * mem[name]:11.1f}{race:15.1f}{busy - race:13.1f}{wall - busy:8.1f}")
+        print(f"{name:16}{nt * mem[name]:11.1f}{race:15.1f}{busy - race:13.1f}{wall - busy:8.1f}")
     print(f"\nscheduler overhead, causal fwd+bwd, 2 workers, 2^{a.log2n} x {H} heads")
     print(f"{'block':>8}{'tasks/head':>12}{'wall s':>9}{'busy s':>9}{'overhead':>10}{'ns/th':>9}")
     for lb, o in result["overhead"].items():

@@ -85,9 +85,27 @@ def seeded_inputs(tokens, heads, dim, block, seed=0):
     return tuple(stacked_view(X, i) for i in range(4)) + (_source(shape, int(seed)),)
 
 
-def _keys(collection, prefix):
+def _keys(collection, prefixes):
+    """The collection's graph (a dict) and its keys that start with one of ``prefixes``."""
     graph = dict(collection.__dask_graph__())
-    return graph, [k for k in graph if isinstance(k, str) and k.startswith(prefix)]
+    return graph, [k for k in graph if isinstance(k, str) and k.startswith(prefixes)]
+
+
+#: Workers that never spill, pause or restart for memory: racecpu's tasks bound their own rows,
+#: and spilling would write blocks to the disk the results go to.
+NO_SPILL = {"distributed.worker.memory.target": False, "distributed.worker.memory.spill": False,
+            "distributed.worker.memory.pause": False, "distributed.worker.memory.terminate": False}
+
+
+def local_cluster(n_workers=None):
+    """A ``LocalCluster`` of ``n_workers`` (default: one per core) single-threaded worker processes
+    configured with :data:`NO_SPILL`."""
+    import dask
+    from distributed import LocalCluster
+
+    with dask.config.set(NO_SPILL):
+        return LocalCluster(n_workers=n_workers or os.cpu_count() or 1, threads_per_worker=1, processes=True,
+                            dashboard_address=None)
 
 
 def _incoming(dask_worker):
@@ -180,9 +198,8 @@ def demo(tokens=2 ** 24, heads=None, dim=128, directory="racecpu-dask", schedule
         work stealing moved), one block's state bytes, disk bytes, dbeta and
         the check's max abs errors.
     """
-    import dask
     import zarr
-    from distributed import Client, LocalCluster, futures_of
+    from distributed import Client, futures_of
 
     from .. import dask as rd
     from ..attention import race_attention_bwd, race_attention_fwd
@@ -204,58 +221,46 @@ def demo(tokens=2 ** 24, heads=None, dim=128, directory="racecpu-dask", schedule
     stores = [_zarr_array(zarr, os.path.join(directory, n), (heads, tokens, dim), (1, block, dim))
               for n in _OUTPUTS]
 
-    # Workers must not spill: every phase's rows are bounded by construction, and spilling would
-    # write blocks to the same disk as the results.
-    cfg = {"distributed.worker.memory.target": False, "distributed.worker.memory.spill": False,
-           "distributed.worker.memory.pause": False, "distributed.worker.memory.terminate": False}
-    with dask.config.set(cfg):
-        cluster = None
-        if scheduler is None:
-            cluster = LocalCluster(n_workers=n_workers or os.cpu_count() or 1, threads_per_worker=1,
-                                   processes=True, dashboard_address=None)
-        client = Client(cluster if cluster is not None else scheduler)
-        try:
-            workers = len(client.scheduler_info()["workers"])
-            # Every worker loads (or compiles) the kernels before the clock starts.
-            wq, wk, wv, wg, _ = seeded_inputs(4 * 1024 + 5, 1, dim, 1024, seed + 1)
-            wo, wr = rd.race_attention_fwd(wq, wk, wv, W, beta, causal=True)
-            client.run(_warm, W, beta)
-            client.compute([wo, *rd.race_attention_bwd(wr, wg)], sync=True)
-            client.run(_clear_log)
-            client.run(_reset_peak)
+    # Every phase's rows are bounded by construction: the workers of a local cluster never spill.
+    cluster = local_cluster(n_workers) if scheduler is None else None
+    client = Client(cluster if cluster is not None else scheduler)
+    try:
+        workers = len(client.scheduler_info()["workers"])
+        client.run(_warm, W, beta)  # every worker loads (or compiles) the kernels before the clock starts
+        client.run(_clear_log)
+        client.run(_reset_peak)
 
-            Q, K, V, G, src = seeded_inputs(tokens, heads, dim, block, seed)
-            t = {}
-            t0 = time.perf_counter()
-            out, res = rd.race_attention_fwd(Q, K, V, W, beta, causal=True)
-            carries = [c for b in res.states.values() for c in b if c is not None]
-            kept = client.persist(carries)
-            _wait(futures_of(kept), progress, "1/4 forward: block totals and carried-in states")
-            t["states"] = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            f_out = client.compute(da_store(out, stores[0]))
-            _wait([f_out], progress, "2/4 forward: outputs")
-            t["forward"] = time.perf_counter() - t1
-            dq, dk, dv, dbeta = rd.race_attention_bwd(res, G)
-            t2 = time.perf_counter()
-            graph, rkeys = _keys(dq, "race-rcarry-")
-            _, dkeys = _keys(dq, "race-dstate-")
-            rfut = client.get(graph, rkeys + dkeys, sync=False) if rkeys or dkeys else []
-            _wait(list(rfut), progress, "3/4 backward: reverse carries")
-            t["reverse"] = time.perf_counter() - t2
-            t3 = time.perf_counter()
-            f_grads = client.compute([da_store(x, s) for x, s in zip((dq, dk, dv), stores[1:])] + [dbeta])
-            _wait(f_grads, progress, "4/4 backward: gradients")
-            t["backward"] = time.perf_counter() - t3
-            total = time.perf_counter() - t0
-            db = float(f_grads[-1].result())
-            del kept, rfut, f_out, f_grads
-            peaks = client.run(_peak)
-            moved = client.run(_incoming)
-        finally:
-            client.close()
-            if cluster is not None:
-                cluster.close()
+        Q, K, V, G, src = seeded_inputs(tokens, heads, dim, block, seed)
+        t = {}
+        t0 = time.perf_counter()
+        out, res = rd.race_attention_fwd(Q, K, V, W, beta, causal=True)
+        carries = [c for b in res.states.values() for c in b if c is not None]
+        kept = client.persist(carries)
+        _wait(futures_of(kept), progress, "1/4 forward: block totals and carried-in states")
+        t["states"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        f_out = client.compute(da_store(out, stores[0]))
+        _wait([f_out], progress, "2/4 forward: outputs")
+        t["forward"] = time.perf_counter() - t1
+        dq, dk, dv, dbeta = rd.race_attention_bwd(res, G)
+        t2 = time.perf_counter()
+        graph, rkeys = _keys(dq, ("race-rcarry-", "race-dstate-"))
+        rfut = client.get(graph, rkeys, sync=False) if rkeys else []
+        _wait(list(rfut), progress, "3/4 backward: reverse carries")
+        t["reverse"] = time.perf_counter() - t2
+        t3 = time.perf_counter()
+        f_grads = client.compute([da_store(x, s) for x, s in zip((dq, dk, dv), stores[1:])] + [dbeta])
+        _wait(f_grads, progress, "4/4 backward: gradients")
+        t["backward"] = time.perf_counter() - t3
+        total = time.perf_counter() - t0
+        db = float(f_grads[-1].result())
+        del kept, rfut, f_out, f_grads
+        peaks = client.run(_peak)
+        moved = client.run(_incoming)
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
 
     m = dict(tokens=tokens, heads=heads, dim=dim, block=block, workers=workers, num_planes=num_planes,
              num_tables=num_tables, beta=beta, seconds_states=t["states"], seconds_forward=t["forward"],
@@ -278,12 +283,15 @@ def demo(tokens=2 ** 24, heads=None, dim=128, directory="racecpu-dask", schedule
 
 
 def _warm(W, beta):
-    """Load the kernels in a worker (each worker process compiles or loads its own)."""
-    from ..attention import race_attention_bwd, race_attention_fwd
+    """Load, in a worker, the kernels of the sketch functions that racecpu.dask's causal tasks call
+    (each worker process compiles or loads its own)."""
+    from .. import sketches as S
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((4, 1, 4 * 1024 + 5, W.shape[-1])).astype(np.float32)
-    o, r = race_attention_fwd(x[0], x[1], x[2], W, beta, causal=True)
-    race_attention_bwd(r, x[3])
+    q, k, v, g = rng.standard_normal((4, 1, 4 * 1024 + 5, W.shape[-1])).astype(np.float32)
+    st = S.sketch(k, v, W, beta)
+    S.causal_block(q, k, v, W, beta, st)
+    dst = S.causal_block_dstate(q, k, v, W, beta, g, st)
+    S.causal_block_bwd(q, k, v, W, beta, g, st, dst)
     return True
 
 
