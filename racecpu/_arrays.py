@@ -5,7 +5,8 @@ their library allows it (``__array__``, else DLPack): a torch CPU tensor or a
 JAX CPU array shares its memory.  Results go back into the caller's array
 type through its array-API namespace (``array-api-compat``): a torch CPU
 tensor wraps racecpu's result without a copy (``torch.from_numpy``), other
-libraries get ``xp.asarray(result)``.  CuPy input never reaches here (the
+libraries get ``xp.asarray(result)``.  bfloat16 crosses as ml_dtypes'
+bfloat16 (a view of the same memory), where ml_dtypes is installed.  CuPy input never reaches here (the
 public functions send it to :mod:`racecpu.cuda`).  A leaf module: NumPy and,
 only when a foreign array arrives, array-api-compat.
 """
@@ -21,6 +22,34 @@ class ForeignArrayError(TypeError):
 
 def _library(x):
     return type(x).__module__.split(".")[0]
+
+
+def bfloat16():
+    """ml_dtypes' bfloat16 NumPy dtype, or None where ml_dtypes is not installed."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        return None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def torch_to_numpy(t):
+    """A NumPy view of CPU tensor ``t`` (detached), bfloat16 as ml_dtypes' bfloat16;
+    None for a bfloat16 tensor where ml_dtypes is missing."""
+    import torch
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        bf16 = bfloat16()
+        return None if bf16 is None else t.view(torch.int16).numpy().view(bf16)
+    return t.resolve_conj().resolve_neg().numpy()
+
+
+def numpy_to_torch(a):
+    """``torch.from_numpy(a)`` (shares ``a``'s memory), ml_dtypes' bfloat16 as torch.bfloat16."""
+    import torch
+    if a.dtype.itemsize == 2 and a.dtype.name == "bfloat16":
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
 
 
 def as_numpy(name, x):
@@ -43,6 +72,11 @@ def as_numpy(name, x):
         if getattr(device, "type", "cpu") != "cpu":
             raise ForeignArrayError(f"{name} is a torch tensor on {device}: use racecpu.torch.race_attention, "
                                     f"which runs CUDA tensors on the GPU, or pass {name}.cpu()")
+        a = torch_to_numpy(x)
+        if a is None:
+            raise ForeignArrayError(f"{name} is a bfloat16 torch tensor: NumPy needs ml_dtypes for bfloat16 "
+                                    f"(pip install ml_dtypes), or pass {name}.float()")
+        return a
     if not hasattr(x, "__array__") and hasattr(x, "__dlpack__"):
         return np.from_dlpack(x)
     return np.asarray(x)
@@ -69,6 +103,5 @@ def to_namespace(xp, a):
         return a
     import array_api_compat
     if array_api_compat.is_torch_namespace(xp):
-        import torch
-        return torch.from_numpy(a)  # shares a's memory, as racecpu.torch does with its results
+        return numpy_to_torch(a)  # shares a's memory, as racecpu.torch does with its results
     return xp.asarray(a)

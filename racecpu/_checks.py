@@ -17,13 +17,59 @@ from . import _fork
 from . import config
 from ._arrays import ForeignArrayError, as_numpy
 from ._kernels import count_nonfinite
+from ._kernels.convert import BFLOAT16, FLOAT16, narrow, widen
+from ._memory import POOL
+
+
+def half_format(dtype):
+    """The 16-bit format of ``dtype`` (:mod:`._kernels.convert`'s ``FLOAT16`` or
+    ``BFLOAT16``, ml_dtypes' bfloat16 matched by name), or None for any other dtype."""
+    dtype = np.dtype(dtype)
+    if dtype == np.float16:
+        return FLOAT16
+    if dtype.itemsize == 2 and dtype.name == "bfloat16":
+        return BFLOAT16
+    return None
+
 
 def dtypes(*arrays):
-    """(compute dtype, output dtype) of float inputs: float16 computes in float32."""
-    dt = np.result_type(*arrays)
-    if dt == np.float16:
-        return np.dtype(np.float32), np.dtype(np.float16)
-    return dt, dt
+    """(compute dtype, output dtype) of float inputs.
+
+    16-bit inputs (float16, bfloat16) compute in float32 and return their own
+    dtype when they all share it; mixed 16-bit dtypes return float32; with a
+    float32/float64 input the widest of those computes and is returned.
+    """
+    dts = [np.dtype(getattr(a, "dtype", a)) for a in arrays]
+    wide = [dt for dt in dts if half_format(dt) is None]
+    if wide:
+        dt = np.result_type(*wide)
+        return dt, dt
+    f32 = np.dtype(np.float32)
+    return f32, (dts[0] if all(dt == dts[0] for dt in dts) else f32)
+
+
+def widened(x, cdt):
+    """``x`` (any float dtype) as a C-contiguous array of the compute dtype ``cdt``:
+    ``x`` itself where it already is one; 16-bit ``x`` widened to float32 on
+    every core into a pooled array (NumPy converts float16 a value at a time
+    and bfloat16 through ml_dtypes)."""
+    fmt = half_format(x.dtype)
+    if fmt is None or cdt != np.float32:
+        return np.ascontiguousarray(x, dtype=cdt)
+    x = np.ascontiguousarray(x)
+    y = POOL.empty(x.shape, np.float32)
+    widen(x.reshape(-1).view(np.uint16), y.reshape(-1).view(np.uint32), fmt)
+    return y
+
+
+def narrowed(x, dtype, out=None):
+    """Float32 ``x`` (C-contiguous) in the 16-bit ``dtype``, on every core, as an
+    array from the pool (as the NumPy API's float32 results are) or written into
+    ``out`` (C-contiguous, of that dtype and shape)."""
+    if out is None:
+        out = POOL.empty(x.shape, np.uint16).view(dtype)
+    narrow(x.reshape(-1).view(np.uint32), out.reshape(-1).view(np.uint16), half_format(dtype))
+    return out
 
 
 def check_array(name, x, check_finite, min_ndim=2):
@@ -39,20 +85,22 @@ def check_array(name, x, check_finite, min_ndim=2):
         raise
     except Exception as exc:  # ragged lists and the like
         raise TypeError(f"{name} must be an array of floats: {exc}") from None
-    if x.dtype.kind != "f" or x.dtype.itemsize > 8:
-        raise TypeError(f"{name} must be a float16, float32 or float64 array, got dtype {x.dtype}; "
+    if (x.dtype.kind != "f" or x.dtype.itemsize > 8) and half_format(x.dtype) is None:
+        raise TypeError(f"{name} must be a float16, bfloat16, float32 or float64 array, got dtype {x.dtype}; "
                         f"pass {name}.astype(np.float32)")
     if x.ndim < min_ndim:
         raise ValueError(f"{name} must have at least {min_ndim} dims (..., N, d), got shape {x.shape}")
     if check_finite and not all_finite(x):
         raise ValueError(f"{name} contains NaN or Inf (pass check_finite=False to skip this check)")
-    cdt = np.dtype(np.float32) if x.dtype == np.float16 else x.dtype
+    cdt = np.dtype(np.float32) if half_format(x.dtype) is not None else x.dtype
     return x, x.dtype, cdt
 
 
 def check_planes(planes, d, cdt):
     _fork.check()  # the out-of-core entry points check no array with check_array
     planes = np.asarray(planes)
+    if half_format(planes.dtype) is not None:
+        planes = planes.astype(np.float32)
     if planes.dtype.kind not in "fiu" or planes.dtype.kind == "b":
         raise TypeError(f"planes must be a float array (L, P, d), got dtype {planes.dtype}")
     if planes.ndim != 3:
@@ -87,14 +135,23 @@ def check_beta(beta):
     return b
 
 
-_EXP_BITS = {4: (np.uint32, 0x7F800000), 8: (np.uint64, 0x7FF0000000000000)}
+def _exponent_bits(dtype):
+    """(unsigned int type, mask of the exponent bits) of a float dtype, or None."""
+    fmt = half_format(dtype)
+    if fmt is not None:
+        return np.uint16, 0x7C00 if fmt == FLOAT16 else 0x7F80
+    return {np.dtype(np.float32): (np.uint32, 0x7F800000),
+            np.dtype(np.float64): (np.uint64, 0x7FF0000000000000)}.get(np.dtype(dtype))
 
 
 def all_finite(x):
-    """np.isfinite(x).all(), on every core and without a temporary for big float32/64 arrays."""
-    if x.size < 1 << 16 or x.dtype.itemsize not in _EXP_BITS or not x.flags.c_contiguous:
+    """np.isfinite(x).all(), on every core and without a temporary for big float arrays."""
+    bits = _exponent_bits(x.dtype)
+    if x.size < 1 << 16 or bits is None or not x.flags.c_contiguous:
+        if half_format(x.dtype) == BFLOAT16:
+            x = x.astype(np.float32)
         return bool(np.isfinite(x).all())
-    ut, mask = _EXP_BITS[x.dtype.itemsize]
+    ut, mask = bits
     return count_nonfinite(x.reshape(-1).view(ut), ut(mask)) == 0
 
 
@@ -111,6 +168,7 @@ class Args:
     in_dtypes: tuple
     causal: bool
     check_finite: bool
+    given: tuple  # q, k, v flattened to (G, N, d) in their own dtypes: q, k, v themselves unless 16-bit
 
 
 def check_args(q, k, v, planes, beta, causal, key_mask):
@@ -166,11 +224,9 @@ def prepare(q, k, v, planes, beta, causal, key_mask, check_finite, defer=False):
     else:
         mask = np.ascontiguousarray(np.asarray(key_mask).reshape(G, nk))
 
-    def flat(x):
-        return np.ascontiguousarray(x.reshape((G,) + x.shape[-2:]), dtype=cdt)
-
-    return Args(flat(q), flat(k), flat(v), mask, planes, beta, lead, odt, (qdt, kdt, vdt),
-                 bool(causal), bool(check_finite))
+    given = tuple(x.reshape((G,) + x.shape[-2:]) for x in (q, k, v))
+    return Args(*(widened(x, cdt) for x in given), mask, planes, beta, lead, odt, (qdt, kdt, vdt),
+                bool(causal), bool(check_finite), given)
 
 
 #: Why a finite v or grad_out whose sums are not finite is an error (:func:`check_derived`).

@@ -15,7 +15,8 @@ from numpy.typing import ArrayLike, DTypeLike
 from . import _kernels as K
 from ._kernels.bundles import Grads, Hash, PlanesGrad, Rows, Sums, no_planes_grad
 from ._arrays import namespace_of, to_namespace
-from ._checks import SUMS_OVERFLOW, all_finite, check_array, check_beta, check_derived, check_out, prepare
+from ._checks import (SUMS_OVERFLOW, all_finite, check_array, check_beta, check_derived, check_out, half_format,
+                      narrowed, prepare, widened)
 from ._memory import POOL
 from .config import DEFAULT_BETA
 from .hashing import hyperplanes
@@ -33,7 +34,17 @@ def _target(out, shape, cdt):
 
 
 def _deliver(result, out, shape, dtype):
-    """``result`` as the caller's ``out`` (copied in unless it already is it) or as a new array."""
+    """``result`` as the caller's ``out`` (copied in unless it already is it) or as a new
+    array, in ``dtype`` (16-bit dtypes narrowed from float32 on every core)."""
+    if half_format(dtype) is not None and result.dtype == np.float32:
+        if out is not None and out.flags.c_contiguous:
+            narrowed(result.reshape(shape), dtype, out)
+            return out
+        y = narrowed(result.reshape(shape), dtype)
+        if out is None:
+            return y
+        out[...] = y
+        return out
     if out is None:
         return result.reshape(shape).astype(dtype, copy=False)
     if not np.may_share_memory(result, out):
@@ -48,16 +59,17 @@ class Residuals:
     Holds O(N * L * R) numbers per head (soft buckets, tanh projections, the
     denominators) plus the O(L * R * dv) sketch or, for causal attention, the
     carried state at every chunk start.  ``v``, ``q`` and ``k`` are kept by
-    reference (in the compute dtype, flattened to ``(G, N, d)``: the caller's
-    own arrays where those are C-contiguous in it): do not modify them
-    between forward and backward.  Only the planes' gradient
-    (``race_attention_bwd(..., dplanes=True)``) reads ``q`` and ``k``.
+    reference (flattened to ``(G, N, d)``: the caller's own arrays where
+    those are C-contiguous in the compute dtype or are 16-bit, which the
+    backward widens again): do not modify them between forward and backward.
+    Only the planes' gradient (``race_attention_bwd(..., dplanes=True)``)
+    reads ``q`` and ``k``.
     """
     planes: np.ndarray
     beta: float
     causal: bool
     chunk: int
-    v: np.ndarray        # (G, Nk, dv)
+    v: np.ndarray        # (G, Nk, dv), compute dtype or 16-bit
     phiq: np.ndarray     # (G, Nq, F)
     tq: np.ndarray       # (G, Nq, L*P)
     phik: np.ndarray     # (G, Nk, F)
@@ -69,8 +81,8 @@ class Residuals:
     in_dtypes: tuple
     out_dtype: np.dtype
     check_finite: bool
-    q: np.ndarray        # (G, Nq, d), for the planes' gradient only
-    k: np.ndarray        # (G, Nk, d), for the planes' gradient only
+    q: np.ndarray        # (G, Nq, d), compute dtype or 16-bit, for the planes' gradient only
+    k: np.ndarray        # (G, Nk, d), compute dtype or 16-bit, for the planes' gradient only
     planes_dtype: np.dtype  # the dtype the planes were given in (their gradient's)
     namespace: object = None  # the array-API namespace of the forward's q (None: NumPy), for the gradients
 
@@ -154,8 +166,11 @@ def _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residua
     if not residuals:
         return y, None
     pdt = np.asarray(planes).dtype
-    return y, Residuals(a.planes, a.beta, a.causal, base, a.v, phiq, tq, phik, tk, den, A, B,
-                        a.lead, a.in_dtypes, a.out_dtype, a.check_finite, a.q, a.k,
+    # 16-bit inputs: the caller's arrays, not the widened copies (half the memory held until the backward)
+    kq, kk, kv = (given if half_format(given.dtype) is not None else x
+                  for given, x in zip(a.given, (a.q, a.k, a.v)))
+    return y, Residuals(a.planes, a.beta, a.causal, base, kv, phiq, tq, phik, tk, den, A, B,
+                        a.lead, a.in_dtypes, a.out_dtype, a.check_finite, kq, kk,
                         pdt if pdt.kind == "f" else np.dtype(cdt))
 
 
@@ -229,7 +244,8 @@ def race_attention_bwd(residuals: Residuals, grad_out: ArrayLike, *,
     except (TypeError, ValueError):
         check_array("grad_out", g, r.check_finite)  # errors in the eager order: grad_out's NaN first
         raise
-    g = np.ascontiguousarray(g.reshape(G, nq, dv), dtype=cdt)
+    g = widened(g.reshape(G, nq, dv), cdt)
+    v = widened(r.v, cdt)
     chunk = r.chunk
     ncq, nck = -(-nq // chunk), -(-nk // chunk)
     hsh, rows = Hash(r.planes, r.beta), Rows(r.phiq, r.tq, r.phik, r.tk, r.den)
@@ -244,7 +260,7 @@ def race_attention_bwd(residuals: Residuals, grad_out: ArrayLike, *,
             x[...] = 0
     else:
         if dplanes:  # per-chunk shares, summed below in a fixed order
-            pg = PlanesGrad(r.q, r.k, POOL.empty((G, ncq, LP, d), np.float64), POOL.empty((G, nck, LP, d), np.float64))
+            pg = PlanesGrad(widened(r.q, cdt), widened(r.k, cdt), POOL.empty((G, ncq, LP, d), np.float64), POOL.empty((G, nck, LP, d), np.float64))
         else:
             pg = no_planes_grad(g, G, ncq, nck, d)
         partdA = POOL.zeros((G, ncq, F))
@@ -254,14 +270,14 @@ def race_attention_bwd(residuals: Residuals, grad_out: ArrayLike, *,
         if r.causal:
             dB = POOL.zeros((G, F, dv))  # the scan's total of dB, for the check of grad_out
             grads = Grads(dq, dk, dv_, POOL.zeros((G, nq)), dbq, dbk, pg)
-            K.causal_backward(g, r.v, rows, Sums(r.A, r.B), hsh, chunk, grads, Sums(partdA, partdB), final=dB)
+            K.causal_backward(g, v, rows, Sums(r.A, r.B), hsh, chunk, grads, Sums(partdA, partdB), final=dB)
             check_derived(r.check_finite, ("grad_out", g, all_finite(dB), SUMS_OVERFLOW))
         else:
             grads = Grads(dq, dk, dv_, POOL.zeros((G, 0)), dbq, dbk, pg)
-            K.queries_bwd(g, r.v, rows, Sums(r.A, r.B.astype(cdt)), hsh, chunk, grads, Sums(partdA, partdB))
+            K.queries_bwd(g, v, rows, Sums(r.A, r.B.astype(cdt)), hsh, chunk, grads, Sums(partdA, partdB))
             dB = partdB.sum(1)
             check_derived(r.check_finite, ("grad_out", g, all_finite(dB), SUMS_OVERFLOW))  # before the keys' backward
-            K.keys_bwd(r.v, rows, Sums(partdA.sum(1), dB.astype(cdt)), hsh, chunk, grads)
+            K.keys_bwd(v, rows, Sums(partdA.sum(1), dB.astype(cdt)), hsh, chunk, grads)
         dbeta = float(dbq.sum() + dbk.sum())
         if dplanes:
             dW = pg.dWq.sum((0, 1)) + pg.dWk.sum((0, 1))

@@ -46,7 +46,7 @@ import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
 from . import _kernels as K
-from ._checks import SUMS_OVERFLOW, all_finite, check_array, check_beta, check_derived, check_planes, prepare
+from ._checks import SUMS_OVERFLOW, all_finite, check_array, check_beta, check_derived, check_planes, dtypes, prepare
 from ._kernels.bundles import Grads, Hash, Rows, Sums, no_planes_grad
 from ._memory import POOL
 from .config import DEFAULT_BETA
@@ -224,7 +224,7 @@ def _keys(k, v, planes, beta, key_mask, check_finite, dtype):
         raise TypeError(f"dtype must be float32 or float64, got {cdt}")
     kk, vv = (np.ascontiguousarray(x, dtype=cdt) for x in (a.k, a.v))
     W = check_planes(planes, kk.shape[2], cdt)
-    return kk, vv, a.mask, W, a.beta, a.lead, cdt, np.result_type(*a.in_dtypes[1:])
+    return kk, vv, a.mask, W, a.beta, a.lead, cdt, dtypes(*a.in_dtypes[1:])[1]
 
 
 def _check_state(state, what, planes, beta, lead, dv):
@@ -516,7 +516,7 @@ def causal_block(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, be
                       ("v", a.v, all_finite(B1), SUMS_OVERFLOW))
     R = 2 ** P
     st = Sketch(A1.reshape(a.lead + (L, R)), B1.reshape(a.lead + (L, R, dv)), np.asarray(planes), a.beta, cdt,
-                np.result_type(*a.in_dtypes))
+                dtypes(*a.in_dtypes)[1])
     return o.reshape(a.lead + (n, dv)).astype(a.out_dtype, copy=False), st
 
 
@@ -561,7 +561,7 @@ def _causal_backward(q, k, v, planes, beta, grad_out, initial_state, dfinal_stat
         check_array("grad_out", g, check_finite)
     R = 2 ** P
     dstate = Sketch(dA0.reshape(a.lead + (L, R)), dB0.reshape(a.lead + (L, R, dv)), np.asarray(planes), a.beta,
-                    cdt, np.result_type(*a.in_dtypes))
+                    cdt, dtypes(*a.in_dtypes)[1])
     if queries_only:
         return dstate
     qdt, kdt, vdt = a.in_dtypes

@@ -284,7 +284,7 @@ def test_backward_errors(rng):
         assert str(got.value) == str(want.value)
     with pytest.raises(TypeError, match="racecpu.cuda.race_attention_fwd"):
         rc.race_attention_bwd(rres, np.ones(out.shape, np.float32))
-    with pytest.raises(TypeError, match="must be an array of floats|float16, float32 or float64"):
+    with pytest.raises(TypeError, match="must be an array of floats|float16, bfloat16, float32 or float64|float16, float32 or float64"):
         rc.soft_buckets(cuda.to_device(np.zeros((3, 4), np.int32)), a["planes"])
 
 

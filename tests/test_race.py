@@ -768,7 +768,7 @@ def test_dtype_rules(rng):
 @pytest.mark.parametrize("bad", [np.int64, np.bool_, np.complex128])
 def test_non_float_inputs_are_type_errors(rng, bad):
     q, k, v, W = make(rng, (1,), 5, 5, 4, 3)
-    with pytest.raises(TypeError, match="k must be a float16, float32 or float64 array.*astype"):
+    with pytest.raises(TypeError, match="k must be a float16, bfloat16, float32 or float64 array.*astype"):
         racecpu.race_attention(q, k.astype(bad), v, W)
 
 

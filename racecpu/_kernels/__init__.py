@@ -29,6 +29,8 @@ The modules, bottom up (each imports only those above it):
 * :mod:`.runtime` -- running (group, chunk) tasks on all threads (:func:`run_tasks`),
   BLAS kept on one thread inside them (:func:`blas_tasks`), subnormals flushed,
   and the parallel NaN/Inf count of the input check.
+* :mod:`.convert` -- 16-bit floats (bfloat16, float16) to float32 and back,
+  on the bits, on every core (16-bit inputs compute in float32).
 * :mod:`.expmath` -- a branch-free exp of non-positive arguments that vectorises.
 * :mod:`.products` -- the small matrix products every kernel is made of.
 * :mod:`.hash` -- the soft hash of a block of rows and its backward.
