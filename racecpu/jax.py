@@ -15,8 +15,9 @@ the gradients are the NumPy API's, bit for bit).  The forward itself calls
 :func:`racecpu.race_attention`, which keeps no residuals.
 
 The arrays cross to the host as the callback's NumPy arrays (on the CPU
-backend, XLA's buffers).  float16 computes in float32 as in the NumPy API;
-bfloat16 is converted to float32 and back (copies).
+backend, XLA's buffers).  float16 and bfloat16 (ml_dtypes, which JAX
+ships with) compute in float32 as in the NumPy API: widened and narrowed on
+every core, results in the inputs' dtype.
 """
 
 import functools
@@ -32,8 +33,7 @@ __all__ = ["race_attention"]
 
 
 def _host(x):
-    x = np.asarray(x)
-    return x.astype(np.float32) if x.dtype.name == "bfloat16" else x
+    return np.asarray(x)
 
 
 def _fwd_host(causal, has_mask, q, k, v, planes, beta, mask):
@@ -42,42 +42,47 @@ def _fwd_host(causal, has_mask, q, k, v, planes, beta, mask):
     return out.astype(v.dtype, copy=False)
 
 
-def _bwd_host(causal, has_mask, q, k, v, planes, beta, mask, g):
+def _bwd_host(causal, has_mask, learn_planes, q, k, v, planes, beta, mask, g):
     _, res = _api.race_attention_fwd(_host(q), _host(k), _host(v), _host(planes), float(beta), causal=causal,
                                      key_mask=mask if has_mask else None)
-    dq, dk, dv, dbeta = _api.race_attention_bwd(res, _host(g))
+    if learn_planes:
+        dq, dk, dv, dbeta, dW = _api.race_attention_bwd(res, _host(g), dplanes=True)
+        dW = np.asarray(dW).astype(planes.dtype, copy=False)
+    else:
+        dq, dk, dv, dbeta = _api.race_attention_bwd(res, _host(g))
+        dW = np.zeros(planes.shape, planes.dtype)
     return (dq.astype(q.dtype, copy=False), dk.astype(k.dtype, copy=False), dv.astype(v.dtype, copy=False),
-            np.asarray(dbeta, dtype=beta.dtype))
+            np.asarray(dbeta, dtype=beta.dtype), dW)
 
 
 def _sds(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _race(causal, has_mask, q, k, v, planes, beta, mask):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _race(causal, has_mask, learn_planes, q, k, v, planes, beta, mask):
     shape = jax.ShapeDtypeStruct(q.shape[:-1] + v.shape[-1:], v.dtype)
     return jax.pure_callback(functools.partial(_fwd_host, causal, has_mask), shape, q, k, v, planes, beta, mask,
                              vmap_method="sequential")
 
 
-def _race_fwd(causal, has_mask, q, k, v, planes, beta, mask):
-    return _race(causal, has_mask, q, k, v, planes, beta, mask), (q, k, v, planes, beta, mask)
+def _race_fwd(causal, has_mask, learn_planes, q, k, v, planes, beta, mask):
+    return _race(causal, has_mask, learn_planes, q, k, v, planes, beta, mask), (q, k, v, planes, beta, mask)
 
 
-def _race_bwd(causal, has_mask, saved, g):
+def _race_bwd(causal, has_mask, learn_planes, saved, g):
     q, k, v, planes, beta, mask = saved
-    dq, dk, dv, dbeta = jax.pure_callback(functools.partial(_bwd_host, causal, has_mask),
-                                          (_sds(q), _sds(k), _sds(v), _sds(beta)), q, k, v, planes, beta, mask,
-                                          g, vmap_method="sequential")
-    # planes are constants (zero cotangent); the mask is boolean (float0 cotangent)
-    return dq, dk, dv, jnp.zeros_like(planes), dbeta, np.zeros(mask.shape, dtype=jax.dtypes.float0)
+    dq, dk, dv, dbeta, dW = jax.pure_callback(functools.partial(_bwd_host, causal, has_mask, learn_planes),
+                                              (_sds(q), _sds(k), _sds(v), _sds(beta), _sds(planes)), q, k, v,
+                                              planes, beta, mask, g, vmap_method="sequential")
+    # without learn_planes the planes' cotangent is zero; the mask is boolean (float0 cotangent)
+    return dq, dk, dv, dW, dbeta, np.zeros(mask.shape, dtype=jax.dtypes.float0)
 
 
 _race.defvjp(_race_fwd, _race_bwd)
 
 
-def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None):
+def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None, learn_planes=False):
     """RACE attention on JAX arrays (see :func:`racecpu.race_attention`), differentiable in reverse mode.
 
     Parameters
@@ -88,8 +93,8 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
         The same leading dims; float16, bfloat16, float32 or float64 (float64
         needs ``jax_enable_x64``).
     planes : array_like, shape (L, P, d)
-        From :func:`racecpu.hyperplanes`.  Treated as constants: their
-        cotangent is zero.
+        From :func:`racecpu.hyperplanes`.  Constants (zero cotangent) unless
+        ``learn_planes``.
     beta : float or scalar array
         Soft-hash temperature (> 0); differentiable (its cotangent is the
         NumPy API's ``dbeta``, in ``beta``'s dtype).
@@ -97,6 +102,9 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
         Query i sees keys j <= i (needs Nq == Nk).
     key_mask : bool array, shape (..., Nk), optional
         False keys contribute nothing.
+    learn_planes : bool (static)
+        The planes' cotangent is :func:`racecpu.race_attention_bwd`'s
+        ``dplanes`` (learnable hash planes; costs the backward ~15-20 %).
 
     Returns
     -------
@@ -111,4 +119,4 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
         beta = beta.reshape(())  # one element, or a clear reshape error
     has_mask = key_mask is not None
     mask = jnp.asarray(key_mask, dtype=bool) if has_mask else jnp.zeros((0,), dtype=bool)
-    return _race(bool(causal), has_mask, q, k, v, planes, beta, mask)
+    return _race(bool(causal), has_mask, bool(learn_planes), q, k, v, planes, beta, mask)

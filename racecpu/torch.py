@@ -9,10 +9,12 @@ residual handle) and ``racecpu::race_attention_bwd`` (backward), with
 
 CPU tensors cross to :mod:`racecpu`'s NumPy API without a copy both ways
 (``Tensor.numpy()`` views, ``torch.from_numpy`` of the results) when their
-dtype is float16/32/64; bfloat16 is converted to float32 (one copy of
-``q, k, v`` and ``grad_out``) and the results back (one copy each), into
-memory from racecpu's pool so that a training loop does not fault fresh
-pages in for them every step.
+dtype is float16/32/64, or bfloat16 where ml_dtypes is installed (viewed as
+ml_dtypes' bfloat16; the NumPy API widens 16-bit inputs to float32 on every
+core and narrows its results).  Without ml_dtypes, bfloat16 is converted to
+float32 (one copy of ``q, k, v`` and ``grad_out``) and the results back (one
+copy each), into memory from racecpu's pool so that a training loop does not
+fault fresh pages in for them every step.
 
 The residuals
 -------------
@@ -43,6 +45,7 @@ import torch
 from torch import nn
 
 from . import attention as _api
+from ._arrays import numpy_to_torch, torch_to_numpy
 from ._memory import POOL
 from .hashing import DEFAULT_BETA, hyperplanes
 
@@ -59,12 +62,13 @@ _NUMPY_DTYPES = (torch.float16, torch.float32, torch.float64)
 # ---------------------------------------------------------------------------
 
 def _to_numpy(t):
-    """A NumPy view of CPU tensor ``t`` (no copy for float16/32/64 and bool;
-    bfloat16 is converted to float32, a copy)."""
-    t = t.detach()
-    if t.dtype == torch.bfloat16:
-        return _pooled(t.shape, torch.float32).copy_(t).numpy()
-    return t.resolve_conj().resolve_neg().numpy()
+    """A NumPy view of CPU tensor ``t`` (no copy for float16/32/64, bool, and
+    bfloat16 where ml_dtypes is installed; else bfloat16 is converted to
+    float32, a copy)."""
+    a = torch_to_numpy(t)
+    if a is None:
+        return _pooled(t.shape, torch.float32).copy_(t.detach()).numpy()
+    return a
 
 
 def _pooled(shape, dtype):
@@ -82,7 +86,7 @@ def _from_numpy(a, dtype, device):
     if device.type == "cuda":
         t = torch.as_tensor(a, device=device)
     else:
-        t = torch.from_numpy(np.asarray(a))
+        t = numpy_to_torch(np.asarray(a))
         if t.dtype != dtype:
             return _pooled(t.shape, dtype).copy_(t)
     return t if t.dtype == dtype else t.to(dtype)
@@ -145,7 +149,8 @@ def _(q, k, v, planes, beta, causal, key_mask, keep_residuals):
 
 @torch.library.custom_op("racecpu::race_attention_bwd", mutates_args=())
 def _race_attention_bwd_op(handle: torch.Tensor, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                           v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                           v: torch.Tensor, planes: torch.Tensor, dplanes: bool
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     key = int(handle)
     with _LOCK:
         res = _RESIDUALS.get(key)
@@ -153,37 +158,42 @@ def _race_attention_bwd_op(handle: torch.Tensor, grad_out: torch.Tensor, q: torc
         raise RuntimeError("racecpu::race_attention_bwd: the forward's residuals are gone (the forward ran "
                            "without any input requiring grad, or its graph was freed)")
     _, bwd, _, to_array = _backend(grad_out.device)
-    dq, dk, dv, dbeta = bwd(res, to_array(grad_out))
     dev = grad_out.device
+    if dplanes:
+        dq, dk, dv, dbeta, dW = bwd(res, to_array(grad_out), dplanes=True)
+        dW = _from_numpy(np.ascontiguousarray(dW), planes.dtype, dev)
+    else:
+        dq, dk, dv, dbeta = bwd(res, to_array(grad_out))
+        dW = planes.new_zeros(())  # a placeholder: autograd is given None
     return (_from_numpy(dq, q.dtype, dev), _from_numpy(dk, k.dtype, dev), _from_numpy(dv, v.dtype, dev),
-            torch.tensor(dbeta, dtype=torch.float64, device=dev))
+            torch.tensor(dbeta, dtype=torch.float64, device=dev), dW)
 
 
 @_race_attention_bwd_op.register_fake
-def _(handle, grad_out, q, k, v):
+def _(handle, grad_out, q, k, v, planes, dplanes):
     # the real gradients are C-contiguous whatever the inputs' strides
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
-            grad_out.new_empty((), dtype=torch.float64))
+            grad_out.new_empty((), dtype=torch.float64), planes.new_empty(planes.shape if dplanes else ()))
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, planes, beta, causal, key_mask, keep = inputs
     _, handle = output
     # q, k, v only give the gradients' dtypes and shapes (and are views, so saving them costs nothing)
-    ctx.save_for_backward(handle, q, k, v)
+    ctx.save_for_backward(handle, q, k, v, planes)
     ctx.beta_meta = (beta.shape, beta.dtype)
 
 
 def _backward(ctx, grad_out, _grad_handle):
-    handle, q, k, v = ctx.saved_tensors
+    handle, q, k, v, planes = ctx.saved_tensors
     need = ctx.needs_input_grad
     if grad_out is None:
         grad_out = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=v.dtype, device=v.device)
-    dq, dk, dv, dbeta = _race_attention_bwd_op(handle, grad_out, q, k, v)
+    dq, dk, dv, dbeta, dW = _race_attention_bwd_op(handle, grad_out, q, k, v, planes, bool(need[3]))
     shape, dtype = ctx.beta_meta
     dbeta = dbeta.reshape(shape).to(dtype) if need[4] else None
-    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, None, dbeta,
-            None, None, None)
+    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
+            dW if need[3] else None, dbeta, None, None, None)
 
 
 _race_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -206,8 +216,9 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
         Any strides (a non-contiguous CPU tensor is viewed, not copied).
     planes : Tensor or array_like, shape (L, P, d)
         Hyperplanes (:func:`racecpu.hyperplanes`); cast to the compute
-        dtype.  Constants: a ``planes`` that requires grad raises
-        ``NotImplementedError``.
+        dtype.  A tensor that requires grad (learnable planes) gets the
+        gradient of :func:`racecpu.race_attention_bwd`'s ``dplanes=True``,
+        in its own dtype (CPU only: on CUDA it raises ``NotImplementedError``).
     beta : float or Tensor with one element
         Soft-hash temperature (> 0).  A tensor that requires grad gets the
         gradient summed over every batch, head and token, in its own dtype
@@ -234,16 +245,16 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
     """
     if not isinstance(planes, torch.Tensor):
         planes = torch.as_tensor(np.asarray(planes), device=q.device)
-    if planes.requires_grad:
-        raise NotImplementedError("gradients with respect to planes are not implemented; "
-                                  "pass planes.detach() (RaceAttention keeps them as a buffer)")
+    if planes.requires_grad and q.device.type != "cpu" and torch.is_grad_enabled():
+        raise NotImplementedError("the planes' gradient runs on the CPU only (racecpu.cuda has no kernel for "
+                                  "it yet); pass planes.detach() on the GPU")
     if not isinstance(beta, torch.Tensor):
         beta = torch.tensor(float(beta), dtype=torch.float64)
     if beta.numel() != 1:
         raise ValueError(f"beta must have one element, got shape {tuple(beta.shape)}")
     if beta.device != q.device and beta.device.type != "cpu":
         beta = beta.cpu()
-    keep = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, beta))
+    keep = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, planes, beta))
     out, _ = _race_attention_op(q, k, v, planes, beta, bool(causal), key_mask, keep)
     return out
 
@@ -252,8 +263,8 @@ class RaceAttention(nn.Module):
     """RACE attention as an ``nn.Module``, called like ``F.scaled_dot_product_attention``.
 
     Holds the ``(L, P, d)`` planes as a buffer (saved in the state dict, moved
-    by ``.to()``, never trained) and ``beta`` as a parameter (trained unless
-    ``learn_beta=False``).
+    by ``.to()``, not trained; a parameter with ``learn_planes=True``) and
+    ``beta`` as a parameter (trained unless ``learn_beta=False``).
 
     Parameters
     ----------
@@ -267,8 +278,11 @@ class RaceAttention(nn.Module):
         Seed of :func:`racecpu.hyperplanes`.
     learn_beta : bool
         Whether ``beta`` requires grad.
+    learn_planes : bool
+        Whether the planes are a trained parameter (learnable hash planes,
+        CPU only) instead of a buffer.
     dtype : torch.dtype
-        dtype of the planes buffer and of ``beta``.
+        dtype of the planes and of ``beta``.
 
     Examples
     --------
@@ -280,10 +294,13 @@ class RaceAttention(nn.Module):
     """
 
     def __init__(self, head_dim, num_planes=3, num_tables=3, beta=DEFAULT_BETA, seed=0, learn_beta=True,
-                 dtype=torch.float32):
+                 dtype=torch.float32, learn_planes=False):
         super().__init__()
-        planes = hyperplanes(head_dim, num_planes, num_tables, seed=seed, dtype=np.float64)
-        self.register_buffer("planes", torch.from_numpy(planes).to(dtype))
+        planes = torch.from_numpy(hyperplanes(head_dim, num_planes, num_tables, seed=seed, dtype=np.float64)).to(dtype)
+        if learn_planes:
+            self.planes = nn.Parameter(planes)
+        else:
+            self.register_buffer("planes", planes)
         self.beta = nn.Parameter(torch.tensor(float(beta), dtype=dtype), requires_grad=learn_beta)
 
     def extra_repr(self):

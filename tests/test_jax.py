@@ -84,3 +84,18 @@ def test_example_train_step_runs():
     spec.loader.exec_module(mod)
     losses = mod.main(steps=8, verbose=False)
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_learn_planes_gradient_equals_numpy_api(causal):
+    q, k, v, planes, _, g = _inputs()
+
+    def loss(planes, learn):
+        return jnp.vdot(rj.race_attention(q, k, v, planes, 2.0, causal=causal, learn_planes=learn), g)
+
+    dW = jax.jit(jax.grad(lambda W: loss(W, True)))(jnp.asarray(planes))
+    _, res = racecpu.race_attention_fwd(q, k, v, planes, 2.0, causal=causal)
+    want = racecpu.race_attention_bwd(res, g, dplanes=True)[4]
+    np.testing.assert_allclose(dW, want, rtol=1e-10, atol=1e-12)
+    assert np.abs(want).sum() > 0
+    np.testing.assert_array_equal(jax.grad(lambda W: loss(W, False))(jnp.asarray(planes)), 0)

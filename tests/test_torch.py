@@ -127,12 +127,43 @@ def test_16_bit_inputs():
         assert q16.grad.dtype == dtype and torch.isfinite(q16.grad.float()).all()
 
 
-def test_planes_requiring_grad_raise():
-    q, k, v, planes = _inputs()
-    with pytest.raises(NotImplementedError, match="planes"):
-        rt.race_attention(q, k, v, planes.requires_grad_())
+@pytest.mark.parametrize("causal", [False, True])
+def test_learnable_planes_gradcheck_and_numpy_equality(causal):
+    """Planes that require grad get race_attention_bwd's dplanes: central differences
+    in float64 (gradcheck), and the NumPy API's gradient bit for bit."""
+    q, k, v, planes = _inputs((2, 12, 5), dv=4)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    W = planes.clone().requires_grad_()
+
+    def f(q, k, v, W):
+        return rt.race_attention(q, k, v, W, 1.3, causal=causal)
+
+    assert torch.autograd.gradcheck(f, (q, k, v, W), eps=1e-6, atol=1e-7, rtol=1e-5)
+    out = f(q, k, v, W)
+    g = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(3))
+    out.backward(g)
+    _, res = racecpu.race_attention_fwd(*(x.detach().numpy() for x in (q, k, v)), planes.numpy(), 1.3,
+                                        causal=causal)
+    dW = racecpu.race_attention_bwd(res, g.numpy(), dplanes=True)[4]
+    assert W.grad.dtype == W.dtype and W.grad.shape == W.shape
+    np.testing.assert_array_equal(W.grad.numpy(), dW)
     with pytest.raises(ValueError, match="one element"):
         rt.race_attention(q, k, v, planes.detach(), torch.ones(2))
+
+
+def test_race_attention_module_learns_planes():
+    torch.manual_seed(0)
+    att = rt.RaceAttention(8, num_planes=2, num_tables=3, beta=2.0, learn_planes=True, dtype=torch.float64)
+    assert isinstance(att.planes, torch.nn.Parameter) and "planes" in dict(att.named_parameters())
+    frozen = rt.RaceAttention(8, num_planes=2, num_tables=3, dtype=torch.float64)
+    assert "planes" not in dict(frozen.named_parameters()) and "planes" in dict(frozen.named_buffers())
+    q, k, v, _ = _inputs((2, 16, 8), dv=8)
+    before = att.planes.detach().clone()
+    opt = torch.optim.SGD(att.parameters(), lr=0.5)
+    att(q, k, v, is_causal=True).square().sum().backward()
+    assert att.planes.grad is not None and att.planes.grad.abs().sum() > 0
+    opt.step()
+    assert not torch.equal(att.planes.detach(), before)
 
 
 class _Block(torch.nn.Module):
@@ -190,10 +221,12 @@ def test_fake_kernels_match():
     q = q.transpose(-1, -2).contiguous().transpose(-1, -2)
     real = rt._race_attention_op(q, k, v, planes, torch.tensor(2.0), True, None, True)
     g = torch.ones_like(real[0])
-    real_bwd = rt._race_attention_bwd_op(real[1], g, q, k, v)
+    real_bwd = rt._race_attention_bwd_op(real[1], g, q, k, v, planes, True)
+    real_bwd0 = rt._race_attention_bwd_op(real[1], g, q, k, v, planes, False)
     with FakeTensorMode() as mode:
         fq, fk, fv, fp, fg = (mode.from_tensor(x) for x in (q, k, v, planes, g))
         fake = rt._race_attention_op(fq, fk, fv, fp, torch.tensor(2.0), True, None, True)
-        fake_bwd = rt._race_attention_bwd_op(fake[1], fg, fq, fk, fv)
-    for r, f in zip(real + real_bwd, fake + fake_bwd):
+        fake_bwd = rt._race_attention_bwd_op(fake[1], fg, fq, fk, fv, fp, True)
+        fake_bwd0 = rt._race_attention_bwd_op(fake[1], fg, fq, fk, fv, fp, False)
+    for r, f in zip(real + real_bwd + real_bwd0, fake + fake_bwd + fake_bwd0):
         assert (r.shape, r.stride(), r.dtype, r.device) == (f.shape, f.stride(), f.dtype, f.device)
