@@ -31,24 +31,28 @@ def _widen_run(src, dst, fmt):
         for i in range(src.size):
             dst[i] = np.uint32(src[i]) << np.uint32(16)
         return
+    # float16: one branch-free pass that is exact for normal numbers, zeros, Inf and NaN
+    # (it vectorises), then subnormals, if the run has any, one at a time.
+    sub = 0
+    for i in range(src.size):
+        h = np.uint32(src[i])
+        e = h & np.uint32(0x7C00)
+        o = ((h & np.uint32(0x7FFF)) << np.uint32(13)) + np.uint32(0x38000000)  # rebias 15 -> 127
+        o = o + np.uint32(0x38000000) if e == np.uint32(0x7C00) else o  # Inf, NaN: exponent 255
+        o = o if e != np.uint32(0) else np.uint32(0)  # zero (subnormals: below)
+        sub += (e == np.uint32(0)) & ((h & np.uint32(0x3FF)) != np.uint32(0))
+        dst[i] = ((h & np.uint32(0x8000)) << np.uint32(16)) | o
+    if sub == 0:
+        return
     for i in range(src.size):
         h = np.int64(src[i])
-        sign = (h & 0x8000) << 16
-        e = (h >> 10) & 0x1F
         m = h & 0x3FF
-        if e == 0x1F:  # Inf, NaN (payload kept)
-            o = 0x7F800000 | (m << 13)
-        elif e != 0:  # normal: rebias the exponent from 15 to 127
-            o = ((e + 112) << 23) | (m << 13)
-        elif m == 0:
-            o = 0
-        else:  # subnormal m * 2^-24: normalise, float32 has the exponent range
+        if (h & 0x7C00) == 0 and m != 0:  # subnormal m * 2^-24: normalise, float32 has the range
             e32 = 113
             while (m & 0x400) == 0:
                 m <<= 1
                 e32 -= 1
-            o = (e32 << 23) | ((m & 0x3FF) << 13)
-        dst[i] = sign | o
+            dst[i] = ((h & 0x8000) << 16) | (e32 << 23) | ((m & 0x3FF) << 13)
 
 
 @kernel
@@ -62,15 +66,30 @@ def _narrow_run(src, dst, fmt):
             else:  # drop 16 bits, ties to even; a carry into the exponent is right (up to Inf)
                 dst[i] = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
         return
+    # float16: one branch-free pass that is right for results that are normal float16
+    # numbers (it vectorises), then the rest (subnormal or zero results, Inf, NaN), if
+    # the run has any, one at a time.
+    rest = 0
+    for i in range(src.size):
+        u = src[i]
+        f = u & np.uint32(0x7FFFFFFF)
+        # rebias 127 -> 15, drop 13 bits, ties to even (a carry may reach Inf: right)
+        o = (f - np.uint32(112 << 23) + np.uint32(0xFFF) + ((f >> np.uint32(13)) & np.uint32(1))) >> np.uint32(13)
+        dst[i] = ((u >> np.uint32(16)) & np.uint32(0x8000)) | (o & np.uint32(0xFFFF))
+        rest += (f < np.uint32(0x38800000)) | (f >= np.uint32(0x47800000))
+    if rest == 0:
+        return
     for i in range(src.size):
         u = np.int64(src[i])
         sign = (u >> 16) & 0x8000
         f = u & 0x7FFFFFFF
+        if 0x38800000 <= f < 0x47800000:
+            continue  # normal: done above
         if f > 0x7F800000:  # NaN
             o = 0x7E00
         elif f >= 0x47800000:  # >= 2^16, Inf included: Inf
             o = 0x7C00
-        elif f < 0x38800000:  # below 2^-14: a subnormal float16, or zero
+        else:  # below 2^-14: a subnormal float16, or zero
             e = f >> 23
             if e < 102:  # below 2^-25: rounds to zero
                 o = 0
@@ -82,8 +101,6 @@ def _narrow_run(src, dst, fmt):
                 half = 1 << (s - 1)
                 if rem > half or (rem == half and (o & 1) == 1):
                     o += 1  # 1024 is the smallest normal's bits: right
-        else:  # normal: rebias from 127 to 15, drop 13 bits, ties to even (a carry may reach Inf: right)
-            o = (f - (112 << 23) + 0xFFF + ((f >> 13) & 1)) >> 13
         dst[i] = sign | o
 
 
