@@ -169,18 +169,34 @@ class Args:
     causal: bool
     check_finite: bool
     given: tuple  # q, k, v flattened to (G, N, d) in their own dtypes: q, k, v themselves unless 16-bit
+    group: int = 1  # query heads per key/value head (grouped-query attention): k and v have G // group groups
 
 
-def check_args(q, k, v, planes, beta, causal, key_mask):
+def check_args(q, k, v, planes, beta, causal, key_mask, grouped=False):
     """Cross-argument checks on already-checked q, k, v (anything with shape and dtype).
 
     Shared with racecpu.cuda, which passes zero-stride stand-ins of device
-    arrays.  Returns (compute dtype, output dtype, lead, G, planes, beta).
+    arrays.  ``grouped``: k and v may have fewer heads than q (grouped-query
+    attention: q's head axis, the one before the sequence axis, is ``group``
+    times theirs, every other leading axis equal; query head h reads key/value
+    head h // group).  Returns (compute dtype, output dtype, lead, G, planes,
+    beta, group), ``lead`` q's leading dims and ``G`` their product.
     """
     cdt, odt = dtypes(q, k, v)
     lead = q.shape[:-2]
-    if k.shape[:-2] != lead or v.shape[:-2] != lead:
-        raise ValueError(f"q, k, v must have the same leading dims, got shapes q {q.shape}, k {k.shape}, v {v.shape}")
+    klead = k.shape[:-2]
+    group = 1
+    if klead != lead or v.shape[:-2] != lead:
+        if (grouped and v.shape[:-2] == klead and len(klead) == len(lead) >= 1 and klead[:-1] == lead[:-1]
+                and klead[-1] >= 1 and lead[-1] % klead[-1] == 0):
+            group = lead[-1] // klead[-1]
+        elif grouped:
+            raise ValueError(f"k and v must have q's leading dims, or (grouped-query attention) the same leading "
+                             f"dims but a head axis (the one before the tokens) that divides q's, got shapes "
+                             f"q {q.shape}, k {k.shape}, v {v.shape}")
+        else:
+            raise ValueError(f"q, k, v must have the same leading dims, got shapes q {q.shape}, k {k.shape}, "
+                             f"v {v.shape}")
     nq, d = q.shape[-2:]
     nk = k.shape[-2]
     if k.shape[-1] != d:
@@ -196,14 +212,15 @@ def check_args(q, k, v, planes, beta, causal, key_mask):
         m = np.asarray(key_mask)
         if m.dtype != np.bool_:
             raise TypeError(f"key_mask must be a bool array, got dtype {m.dtype}")
-        if m.shape != lead + (nk,):
-            raise ValueError(f"key_mask must have shape {lead + (nk,)} (leading dims + (Nk,)), got {m.shape}")
-    return cdt, odt, lead, G, planes, beta
+        if m.shape != klead + (nk,):
+            raise ValueError(f"key_mask must have shape {klead + (nk,)} (k's leading dims + (Nk,)), got {m.shape}")
+    return cdt, odt, lead, G, planes, beta, group
 
 
-def prepare(q, k, v, planes, beta, causal, key_mask, check_finite, defer=False):
+def prepare(q, k, v, planes, beta, causal, key_mask, check_finite, defer=False, grouped=False):
     """Check and lay out the arguments.  ``defer``: the NaN/Inf checks of q, k
-    and v are left to :func:`check_derived`, after the kernels read them."""
+    and v are left to :func:`check_derived`, after the kernels read them.
+    ``grouped``: k and v may have fewer heads (see :func:`check_args`)."""
     eager = check_finite and not defer
     q, qdt, _ = check_array("q", q, eager)
     passed = [("q", q)]
@@ -212,21 +229,22 @@ def prepare(q, k, v, planes, beta, causal, key_mask, check_finite, defer=False):
         passed.append(("k", k))
         v, vdt, _ = check_array("v", v, eager)
         passed.append(("v", v))
-        cdt, odt, lead, G, planes, beta = check_args(q, k, v, planes, beta, causal, key_mask)
+        cdt, odt, lead, G, planes, beta, group = check_args(q, k, v, planes, beta, causal, key_mask, grouped)
     except (TypeError, ValueError):
         if check_finite and not eager:  # errors in the eager order: q's NaN before anything about k
             for name, x in passed:
                 check_array(name, x, True)
         raise
     nk = k.shape[-2]
+    Gk = G // group
     if key_mask is None:
-        mask = np.ones((G, nk), dtype=np.bool_)
+        mask = np.ones((Gk, nk), dtype=np.bool_)
     else:
-        mask = np.ascontiguousarray(np.asarray(key_mask).reshape(G, nk))
+        mask = np.ascontiguousarray(np.asarray(key_mask).reshape(Gk, nk))
 
-    given = tuple(x.reshape((G,) + x.shape[-2:]) for x in (q, k, v))
+    given = tuple(x.reshape((n,) + x.shape[-2:]) for x, n in ((q, G), (k, Gk), (v, Gk)))
     return Args(*(widened(x, cdt) for x in given), mask, planes, beta, lead, odt, (qdt, kdt, vdt),
-                bool(causal), bool(check_finite), given)
+                bool(causal), bool(check_finite), given, group)
 
 
 #: Why a finite v or grad_out whose sums are not finite is an error (:func:`check_derived`).

@@ -69,26 +69,53 @@ class Residuals:
     beta: float
     causal: bool
     chunk: int
-    v: np.ndarray        # (G, Nk, dv), compute dtype or 16-bit
+    v: np.ndarray        # (Gk, Nk, dv), compute dtype or 16-bit; Gk = G // group
     phiq: np.ndarray     # (G, Nq, F)
     tq: np.ndarray       # (G, Nq, L*P)
-    phik: np.ndarray     # (G, Nk, F)
-    tk: np.ndarray       # (G, Nk, L*P)
+    phik: np.ndarray     # (Gk, Nk, F)
+    tk: np.ndarray       # (Gk, Nk, L*P)
     den: np.ndarray      # (G, Nq) float64
-    A: np.ndarray        # (G, F) total, or (G, nc, F) carries when causal; float64
-    B: np.ndarray        # (G, F, dv) total, or (G, nc, F, dv) carries when causal; float64
+    A: np.ndarray        # (Gk, F) total, or (G, nc, F) carries (per query head) when causal; float64
+    B: np.ndarray        # (Gk, F, dv) total, or (G, nc, F, dv) carries when causal; float64
     lead: tuple
     in_dtypes: tuple
     out_dtype: np.dtype
     check_finite: bool
     q: np.ndarray        # (G, Nq, d), compute dtype or 16-bit, for the planes' gradient only
-    k: np.ndarray        # (G, Nk, d), compute dtype or 16-bit, for the planes' gradient only
+    k: np.ndarray        # (Gk, Nk, d), compute dtype or 16-bit, for the planes' gradient only
     planes_dtype: np.dtype  # the dtype the planes were given in (their gradient's)
     namespace: object = None  # the array-API namespace of the forward's q (None: NumPy), for the gradients
+    group: int = 1  # query heads per key/value head (grouped-query attention)
 
     @property
     def out_shape(self):
         return self.lead + (self.phiq.shape[1], self.v.shape[2])
+
+    @property
+    def kv_lead(self):
+        """The leading dims of k and v (fewer heads than q's under grouped-query attention)."""
+        return self.lead[:-1] + (self.lead[-1] // self.group,) if self.group > 1 else self.lead
+
+
+def _repeat(x, group):
+    """``x (Gk, ...)`` with each group repeated ``group`` times along axis 0 (``x`` itself for 1),
+    into memory from the pool (a training loop does not fault fresh pages in for it every step)."""
+    if group == 1:
+        return x
+    y = POOL.empty((x.shape[0] * group,) + x.shape[1:], x.dtype)
+    y.reshape((x.shape[0], group) + x.shape[1:])[...] = x[:, None]
+    return y
+
+
+def _group_sum(x, group, out=None):
+    """``x (Gk * group, ...)`` summed over each run of ``group`` along axis 0 (``x`` itself for 1),
+    into ``out (Gk, ...)`` (C-contiguous, x's dtype) or a new array."""
+    if group == 1:
+        return x
+    if out is None:
+        out = np.empty((x.shape[0] // group,) + x.shape[1:], x.dtype)
+    K.fold_groups(np.ascontiguousarray(x).reshape(x.shape[0], -1), out.reshape(out.shape[0], -1), group)
+    return out
 
 
 def race_attention_fwd(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, beta: float = DEFAULT_BETA, *,
@@ -118,12 +145,13 @@ def _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residua
     ``(out, None)`` is returned.  The causal scan still keeps the keys' phi
     (it reads them after the keys' pass)."""
     POOL.tick()
-    a = prepare(q, k, v, planes, beta, causal, key_mask, check_finite, defer=True)
+    a = prepare(q, k, v, planes, beta, causal, key_mask, check_finite, defer=True, grouped=True)
     if out is not None:
         out = check_out("out", out, a.lead + (a.q.shape[1], a.v.shape[2]), a.out_dtype,
                          [("q", q), ("k", k), ("v", v), ("planes", planes), ("key_mask", key_mask)])
+    group = a.group
     G, nq, _ = a.q.shape
-    nk, dv = a.v.shape[1:]
+    Gk, nk, dv = a.v.shape
     L, P, _ = a.planes.shape
     F = L * 2 ** P
     cdt = a.q.dtype
@@ -131,18 +159,18 @@ def _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residua
     chunk = base if causal else K.sketch_task_length(base, max(nq, nk), G)
     nck = -(-nk // chunk)
     rq, rk = (nq, nk) if residuals else (0, 0)  # rows kept of the queries' and keys' residuals
-    phik = POOL.empty((G, nk if causal else rk, F), cdt)
-    tk = POOL.empty((G, rk, L * P), cdt)
+    phik = POOL.empty((Gk, nk if causal else rk, F), cdt)
+    tk = POOL.empty((Gk, rk, L * P), cdt)
     seg = K.scan_segments(G, nck, nk) if causal else 1
-    partA = POOL.zeros((G, nck, F))
-    partB = POOL.empty((G, nck, F, dv), np.float64)  # the kernels write every value read (causal: the carries)
+    partA = POOL.zeros((Gk, nck, F))
+    partB = POOL.empty((Gk, nck, F, dv), np.float64)  # the kernels write every value read (causal: the carries)
     phiq = POOL.empty((G, rq, F), cdt)
     tq = POOL.empty((G, rq, L * P), cdt)
     den = POOL.zeros((G, rq))
     o = _target(out, (G, nq, dv), cdt)  # the kernels write every row
     hsh, rows = Hash(a.planes, a.beta), Rows(phiq, tq, phik, tk, den)
     nan_q = nan_k = 0  # NaNs in the hashes' t: a NaN/Inf in q or k, or an overflow
-    if G and nk:
+    if Gk and nk:
         # causal: the B totals of the chunks before the last segment give the segments' carries
         nan_k = K.sketch_chunks(a.k, a.v, a.mask, hsh, chunk, rows, Sums(partA, partB),
                                 span=K.SCAN_BLOCK if causal else K.SKETCH_FUSED,
@@ -150,6 +178,9 @@ def _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residua
     if causal:
         A = K.exclusive_scan(partA, out=partA)
         B = K.exclusive_scan(partB, out=partB, segments=seg)  # the segments' first carries; the scan the rest
+        # grouped-query attention: every query head scans from its key/value head's carries,
+        # reading that head's phik and v (the scan's state updates are per query head)
+        A, B = _repeat(A, group), _repeat(B, group)
         sums_v = POOL.zeros((G, F, dv))  # the scan's total of B, for the check of v
         if G and nq:
             nan_q = K.causal_fwd(a.q, a.v, hsh, chunk, rows, Sums(A, B), o, final=sums_v,
@@ -157,8 +188,8 @@ def _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residua
     else:
         A, B = partA.sum(1), partB.sum(1)
         sums_v = B
-        if G and nq:
-            nan_q = K.queries_fwd(a.q, hsh, chunk, Sums(A, B.astype(cdt)), rows, o)
+        if G and nq:  # grouped-query attention: each query head reads its key/value head's sketch
+            nan_q = K.queries_fwd(a.q, hsh, chunk, Sums(_repeat(A, group), _repeat(B.astype(cdt), group)), rows, o)
     overflow = f"its projections onto the planes overflow {cdt}"
     check_derived(a.check_finite, ("q", a.q, nan_q == 0, overflow), ("k", a.k, nan_k == 0, overflow),
                    ("v", a.v, all_finite(sums_v), SUMS_OVERFLOW))
@@ -171,7 +202,7 @@ def _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residua
                   for given, x in zip(a.given, (a.q, a.k, a.v)))
     return y, Residuals(a.planes, a.beta, a.causal, base, kv, phiq, tq, phik, tk, den, A, B,
                         a.lead, a.in_dtypes, a.out_dtype, a.check_finite, kq, kk,
-                        pdt if pdt.kind == "f" else np.dtype(cdt))
+                        pdt if pdt.kind == "f" else np.dtype(cdt), group=group)
 
 
 def race_attention_bwd(residuals: Residuals, grad_out: ArrayLike, *,
@@ -221,12 +252,12 @@ def race_attention_bwd(residuals: Residuals, grad_out: ArrayLike, *,
         raise TypeError(f"residuals must come from race_attention_fwd, got {type(r).__name__}")
     g, _, _ = check_array("grad_out", grad_out, False)  # NaN/Inf: from what the kernels sum (below)
     G, nq, F = r.phiq.shape
-    nk, dv = r.v.shape[1:]
+    Gk, nk, dv = r.v.shape
     d = r.planes.shape[2]
     cdt = r.phiq.dtype
     qdt, kdt, vdt = r.in_dtypes
-    lead = r.lead
-    shapes = (lead + (nq, d), lead + (nk, d), lead + (nk, dv))
+    lead, klead = r.lead, r.kv_lead
+    shapes = (lead + (nq, d), klead + (nk, d), klead + (nk, dv))
     try:
         if g.shape != r.out_shape:
             raise ValueError(f"grad_out must have the output's shape {r.out_shape}, got {g.shape}")
@@ -249,8 +280,13 @@ def race_attention_bwd(residuals: Residuals, grad_out: ArrayLike, *,
     chunk = r.chunk
     ncq, nck = -(-nq // chunk), -(-nk // chunk)
     hsh, rows = Hash(r.planes, r.beta), Rows(r.phiq, r.tq, r.phik, r.tk, r.den)
-    # The kernels write every row; without queries or keys they do not run.
-    dq, dk, dv_ = (_target(buf, (G,) + shape[-2:], cdt) for buf, shape in zip(out, shapes))
+    # The kernels write every row; without queries or keys they do not run.  The causal
+    # backward of grouped-query attention writes dk, dv per query head: summed over each group below.
+    summed = r.causal and r.group > 1
+    Gw = G if summed else Gk  # groups of dk, dv, dbk as the kernels write them
+    dq = _target(out[0], (G, nq, d), cdt)
+    dk_kv, dv_kv = (_target(buf, (Gk,) + shape[-2:], cdt) for buf, shape in zip(out[1:], shapes[1:]))
+    dk, dv_ = (POOL.empty((G,) + x.shape[1:], cdt) for x in (dk_kv, dv_kv)) if summed else (dk_kv, dv_kv)
     dbeta = 0.0
     LP = r.planes.shape[0] * r.planes.shape[1]
     dW = np.zeros((LP, d))
@@ -260,13 +296,14 @@ def race_attention_bwd(residuals: Residuals, grad_out: ArrayLike, *,
             x[...] = 0
     else:
         if dplanes:  # per-chunk shares, summed below in a fixed order
-            pg = PlanesGrad(widened(r.q, cdt), widened(r.k, cdt), POOL.empty((G, ncq, LP, d), np.float64), POOL.empty((G, nck, LP, d), np.float64))
+            pg = PlanesGrad(widened(r.q, cdt), widened(r.k, cdt), POOL.empty((G, ncq, LP, d), np.float64),
+                            POOL.empty((Gw, nck, LP, d), np.float64))
         else:
             pg = no_planes_grad(g, G, ncq, nck, d)
         partdA = POOL.zeros((G, ncq, F))
         partdB = POOL.empty((G, ncq, F, dv), np.float64)  # the kernels write every value read
         dbq = POOL.zeros((G, ncq))
-        dbk = POOL.zeros((G, nck))
+        dbk = POOL.zeros((Gw, nck))
         if r.causal:
             dB = POOL.zeros((G, F, dv))  # the scan's total of dB, for the check of grad_out
             grads = Grads(dq, dk, dv_, POOL.zeros((G, nq)), dbq, dbk, pg)
@@ -274,13 +311,16 @@ def race_attention_bwd(residuals: Residuals, grad_out: ArrayLike, *,
             check_derived(r.check_finite, ("grad_out", g, all_finite(dB), SUMS_OVERFLOW))
         else:
             grads = Grads(dq, dk, dv_, POOL.zeros((G, 0)), dbq, dbk, pg)
-            K.queries_bwd(g, v, rows, Sums(r.A, r.B.astype(cdt)), hsh, chunk, grads, Sums(partdA, partdB))
-            dB = partdB.sum(1)
+            sketch = Sums(_repeat(r.A, r.group), _repeat(r.B.astype(cdt), r.group))
+            K.queries_bwd(g, v, rows, sketch, hsh, chunk, grads, Sums(partdA, partdB))
+            dB = _group_sum(partdB.sum(1), r.group)  # a key/value head's sketch was read by its whole group
             check_derived(r.check_finite, ("grad_out", g, all_finite(dB), SUMS_OVERFLOW))  # before the keys' backward
-            K.keys_bwd(v, rows, Sums(partdA.sum(1), dB.astype(cdt)), hsh, chunk, grads)
+            K.keys_bwd(v, rows, Sums(_group_sum(partdA.sum(1), r.group), dB.astype(cdt)), hsh, chunk, grads)
         dbeta = float(dbq.sum() + dbk.sum())
         if dplanes:
             dW = pg.dWq.sum((0, 1)) + pg.dWk.sum((0, 1))
+    if summed:
+        dk, dv_ = _group_sum(dk, r.group, dk_kv), _group_sum(dv_, r.group, dv_kv)
     xp = r.namespace
     grads = tuple(to_namespace(xp if buf is None else None, _deliver(x, buf, shape, dt))
                   for x, buf, shape, dt in zip((dq, dk, dv_), out, shapes, (qdt, kdt, vdt))) + (dbeta,)
@@ -304,7 +344,14 @@ def race_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, 
     q : array_like, shape (..., Nq, d)
     k : array_like, shape (..., Nk, d)
     v : array_like, shape (..., Nk, dv)
-        Any number (>= 0) of leading batch/head dims, the same for q, k, v.
+        Any number (>= 0) of leading batch/head dims, the same for q, k, v;
+        or, for grouped-query (multi-query) attention, k and v with a head
+        axis (the one before the tokens) ``group`` times smaller than q's,
+        every other leading axis equal: query head h reads key/value head
+        ``h // group``, whose keys are hashed and sketched once for the
+        group (the causal scan's state updates still run per query head) and
+        whose gradients sum over it; equal to repeating k and v ``group``
+        times.  (Not on the GPU yet.)
         NumPy arrays, or any array with ``__array__`` or DLPack (torch CPU
         tensors without grad, JAX CPU arrays, ...), read without a copy where
         the library allows; CuPy ``q`` runs on the GPU (:mod:`racecpu.cuda`).
@@ -315,7 +362,7 @@ def race_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, 
     causal : bool, default False
         Query i sees keys j <= i (needs Nq == Nk).
     key_mask : bool array, shape (..., Nk), optional
-        False keys contribute nothing.
+        k's leading dims: False keys contribute nothing.
     check_finite : bool, default True
         Raise ValueError on NaN/Inf in q, k, v, on q or k so large that
         their projections onto the planes overflow, and on v so large that

@@ -225,7 +225,7 @@ def _prepare(q, k, v, planes, beta, causal, key_mask):
             raise ValueError(f"{name} must have at least 2 dims (..., N, d), got shape {x.shape}")
     if key_mask is not None and key_mask.dtype != np.bool_:
         raise TypeError(f"key_mask must be a bool array, got dtype {key_mask.dtype}")
-    cdt, odt, lead, _, W, beta = check_args(_stand_in(q), _stand_in(k), _stand_in(v), planes, beta, causal,
+    cdt, odt, lead, _, W, beta, _ = check_args(_stand_in(q), _stand_in(k), _stand_in(v), planes, beta, causal,
                                             None if key_mask is None else _stand_in(key_mask))
     q = q.rechunk(q.chunks[:-1] + ((q.shape[-1],),)) if len(q.chunks[-1]) > 1 else q
     if causal:

@@ -31,6 +31,8 @@ The modules, bottom up (each imports only those above it):
   and the parallel NaN/Inf count of the input check.
 * :mod:`.convert` -- 16-bit floats (bfloat16, float16) to float32 and back,
   on the bits, on every core (16-bit inputs compute in float32).
+* :mod:`.groups` -- grouped-query attention's per-query-head gradients summed
+  over each key/value group, on every core.
 * :mod:`.expmath` -- a branch-free exp of non-positive arguments that vectorises.
 * :mod:`.products` -- the small matrix products every kernel is made of.
 * :mod:`.hash` -- the soft hash of a block of rows and its backward.
@@ -49,6 +51,7 @@ table ``l`` at ``phi[l*R:(l+1)*R]``; its tanh projections are ``t (L * P,)``.
 
 from .causal import causal_backward, causal_bwd, causal_bwd_split, causal_fwd, causal_keys_bwd, causal_queries_bwd
 from .expmath import exp_neg
+from .groups import fold_groups
 from .hash import hash_block, hash_range, hash_rows_du, hash_sketch_range, soft_hash_rows
 from .noncausal import SKETCH_FUSED, keys_bwd, queries_bwd, queries_fwd, sketch_chunks
 from .products import combine_rows, dot_rows, step_scores
@@ -58,7 +61,7 @@ from ..config import BLAS_ROWS, BLAS_SCORE_F, HASH_BLOCK, SCAN_BLOCK, SKETCH_RUN
 
 __all__ = [
     "causal_backward", "causal_bwd", "causal_bwd_split", "causal_fwd", "causal_keys_bwd", "causal_queries_bwd",
-    "exp_neg", "hash_block", "hash_range", "hash_rows_du", "hash_sketch_range", "soft_hash_rows",
+    "exp_neg", "fold_groups", "hash_block", "hash_range", "hash_rows_du", "hash_sketch_range", "soft_hash_rows",
     "SKETCH_FUSED", "keys_bwd", "queries_bwd", "queries_fwd", "sketch_chunks", "combine_rows", "dot_rows",
     "step_scores", "FLUSH_SUBNORMALS", "count_nonfinite", "run_tasks", "chunk_length", "exclusive_scan",
     "scan_segments", "segment_start", "sketch_task_length", "spread_order",

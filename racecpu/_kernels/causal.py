@@ -60,6 +60,13 @@ def step_buffers(like, F, m):
                        np.zeros((m, F), dt), np.zeros((m, dv), dt), np.zeros((F, dv), dt))
 
 
+@kernel(inline="always")
+def kv_group(g, G, Gk):
+    """The key/value group that query group ``g`` of ``G`` reads when keys and values
+    have ``Gk`` groups (grouped-query attention: ``G // Gk`` query groups per key group)."""
+    return g // (G // Gk)
+
+
 class Forward(NamedTuple):
     """What every task of :func:`causal_fwd` reads or writes: queries ``q (G, N, d)``,
     values ``v (G, N, dv)``, the :class:`Hash`, the ``chunk`` length, the
@@ -86,6 +93,7 @@ def _causal_fwd_task(task, segments, keep, fwd, carry, final, nan):
     F = phik.shape[2]
     dv = v.shape[2]
     g, c0, c1 = segment_chunks(task, segments, nc)
+    gk = kv_group(g, G, v.shape[0])
     last = c1 == nc and final.shape[0] > 0  # this segment writes the total to final
     track = last or c1 - c0 > 1
     total = np.zeros((F, dv), v.dtype)  # the chunk's sum of state updates, for the next carry
@@ -104,7 +112,7 @@ def _causal_fwd_task(task, segments, keep, fwd, carry, final, nan):
             if m != st.M.shape[0]:  # the chunk's last, shorter step
                 st = step_buffers(v, F, m)
             H, X, dS = st.M, st.X, st.dS
-            Pq, Pk, V, O = phi[i0 - lo:i1 - lo], phik[g, i0:i1], v[g, i0:i1], out[g, i0:i1]
+            Pq, Pk, V, O = phi[i0 - lo:i1 - lo], phik[gk, i0:i1], v[gk, i0:i1], out[g, i0:i1]
             step_scores(Pq, Pk, H, True)  # H_ij = phiq_i . phik_j, kept for j <= i
             if dv > 0:
                 combine_rows(Pq, S, O)
@@ -179,6 +187,7 @@ def _causal_queries_bwd_chunk(bwd, carry, partd, g, c, t0, t1):
     F = phik.shape[2]
     lo = c * chunk
     hi = min(lo + chunk, n)
+    gk = kv_group(g, G, v.shape[0])
     A = carry.A[g, c].copy()
     S = carry.B[g, c].astype(v.dtype)  # the carried-in state, in the compute dtype
     scratch = query_bwd_buffers(grad, F, hi - lo)
@@ -190,7 +199,7 @@ def _causal_queries_bwd_chunk(bwd, carry, partd, g, c, t0, t1):
         if m != st.M.shape[0]:  # the chunk's last, shorter step
             st = step_buffers(v, F, m)
         M, Y, Z, dS = st.M, st.Y, st.Z, st.dS
-        Pq, Pk, V, Gb = phiq[g, i0:i1], phik[g, i0:i1], v[g, i0:i1], grad[g, i0:i1]
+        Pq, Pk, V, Gb = phiq[g, i0:i1], phik[gk, i0:i1], v[gk, i0:i1], grad[g, i0:i1]
         if dv > 0:  # y_i = B_i g_i = B g_i + sum_{j<=i} phik_j (v_j . g_i)
             dot_rows(S, Gb, Y)
             dot_rows(V, Gb, M)  # M_ij = g_i . v_j, kept for j <= i
@@ -262,6 +271,7 @@ def _causal_keys_bwd_chunk(bwd, dcarry, g, c, c0, track, last, final, total):
     ddv = np.zeros(SCAN_BLOCK, np.float64)
     lo = c * chunk
     hi = min(lo + chunk, n)
+    gk = kv_group(g, G, v.shape[0])  # dk, dv, dbk, dWk are written per query group, summed by the caller
     dA = dcarry.A[g, c].copy()
     dB = dcarry.B[g, c].astype(grad.dtype)  # the carried-in state, in the compute dtype
     DPHI = np.empty((hi - lo, F), np.float64)
@@ -274,7 +284,7 @@ def _causal_keys_bwd_chunk(bwd, dcarry, g, c, c0, track, last, final, total):
         if m != st.M.shape[0]:  # the chunk's last, shorter step
             st = step_buffers(grad, F, m)
         M, M2, wb, Y, Z, X, dS = st
-        Pq, Pk, V, Gb, dV = phiq[g, i0:i1], phik[g, i0:i1], v[g, i0:i1], grad[g, i0:i1], grads.dv[g, i0:i1]
+        Pq, Pk, V, Gb, dV = phiq[g, i0:i1], phik[gk, i0:i1], v[gk, i0:i1], grad[g, i0:i1], grads.dv[g, i0:i1]
         for i in range(m):
             dn = den[g, i0 + i]
             inv = 1.0 / (L * dn) if dn > DEN_FLOOR else 0.0
@@ -300,8 +310,8 @@ def _causal_keys_bwd_chunk(bwd, dcarry, g, c, c0, track, last, final, total):
                 DPHI[i0 + j - lo, f] = Y[j, f] + Z[j, f] + dA[f]
         add_product(wb, Gb, dB, dS, total, track)
     pg = grads.planes
-    grads.dbk[g, c] = hash_bwd_rows_dw(DPHI, phik[g, lo:hi], rows.tk[g, lo:hi], hsh, grads.dk[g, lo:hi],
-                                       pg.k[g, lo:hi], pg.dWk[g, c])
+    grads.dbk[g, c] = hash_bwd_rows_dw(DPHI, phik[gk, lo:hi], rows.tk[gk, lo:hi], hsh, grads.dk[g, lo:hi],
+                                       pg.k[gk, lo:hi], pg.dWk[g, c])
     if c - 1 >= c0 or last:
         carry_on(dcarry.B, g, c, c - 1, total, final)
 
@@ -455,7 +465,7 @@ def causal_backward(grad, v, rows, carry, hsh, chunk, grads, partd, final=None):
     the reverse exclusive scan of the chunk totals (in place in ``partd``)
     and the keys' backward in segments.  Arguments as :func:`causal_bwd`.
     """
-    G, nk = v.shape[:2]
+    G, nk = grad.shape[0], v.shape[1]
     nck = carry.A.shape[1]
     seg = scan_segments(G, nck, nk)
     if seg == 1:

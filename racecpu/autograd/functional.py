@@ -207,20 +207,27 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
 
 
 def _race_per_head(q, k, v, planes, beta_t, causal, key_mask, extra=()):
-    """Heads one at a time (one beta each); ``extra``: the planes' Tensor when it learns."""
-    H = q.shape[1]
+    """Heads one at a time (one beta each); ``extra``: the planes' Tensor when it learns.
+    Grouped-query k, v (fewer heads than q): query head h reads key/value head h // group."""
+    H, Hk = q.shape[1], k.shape[1]
+    if Hk < 1 or H % Hk or v.shape[1] != Hk:
+        raise ValueError(f"k and v must have q's number of heads or one that divides it, got q {q.shape}, "
+                         f"k {k.shape}, v {v.shape}")
+    group = H // Hk
     outs, ress = [], []
     for h in range(H):
-        m = None if key_mask is None else np.asarray(key_mask)[:, h]
-        o, r = race_attention_fwd(q.data[:, h], k.data[:, h], v.data[:, h], planes, float(beta_t.data[h]),
-                                  causal=causal, key_mask=m)
+        m = None if key_mask is None else np.asarray(key_mask)[:, h // group]
+        o, r = race_attention_fwd(q.data[:, h], k.data[:, h // group], v.data[:, h // group], planes,
+                                  float(beta_t.data[h]), causal=causal, key_mask=m)
         outs.append(o)
         ress.append(r)
 
     def vjp(g):
         grads = [race_attention_bwd(r, np.ascontiguousarray(g[:, h]), dplanes=bool(extra))
                  for h, r in enumerate(ress)]
-        dq, dk, dv = (np.stack([gr[i] for gr in grads], axis=1) for i in range(3))
+        dq = np.stack([gr[0] for gr in grads], axis=1)
+        dk, dv = (np.stack([sum(grads[h][i] for h in range(j * group, (j + 1) * group)) for j in range(Hk)], axis=1)
+                  for i in (1, 2))
         dW = (sum(gr[4] for gr in grads),) if extra else ()
         return (dq, dk, dv, np.array([gr[3] for gr in grads], dtype=beta_t.dtype)) + dW
     return _op(np.stack(outs, axis=1), (q, k, v, beta_t) + extra, vjp)

@@ -205,6 +205,12 @@ class MultiHeadAttention(Module):
         query, key and value mixes the last ``conv_size`` tokens.  Causal only.
     conv_act : bool, default True
         SiLU after the short convolution.
+    n_kv_heads : int, optional
+        Grouped-query attention (multi-query for 1): keys and values get
+        ``n_kv_heads`` heads, each read by ``n_heads // n_kv_heads`` query
+        heads (default ``n_heads``: ordinary multi-head attention).  RACE
+        (``estimator="ratio"``) computes each key/value head's sketch once
+        for its group; the other attentions repeat k and v.
     seed : int or Generator
     """
 
@@ -212,20 +218,26 @@ class MultiHeadAttention(Module):
 
     def __init__(self, d_model, n_heads, *, attention="race", causal=True, num_planes=3, num_tables=3,
                  beta=DEFAULT_BETA, estimator="ratio", train_beta=True, beta_per_head=False, conv_size=0,
-                 conv_act=True, learn_planes=False, seed=0, dtype=np.float32):
+                 conv_act=True, learn_planes=False, n_kv_heads=None, seed=0, dtype=np.float32):
         if attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
         if estimator not in ESTIMATORS:
             raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
         if d_model % n_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        if not (isinstance(n_kv_heads, (int, np.integer)) and 1 <= n_kv_heads <= n_heads
+                and n_heads % n_kv_heads == 0):
+            raise ValueError(f"n_kv_heads must divide n_heads ({n_heads}), got {n_kv_heads!r}")
         rng = _rng(seed)
         self.attention, self.causal, self.n_heads = attention, bool(causal), n_heads
+        self.n_kv_heads = int(n_kv_heads)
         self.estimator = estimator
         self.head_dim = d_model // n_heads
+        d_kv = self.n_kv_heads * self.head_dim
         self.q = Linear(d_model, d_model, seed=rng, dtype=dtype)
-        self.k = Linear(d_model, d_model, seed=rng, dtype=dtype)
-        self.v = Linear(d_model, d_model, seed=rng, dtype=dtype)
+        self.k = Linear(d_model, d_kv, seed=rng, dtype=dtype)
+        self.v = Linear(d_model, d_kv, seed=rng, dtype=dtype)
         self.proj = Linear(d_model, d_model, seed=rng, dtype=dtype)
         self.num_planes = num_planes
         self.planes = hyperplanes(self.head_dim, num_planes, num_tables, seed=rng, dtype=dtype)
@@ -244,8 +256,8 @@ class MultiHeadAttention(Module):
         if self.conv_size and not causal:
             raise ValueError("conv_size > 0 needs causal=True")
         if self.conv_size:
-            self.conv_q, self.conv_k, self.conv_v = (Parameter(_conv_init(self.conv_size, d_model, rng, dtype))
-                                                     for _ in range(3))
+            self.conv_q, self.conv_k, self.conv_v = (Parameter(_conv_init(self.conv_size, width, rng, dtype))
+                                                     for width in (d_model, d_kv, d_kv))
 
     def current_beta(self):
         if not hasattr(self, "log_beta"):
@@ -260,15 +272,19 @@ class MultiHeadAttention(Module):
     def forward(self, x, key_mask=None):
         """``x``: (B, N, d_model); ``key_mask``: optional bool (B, N), False = padding."""
         B, N, D = x.shape
-        H, dh = self.n_heads, self.head_dim
+        H, Hk, dh = self.n_heads, self.n_kv_heads, self.head_dim
 
-        def heads(t):
-            return t.reshape(B, N, H, dh).transpose(0, 2, 1, 3)
+        def heads(t, n):
+            return t.reshape(B, N, n, dh).transpose(0, 2, 1, 3)
         q, k, v = self.q(x), self.k(x), self.v(x)
         if self.conv_size:
             q, k, v = self._conv(q, self.conv_q), self._conv(k, self.conv_k), self._conv(v, self.conv_v)
-        q, k, v = heads(q), heads(k), heads(v)
-        mask = None if key_mask is None else np.broadcast_to(np.asarray(key_mask)[:, None, :], (B, H, N))
+        q, k, v = heads(q, H), heads(k, Hk), heads(v, Hk)
+        shared = self.attention == "race" and self.estimator == "ratio"  # grouped k, v read as they are
+        if Hk != H and not shared:  # the others see each key/value head repeated for its query heads
+            group = np.repeat(np.arange(Hk), H // Hk)
+            k, v, Hk = k[:, group], v[:, group], H
+        mask = None if key_mask is None else np.broadcast_to(np.asarray(key_mask)[:, None, :], (B, Hk, N))
         if self.attention == "race":
             beta = self.log_beta.exp() if hasattr(self, "log_beta") else self.beta
             s = self.head_dim ** -0.5  # keeps W q ~ N(0, 1): tanh unsaturated, so q and k get gradients

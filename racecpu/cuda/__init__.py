@@ -229,7 +229,7 @@ def _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, dev):
     v, vdt, _ = _check_array("v", v, check_finite, dev)
     pq, pk, pv = (_proxy(x) if _on_device(x) else x for x in (q, k, v))
     pm = None if key_mask is None else (_proxy(key_mask) if _on_device(key_mask) else key_mask)
-    cdt, odt, lead, G, planes, beta = _cpu.check_args(pq, pk, pv, _host(planes), beta, causal, pm)
+    cdt, odt, lead, G, planes, beta, _ = _cpu.check_args(pq, pk, pv, _host(planes), beta, causal, pm)
     nq, d = pq.shape[-2:]
     nk = pk.shape[-2]
     # --- to the device, kernel layout ---
