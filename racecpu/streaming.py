@@ -62,15 +62,21 @@ class RaceState:
         Leading (batch, head) dims of every input.
     dv : int
         Value dimension.
+    kv_heads : int, optional
+        Grouped-query attention: k and v have ``kv_heads`` heads on the last
+        axis of ``batch_shape`` (q has ``batch_shape[-1]``, a multiple), and
+        the state is kept once per key/value head (``batch_shape[-1] //
+        kv_heads`` times smaller), read by each of its query heads.
     dtype : {float32, float64}, default float32
         Compute dtype: inputs are cast to it and outputs returned in it.  The
         carried state is float64 regardless (see the module docstring).
 
     Attributes
     ----------
-    A : ndarray, shape batch_shape + (F,), float64
-        Sum of the soft buckets of every key seen so far (a copy).
-    B : ndarray, shape batch_shape + (F, dv), float64
+    A : ndarray, shape kv_batch_shape + (F,), float64
+        Sum of the soft buckets of every key seen so far (a copy);
+        ``kv_batch_shape`` is ``batch_shape`` with ``kv_heads`` heads.
+    B : ndarray, shape kv_batch_shape + (F, dv), float64
         Sum of ``phi(k) v^T`` over every key seen so far (a copy).
     count : int
         Number of tokens seen so far (the same for every batch element).
@@ -90,7 +96,7 @@ class RaceState:
     """
 
     def __init__(self, planes: ArrayLike, beta: float, *, batch_shape: tuple[int, ...] = (), dv: int,
-                 dtype: DTypeLike = np.float32):
+                 dtype: DTypeLike = np.float32, kv_heads: int | None = None):
         dtype = np.dtype(dtype)
         if dtype not in (np.float32, np.float64):
             raise TypeError(f"dtype must be float32 or float64, got {dtype}")
@@ -104,8 +110,17 @@ class RaceState:
         if isinstance(dv, (bool, np.bool_)) or not isinstance(dv, (int, np.integer)) or dv < 1:
             raise ValueError(f"dv must be an int >= 1, got {dv!r}")
         self._dtype = dtype
+        self._kv_shape, self._group = self._batch_shape, 1
+        if kv_heads is not None:
+            heads = self._batch_shape[-1] if self._batch_shape else None
+            if (isinstance(kv_heads, (bool, np.bool_)) or not isinstance(kv_heads, (int, np.integer))
+                    or heads is None or kv_heads < 1 or heads % kv_heads):
+                raise ValueError(f"kv_heads must divide the head axis (the last of batch_shape "
+                                 f"{self._batch_shape}), got {kv_heads!r}")
+            self._kv_shape = self._batch_shape[:-1] + (int(kv_heads),)
+            self._group = heads // int(kv_heads)
         L, P, _ = self._planes.shape
-        G = math.prod(self._batch_shape)  # Python ints: no int64 wrap-around
+        G = math.prod(self._kv_shape)  # Python ints: no int64 wrap-around
         nbytes = G * L * 2 ** P * (int(dv) + 1) * 8
         if nbytes > _max_state_bytes():
             raise ValueError(f"a state of batch_shape {self._batch_shape}, {L * 2 ** P} buckets and dv={int(dv)} "
@@ -117,7 +132,8 @@ class RaceState:
     # -- read-only properties -------------------------------------------------
     planes = property(lambda self: self._planes, doc="Hyperplanes (L, P, d) in the compute dtype.")
     beta = property(lambda self: self._beta, doc="Soft-hash temperature.")
-    batch_shape = property(lambda self: self._batch_shape, doc="Leading dims of the inputs.")
+    batch_shape = property(lambda self: self._batch_shape, doc="Leading dims of q (and of k, v unless grouped).")
+    kv_batch_shape = property(lambda self: self._kv_shape, doc="Leading dims of k and v (and of the state).")
     dtype = property(lambda self: self._dtype, doc="Compute dtype.")
     count = property(lambda self: self._count, doc="Tokens seen so far.")
 
@@ -131,11 +147,11 @@ class RaceState:
 
     @property
     def A(self):
-        return self._A.reshape(self._batch_shape + self._A.shape[1:]).copy()
+        return self._A.reshape(self._kv_shape + self._A.shape[1:]).copy()
 
     @property
     def B(self):
-        return self._B.reshape(self._batch_shape + self._B.shape[1:]).copy()
+        return self._B.reshape(self._kv_shape + self._B.shape[1:]).copy()
 
     @property
     def nbytes(self):
@@ -145,7 +161,9 @@ class RaceState:
     def __repr__(self):
         L, P, d = self._planes.shape
         return (f"RaceState(L={L}, P={P}, d={d}, dv={self.dv}, beta={self._beta}, "
-                f"batch_shape={self._batch_shape}, dtype={self._dtype.name}, count={self._count})")
+                f"batch_shape={self._batch_shape}, "
+                + (f"kv_heads={self._kv_shape[-1]}, " if self._group > 1 else "")
+                + f"dtype={self._dtype.name}, count={self._count})")
 
     def copy(self) -> RaceState:
         """An independent copy (same planes, beta, state and count)."""
@@ -161,8 +179,9 @@ class RaceState:
 
         Parameters
         ----------
-        q, k : array_like, shape batch_shape + (n, d)
-        v : array_like, shape batch_shape + (n, dv)
+        q : array_like, shape batch_shape + (n, d)
+        k : array_like, shape kv_batch_shape + (n, d)
+        v : array_like, shape kv_batch_shape + (n, dv)
         check_finite : bool, default True
             Raise ValueError on NaN/Inf (a NaN would poison the state forever).
 
@@ -173,10 +192,11 @@ class RaceState:
             The state then includes the n new keys.
         """
         q, k, v = (self._cast(name, x) for name, x in (("q", q), ("k", k), ("v", v)))
-        a = prepare(q, k, v, self._planes, self._beta, True, None, check_finite)
-        if a.lead != self._batch_shape:
-            raise ValueError(f"inputs have leading dims {a.lead} but the state has batch_shape "
-                             f"{self._batch_shape}")
+        a = prepare(q, k, v, self._planes, self._beta, True, None, check_finite, grouped=True)
+        if a.lead != self._batch_shape or k.shape[:-2] != self._kv_shape:
+            raise ValueError(f"inputs have leading dims q {a.lead}, k {k.shape[:-2]} but the state has batch_shape "
+                             f"{self._batch_shape}" + (f" and kv_batch_shape {self._kv_shape}" if self._group > 1
+                                                       else ""))
         if a.v.shape[2] != self.dv:
             raise ValueError(f"v has value dim {a.v.shape[2]} but the state has dv={self.dv}")
         G, n, _ = a.q.shape
@@ -188,25 +208,28 @@ class RaceState:
         return out.reshape(self._batch_shape + (n, self.dv))
 
     def step(self, q: ArrayLike, k: ArrayLike, v: ArrayLike, *, check_finite: bool = True) -> np.ndarray:
-        """One new token: ``q, k`` of shape batch_shape + (d,), ``v`` batch_shape + (dv,).
+        """One new token: ``q`` of shape batch_shape + (d,), ``k`` kv_batch_shape + (d,), ``v``
+        kv_batch_shape + (dv,).
 
         Returns the attention output, shape batch_shape + (dv,).  Same as
         ``extend`` with a block of one token.
         """
         _fork.check()  # a state built before a fork steps without check_array
         q, k, v = (self._cast(name, x) for name, x in (("q", q), ("k", k), ("v", v)))
-        want = {"q": self._batch_shape + (self.head_dim,), "k": self._batch_shape + (self.head_dim,),
-                "v": self._batch_shape + (self.dv,)}
+        want = {"q": self._batch_shape + (self.head_dim,), "k": self._kv_shape + (self.head_dim,),
+                "v": self._kv_shape + (self.dv,)}
         for name, x in (("q", q), ("k", k), ("v", v)):
             if x.shape != want[name]:
-                raise ValueError(f"{name} must have shape batch_shape + ({'dv' if name == 'v' else 'd'},) = "
+                where = "batch_shape" if name == "q" or self._group == 1 else "kv_batch_shape"
+                raise ValueError(f"{name} must have shape {where} + ({'dv' if name == 'v' else 'd'},) = "
                                  f"{want[name]}, got {x.shape}")
             if check_finite and not np.isfinite(x).all():
                 raise ValueError(f"{name} contains NaN or Inf (pass check_finite=False to skip this check)")
-        G = self._A.shape[0]
+        Gk = self._A.shape[0]
+        G = Gk * self._group
         if G:
             # C-contiguous like extend's inputs, so a view (q[..., i, :]) runs the same compiled code
-            q, k, v = (np.ascontiguousarray(x.reshape(G, 1, -1)) for x in (q, k, v))
+            q, k, v = (np.ascontiguousarray(x.reshape(n, 1, -1)) for x, n in ((q, G), (k, Gk), (v, Gk)))
             out = self._step(q, k, v)
         else:
             out = np.empty((0, self.dv), self._dtype)
@@ -217,20 +240,23 @@ class RaceState:
         """:func:`advance` for one token, with reused scratch (the same arithmetic:
         one chunk whose carried-in state is the float64 state itself)."""
         s = self.__dict__.get("_scratch")
-        G, F = self._A.shape
+        Gk, F = self._A.shape
+        G = Gk * self._group
         L, P, _ = self._planes.shape
         dt = self._dtype
         if s is None:
             s = self._scratch = dict(
-                phik=np.empty((G, 1, F), dt), tk=np.empty((G, 1, L * P), dt), phiq=np.empty((G, 1, F), dt),
-                tq=np.empty((G, 1, L * P), dt), den=np.empty((G, 1)), mask=np.ones((G, 1), np.bool_),
-                partA=np.empty((G, 1, F)), partB=np.empty((G, 1, F, self.dv)))
+                phik=np.empty((Gk, 1, F), dt), tk=np.empty((Gk, 1, L * P), dt), phiq=np.empty((G, 1, F), dt),
+                tq=np.empty((G, 1, L * P), dt), den=np.empty((G, 1)), mask=np.ones((Gk, 1), np.bool_),
+                partA=np.empty((Gk, 1, F)), partB=np.empty((Gk, 1, F, self.dv)))
         s["partA"].fill(0.0)
         s["partB"].fill(0.0)
         out = np.empty((G, 1, self.dv), dt)
         hsh, rows = Hash(self._planes, self._beta), Rows(s["phiq"], s["tq"], s["phik"], s["tk"], s["den"])
         K.sketch_chunks(k, v, s["mask"], hsh, 1, rows, Sums(s["partA"], s["partB"]))
-        K.causal_fwd(q, v, hsh, 1, rows, Sums(self._A.reshape(G, 1, F), self._B.reshape(G, 1, F, self.dv)), out)
+        carry = Sums(np.repeat(self._A.reshape(Gk, 1, F), self._group, axis=0),
+                     np.repeat(self._B.reshape(Gk, 1, F, self.dv), self._group, axis=0))
+        K.causal_fwd(q, v, hsh, 1, rows, carry, out)
         self._A += s["partA"][:, 0]
         self._B += s["partB"][:, 0]
         return out
@@ -259,6 +285,8 @@ class RaceState:
                     beta=np.array(self._beta), dtype=np.array(self._dtype.name),
                     batch_shape=np.array(self._batch_shape, dtype=np.int64), count=np.array(self._count),
                     A=self._A, B=self._B)
+        if self._group > 1:
+            data["kv_heads"] = np.array(self._kv_shape[-1], dtype=np.int64)
         _write_atomic(path, lambda fh: np.savez(fh, **data))
 
     @classmethod
@@ -301,8 +329,9 @@ class RaceState:
         try:
             dtype = np.dtype(str(d["dtype"]))
             batch_shape = tuple(int(s) for s in d["batch_shape"])
+            kv = d.get("kv_heads")
             st = cls(d["planes"], float(d["beta"]), batch_shape=batch_shape, dv=int(d["B"].shape[-1]),
-                     dtype=dtype)
+                     dtype=dtype, kv_heads=None if kv is None else int(kv))
             G, F = st._A.shape
             if d["A"].shape != (G, F) or d["B"].shape != (G, F, st.dv) or d["A"].dtype != np.float64 \
                     or d["B"].dtype != np.float64 or d["planes"].dtype != dtype:
@@ -467,6 +496,8 @@ def _read_state(fh):
         if nA > limit:
             raise _Invalid(f"inconsistent RaceState file: batch_shape {tuple(batch_shape)} and planes "
                            f"{planes.shape} need a {nA}-byte state, more than this machine's memory")
+        if "kv_heads" in names:  # a grouped-query state
+            d["kv_heads"] = _read_entry(zf, names, "kv_heads", _SMALL_BYTES, "iu", 0)
         d["A"] = _read_entry(zf, names, "A", nA, "f", 2)
         d["B"] = _read_entry(zf, names, "B", limit - nA, "f", 3)
         return d
@@ -486,12 +517,14 @@ def _check_shape(name, shape):
     return shape
 
 
-def causal_rows(G, n, F, LP, cdt):
+def causal_rows(G, n, F, LP, cdt, Gk=None):
     """Every residual row of a causal block of ``n`` tokens in ``G`` groups:
     :class:`racecpu._kernels.bundles.Rows` of ``phiq, phik (G, n, F)``, ``tq, tk
-    (G, n, LP)`` in the compute dtype ``cdt`` and ``den (G, n)`` float64."""
-    return Rows(POOL.empty((G, n, F), cdt), POOL.empty((G, n, LP), cdt), POOL.empty((G, n, F), cdt),
-                POOL.empty((G, n, LP), cdt), POOL.zeros((G, n)))
+    (G, n, LP)`` in the compute dtype ``cdt`` and ``den (G, n)`` float64; the
+    keys' ``phik``, ``tk`` in ``Gk`` groups where given (grouped-query attention)."""
+    Gk = G if Gk is None else Gk
+    return Rows(POOL.empty((G, n, F), cdt), POOL.empty((G, n, LP), cdt), POOL.empty((Gk, n, F), cdt),
+                POOL.empty((Gk, n, LP), cdt), POOL.zeros((G, n)))
 
 
 class Advanced(NamedTuple):
@@ -513,14 +546,16 @@ class Advanced(NamedTuple):
 def advance(q, k, v, planes, beta, A0, B0, out, *, rows=None, mask=None):
     """Causal RACE over a block of tokens from a carried state; the kernel-level step.
 
-    ``q, k (G, n, d)``, ``v (G, n, dv)`` C-contiguous in the compute dtype
-    (checked by the caller), ``A0 (G, F)``, ``B0 (G, F, dv)`` float64: the state
-    before the block.  Writes the outputs to ``out (G, n, dv)`` and returns
+    ``q (G, n, d)``, ``k (Gk, n, d)``, ``v (Gk, n, dv)`` C-contiguous in the
+    compute dtype (checked by the caller; ``Gk`` divides ``G``: grouped-query
+    attention, query group g reads key group ``g // (G // Gk)``), ``A0 (Gk,
+    F)``, ``B0 (Gk, F, dv)`` float64: the state before the block.  Writes the outputs to ``out (G, n, dv)`` and returns
     :class:`Advanced`.  ``rows`` (:class:`racecpu._kernels.bundles.Rows`)
     receives the soft buckets, tanh projections and denominators (the
     residuals a backward needs; ``phik`` must have every row, the others may
     have none: not kept); allocated when not given.  ``mask (G, n)`` bool
-    leaves keys out (default: every key counts).
+    leaves keys out (default: every key counts).  The returned state is per
+    key group, the carries per query group.
 
     The chunk grid and float64 carries are those of
     :func:`racecpu.race_attention_fwd`, with ``(A0, B0)`` added to every
@@ -529,22 +564,24 @@ def advance(q, k, v, planes, beta, A0, B0, out, *, rows=None, mask=None):
     """
     _fork.check()
     G, n, _ = q.shape
-    dv = v.shape[2]
+    Gk, _, dv = v.shape
     L, P, _ = planes.shape
     F = L * 2 ** P
     cdt = q.dtype
     chunk = K.chunk_length(n, G, F, dv)
     nc = -(-n // chunk)
     if rows is None:
-        rows = causal_rows(G, n, F, L * P, cdt)
-    mask = np.ones((G, n), np.bool_) if mask is None else mask
-    partA = np.zeros((G, nc, F))
-    partB = np.zeros((G, nc, F, dv))
+        rows = causal_rows(G, n, F, L * P, cdt, Gk)
+    mask = np.ones((Gk, n), np.bool_) if mask is None else mask
+    partA = np.zeros((Gk, nc, F))
+    partB = np.zeros((Gk, nc, F, dv))
     hsh = Hash(planes, beta)
     nan_k = K.sketch_chunks(k, v, mask, hsh, chunk, rows, Sums(partA, partB))
     carryA = K.exclusive_scan(partA)
     carryB = K.exclusive_scan(partB)
     carryA += A0[:, None]
     carryB += B0[:, None]
+    if Gk != G:  # every query group scans from its key group's carries (one segment per chunk: read only)
+        carryA, carryB = (np.repeat(x, G // Gk, axis=0) for x in (carryA, carryB))
     nan_q = K.causal_fwd(q, v, hsh, chunk, rows, Sums(carryA, carryB), out)
     return Advanced(A0 + partA.sum(1), B0 + partB.sum(1), chunk, carryA, carryB, nan_q, nan_k)
