@@ -35,6 +35,7 @@ CUDA tensors go to :mod:`racecpu.cuda` (``__cuda_array_interface__``) and
 come back through ``torch.as_tensor``; this path has not been run on a GPU.
 """
 
+import contextlib
 import itertools
 import threading
 import weakref
@@ -112,6 +113,22 @@ def _backend(device):
     raise NotImplementedError(f"racecpu.torch supports CPU and CUDA tensors, got device {device}")
 
 
+@contextlib.contextmanager
+def _torch_threads_kept():
+    """Restore torch's intra-op thread count after racecpu's kernels ran.
+
+    When torch is loaded first, Numba's OpenMP layer binds to torch's libgomp,
+    and each of racecpu's parallel regions sets that runtime's thread count
+    (``omp_set_num_threads``) to Numba's: a model that ran torch on one thread
+    would run its next torch ops on all of them."""
+    n = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+
+
 def _drop(key):
     with _LOCK:
         _RESIDUALS.pop(key, None)
@@ -129,14 +146,16 @@ def _race_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, planes
     args = (to_array(q), to_array(k), to_array(v), to_array(planes), float(beta))
     mask = None if key_mask is None else to_array(key_mask)
     if keep_residuals:
-        out, res = fwd(*args, causal=causal, key_mask=mask)
+        with _torch_threads_kept():
+            out, res = fwd(*args, causal=causal, key_mask=mask)
         with _LOCK:
             key = next(_KEYS)
             _RESIDUALS[key] = res
         handle = torch.tensor(key, dtype=torch.int64)
         weakref.finalize(handle, _drop, key)
     else:
-        out = fwd_only(*args, causal=causal, key_mask=mask)
+        with _torch_threads_kept():
+            out = fwd_only(*args, causal=causal, key_mask=mask)
         handle = torch.tensor(-1, dtype=torch.int64)
     return _from_numpy(out, v.dtype, q.device), handle
 
@@ -159,12 +178,13 @@ def _race_attention_bwd_op(handle: torch.Tensor, grad_out: torch.Tensor, q: torc
                            "without any input requiring grad, or its graph was freed)")
     _, bwd, _, to_array = _backend(grad_out.device)
     dev = grad_out.device
-    if dplanes:
-        dq, dk, dv, dbeta, dW = bwd(res, to_array(grad_out), dplanes=True)
-        dW = _from_numpy(np.ascontiguousarray(dW), planes.dtype, dev)
-    else:
-        dq, dk, dv, dbeta = bwd(res, to_array(grad_out))
-        dW = planes.new_zeros(())  # a placeholder: autograd is given None
+    with _torch_threads_kept():
+        if dplanes:
+            dq, dk, dv, dbeta, dW = bwd(res, to_array(grad_out), dplanes=True)
+            dW = _from_numpy(np.ascontiguousarray(dW), planes.dtype, dev)
+        else:
+            dq, dk, dv, dbeta = bwd(res, to_array(grad_out))
+            dW = planes.new_zeros(())  # a placeholder: autograd is given None
     return (_from_numpy(dq, q.dtype, dev), _from_numpy(dk, k.dtype, dev), _from_numpy(dv, v.dtype, dev),
             torch.tensor(dbeta, dtype=torch.float64, device=dev), dW)
 

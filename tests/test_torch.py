@@ -230,3 +230,16 @@ def test_fake_kernels_match():
         fake_bwd0 = rt._race_attention_bwd_op(fake[1], fg, fq, fk, fv, fp, False)
     for r, f in zip(real + real_bwd + real_bwd0, fake + fake_bwd + fake_bwd0):
         assert (r.shape, r.stride(), r.dtype, r.device) == (f.shape, f.stride(), f.dtype, f.device)
+
+
+def test_torch_thread_count_survives_the_op():
+    """racecpu's OpenMP regions must not change torch's intra-op thread count."""
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        q, k, v, planes = _inputs((1, 2, 20000, 16), dv=16, dtype=torch.float32)
+        q.requires_grad_()
+        rt.race_attention(q, k, v, planes, causal=True).sum().backward()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(n)
