@@ -190,7 +190,7 @@ def test_ab_script_compares_two_checkouts():
 
 
 def test_profile_script_names_compiled_functions(tmp_path):
-    # benchmarks/profile.py's part that does not need perf: Numba's mangled names shortened,
+    # benchmarks/perf_profile.py's part that does not need perf: Numba's mangled names shortened,
     # and a perf JIT map with the address of every function compiled for a module's dispatchers.
     import importlib.util
     import types
@@ -198,7 +198,7 @@ def test_profile_script_names_compiled_functions(tmp_path):
 
     import numba
 
-    path = Path(__file__).parents[1] / "benchmarks" / "profile.py"
+    path = Path(__file__).parents[1] / "benchmarks" / "perf_profile.py"
     spec = importlib.util.spec_from_file_location("race_profile", path)
     prof = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(prof)

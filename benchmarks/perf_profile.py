@@ -11,7 +11,7 @@ largest share of the samples, their Numba names shortened
 (``racecpu._kernels.dot_rows[v55]``: the version tells two specialisations of
 one function apart), and the call's ns per token-head.
 
-    python benchmarks/profile.py [--mode fwd|fwdbwd|causal-fwd|causal-fwdbwd] [--log2n 18]
+    python benchmarks/perf_profile.py [--mode fwd|fwdbwd|causal-fwd|causal-fwdbwd] [--log2n 18]
                                  [--heads 4] [--threads 2] [--seconds 10] [--top 25]
 
 It needs ``perf`` (linux-tools) and a kernel that lets this user sample
@@ -137,7 +137,7 @@ def main(argv=None):
         raise SystemExit("perf is not installed (linux-tools)")
 
     if "numba" in sys.modules:
-        raise SystemExit("run profile.py as a script: Numba was already imported with another cache")
+        raise SystemExit("run perf_profile.py as a script: Numba was already imported with another cache")
     cache = tempfile.mkdtemp(prefix="racecpu-profile-")
     os.environ["NUMBA_CACHE_DIR"] = cache  # before Numba is imported: compile afresh, keep the IR
     import numba
