@@ -50,7 +50,7 @@ def _bwd_host(causal, has_mask, learn_planes, q, k, v, planes, beta, mask, g):
         dW = np.asarray(dW).astype(planes.dtype, copy=False)
     else:
         dq, dk, dv, dbeta = _api.race_attention_bwd(res, _host(g))
-        dW = np.zeros(planes.shape, planes.dtype)
+        dW = np.broadcast_to(np.zeros((), planes.dtype), planes.shape)  # constants: no memory
     return (dq.astype(q.dtype, copy=False), dk.astype(k.dtype, copy=False), dv.astype(v.dtype, copy=False),
             np.asarray(dbeta, dtype=beta.dtype), dW)
 
