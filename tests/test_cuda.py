@@ -373,3 +373,11 @@ def test_gpu_benchmark_runs_and_checks(capsys):
                                sdpa=False, check=False, progress=False)
     assert [r["threads"] for r in rows] == [4, 8] and all(r["median_ms"] > 0 for r in rows), rows
     assert "fwd+bwd" in bench.format_rows(rows)
+
+
+def test_grouped_kv_is_refused_with_a_clear_error(rng):
+    """The CPU's shape checks, and grouped-query k, v (valid on the CPU) said to be CPU-only."""
+    q = rng.standard_normal((1, 4, 16, 4)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 2, 16, 4)).astype(np.float32) for _ in range(2))
+    with pytest.raises(NotImplementedError, match="grouped-query attention .* not implemented on the GPU"):
+        rc.race_attention_fwd(q, k, v, racecpu.hyperplanes(4, 2, 2, seed=0))

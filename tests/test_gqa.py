@@ -170,3 +170,4 @@ def test_race_state_keeps_one_state_per_kv_head(tmp_path):
         st2.extend(q[:, :, :3], np.repeat(k[:, :, :3], 3, axis=1), np.repeat(v[:, :, :3], 3, axis=1))
     with pytest.raises(ValueError, match="kv_heads must divide"):
         RaceState(W, 2.0, batch_shape=(2, 6), dv=5, kv_heads=4)
+

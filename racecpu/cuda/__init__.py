@@ -229,7 +229,12 @@ def _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, dev):
     v, vdt, _ = _check_array("v", v, check_finite, dev)
     pq, pk, pv = (_proxy(x) if _on_device(x) else x for x in (q, k, v))
     pm = None if key_mask is None else (_proxy(key_mask) if _on_device(key_mask) else key_mask)
-    cdt, odt, lead, G, planes, beta, _ = _cpu.check_args(pq, pk, pv, _host(planes), beta, causal, pm)
+    # the CPU's checks and messages; grouped-query shapes are valid there but not built here yet
+    cdt, odt, lead, G, planes, beta, group = _cpu.check_args(pq, pk, pv, _host(planes), beta, causal, pm, True)
+    if group > 1:
+        raise NotImplementedError(f"grouped-query attention (k and v with fewer heads than q: q {pq.shape}, "
+                                  f"k {pk.shape}) is not implemented on the GPU (racecpu.cuda) yet; repeat k "
+                                  f"and v per query head, or run it on the CPU")
     nq, d = pq.shape[-2:]
     nk = pk.shape[-2]
     # --- to the device, kernel layout ---
