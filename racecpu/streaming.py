@@ -254,8 +254,9 @@ class RaceState:
         out = np.empty((G, 1, self.dv), dt)
         hsh, rows = Hash(self._planes, self._beta), Rows(s["phiq"], s["tq"], s["phik"], s["tk"], s["den"])
         K.sketch_chunks(k, v, s["mask"], hsh, 1, rows, Sums(s["partA"], s["partB"]))
-        carry = Sums(np.repeat(self._A.reshape(Gk, 1, F), self._group, axis=0),
-                     np.repeat(self._B.reshape(Gk, 1, F, self.dv), self._group, axis=0))
+        carry = Sums(self._A.reshape(Gk, 1, F), self._B.reshape(Gk, 1, F, self.dv))  # the state itself
+        if self._group > 1:  # each query head reads its key/value head's state
+            carry = Sums(*(np.repeat(x, self._group, axis=0) for x in carry))
         K.causal_fwd(q, v, hsh, 1, rows, carry, out)
         self._A += s["partA"][:, 0]
         self._B += s["partB"][:, 0]
