@@ -36,15 +36,20 @@ def _host(x):
     return np.asarray(x)
 
 
-def _fwd_host(causal, has_mask, q, k, v, planes, beta, mask):
+def _packed(cu):
+    """cu_seqlens from its callback array: none has no offsets (a real one has two or more)."""
+    return None if cu.size == 0 else _host(cu)
+
+
+def _fwd_host(causal, has_mask, q, k, v, planes, beta, mask, cu):
     out = _api.race_attention(_host(q), _host(k), _host(v), _host(planes), float(beta), causal=causal,
-                              key_mask=mask if has_mask else None)
+                              key_mask=mask if has_mask else None, cu_seqlens=_packed(cu))
     return out.astype(v.dtype, copy=False)
 
 
-def _bwd_host(causal, has_mask, learn_planes, q, k, v, planes, beta, mask, g):
+def _bwd_host(causal, has_mask, learn_planes, q, k, v, planes, beta, mask, cu, g):
     _, res = _api.race_attention_fwd(_host(q), _host(k), _host(v), _host(planes), float(beta), causal=causal,
-                                     key_mask=mask if has_mask else None)
+                                     key_mask=mask if has_mask else None, cu_seqlens=_packed(cu))
     if learn_planes:
         dq, dk, dv, dbeta, dW = _api.race_attention_bwd(res, _host(g), dplanes=True)
         dW = np.asarray(dW).astype(planes.dtype, copy=False)
@@ -60,29 +65,32 @@ def _sds(x):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _race(causal, has_mask, learn_planes, q, k, v, planes, beta, mask):
+def _race(causal, has_mask, learn_planes, q, k, v, planes, beta, mask, cu):
     shape = jax.ShapeDtypeStruct(q.shape[:-1] + v.shape[-1:], v.dtype)
     return jax.pure_callback(functools.partial(_fwd_host, causal, has_mask), shape, q, k, v, planes, beta, mask,
-                             vmap_method="sequential")
+                             cu, vmap_method="sequential")
 
 
-def _race_fwd(causal, has_mask, learn_planes, q, k, v, planes, beta, mask):
-    return _race(causal, has_mask, learn_planes, q, k, v, planes, beta, mask), (q, k, v, planes, beta, mask)
+def _race_fwd(causal, has_mask, learn_planes, q, k, v, planes, beta, mask, cu):
+    return (_race(causal, has_mask, learn_planes, q, k, v, planes, beta, mask, cu),
+            (q, k, v, planes, beta, mask, cu))
 
 
 def _race_bwd(causal, has_mask, learn_planes, saved, g):
-    q, k, v, planes, beta, mask = saved
+    q, k, v, planes, beta, mask, cu = saved
     dq, dk, dv, dbeta, dW = jax.pure_callback(functools.partial(_bwd_host, causal, has_mask, learn_planes),
                                               (_sds(q), _sds(k), _sds(v), _sds(beta), _sds(planes)), q, k, v,
-                                              planes, beta, mask, g, vmap_method="sequential")
-    # without learn_planes the planes' cotangent is zero; the mask is boolean (float0 cotangent)
-    return dq, dk, dv, dW, dbeta, np.zeros(mask.shape, dtype=jax.dtypes.float0)
+                                              planes, beta, mask, cu, g, vmap_method="sequential")
+    # without learn_planes the planes' cotangent is zero; the mask and offsets are integral (float0 cotangents)
+    return (dq, dk, dv, dW, dbeta, np.zeros(mask.shape, dtype=jax.dtypes.float0),
+            np.zeros(cu.shape, dtype=jax.dtypes.float0))
 
 
 _race.defvjp(_race_fwd, _race_bwd)
 
 
-def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None, learn_planes=False):
+def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None, learn_planes=False,
+                   cu_seqlens=None):
     """RACE attention on JAX arrays (see :func:`racecpu.race_attention`), differentiable in reverse mode.
 
     Parameters
@@ -105,6 +113,9 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
     learn_planes : bool (static)
         The planes' cotangent is :func:`racecpu.race_attention_bwd`'s
         ``dplanes`` (learnable hash planes; costs the backward ~15-20 %).
+    cu_seqlens : int array, shape (S + 1,), optional
+        Packed sequences (flash-attn's offsets ``0, n1, ..., N``), each
+        attending only within itself; may be traced.
 
     Returns
     -------
@@ -119,4 +130,7 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
         beta = beta.reshape(())  # one element, or a clear reshape error
     has_mask = key_mask is not None
     mask = jnp.asarray(key_mask, dtype=bool) if has_mask else jnp.zeros((0,), dtype=bool)
-    return _race(bool(causal), has_mask, bool(learn_planes), q, k, v, planes, beta, mask)
+    cu = jnp.zeros((0,), dtype=jnp.int32) if cu_seqlens is None else jnp.asarray(cu_seqlens)
+    if cu_seqlens is not None and (cu.ndim != 1 or cu.size < 2):
+        raise ValueError(f"cu_seqlens must be 1-D with at least two offsets (0, ..., N), got shape {cu.shape}")
+    return _race(bool(causal), has_mask, bool(learn_planes), q, k, v, planes, beta, mask, cu)

@@ -141,13 +141,19 @@ def _drop(key):
 @torch.library.custom_op("racecpu::race_attention", mutates_args=())
 def _race_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, planes: torch.Tensor,
                        beta: torch.Tensor, causal: bool, key_mask: Optional[torch.Tensor],
-                       keep_residuals: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                       keep_residuals: bool, cu_seqlens: Optional[torch.Tensor] = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     fwd, _, fwd_only, to_array = _backend(q.device)
     args = (to_array(q), to_array(k), to_array(v), to_array(planes), float(beta))
-    mask = None if key_mask is None else to_array(key_mask)
+    kw = {"causal": causal, "key_mask": None if key_mask is None else to_array(key_mask)}
+    if cu_seqlens is not None:
+        if q.device.type != "cpu":
+            raise NotImplementedError("cu_seqlens (packed sequences) runs on the CPU only (racecpu.cuda has no "
+                                      "kernel for it yet)")
+        kw["cu_seqlens"] = cu_seqlens.detach().cpu().numpy()
     if keep_residuals:
         with _torch_threads_kept():
-            out, res = fwd(*args, causal=causal, key_mask=mask)
+            out, res = fwd(*args, **kw)
         with _LOCK:
             key = next(_KEYS)
             _RESIDUALS[key] = res
@@ -155,13 +161,13 @@ def _race_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, planes
         weakref.finalize(handle, _drop, key)
     else:
         with _torch_threads_kept():
-            out = fwd_only(*args, causal=causal, key_mask=mask)
+            out = fwd_only(*args, **kw)
         handle = torch.tensor(-1, dtype=torch.int64)
     return _from_numpy(out, v.dtype, q.device), handle
 
 
 @_race_attention_op.register_fake
-def _(q, k, v, planes, beta, causal, key_mask, keep_residuals):
+def _(q, k, v, planes, beta, causal, key_mask, keep_residuals, cu_seqlens=None):
     out = q.new_empty(q.shape[:-1] + v.shape[-1:], dtype=v.dtype)  # C-contiguous, as the real one
     return out, torch.empty((), dtype=torch.int64)
 
@@ -197,7 +203,7 @@ def _(handle, grad_out, q, k, v, planes, dplanes):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, planes, beta, causal, key_mask, keep = inputs
+    q, k, v, planes, beta = inputs[:5]
     _, handle = output
     # q, k, v only give the gradients' dtypes and shapes (and are views, so saving them costs nothing)
     ctx.save_for_backward(handle, q, k, v, planes)
@@ -213,7 +219,7 @@ def _backward(ctx, grad_out, _grad_handle):
     shape, dtype = ctx.beta_meta
     dbeta = dbeta.reshape(shape).to(dtype) if need[4] else None
     return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
-            dW if need[3] else None, dbeta, None, None, None)
+            dW if need[3] else None, dbeta, None, None, None, None)
 
 
 _race_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -223,7 +229,7 @@ _race_attention_op.register_autograd(_backward, setup_context=_setup_context)
 # the public function and module
 # ---------------------------------------------------------------------------
 
-def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None):
+def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None, cu_seqlens=None):
     """RACE attention on torch tensors, differentiable (see :func:`racecpu.race_attention`).
 
     Parameters
@@ -247,6 +253,9 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
         Query i sees keys j <= i (needs Nq == Nk).
     key_mask : bool Tensor, shape (..., Nk), optional
         False keys contribute nothing.
+    cu_seqlens : int Tensor or array_like, shape (S + 1,), optional
+        Packed sequences (flash-attn's offsets ``0, n1, n1 + n2, ..., N``),
+        each attending only within itself (CPU only).
 
     Returns
     -------
@@ -275,7 +284,9 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
     if beta.device != q.device and beta.device.type != "cpu":
         beta = beta.cpu()
     keep = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, planes, beta))
-    out, _ = _race_attention_op(q, k, v, planes, beta, bool(causal), key_mask, keep)
+    if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
+        cu_seqlens = torch.as_tensor(np.asarray(cu_seqlens))
+    out, _ = _race_attention_op(q, k, v, planes, beta, bool(causal), key_mask, keep, cu_seqlens)
     return out
 
 
@@ -328,13 +339,13 @@ class RaceAttention(nn.Module):
         return f"head_dim={d}, num_planes={P}, num_tables={L}"
 
     def forward(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
-                key_mask=None):
+                key_mask=None, cu_seqlens=None):
         """``(..., Nq, d), (..., Nk, d), (..., Nk, dv) -> (..., Nq, dv)``.
 
         ``attn_mask``, ``dropout_p`` and ``scale`` are SDPA's arguments that
         RACE has no equivalent of: anything but their defaults raises
         ``NotImplementedError``.  Use ``key_mask`` (bool ``(..., Nk)``, False
-        = padding) for padding masks.
+        = padding) for padding masks, ``cu_seqlens`` for packed sequences.
         """
         if attn_mask is not None:
             raise NotImplementedError("RaceAttention takes no attn_mask; use is_causal and key_mask")
@@ -342,4 +353,5 @@ class RaceAttention(nn.Module):
             raise NotImplementedError("RaceAttention has no attention dropout")
         if scale is not None:
             raise NotImplementedError("RaceAttention has no scale (beta plays the temperature's part)")
-        return race_attention(query, key, value, self.planes, self.beta, causal=is_causal, key_mask=key_mask)
+        return race_attention(query, key, value, self.planes, self.beta, causal=is_causal, key_mask=key_mask,
+                              cu_seqlens=cu_seqlens)

@@ -56,14 +56,14 @@ from .hash import hash_block, hash_range, hash_rows_du, hash_sketch_range, soft_
 from .noncausal import SKETCH_FUSED, keys_bwd, queries_bwd, queries_fwd, sketch_chunks
 from .products import combine_rows, dot_rows, step_scores
 from .runtime import FLUSH_SUBNORMALS, count_nonfinite, run_tasks
-from .scan import (chunk_length, exclusive_scan, scan_segments, segment_start, sketch_task_length, spread_order)
+from .scan import (budget_chunk, chunk_length, exclusive_scan, scan_segments, segment_start, sketch_task_length, spread_order)
 from ..config import BLAS_ROWS, BLAS_SCORE_F, HASH_BLOCK, SCAN_BLOCK, SKETCH_RUN
 
 __all__ = [
     "causal_backward", "causal_bwd", "causal_bwd_split", "causal_fwd", "causal_keys_bwd", "causal_queries_bwd",
     "exp_neg", "fold_groups", "hash_block", "hash_range", "hash_rows_du", "hash_sketch_range", "soft_hash_rows",
     "SKETCH_FUSED", "keys_bwd", "queries_bwd", "queries_fwd", "sketch_chunks", "combine_rows", "dot_rows",
-    "step_scores", "FLUSH_SUBNORMALS", "count_nonfinite", "run_tasks", "chunk_length", "exclusive_scan",
+    "step_scores", "FLUSH_SUBNORMALS", "count_nonfinite", "run_tasks", "budget_chunk", "chunk_length", "exclusive_scan",
     "scan_segments", "segment_start", "sketch_task_length", "spread_order",
     "BLAS_ROWS", "BLAS_SCORE_F", "HASH_BLOCK", "SCAN_BLOCK", "SKETCH_RUN",
 ]

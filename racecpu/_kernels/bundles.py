@@ -94,7 +94,9 @@ class Grads(NamedTuple):
 class Backward(NamedTuple):
     """The arrays every task of a backward reads or writes: ``grad (G, Nq, dv)``
     (the output's cotangent), ``v (G, Nk, dv)``, the forward's :class:`Rows`,
-    the :class:`Hash`, the ``chunk`` length and the :class:`Grads` to write."""
+    the :class:`Hash`, the ``chunk`` length, the :class:`Grads` to write and
+    ``seq (nc,)`` int64, each chunk's packed sequence (the sketch it reads,
+    where the scans restart)."""
 
     grad: np.ndarray
     v: np.ndarray
@@ -102,6 +104,7 @@ class Backward(NamedTuple):
     hsh: Hash
     chunk: int
     grads: Grads
+    seq: np.ndarray
 
 
 class QueryScratch(NamedTuple):

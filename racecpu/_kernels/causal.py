@@ -33,8 +33,13 @@ from .hash import hash_bwd_rows_dw, hash_chunk, residual_rows
 from .noncausal import dphi_from_y, queries_chunk_end, query_bwd_buffers
 from .products import add_product, add_rows, combine_rows, dot_rows, step_scores, zero_above, zero_below
 from .runtime import blas_tasks, run_tasks
-from .scan import (carry_on, exclusive_scan, exclusive_step, scan_segments, segment_chunks, segment_start,
-                   spread_order, task_bounds)
+from .scan import (carry_on, exclusive_scan, exclusive_step, one_sequence, restarts, scan_segments, segment_chunks,
+                   segment_start, spread_order, task_bounds)
+
+
+def _backward(grad, v, rows, hsh, chunk, grads, seq, nc):
+    """The :class:`Backward` bundle, ``seq`` defaulting to one sequence of ``nc`` chunks."""
+    return Backward(grad, v, rows, hsh, chunk, grads, one_sequence(nc) if seq is None else seq)
 
 
 class StepScratch(NamedTuple):
@@ -70,8 +75,9 @@ def kv_group(g, G, Gk):
 class Forward(NamedTuple):
     """What every task of :func:`causal_fwd` reads or writes: queries ``q (G, N, d)``,
     values ``v (G, N, dv)``, the :class:`Hash`, the ``chunk`` length, the
-    :class:`Rows` (``phik`` read; ``phiq``, ``tq``, ``den`` written where kept)
-    and ``out (G, N, dv)``."""
+    :class:`Rows` (``phik`` read; ``phiq``, ``tq``, ``den`` written where kept),
+    ``out (G, N, dv)`` and ``seq (nc,)`` int64, each chunk's packed sequence
+    (the scan restarts at each)."""
 
     q: np.ndarray
     v: np.ndarray
@@ -79,12 +85,13 @@ class Forward(NamedTuple):
     chunk: int
     rows: object
     out: np.ndarray
+    seq: np.ndarray
 
 
 @kernel
 def _causal_fwd_task(task, segments, keep, fwd, carry, final, nan):
     """One segment of :func:`causal_fwd` (run by :func:`run_tasks`)."""
-    q, v, hsh, chunk, rows, out = fwd
+    q, v, hsh, chunk, rows, out, seq = fwd
     phik = rows.phik
     carryA, carryB = carry
     G, n, _ = q.shape
@@ -131,11 +138,11 @@ def _causal_fwd_task(task, segments, keep, fwd, carry, final, nan):
             add_rows(A, Pk)
             add_product(Pk, V, S, dS, total, track)
         if c + 1 < c1 or last:
-            carry_on(carryB, g, c, c + 1, total, final)
+            carry_on(carryB, g, c, c + 1, total, final, restarts(seq, c + 1))
 
 
 @blas_tasks
-def causal_fwd(q, v, hsh, chunk, rows, carry, out, final=None, segments=None):
+def causal_fwd(q, v, hsh, chunk, rows, carry, out, final=None, segments=None, seq=None):
     """Scan every segment of chunks from its carried-in state; query i sees keys j <= i.
 
     Per step of SCAN_BLOCK tokens with state B before it:
@@ -161,6 +168,9 @@ def causal_fwd(q, v, hsh, chunk, rows, carry, out, final=None, segments=None):
         Out: the total B.
     segments : int, optional
         Segments per group (default: one per chunk).
+    seq : (nc,) int64, optional
+        Each chunk's packed sequence (default: one sequence): the scan
+        restarts at the first chunk of each, whose carries must be zero.
 
     Returns
     -------
@@ -171,7 +181,8 @@ def causal_fwd(q, v, hsh, chunk, rows, carry, out, final=None, segments=None):
     keep = np.ones(q.shape[1], np.bool_)  # queries are never masked
     segments = nc if segments is None else segments
     nan = np.zeros(G * segments, np.int64)
-    run_tasks(_causal_fwd_task, G * segments, segments, keep, Forward(q, v, hsh, chunk, rows, out), carry,
+    fwd = Forward(q, v, hsh, chunk, rows, out, one_sequence(nc) if seq is None else seq)
+    run_tasks(_causal_fwd_task, G * segments, segments, keep, fwd, carry,
               np.zeros((0, 0, 0)) if final is None else final, nan)
     return int(nan.sum())
 
@@ -180,7 +191,7 @@ def causal_fwd(q, v, hsh, chunk, rows, carry, out, final=None, segments=None):
 def _causal_queries_bwd_chunk(bwd, carry, partd, g, c, t0, t1):
     """Chunk ``c`` of group ``g`` of :func:`causal_queries_bwd`; the chunk's dB
     total is summed for ``t0 <= c < t1`` only."""
-    grad, v, rows, hsh, chunk, grads = bwd
+    grad, v, rows, hsh, chunk, grads, seq = bwd
     phik, phiq, den = rows.phik, rows.phiq, rows.den
     G, n, dv = grad.shape
     L = hsh.W.shape[0]
@@ -228,7 +239,7 @@ def _causal_queries_bwd_task(task, spread, bwd, carry, partd):
 
 
 @blas_tasks
-def causal_queries_bwd(grad, v, rows, carry, hsh, chunk, grads, partd, totals=None):
+def causal_queries_bwd(grad, v, rows, carry, hsh, chunk, grads, partd, totals=None, seq=None):
     """Backward pass 1: rebuild the prefix states by rescanning; cotangents of the queries.
 
     Per step with state B before it: Y = G B^T + tril(G V^T) Phik, whose rows
@@ -251,11 +262,14 @@ def causal_queries_bwd(grad, v, rows, carry, hsh, chunk, grads, partd, totals=No
         Out: the chunk totals of ``(dA, dB)`` (float64, written, not added),
         those of dB for the chunks ``totals = (c0, c1)`` only (default all;
         :func:`causal_keys_bwd` needs those after its first segment).
+    seq : (nc,) int64, optional
+        Each chunk's packed sequence (default: one sequence; the carries
+        restart at each).
     """
     G, nc = carry.A.shape[:2]
     t0, t1 = (0, nc) if totals is None else totals
     run_tasks(_causal_queries_bwd_task, G * nc, Spread(spread_order(G, nc, t0, t1), t0, t1),
-              Backward(grad, v, rows, hsh, chunk, grads), carry, partd)
+              _backward(grad, v, rows, hsh, chunk, grads, seq, nc), carry, partd)
 
 
 @kernel
@@ -263,7 +277,7 @@ def _causal_keys_bwd_chunk(bwd, dcarry, g, c, c0, track, last, final, total):
     """Chunk ``c`` of group ``g`` of :func:`causal_keys_bwd`, in a segment from
     chunk ``c0``: its dB total is summed in ``total`` when ``track``, and
     carried on to chunk c - 1 (``final`` for the first chunk if ``last``)."""
-    grad, v, rows, hsh, chunk, grads = bwd
+    grad, v, rows, hsh, chunk, grads, seq = bwd
     phik, phiq, den = rows.phik, rows.phiq, rows.den
     G, n, dv = grad.shape
     L = hsh.W.shape[0]
@@ -313,7 +327,7 @@ def _causal_keys_bwd_chunk(bwd, dcarry, g, c, c0, track, last, final, total):
     grads.dbk[g, c] = hash_bwd_rows_dw(DPHI, phik[gk, lo:hi], rows.tk[gk, lo:hi], hsh, grads.dk[g, lo:hi],
                                        pg.k[gk, lo:hi], pg.dWk[g, c])
     if c - 1 >= c0 or last:
-        carry_on(dcarry.B, g, c, c - 1, total, final)
+        carry_on(dcarry.B, g, c, c - 1, total, final, restarts(seq, c))
 
 
 @kernel
@@ -330,7 +344,7 @@ def _causal_keys_bwd_task(task, segments, bwd, dcarry, final):
 
 
 @blas_tasks
-def causal_keys_bwd(grad, v, rows, dcarry, hsh, chunk, grads, final=None, segments=None):
+def causal_keys_bwd(grad, v, rows, dcarry, hsh, chunk, grads, final=None, segments=None, seq=None):
     """Backward pass 2: suffix sums over queries i >= j by a reverse rescan; cotangents of the keys.
 
     Per step with dB from after it (queries past the step):
@@ -352,10 +366,14 @@ def causal_keys_bwd(grad, v, rows, dcarry, hsh, chunk, grads, final=None, segmen
         Out: the total dB.
     segments : int, optional
         Segments per group (default: one per chunk).
+    seq : (nc,) int64, optional
+        Each chunk's packed sequence (default: one sequence): the reverse
+        scan restarts at the last chunk of each.
     """
     G, nc = dcarry.A.shape[:2]
     segments = nc if segments is None else segments
-    run_tasks(_causal_keys_bwd_task, G * segments, segments, Backward(grad, v, rows, hsh, chunk, grads), dcarry,
+    run_tasks(_causal_keys_bwd_task, G * segments, segments, _backward(grad, v, rows, hsh, chunk, grads, seq, nc),
+              dcarry,
               np.zeros((0, 0, 0)) if final is None else final)
 
 
@@ -371,6 +389,8 @@ def _causal_bwd_chunks(bwd, carry, partd, g, cs, acc, total, last, final):
     partd.B[g, nc - 1] = 0.0  # no dB after the last chunk
     for c in range(nc - 1, cs - 1, -1):
         _causal_queries_bwd_chunk(bwd, carry, partd, g, c, nc, nc)
+        if restarts(bwd.seq, c + 1):
+            acc[:] = 0.0
         exclusive_step(partd.A[g, c], partd.A[g, c], acc)  # the chunk's dA total -> its carry
         _causal_keys_bwd_chunk(bwd, partd, g, c, cs, last or nc > 1, last, final, total)
 
@@ -384,7 +404,7 @@ def _causal_bwd_task(g, bwd, carry, partd, final):
 
 
 @blas_tasks
-def causal_bwd(grad, v, rows, carry, hsh, chunk, grads, partd, final=None):
+def causal_bwd(grad, v, rows, carry, hsh, chunk, grads, partd, final=None, seq=None):
     """:func:`causal_queries_bwd`, :func:`exclusive_scan` of the carries and
     :func:`causal_keys_bwd` in one pass, for one segment per group.
 
@@ -396,7 +416,7 @@ def causal_bwd(grad, v, rows, carry, hsh, chunk, grads, partd, final=None):
     gets every output and ``final (G, F, dv)`` (optional) the total dB.
     """
     G = grad.shape[0]
-    run_tasks(_causal_bwd_task, G, Backward(grad, v, rows, hsh, chunk, grads), carry, partd,
+    run_tasks(_causal_bwd_task, G, _backward(grad, v, rows, hsh, chunk, grads, seq, carry.A.shape[1]), carry, partd,
               np.zeros((0, 0, 0)) if final is None else final)
 
 
@@ -410,30 +430,37 @@ def _causal_bwd_split_task(task, cs, bwd, carry, partd, tail):
     if task % 2 == 0:
         total = np.zeros((bwd.rows.phik.shape[2], bwd.grad.shape[2]), bwd.grad.dtype)
         _causal_bwd_chunks(bwd, carry, partd, g, cs, tail.A[g], total, False, tail.B)
-        carry_on(partd.B, g, cs, -1, total, tail.B)  # tail.B[g]: the dB carry of chunk cs - 1
+        carry_on(partd.B, g, cs, -1, total, tail.B, restarts(bwd.seq, cs))  # tail.B[g]: the dB carry of chunk cs - 1
     else:
         for c in range(cs):
             _causal_queries_bwd_chunk(bwd, carry, partd, g, c, segment_start(1, 2, cs), cs)
 
 
 @kernel
-def _split_carries(partdA, partdB, tailA, tailB, cs):
+def _split_carries(partdA, partdB, tailA, tailB, cs, seq):
     """Reverse carries of chunks ``c < cs`` (in place of their totals), summed on from
     the sums of chunks ``>= cs``, ``tailA``, ``tailB``: dA of every chunk, dB of the
-    last chunks of the keys' two segments (``partdB`` flat: (G, nc, F * dv))."""
+    last chunks of the keys' two segments (``partdB`` flat: (G, nc, F * dv)); the
+    sums restart at each packed sequence (``seq``)."""
     m = segment_start(1, 2, cs)
     for g in range(partdA.shape[0]):
         acc = tailA[g].copy()
         for c in range(cs - 1, -1, -1):
+            if restarts(seq, c + 1):
+                acc[:] = 0.0
             exclusive_step(partdA[g, c], partdA[g, c], acc)
         acc = tailB[g].copy()
         for c in range(cs - 1, m - 1, -1):  # the totals of the second segment's chunks
+            if restarts(seq, c + 1):
+                acc[:] = 0.0
             exclusive_step(partdB[g, c], partdB[g, c], acc)
+        if restarts(seq, m):
+            acc[:] = 0.0
         partdB[g, m - 1] = acc
 
 
 @blas_tasks
-def causal_bwd_split(grad, v, rows, carry, hsh, chunk, grads, partd, final=None):
+def causal_bwd_split(grad, v, rows, carry, hsh, chunk, grads, partd, final=None, seq=None):
     """:func:`causal_bwd` on two tasks per group, for two segments per group; the same bits.
 
     The last chunks, ``[cs, nc)`` with nc - cs ~ SPLIT_TAIL * nc, need no
@@ -449,13 +476,14 @@ def causal_bwd_split(grad, v, rows, carry, hsh, chunk, grads, partd, final=None)
     cs = nc - min(nc - 2, max(1, round(config.SPLIT_TAIL * nc)))
     F, dv = partd.B.shape[2:]
     tail = Sums(np.zeros((G, F)), np.zeros((G, F, dv)))
-    run_tasks(_causal_bwd_split_task, 2 * G, cs, Backward(grad, v, rows, hsh, chunk, grads), carry, partd, tail)
-    _split_carries(partd.A, partd.B.reshape(G, nc, F * dv), tail.A, tail.B.reshape(G, F * dv), cs)
+    bwd = _backward(grad, v, rows, hsh, chunk, grads, seq, nc)
+    run_tasks(_causal_bwd_split_task, 2 * G, cs, bwd, carry, partd, tail)
+    _split_carries(partd.A, partd.B.reshape(G, nc, F * dv), tail.A, tail.B.reshape(G, F * dv), cs, bwd.seq)
     causal_keys_bwd(grad, v, rows, Sums(partd.A[:, :cs], partd.B[:, :cs]), hsh, chunk, grads,
-                    final=final, segments=2)
+                    final=final, segments=2, seq=bwd.seq[:cs])
 
 
-def causal_backward(grad, v, rows, carry, hsh, chunk, grads, partd, final=None):
+def causal_backward(grad, v, rows, carry, hsh, chunk, grads, partd, final=None, seq=None):
     """The causal backward by the route that suits the thread count; every route gives the same bits.
 
     One segment per group (:func:`racecpu._kernels.scan.scan_segments`): one
@@ -463,18 +491,20 @@ def causal_backward(grad, v, rows, carry, hsh, chunk, grads, partd, final=None):
     more: a third of the chunks in one pass beside the queries' backward of
     the rest (:func:`causal_bwd_split`).  Otherwise the queries' backward,
     the reverse exclusive scan of the chunk totals (in place in ``partd``)
-    and the keys' backward in segments.  Arguments as :func:`causal_bwd`.
+    and the keys' backward in segments.  Arguments as :func:`causal_bwd`
+    (``seq``: each chunk's packed sequence, as :func:`causal_fwd`).
     """
     G, nk = grad.shape[0], v.shape[1]
     nck = carry.A.shape[1]
     seg = scan_segments(G, nck, nk)
     if seg == 1:
-        causal_bwd(grad, v, rows, carry, hsh, chunk, grads, partd, final=final)
+        causal_bwd(grad, v, rows, carry, hsh, chunk, grads, partd, final=final, seq=seq)
     elif seg == 2 and nck >= 3:
-        causal_bwd_split(grad, v, rows, carry, hsh, chunk, grads, partd, final=final)
+        causal_bwd_split(grad, v, rows, carry, hsh, chunk, grads, partd, final=final, seq=seq)
     else:
         # the dB totals of the chunks after the first segment give the reverse segments' carries
-        causal_queries_bwd(grad, v, rows, carry, hsh, chunk, grads, partd, totals=(segment_start(1, seg, nck), nck))
-        dcarry = Sums(exclusive_scan(partd.A, True, partd.A),  # in place
-                      exclusive_scan(partd.B, True, partd.B, segments=seg))  # the segments' last chunks
-        causal_keys_bwd(grad, v, rows, dcarry, hsh, chunk, grads, final=final, segments=seg)
+        causal_queries_bwd(grad, v, rows, carry, hsh, chunk, grads, partd, totals=(segment_start(1, seg, nck), nck),
+                           seq=seq)
+        dcarry = Sums(exclusive_scan(partd.A, True, partd.A, seq=seq),  # in place
+                      exclusive_scan(partd.B, True, partd.B, segments=seg, seq=seq))  # the segments' last chunks
+        causal_keys_bwd(grad, v, rows, dcarry, hsh, chunk, grads, final=final, segments=seg, seq=seq)

@@ -20,8 +20,8 @@ from ._jit import kernel
 from .hash import hash_bwd_rows_dw, hash_chunk, hash_sketch_range, residual_rows
 from .products import add_rows, combine_rows, dot_rows, span_totals
 from .runtime import blas_tasks, run_tasks
-from .bundles import Backward, QueryScratch, Spread
-from .scan import spread_order, task_bounds
+from .bundles import Backward, QueryScratch, Spread, Sums
+from .scan import one_sequence, spread_order, task_bounds
 
 
 #: ``span`` of :func:`sketch_chunks` for totals that no scan has to match:
@@ -144,27 +144,27 @@ def sketch_chunks(k, v, mask, hsh, chunk, rows, part, span=None, totals=None):
 
 
 @kernel
-def _keys_bwd_task(task, v, rows, dsum, hsh, chunk, grads):
+def _keys_bwd_task(task, v, rows, dsum, hsh, chunk, grads, seq):
     """One (group, chunk) task of :func:`keys_bwd` (run by :func:`run_tasks`)."""
     G, n, _ = v.shape
     phik, tk = rows.phik, rows.tk
-    dA, dB = dsum
     F = phik.shape[2]
     nc = grads.dbk.shape[1]
     g, c, lo, hi = task_bounds(task, nc, chunk, n)
+    dA, dB = dsum.A[g, seq[c]], dsum.B[g, seq[c]]  # the cotangent of the chunk's sequence's sketch
     DPHI = np.empty((hi - lo, F), np.float64)
-    combine_rows(phik[g, lo:hi], dB[g], grads.dv[g, lo:hi], True)  # dv_j = dB^T phik_j (masked keys: 0)
-    dot_rows(dB[g], v[g, lo:hi], DPHI)  # dphik_j = dB v_j + dA
+    combine_rows(phik[g, lo:hi], dB, grads.dv[g, lo:hi], True)  # dv_j = dB^T phik_j (masked keys: 0)
+    dot_rows(dB, v[g, lo:hi], DPHI)  # dphik_j = dB v_j + dA
     for j in range(hi - lo):
         for f in range(F):
-            DPHI[j, f] += dA[g, f]
+            DPHI[j, f] += dA[f]
     pg = grads.planes
     grads.dbk[g, c] = hash_bwd_rows_dw(DPHI, phik[g, lo:hi], tk[g, lo:hi], hsh, grads.dk[g, lo:hi], pg.k[g, lo:hi],
                                        pg.dWk[g, c])
 
 
 @blas_tasks
-def keys_bwd(v, rows, dsum, hsh, chunk, grads):
+def keys_bwd(v, rows, dsum, hsh, chunk, grads, seq=None):
     """Non-causal cotangents of every key from the summed cotangent of the sketch.
 
     Parameters
@@ -175,31 +175,45 @@ def keys_bwd(v, rows, dsum, hsh, chunk, grads):
         The forward's ``phik``, ``tk`` (all rows).
     dsum : Sums
         ``dA (G, F)`` float64 and ``dB (G, F, dv)`` in the compute dtype:
-        the cotangent of the summed sketch.
+        the cotangent of the summed sketch; with ``seq``, ``(G, S, F)`` and
+        ``(G, S, F, dv)``, one per packed sequence.
     hsh : Hash
     chunk : int
     grads : Grads
         Out: ``dk``, ``dv`` (every row written), ``dbk (G, nc)`` (each
         chunk's share of dbeta) and, where computed, ``planes.dWk`` (each
         chunk's share of the planes' gradient, from ``planes.k``).
+    seq : (nc,) int64, optional
+        Each chunk's packed sequence, the index into ``dsum``'s axis 1.
     """
-    G = v.shape[0]
-    run_tasks(_keys_bwd_task, G * grads.dbk.shape[1], v, rows, dsum, hsh, chunk, grads)
+    G, nc = grads.dbk.shape
+    dsum, seq = per_sequence(dsum, seq, nc)
+    run_tasks(_keys_bwd_task, G * nc, v, rows, dsum, hsh, chunk, grads, seq)
 
 
 @kernel
-def _queries_fwd_task(task, keep, q, hsh, chunk, sketch, rows, out, nan):
+def _queries_fwd_task(task, keep, q, hsh, chunk, sketch, seq, rows, out, nan):
     """One (group, chunk) task of :func:`queries_fwd` (run by :func:`run_tasks`)."""
     G, n, _ = q.shape
     L = hsh.W.shape[0]
     nc = (n + chunk - 1) // chunk
     g, c, lo, hi = task_bounds(task, nc, chunk, n)
     phi, _, nan[task] = hash_chunk(q, g, lo, hi, hsh, keep[lo:hi], rows.tq, rows.phiq)
-    readout_rows(phi, sketch.A[g], sketch.B[g], L, residual_rows(rows.den, g, lo, hi), out[g, lo:hi])
+    s = seq[c]  # the chunk's packed sequence, whose sketch its queries read
+    readout_rows(phi, sketch.A[g, s], sketch.B[g, s], L, residual_rows(rows.den, g, lo, hi), out[g, lo:hi])
+
+
+def per_sequence(sketch, seq, nc):
+    """``sketch`` and ``seq`` as the kernels take them: a sketch per packed sequence,
+    ``A (G, S, F)``, ``B (G, S, F, dv)``, and each chunk's sequence, ``(nc,)`` int64;
+    for ``seq=None``, the one sketch ``A (G, F)``, ``B (G, F, dv)`` as S = 1 (views)."""
+    if seq is None:
+        return Sums(sketch.A[:, None], sketch.B[:, None]), one_sequence(nc)
+    return sketch, seq
 
 
 @blas_tasks
-def queries_fwd(q, hsh, chunk, sketch, rows, out):
+def queries_fwd(q, hsh, chunk, sketch, rows, out, seq=None):
     """Hash every query and read the summed sketch.
 
     Parameters
@@ -214,6 +228,10 @@ def queries_fwd(q, hsh, chunk, sketch, rows, out):
         Out: ``phiq``, ``tq``, ``den`` (each may have no rows: not kept).
     out : (G, Nq, dv)
         Out, compute dtype; every row written (streamed).
+    seq : (nc,) int64, optional
+        Each chunk's packed sequence: then ``sketch`` holds one per
+        sequence, ``A (G, S, F)``, ``B (G, S, F, dv)``, and each chunk's
+        queries read their sequence's.
 
     Returns
     -------
@@ -221,9 +239,11 @@ def queries_fwd(q, hsh, chunk, sketch, rows, out):
         The number of NaNs in the queries' t (see :func:`racecpu._kernels.hash.hash_block`).
     """
     G, n, _ = q.shape
+    nc = (n + chunk - 1) // chunk
     keep = np.ones(n, np.bool_)  # queries are never masked
-    nan = np.zeros(G * ((n + chunk - 1) // chunk), np.int64)
-    run_tasks(_queries_fwd_task, nan.size, keep, q, hsh, chunk, sketch, rows, out, nan)
+    nan = np.zeros(G * nc, np.int64)
+    sketch, seq = per_sequence(sketch, seq, nc)
+    run_tasks(_queries_fwd_task, nan.size, keep, q, hsh, chunk, sketch, seq, rows, out, nan)
     return int(nan.sum())
 
 
@@ -268,11 +288,12 @@ def _queries_bwd_task(task, bwd, sketch, partd):
     F = phiq.shape[2]
     nc = partd.A.shape[1]
     g, c, lo, hi = task_bounds(task, nc, bwd.chunk, n)
+    s = bwd.seq[c]  # the chunk's packed sequence, whose sketch its queries read
     scratch = query_bwd_buffers(grad, F, hi - lo)
     wq, wblock, dA, DPHI = scratch
-    dot_rows(B[g], grad[g, lo:hi], DPHI)  # y_i = B g_i, turned into dphi_i in place
+    dot_rows(B[g, s], grad[g, lo:hi], DPHI)  # y_i = B g_i, turned into dphi_i in place
     for i in range(lo, hi):
-        dden = dphi_from_y(phiq[g, i], A[g], den[g, i], L, DPHI[i - lo], wq)
+        dden = dphi_from_y(phiq[g, i], A[g, s], den[g, i], L, DPHI[i - lo], wq)
         for f in range(F):
             dA[f] += phiq[g, i, f] * dden / L
             wblock[i - lo, f] = wq[f]
@@ -280,7 +301,7 @@ def _queries_bwd_task(task, bwd, sketch, partd):
 
 
 @blas_tasks
-def queries_bwd(grad, v, rows, sketch, hsh, chunk, grads, partd):
+def queries_bwd(grad, v, rows, sketch, hsh, chunk, grads, partd, seq=None):
     """Non-causal cotangents of every query, and the chunk totals of the sketch's cotangent.
 
     Parameters
@@ -300,6 +321,10 @@ def queries_bwd(grad, v, rows, sketch, hsh, chunk, grads, partd):
         ``planes.dWq`` (from ``planes.q``).
     partd : Sums
         Out: the chunk totals ``dA (G, nc, F)``, ``dB (G, nc, F, dv)`` (float64).
+    seq : (nc,) int64, optional
+        Each chunk's packed sequence: ``sketch`` then holds one per
+        sequence (as :func:`queries_fwd`).
     """
-    G = grad.shape[0]
-    run_tasks(_queries_bwd_task, G * partd.A.shape[1], Backward(grad, v, rows, hsh, chunk, grads), sketch, partd)
+    G, nc = partd.A.shape[:2]
+    sketch, seq = per_sequence(sketch, seq, nc)
+    run_tasks(_queries_bwd_task, G * nc, Backward(grad, v, rows, hsh, chunk, grads, seq), sketch, partd)

@@ -54,6 +54,13 @@ def segment_start(s, segments, nc):
 
 
 @kernel
+def restarts(seq, c):
+    """Whether chunk ``c`` begins a packed sequence after the first, where the scans
+    restart from zero: ``seq (nc,)`` holds each chunk's sequence (false outside ``0 < c < nc``)."""
+    return c > 0 and c < seq.shape[0] and seq[c] != seq[c - 1]
+
+
+@kernel
 def exclusive_step(part, out, acc):
     """out = acc, then acc += part (one chunk of an exclusive scan; ``out`` may be ``part``)."""
     for e in range(acc.shape[0]):
@@ -63,9 +70,10 @@ def exclusive_step(part, out, acc):
 
 
 @kernel
-def _scan_chunks(part, segments, reverse, out):
-    """out[g, c] = sum of part[g, c'] over c' < c (c' > c: ``reverse``), in chunk
-    order, for the first chunk c (in scan order) of each segment only."""
+def _scan_chunks(part, segments, reverse, seq, out):
+    """out[g, c] = sum of part[g, c'] over c' < c (c' > c: ``reverse``) of c's
+    packed sequence (``seq``), in chunk order, for the first chunk c (in scan
+    order) of each segment only."""
     G, nc, E = part.shape
     acc = np.empty(E)
     for g in range(G):
@@ -76,6 +84,8 @@ def _scan_chunks(part, segments, reverse, out):
             c1 = segment_start(s + 1, segments, nc)
             for j in range(c1 - c0):
                 c = c1 - 1 - j if reverse else c0 + j
+                if restarts(seq, c + 1 if reverse else c):
+                    acc[:] = 0.0
                 if j > 0:
                     for e in range(E):
                         acc[e] += part[g, c, e]
@@ -87,7 +97,7 @@ def _scan_chunks(part, segments, reverse, out):
                     exclusive_step(part[g, c], out[g, c], acc)
 
 
-def exclusive_scan(part, reverse=False, out=None, segments=None):
+def exclusive_scan(part, reverse=False, out=None, segments=None, seq=None):
     """Exclusive prefix (or suffix, ``reverse``) sums over axis 1 of float64 ``part (G, nc, ...)``.
 
     Sums run in chunk order, as ``np.cumsum`` would.  ``out`` (optional, like
@@ -98,13 +108,15 @@ def exclusive_scan(part, reverse=False, out=None, segments=None):
     order, of each segment (:func:`scan_segments`) are written, and only the
     chunks of the other segments are read (those :func:`sketch_chunks` and
     :func:`causal_queries_bwd` sum with their ``totals``); the same bits.
+    ``seq`` (optional, int64 ``(nc,)``): each chunk's packed sequence; the
+    sums restart at every sequence (default: one sequence).
     """
     if out is None:
         out = np.empty_like(part)
     if part.size:
         G, nc = part.shape[:2]
         _scan_chunks(part.reshape(G, nc, -1), nc if segments is None else segments, reverse,
-                     out.reshape(G, nc, -1))
+                     one_sequence(nc) if seq is None else seq, out.reshape(G, nc, -1))
     return out
 
 
@@ -134,23 +146,35 @@ def segment_chunks(task, segments, nc):
 
 
 @kernel
-def carry_on(carry, g, c, dst, total, final):
+def carry_on(carry, g, c, dst, total, final, reset):
     """carry[g, dst] = carry[g, c] + total (``final[g]`` when dst is past the
-    chunks; float64 + the compute dtype) and total = 0: a segment's next
-    carry, summed as :func:`exclusive_scan` sums the chunk totals."""
+    chunks; float64 + the compute dtype), or 0 where ``reset`` (dst is in
+    the next packed sequence), and total = 0: a segment's next carry, summed
+    as :func:`exclusive_scan` sums the chunk totals."""
     F, dv = total.shape
     to = carry[g, dst] if 0 <= dst < carry.shape[1] else final[g]
     for f in range(F):
         for cc in range(dv):
-            to[f, cc] = carry[g, c, f, cc] + total[f, cc]
+            to[f, cc] = 0.0 if reset else carry[g, c, f, cc] + total[f, cc]
             total[f, cc] = 0.0
+
+
+def one_sequence(nc):
+    """``seq`` of ``nc`` chunks of one sequence (no packing): zeros, int64."""
+    return np.zeros(nc, np.int64)
 
 
 def chunk_length(n, G, F, dv):
     """Chunk length: CHUNK tokens unless the float64 partials would outgrow their budget."""
+    return max(config.CHUNK, budget_chunk(n, G, F, dv))
+
+
+def budget_chunk(n, G, F, dv):
+    """The shortest chunk of ``n`` tokens whose float64 partials, ``G * F * (dv + 1)`` per chunk,
+    stay within config.PARTIAL_BUDGET (at least 1)."""
     per_chunk = G * F * (dv + 1) * 8
     max_chunks = max(1, config.PARTIAL_BUDGET // max(per_chunk, 1))
-    return max(config.CHUNK, -(-n // max_chunks), 1)
+    return max(-(-n // max_chunks), 1)
 
 
 def sketch_task_length(chunk, n, G):

@@ -173,7 +173,7 @@ def causal_conv1d(x, weight):
 # attention
 # ---------------------------------------------------------------------------
 
-def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None):
+def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None, cu_seqlens=None):
     """RACE attention (:func:`racecpu.race_attention`) as an autograd op.
 
     ``beta`` is a positive float, a scalar Tensor, or a Tensor of shape
@@ -184,6 +184,7 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
     (constants, as in the paper) or a Tensor; a Tensor that requires grad
     receives the planes' gradient (``race_attention_bwd(..., dplanes=True)``,
     summed over every batch, head and token): learnable hash planes.
+    ``cu_seqlens``: packed sequences, as :func:`racecpu.race_attention`'s.
     """
     q, k, v = as_tensor(q), as_tensor(k), as_tensor(v)
     planes_t = planes if isinstance(planes, Tensor) else None
@@ -192,12 +193,13 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
     extra = (planes_t,) if learn else ()
     beta_t = beta if isinstance(beta, Tensor) else None
     if beta_t is not None and beta_t.ndim == 1 and q.ndim == 4 and beta_t.shape[0] == q.shape[1]:
-        return _race_per_head(q, k, v, W, beta_t, causal, key_mask, extra)
+        return _race_per_head(q, k, v, W, beta_t, causal, key_mask, extra, cu_seqlens)
     if beta_t is not None and beta_t.size != 1:
         raise ValueError(f"beta must be a scalar Tensor, or of shape (H,) for q of shape (B, H, N, d); got beta "
                          f"of shape {beta_t.shape} and q of shape {q.shape}")
     b = float(beta_t.data) if beta_t is not None else beta
-    out, res = race_attention_fwd(q.data, k.data, v.data, W, b, causal=causal, key_mask=key_mask)
+    out, res = race_attention_fwd(q.data, k.data, v.data, W, b, causal=causal, key_mask=key_mask,
+                                  cu_seqlens=cu_seqlens)
 
     def vjp(g):
         dq, dk, dv, dbeta, *dW = race_attention_bwd(res, g, dplanes=learn)
@@ -206,7 +208,7 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
     return _op(out, (q, k, v) + ((beta_t,) if beta_t is not None else ()) + extra, vjp)
 
 
-def _race_per_head(q, k, v, planes, beta_t, causal, key_mask, extra=()):
+def _race_per_head(q, k, v, planes, beta_t, causal, key_mask, extra=(), cu_seqlens=None):
     """Heads one at a time (one beta each); ``extra``: the planes' Tensor when it learns.
     Grouped-query k, v (fewer heads than q): query head h reads key/value head h // group."""
     H, Hk = q.shape[1], k.shape[1]
@@ -218,7 +220,7 @@ def _race_per_head(q, k, v, planes, beta_t, causal, key_mask, extra=()):
     for h in range(H):
         m = None if key_mask is None else np.asarray(key_mask)[:, h // group]
         o, r = race_attention_fwd(q.data[:, h], k.data[:, h // group], v.data[:, h // group], planes,
-                                  float(beta_t.data[h]), causal=causal, key_mask=m)
+                                  float(beta_t.data[h]), causal=causal, key_mask=m, cu_seqlens=cu_seqlens)
         outs.append(o)
         ress.append(r)
 

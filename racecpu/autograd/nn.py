@@ -269,9 +269,15 @@ class MultiHeadAttention(Module):
         t = F.causal_conv1d(t, w)
         return t.silu() if self.conv_act else t
 
-    def forward(self, x, key_mask=None):
-        """``x``: (B, N, d_model); ``key_mask``: optional bool (B, N), False = padding."""
+    def forward(self, x, key_mask=None, cu_seqlens=None):
+        """``x``: (B, N, d_model); ``key_mask``: optional bool (B, N), False = padding;
+        ``cu_seqlens``: packed sequences on the N axis (:func:`racecpu.race_attention`'s),
+        each attending only within itself (RACE's ratio estimator, no convolution)."""
         B, N, D = x.shape
+        if cu_seqlens is not None and not (self.attention == "race" and self.estimator == "ratio"
+                                           and not self.conv_size):
+            raise NotImplementedError("cu_seqlens (packed sequences) needs attention='race' with "
+                                      "estimator='ratio' and conv_size=0 (the convolution would mix sequences)")
         H, Hk, dh = self.n_heads, self.n_kv_heads, self.head_dim
 
         def heads(t, n):
@@ -289,7 +295,8 @@ class MultiHeadAttention(Module):
             beta = self.log_beta.exp() if hasattr(self, "log_beta") else self.beta
             s = self.head_dim ** -0.5  # keeps W q ~ N(0, 1): tanh unsaturated, so q and k get gradients
             race = F.race_attention if self.estimator == "ratio" else F.race_attention_bucket_mean
-            o = race(q * s, k * s, v, self.planes, beta, causal=self.causal, key_mask=mask)
+            packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+            o = race(q * s, k * s, v, self.planes, beta, causal=self.causal, key_mask=mask, **packed)
         elif self.attention == "softmax":
             o = F.softmax_attention(q, k, v, causal=self.causal, key_mask=mask)
         elif self.attention == "angular":
@@ -312,9 +319,9 @@ class TransformerBlock(Module):
         self.dropout = dropout
         self._drop_rng = np.random.default_rng(rng.integers(2 ** 63))
 
-    def forward(self, x, key_mask=None):
+    def forward(self, x, key_mask=None, cu_seqlens=None):
         drop = lambda t: F.dropout(t, self.dropout, self._drop_rng, self.training)  # noqa: E731
-        x = x + drop(self.attn(self.ln1(x), key_mask))
+        x = x + drop(self.attn(self.ln1(x), key_mask, cu_seqlens))
         return x + drop(self.fc2(self.fc1(self.ln2(x)).gelu()))
 
 
