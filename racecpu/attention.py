@@ -138,9 +138,8 @@ def race_attention_fwd(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLi
     residuals that :func:`race_attention_bwd` sends back to the GPU).
     """
     if _is_cupy(q):
-        _gpu_packed(cu_seqlens)
         return _gpu("race_attention_fwd", out)(q, k, v, planes, beta, causal=causal, key_mask=key_mask,
-                                               check_finite=check_finite)
+                                               check_finite=check_finite, cu_seqlens=cu_seqlens)
     xp = namespace_of(q)
     y, res = _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residuals=True,
                       cu_seqlens=cu_seqlens)
@@ -401,7 +400,8 @@ def race_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, 
         ``h // group``, whose keys are hashed and sketched once for the
         group (the causal scan's state updates still run per query head) and
         whose gradients sum over it; equal to repeating k and v ``group``
-        times.  (Not on the GPU yet.)
+        times.  (On the GPU, :mod:`racecpu.cuda` repeats k and v per query
+        head: the same results, no sketch shared yet.)
         NumPy arrays, or any array with ``__array__`` or DLPack (torch CPU
         tensors without grad, JAX CPU arrays, ...), read without a copy where
         the library allows; CuPy ``q`` runs on the GPU (:mod:`racecpu.cuda`).
@@ -433,7 +433,7 @@ def race_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, 
         (Nq == Nk == N; empty sequences allowed).  Each attends only within
         itself: the causal scan restarts at each, the non-causal sketch is
         per sequence; equal to a call per sequence.  The same for every
-        leading index.  (Not on the GPU yet.)
+        leading index.
 
     Returns
     -------
@@ -446,18 +446,11 @@ def race_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, 
         (``den <= DEN_FLOOR``, e.g. every key masked) gets zeros.
     """
     if _is_cupy(q):
-        _gpu_packed(cu_seqlens)
         return _gpu("race_attention", out)(q, k, v, planes, beta, causal=causal, key_mask=key_mask,
-                                           check_finite=check_finite)
+                                           check_finite=check_finite, cu_seqlens=cu_seqlens)
     y = _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residuals=False,
                  cu_seqlens=cu_seqlens)[0]
     return y if out is not None else to_namespace(namespace_of(q), y)
-
-
-def _gpu_packed(cu_seqlens):
-    if cu_seqlens is not None:
-        raise NotImplementedError("cu_seqlens (packed sequences) is not implemented on the GPU (racecpu.cuda) "
-                                  "yet; run packed sequences on NumPy arrays")
 
 
 def _is_cupy(x):

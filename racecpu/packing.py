@@ -76,19 +76,27 @@ def _padded_length(lengths, chunk):
     return int((-(-lengths[:-1] // chunk) * chunk).sum() + lengths[-1])
 
 
-def packing(cu_seqlens, n, min_chunk=MIN_CHUNK):
+def packing(cu_seqlens, n, min_chunk=MIN_CHUNK, max_chunk=None, multiple=1):
     """The :class:`Packing` of sequences with offsets ``cu_seqlens`` over ``n`` tokens.
 
     ``min_chunk``: the shortest chunk the kernels may use (the float64
-    partials' budget, :func:`racecpu._kernels.chunk_length`; at least
-    :data:`MIN_CHUNK`).
+    partials' budget, :func:`racecpu._kernels.budget_chunk`; at least
+    :data:`MIN_CHUNK`); ``max_chunk`` the longest tried (default
+    config.CHUNK), halved from there; ``multiple``: every chunk tried is one
+    of it (racecpu.cuda: whole tiles).
     """
     cu = check_cu_seqlens(cu_seqlens, n)
     lengths = np.diff(cu)
     lengths = lengths[lengths > 0]
-    chunk = max(config.CHUNK, min_chunk)
-    while chunk // 2 >= max(MIN_CHUNK, min_chunk) and _padded_length(lengths, chunk) - n > n * PAD_FRACTION:
-        chunk //= 2
+
+    def whole(c):
+        return -(-c // multiple) * multiple
+    chunk = whole(max(config.CHUNK if max_chunk is None else max_chunk, min_chunk))
+    while _padded_length(lengths, chunk) - n > n * PAD_FRACTION:
+        shorter = whole(chunk // 2)
+        if shorter >= chunk or shorter < max(MIN_CHUNK, min_chunk):
+            break
+        chunk = shorter
     padded = _padded_length(lengths, chunk)
     starts = np.zeros(lengths.size, np.int64)  # each non-empty sequence's first row in the layout
     starts[1:] = np.cumsum(-(-lengths[:-1] // chunk) * chunk)

@@ -146,10 +146,7 @@ def _race_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, planes
     fwd, _, fwd_only, to_array = _backend(q.device)
     args = (to_array(q), to_array(k), to_array(v), to_array(planes), float(beta))
     kw = {"causal": causal, "key_mask": None if key_mask is None else to_array(key_mask)}
-    if cu_seqlens is not None:
-        if q.device.type != "cpu":
-            raise NotImplementedError("cu_seqlens (packed sequences) runs on the CPU only (racecpu.cuda has no "
-                                      "kernel for it yet)")
+    if cu_seqlens is not None:  # offsets: read on the host on either device
         kw["cu_seqlens"] = cu_seqlens.detach().cpu().numpy()
     if keep_residuals:
         with _torch_threads_kept():
@@ -255,7 +252,7 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
         False keys contribute nothing.
     cu_seqlens : int Tensor or array_like, shape (S + 1,), optional
         Packed sequences (flash-attn's offsets ``0, n1, n1 + n2, ..., N``),
-        each attending only within itself (CPU only).
+        each attending only within itself.
 
     Returns
     -------

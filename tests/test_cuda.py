@@ -198,7 +198,8 @@ def test_numpy_api_sends_cupy_input_and_gpu_residuals_to_the_gpu(rng, monkeypatc
     calls = []
     monkeypatch.setattr(rc, "race_attention_fwd", lambda *a, **kw: calls.append((a, kw)) or ("out", "res"))
     assert racecpu.race_attention_fwd(stand_in, k, v, planes, 2.0, causal=True) == ("out", "res")
-    assert calls == [((stand_in, k, v, planes, 2.0), dict(causal=True, key_mask=None, check_finite=True))]
+    assert calls == [((stand_in, k, v, planes, 2.0), dict(causal=True, key_mask=None, check_finite=True,
+                                                          cu_seqlens=None))]
     with pytest.raises(TypeError, match="out is for NumPy"):
         racecpu.race_attention_fwd(stand_in, k, v, planes, out=np.empty(3))
 
@@ -320,10 +321,11 @@ _PTX = textwrap.dedent("""
         sigs = {  # as racecpu.cuda launches them
             "soft_hash_rows": (A(f, 2), A(f, 3), d, A(f, 2), A(f, 2)),
             "sketch_chunks": (A(f, 3), A(f, 3), A(b, 2), A(f, 3), d, i, A(f, 3), A(f, 3), A(d, 4)),
-            "queries_fwd": (A(f, 3), A(f, 3), d, A(f, 3), A(f, 3), A(f, 3), A(d, 2), A(f, 3)),
-            "queries_bwd": (A(f, 3), A(f, 3), A(f, 3), A(d, 2), A(f, 3), A(f, 3), d, i, A(f, 3), A(d, 2),
-                            A(d, 2), A(d, 4), A(d, 1)),
-            "keys_bwd": (A(f, 3), A(f, 3), A(f, 3), A(f, 3), A(f, 3), d, A(f, 3), A(f, 3), A(d, 1)),
+            "queries_fwd": (A(f, 3), A(f, 3), d, A(f, 4), A(i, 1), i, A(f, 3), A(f, 3), A(d, 2), A(f, 3)),
+            "queries_bwd": (A(f, 3), A(f, 3), A(f, 3), A(d, 2), A(f, 4), A(i, 1), A(f, 3), d, i, A(f, 3),
+                            A(d, 2), A(d, 2), A(d, 4), A(d, 1)),
+            "keys_bwd": (A(f, 3), A(f, 3), A(f, 3), A(f, 4), A(i, 1), i, A(f, 3), d, A(f, 3), A(f, 3),
+                         A(d, 1)),
             "causal_fwd": (A(f, 3), A(f, 3), A(f, 3), A(d, 4), A(f, 3), d, i, A(f, 3), A(f, 3), A(f, 3),
                            A(d, 2), A(f, 3)),
             "causal_queries_bwd": (A(f, 3), A(f, 3), A(f, 3), A(f, 3), A(f, 3), A(d, 2), A(d, 4), A(f, 3), d, i,
@@ -332,7 +334,12 @@ _PTX = textwrap.dedent("""
                                 d, i, A(f, 3), A(f, 3), A(f, 3), A(d, 1)),
         }
         fns = [(k[n].py_func, s) for n, s in sigs.items()] + [
-            (K.sum_chunks.py_func, (A(d, 3), A(d, 2))), (K.scan_chunks.py_func, (A(d, 3), A(d, 3), b)),
+            (K.sum_chunks.py_func, (A(d, 3), A(i, 1), A(d, 3))),
+            (K.scan_chunks.py_func, (A(d, 3), A(i, 1), A(d, 3), b)),
+            (K.scatter_rows.py_func, (A(f, 3), A(i, 1), A(f, 3))), (K.scatter_rows.py_func, (A(b, 3), A(i, 1), A(b, 3))),
+            (K.gather_rows.py_func, (A(f, 3), A(i, 1), A(f, 3))),
+            (K.repeat_groups.py_func, (A(f, 2), A(f, 2), i)), (K.repeat_groups.py_func, (A(b, 2), A(b, 2), i)),
+            (K.fold_groups.py_func, (A(f, 2), A(f, 2), i)),
             (K.cast_copy.py_func, (A(h, 1), A(f, 1))), (K.cast_copy.py_func, (A(f, 1), A(h, 1))),
             (K.cast_copy.py_func, (A(f, 1), A(d, 1))), (K.cast_copy.py_func, (A(d, 1), A(f, 1))),
             (K.flag_nonfinite.py_func, (A(f, 1), A(nt.int32, 1))), (K.fill.py_func, (A(b, 1), b))]
@@ -361,7 +368,7 @@ def test_kernels_compile_to_ptx(ptx_run, cc, dtype):
             pytest.fail("NVVM/NVRTC not found although RACECPU_REQUIRE_PTX=1:\n" + p.stderr[-3000:])
         pytest.skip("the CUDA compiler libraries (NVVM/NVRTC) are not installed: pip install "
                     "'cuda-toolkit[nvvm,nvrtc,cudart]==13.*' (or run .ci/cuda-ptx.sh) to run this check")
-    assert f"compiled 16 for {cc[0]}.{cc[1]}:{dtype}" in p.stdout, p.stdout + p.stderr[-3000:]
+    assert f"compiled 22 for {cc[0]}.{cc[1]}:{dtype}" in p.stdout, p.stdout + p.stderr[-3000:]
 
 
 def test_gpu_benchmark_runs_and_checks(capsys):
@@ -375,9 +382,31 @@ def test_gpu_benchmark_runs_and_checks(capsys):
     assert "fwd+bwd" in bench.format_rows(rows)
 
 
-def test_grouped_kv_is_refused_with_a_clear_error(rng):
-    """The CPU's shape checks, and grouped-query k, v (valid on the CPU) said to be CPU-only."""
-    q = rng.standard_normal((1, 4, 16, 4)).astype(np.float32)
-    k, v = (rng.standard_normal((1, 2, 16, 4)).astype(np.float32) for _ in range(2))
-    with pytest.raises(NotImplementedError, match="grouped-query attention .* not implemented on the GPU"):
-        rc.race_attention_fwd(q, k, v, racecpu.hyperplanes(4, 2, 2, seed=0))
+@pytest.mark.parametrize("causal", [False, True])
+def test_grouped_kv_matches_cpu(rng, causal):
+    """Grouped-query k, v (4 query heads over 2): the CPU's results, gradients in k's and v's shapes."""
+    q = rng.standard_normal((1, 4, 19, 4))
+    k, v = (rng.standard_normal((1, 2, 19, 4)) for _ in range(2))
+    mask = rng.random((1, 2, 19)) > 0.2
+    compare(q, k, v, racecpu.hyperplanes(4, 2, 2, seed=0, dtype=np.float64), 2.0, causal, mask, 1e-10)
+    with pytest.raises(ValueError, match="divides"):
+        rc.race_attention_fwd(q, k[:, :1].repeat(3, 1), v[:, :1].repeat(3, 1), racecpu.hyperplanes(4, 2, 2))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_sequences_match_cpu(rng, causal):
+    """cu_seqlens: the CPU's packed results (themselves a call per sequence), with sequences
+    that do not end on a chunk (padding rows on the device), an empty one, and grouped heads."""
+    cu = np.array([0, 5, 5, 19, 27, 30], np.int32)
+    q = rng.standard_normal((2, 30, 4))
+    k, v = (rng.standard_normal((1, 30, 4)) for _ in range(2))
+    planes = racecpu.hyperplanes(4, 2, 2, seed=1, dtype=np.float64)
+    g = rng.standard_normal((2, 30, 4))
+    out, res = rc.race_attention_fwd(q, k, v, planes, 2.0, causal=causal, cu_seqlens=cu)
+    ref, rres = racecpu.race_attention_fwd(q, k, v, planes, 2.0, causal=causal, cu_seqlens=cu)
+    assert_close(out, ref, 1e-10, "out")
+    for name, a, b in zip(("dq", "dk", "dv"), rc.race_attention_bwd(res, g)[:3], racecpu.race_attention_bwd(rres, g)):
+        assert_close(a, b, 1e-10, name)
+    assert_close(rc.race_attention(q, k, v, planes, 2.0, causal=causal, cu_seqlens=cu), ref, 1e-10, "forward alone")
+    with pytest.raises(ValueError, match="cu_seqlens must run from 0"):
+        rc.race_attention(q, k, v, planes, cu_seqlens=np.array([0, 29]))

@@ -43,6 +43,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from .. import _checks as _cpu
 from ..hashing import DEFAULT_BETA
+from ..packing import packing as _packing
 from . import _kernels as K
 
 __all__ = ["soft_buckets", "race_attention", "race_attention_fwd", "race_attention_bwd", "Residuals",
@@ -215,6 +216,7 @@ class _Args:
     cdt: np.dtype
     out_dtype: np.dtype
     in_dtypes: tuple
+    group: int = 1  # query heads per key/value head: k, v and mask have G // group groups
 
 
 def _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, dev):
@@ -229,51 +231,128 @@ def _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, dev):
     v, vdt, _ = _check_array("v", v, check_finite, dev)
     pq, pk, pv = (_proxy(x) if _on_device(x) else x for x in (q, k, v))
     pm = None if key_mask is None else (_proxy(key_mask) if _on_device(key_mask) else key_mask)
-    # the CPU's checks and messages; grouped-query shapes are valid there but not built here yet
+    # the CPU's checks and messages (grouped-query shapes included)
     cdt, odt, lead, G, planes, beta, group = _cpu.check_args(pq, pk, pv, _host(planes), beta, causal, pm, True)
-    if group > 1:
-        raise NotImplementedError(f"grouped-query attention (k and v with fewer heads than q: q {pq.shape}, "
-                                  f"k {pk.shape}) is not implemented on the GPU (racecpu.cuda) yet; repeat k "
-                                  f"and v per query head, or run it on the CPU")
+    Gk = G // group
     nq, d = pq.shape[-2:]
     nk = pk.shape[-2]
     # --- to the device, kernel layout ---
     if key_mask is None:
-        mask = dev.full((G, nk), np.bool_, True)
+        mask = dev.full((Gk, nk), np.bool_, True)
     else:
-        mask = _to_device(key_mask, np.bool_, (G, nk), dev)
+        mask = _to_device(key_mask, np.bool_, (Gk, nk), dev)
     dv = pv.shape[-1]
-    return _Args(_to_device(q, cdt, (G, nq, d), dev), _to_device(k, cdt, (G, nk, d), dev),
-                 _to_device(v, cdt, (G, nk, dv), dev), mask, dev.to_device(planes), beta, lead,
-                 np.dtype(cdt), np.dtype(odt), (qdt, kdt, vdt))
+    return _Args(_to_device(q, cdt, (G, nq, d), dev), _to_device(k, cdt, (Gk, nk, d), dev),
+                 _to_device(v, cdt, (Gk, nk, dv), dev), mask, dev.to_device(planes), beta, lead,
+                 np.dtype(cdt), np.dtype(odt), (qdt, kdt, vdt), group)
+
+
+def _budget_chunk(n, G, F, dv):
+    """The shortest chunk (whole tiles) whose float64 partials stay within their budget."""
+    t = int(THREADS)
+    per_chunk = G * F * (dv + 1) * 8
+    max_chunks = max(1, _PARTIAL_BUDGET // max(per_chunk, 1))
+    return -(-max(-(-n // max_chunks), 1) // t) * t
 
 
 def _chunk(n, G, F, dv):
     """Tokens per block task: CHUNK (whole tiles) unless the float64 partials outgrow their budget."""
     t = int(THREADS)
-    per_chunk = G * F * (dv + 1) * 8
-    max_chunks = max(1, _PARTIAL_BUDGET // max(per_chunk, 1))
-    c = max(int(CHUNK), -(-n // max_chunks), 1)
-    return -(-c // t) * t
+    return max(-(-int(CHUNK) // t) * t, _budget_chunk(n, G, F, dv))
 
 
-def _sum_chunks(part, dev):
-    """Second level of the sketch reduction: float64 sum of the block partials."""
+def _sum_chunks(part, dev, bounds):
+    """Second level of the sketch reduction: float64 sums of the block partials, one per
+    packed sequence (chunks ``bounds[s] .. bounds[s + 1]``, a device array): ``(G, S, F, dv + 1)``."""
     G, nc, F, dv1 = part.shape
-    S = dev.empty((G, F, dv1), np.float64)
+    S = dev.empty((G, bounds.shape[0] - 1, F, dv1), np.float64)
     if S.size:
-        dev.grid(K.sum_chunks, S.size)(part.reshape(G, nc, F * dv1), S.reshape(G, F * dv1))
+        dev.grid(K.sum_chunks, S.size)(part.reshape(G, nc, F * dv1), bounds, S.reshape(G, S.shape[1], F * dv1))
     return S
 
 
-def _scan_chunks(part, dev, reverse):
-    """Exclusive float64 scan of the block totals over chunks (the carries)."""
+def _scan_chunks(part, dev, reverse, seq):
+    """Exclusive float64 scan of the block totals over chunks (the carries), restarting
+    at each packed sequence (``seq``: each chunk's, a device array)."""
     G, nc, F, dv1 = part.shape
     out = dev.empty(part.shape, np.float64)
     if out.size:
         E = F * dv1
-        dev.grid(K.scan_chunks, G * E)(part.reshape(G, nc, E), out.reshape(G, nc, E), reverse)
+        dev.grid(K.scan_chunks, G * E)(part.reshape(G, nc, E), seq, out.reshape(G, nc, E), reverse)
     return out
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Packed sequences on the device (see :mod:`racecpu.packing`): the host
+    :class:`racecpu.packing.Packing` (None: one sequence), each chunk's sequence
+    ``seq`` and the sequences' chunk bounds ``bounds`` as device arrays, and
+    ``rows`` (each token's row in the padded layout; None: nothing moves)."""
+    packing: object
+    chunk: int
+    seq: object
+    bounds: object
+    rows: object
+
+    @classmethod
+    def make(cls, cu_seqlens, n, G, F, dv, dev):
+        if cu_seqlens is None:
+            chunk = _chunk(n, G, F, dv)
+            nc = -(-n // chunk)
+            return cls(None, chunk, dev.to_device(np.zeros(nc, np.int64)),
+                       dev.to_device(np.array([0, nc], np.int64)), None)
+        t = int(THREADS)
+        pk = _packing(_host(cu_seqlens), n, min_chunk=max(t, _budget_chunk(n, G, F, dv)),
+                      max_chunk=int(CHUNK), multiple=t)
+        bounds = np.append(pk.first, pk.seq.size).astype(np.int64)
+        return cls(pk, pk.chunk, dev.to_device(pk.seq), dev.to_device(bounds),
+                   None if pk.rows is None else dev.to_device(pk.rows))
+
+    def pack(self, x, dev, fill=0):
+        """``x (G, n, ...)`` in the padded layout (``x`` itself where nothing moves)."""
+        if self.rows is None:
+            return x
+        G, n = x.shape[:2]
+        E = x.size // max(G * n, 1)
+        y = dev.full((G, self.packing.padded) + tuple(x.shape[2:]), x.dtype, fill)
+        if x.size:
+            dev.grid(K.scatter_rows, x.size)(x.reshape(G, n, E), self.rows, y.reshape(G, self.packing.padded, E))
+        return y
+
+    def unpack(self, y, dev):
+        """The tokens' rows of ``y (G, padded, ...)``."""
+        if self.rows is None:
+            return y
+        G, m = y.shape[:2]
+        n = self.packing.n
+        E = y.size // max(G * m, 1)
+        x = dev.empty((G, n) + tuple(y.shape[2:]), y.dtype)
+        if x.size:
+            dev.grid(K.gather_rows, x.size)(y.reshape(G, m, E), self.rows, x.reshape(G, n, E))
+        return x
+
+
+def _repeat(x, group, dev):
+    """``x (Gk, ...)`` with each group repeated ``group`` times (grouped-query k, v, mask)."""
+    if group == 1:
+        return x
+    Gk = x.shape[0]
+    y = dev.empty((Gk * group,) + tuple(x.shape[1:]), x.dtype)
+    if y.size:
+        dev.grid(K.repeat_groups, y.size)(x.reshape(Gk, x.size // Gk), y.reshape(Gk * group, x.size // Gk), group)
+    return y
+
+
+def _fold(x, group, dev):
+    """``x (Gk * group, ...)`` summed over each run of ``group`` heads (the gradients of k, v)."""
+    if group == 1:
+        return x
+    Gk = x.shape[0] // group
+    y = dev.empty((Gk,) + tuple(x.shape[1:]), x.dtype)
+    if y.size:
+        M = y.size // Gk
+        dev.grid(K.fold_groups, y.size)(x.reshape(Gk * group, M), y.reshape(Gk, M), group)
+    return y
 
 
 # ---------------------------------------------------------------------------
@@ -336,28 +415,47 @@ class Residuals:
     out_dtype: np.dtype
     check_finite: bool
     cupy_out: bool
+    tokens: int = -1  # the forward's sequence length (the rows above may be padded: packed sequences)
+    group: int = 1  # query heads per key/value head; v and the rows above have q's heads
+    layout: object = None  # _Layout: packed sequences (or one), the chunks' sequences
 
     @property
     def out_shape(self):
-        return self.lead + (self.phiq.shape[1], self.v.shape[2])
+        return self.lead + (self.tokens, self.v.shape[2])
+
+    @property
+    def kv_lead(self):
+        return self.lead[:-1] + (self.lead[-1] // self.group,) if self.group > 1 else self.lead
 
 
-def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None, check_finite=True):
+def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None, check_finite=True,
+                       cu_seqlens=None):
     """RACE attention forward on the GPU; returns ``(out, residuals)``.
 
     Arguments and results as :func:`racecpu.race_attention_fwd`; arrays are
-    on the device (see the module docstring).
+    on the device (see the module docstring).  Grouped-query k and v are
+    repeated per query head on the device (the same results as the CPU's;
+    the keys' sketch is not shared yet).  Packed sequences (``cu_seqlens``)
+    use the CPU's layout (:mod:`racecpu.packing`) in whole tiles.
     """
     dev = _Device(_is_cupy(q))
     a = _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, dev)
-    G, nq, _ = a.q.shape
+    G, n_given, _ = a.q.shape
     nk, dv = a.v.shape[1:]
     L, P, _ = a.planes.shape
     F = L * 2 ** P
     cdt = a.cdt
     T = int(THREADS)
     kern = K.make_kernels(L, P, T, cdt)
-    chunk = _chunk(max(nq, nk), G, F, dv)
+    if cu_seqlens is not None and n_given != nk:
+        raise ValueError(f"cu_seqlens packs q, k and v alike: they need the same sequence length, "
+                         f"got {n_given} and {nk}")
+    lay = _Layout.make(cu_seqlens, max(n_given, nk), G, F, dv, dev)
+    # grouped-query k, v (and mask) per query head; packed sequences in the padded layout
+    kk, vv, mask = (lay.pack(_repeat(x, a.group, dev), dev, fill) for x, fill in ((a.k, 0), (a.v, 0), (a.mask, False)))
+    qq = lay.pack(a.q, dev)
+    nq, nk = qq.shape[1], kk.shape[1]
+    chunk = lay.chunk
     nck = -(-nk // chunk)
     phik = dev.empty((G, nk, F), cdt)
     tk = dev.empty((G, nk, L * P), cdt)
@@ -367,21 +465,21 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
     den = dev.empty((G, nq), np.float64)
     out = dev.empty((G, nq, dv), cdt)
     if G and nk:
-        dev.launch(kern["sketch_chunks"], G * nck, T)(a.k, a.v, a.mask, a.planes, a.beta, chunk, phik, tk, part)
+        dev.launch(kern["sketch_chunks"], G * nck, T)(kk, vv, mask, a.planes, a.beta, chunk, phik, tk, part)
     if causal:
-        S = _scan_chunks(part, dev, False)
+        S = _scan_chunks(part, dev, False, lay.seq)
         if G and nq:
             state = dev.empty((G * nck, F, dv + 1), cdt)
-            dev.launch(kern["causal_fwd"], G * nck, T)(a.q, a.v, phik, S, a.planes, a.beta, chunk, state,
+            dev.launch(kern["causal_fwd"], G * nck, T)(qq, vv, phik, S, a.planes, a.beta, chunk, state,
                                                        phiq, tq, den, out)
     else:
-        S = _sum_chunks(part, dev)
+        S = _sum_chunks(part, dev, lay.bounds)
         if G and nq:
-            dev.launch(kern["queries_fwd"], G * -(-nq // T), T)(a.q, a.planes, a.beta, dev.cast(S, cdt, S.shape),
-                                                                phiq, tq, den, out)
-    res = Residuals(a.planes, a.beta, bool(causal), chunk, T, a.v, phiq, tq, phik, tk, den, S,
-                    a.lead, a.in_dtypes, a.out_dtype, bool(check_finite), dev.cupy)
-    return _output(out, a.out_dtype, res.out_shape, dev), res
+            dev.launch(kern["queries_fwd"], G * -(-nq // T), T)(qq, a.planes, a.beta, dev.cast(S, cdt, S.shape),
+                                                                lay.seq, chunk, phiq, tq, den, out)
+    res = Residuals(a.planes, a.beta, bool(causal), chunk, T, vv, phiq, tq, phik, tk, den, S,
+                    a.lead, a.in_dtypes, a.out_dtype, bool(check_finite), dev.cupy, n_given, a.group, lay)
+    return _output(lay.unpack(out, dev), a.out_dtype, res.out_shape, dev), res
 
 
 def race_attention_bwd(residuals, grad_out):
@@ -401,13 +499,14 @@ def race_attention_bwd(residuals, grad_out):
     gshape = tuple(int(s) for s in g.shape)
     if gshape != r.out_shape:
         raise ValueError(f"grad_out must have the output's shape {r.out_shape}, got {gshape}")
-    G, nq, F = r.phiq.shape
+    G, nq, F = r.phiq.shape  # (packed sequences: the padded layout's rows)
     nk, dv = r.v.shape[1:]
     L, P, d = r.planes.shape
     cdt = np.dtype(r.phiq.dtype)
     T = r.threads  # the kernels must run with the forward's tile length
     kern = K.make_kernels(L, P, T, cdt)
-    g = _to_device(g, cdt, (G, nq, dv), dev)
+    lay = r.layout
+    g = lay.pack(_to_device(g, cdt, (G, r.tokens, dv), dev), dev)
     chunk = r.chunk
     ncq, nck = -(-nq // chunk), -(-nk // chunk)
     dq = dev.empty((G, nq, d), cdt)
@@ -423,35 +522,40 @@ def race_attention_bwd(residuals, grad_out):
             state = dev.empty((G * ncq, F, dv + 1), cdt)
             dev.launch(kern["causal_queries_bwd"], G * ncq, T)(
                 g, r.v, r.phik, r.phiq, r.tq, r.den, r.S, r.planes, r.beta, chunk, state, dq, dden, winv, part, dbq)
-            carry = _scan_chunks(part, dev, True)
+            carry = _scan_chunks(part, dev, True, lay.seq)
             dbk = dev.empty(G * nck, np.float64)
             dev.launch(kern["causal_keys_bwd"], G * nck, T)(
                 g, r.v, r.phik, r.tk, r.phiq, dden, winv, carry, r.planes, r.beta, chunk, state, dk, dv_, dbk)
         else:
             dev.launch(kern["queries_bwd"], G * ncq, T)(
-                g, r.phiq, r.tq, r.den, dev.cast(r.S, cdt, r.S.shape), r.planes, r.beta, chunk,
+                g, r.phiq, r.tq, r.den, dev.cast(r.S, cdt, r.S.shape), lay.seq, r.planes, r.beta, chunk,
                 dq, dden, winv, part, dbq)
-            dS = dev.cast(_sum_chunks(part, dev), cdt, (G, F, dv + 1))
+            dS = _sum_chunks(part, dev, lay.bounds)
+            dS = dev.cast(dS, cdt, dS.shape)
             nbk = G * -(-nk // T)
             dbk = dev.empty(nbk, np.float64)
-            dev.launch(kern["keys_bwd"], nbk, T)(r.v, r.phik, r.tk, dS, r.planes, r.beta, dk, dv_, dbk)
+            dev.launch(kern["keys_bwd"], nbk, T)(r.v, r.phik, r.tk, dS, lay.seq, chunk, r.planes, r.beta, dk, dv_,
+                                                 dbk)
         dbeta = float(dev.to_host(dbq).sum() + dev.to_host(dbk).sum())
     else:  # no queries or no keys: nothing flows back
         for x in (dq, dk, dv_):
             if x.size:
                 dev.grid(K.fill, x.size)(x.reshape(x.size), 0)
     qdt, kdt, vdt = r.in_dtypes
-    lead = r.lead
-    return (_output(dq, qdt, lead + (nq, d), dev),
-            _output(dk, kdt, lead + (nk, d), dev),
-            _output(dv_, vdt, lead + (nk, dv), dev),
+    dq, dk, dv_ = (lay.unpack(x, dev) for x in (dq, dk, dv_))
+    dk, dv_ = _fold(dk, r.group, dev), _fold(dv_, r.group, dev)  # a key/value head's gradient sums its group's
+    lead, klead = r.lead, r.kv_lead
+    return (_output(dq, qdt, lead + (dq.shape[1], d), dev),
+            _output(dk, kdt, klead + (dk.shape[1], d), dev),
+            _output(dv_, vdt, klead + (dv_.shape[1], dv), dev),
             dbeta)
 
 
-def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None, check_finite=True):
+def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None, check_finite=True,
+                   cu_seqlens=None):
     """RACE attention on the GPU; see :func:`racecpu.race_attention`.
 
     Returns a device array (CuPy if ``q`` is CuPy) of shape ``(..., Nq, dv)``.
     """
     return race_attention_fwd(q, k, v, planes, beta, causal=causal, key_mask=key_mask,
-                              check_finite=check_finite)[0]
+                              check_finite=check_finite, cu_seqlens=cu_seqlens)[0]

@@ -265,21 +265,26 @@ def copy_cols(src, dst, col):
 
 
 @cuda.jit
-def sum_chunks(part, out):
-    """out[g, e] = sum_c part[g, c, e] in float64 (part (G, nc, E))."""
-    G, nc, E = part.shape
-    for x in range(cuda.grid(1), G * E, cuda.gridsize(1)):
-        g = x // E
-        e = x - g * E
-        s = 0.0
-        for c in range(nc):
-            s += part[g, c, e]
-        out[g, e] = s
+def sum_chunks(part, bounds, out):
+    """out[g, s, e] = sum of part[g, c, e] over the chunks ``bounds[s] <= c < bounds[s + 1]``
+    of packed sequence s (one sequence: bounds = (0, nc)), in float64, in chunk
+    order (part (G, nc, E), out (G, S, E))."""
+    G, S, E = out.shape
+    for x in range(cuda.grid(1), G * S * E, cuda.gridsize(1)):
+        g = x // (S * E)
+        r = x - g * (S * E)
+        q = r // E
+        e = r - q * E
+        acc = 0.0
+        for c in range(bounds[q], min(bounds[q + 1], part.shape[1])):  # (the queries may have fewer chunks)
+            acc += part[g, c, e]
+        out[g, q, e] = acc
 
 
 @cuda.jit
-def scan_chunks(part, out, reverse):
-    """Exclusive prefix (or suffix, ``reverse``) sums over axis 1 in float64."""
+def scan_chunks(part, seq, out, reverse):
+    """Exclusive prefix (or suffix, ``reverse``) sums over axis 1 in float64, restarting
+    at each packed sequence (``seq (nc,)``: each chunk's; as the CPU's ``restarts``)."""
     G, nc, E = part.shape
     for x in range(cuda.grid(1), G * E, cuda.gridsize(1)):
         g = x // E
@@ -287,8 +292,60 @@ def scan_chunks(part, out, reverse):
         s = 0.0
         for m in range(nc):
             c = nc - 1 - m if reverse else m
+            first = c + 1 if reverse else c  # the chunk whose start would restart the sum
+            if 0 < first < nc and seq[first] != seq[first - 1]:
+                s = 0.0
             out[g, c, e] = s
             s += part[g, c, e]
+
+
+@cuda.jit
+def scatter_rows(src, rows, dst):
+    """dst[g, rows[i], e] = src[g, i, e] (src (G, n, E), dst (G, m, E)): packed sequences
+    into the kernels' padded layout."""
+    G, n, E = src.shape
+    for x in range(cuda.grid(1), G * n * E, cuda.gridsize(1)):
+        g = x // (n * E)
+        r = x - g * (n * E)
+        i = r // E
+        e = r - i * E
+        dst[g, rows[i], e] = src[g, i, e]
+
+
+@cuda.jit
+def gather_rows(src, rows, dst):
+    """dst[g, i, e] = src[g, rows[i], e] (src (G, m, E), dst (G, n, E)): the tokens' rows back."""
+    G, n, E = dst.shape
+    for x in range(cuda.grid(1), G * n * E, cuda.gridsize(1)):
+        g = x // (n * E)
+        r = x - g * (n * E)
+        i = r // E
+        e = r - i * E
+        dst[g, i, e] = src[g, rows[i], e]
+
+
+@cuda.jit
+def repeat_groups(src, dst, group):
+    """dst[g, m] = src[g // group, m] (src (Gk, M), dst (Gk * group, M)): grouped-query k, v per query head."""
+    G, M = dst.shape
+    for x in range(cuda.grid(1), G * M, cuda.gridsize(1)):
+        g = x // M
+        m = x - g * M
+        dst[g, m] = src[g // group, m]
+
+
+@cuda.jit
+def fold_groups(src, dst, group):
+    """dst[h, m] = sum of src[h * group + j, m] over j < group, in order: the gradients of
+    a key/value head summed over its query heads."""
+    Gk, M = dst.shape
+    for x in range(cuda.grid(1), Gk * M, cuda.gridsize(1)):
+        h = x // M
+        m = x - h * M
+        acc = src[h * group, m]
+        for j in range(1, group):
+            acc += src[h * group + j, m]
+        dst[h, m] = acc
 
 
 @cuda.jit
@@ -372,8 +429,9 @@ def make_kernels(L, P, T, dtype):
     # -- non-causal readout: forward and backward --------------------------
 
     @cuda.jit
-    def queries_fwd(q, W, beta, S, phiq, tq, den, out):
-        """Hash every query and read the summed sketch ``S (G, F, dv + 1)`` (compute dtype)."""
+    def queries_fwd(q, W, beta, S, seq, chunk, phiq, tq, den, out):
+        """Hash every query and read its packed sequence's summed sketch ``S (G, S, F, dv + 1)``
+        (compute dtype; ``seq[c]`` the sequence of chunk c, one: S = 1)."""
         n = q.shape[1]
         L = W.shape[0]
         nb = (n + T - 1) // T
@@ -381,10 +439,10 @@ def make_kernels(L, P, T, dtype):
         i = (cuda.blockIdx.x - g * nb) * T + cuda.threadIdx.x
         if i < n:
             hash_row(q[g, i], W, beta, tq[g, i], phiq[g, i], True)
-            den[g, i] = readout_row(phiq[g, i], S[g], L, out[g, i])
+            den[g, i] = readout_row(phiq[g, i], S[g, seq[i // chunk]], L, out[g, i])
 
     @cuda.jit
-    def queries_bwd(grad, phiq, tq, den, S, W, beta, chunk, dq, dden, winv, part, dbeta_part):
+    def queries_bwd(grad, phiq, tq, den, S, seq, W, beta, chunk, dq, dden, winv, part, dbeta_part):
         """Non-causal cotangents of every query; chunk sums of (dB, dA) into ``part``."""
         n = grad.shape[1]
         dv = grad.shape[2]
@@ -402,7 +460,7 @@ def make_kernels(L, P, T, dtype):
             t1 = min(t0 + T, hi)
             i = t0 + tid
             if i < t1:
-                dd, wi = readout_row_bwd(phiq[g, i], S[g], grad[g, i], den[g, i], L, dphi)
+                dd, wi = readout_row_bwd(phiq[g, i], S[g, seq[c]], grad[g, i], den[g, i], L, dphi)
                 dden[g, i] = dd
                 winv[g, i] = wi
                 acc += hash_row_bwd(dphi, phiq[g, i], tq[g, i], W, beta, du, dq[g, i])
@@ -412,8 +470,9 @@ def make_kernels(L, P, T, dtype):
         block_sum(acc, dbeta_part, cuda.blockIdx.x)
 
     @cuda.jit
-    def keys_bwd(v, phik, tk, dS, W, beta, dk, dv_out, dbeta_part):
-        """Non-causal cotangents of every key from the summed ``dS (G, F, dv + 1)``."""
+    def keys_bwd(v, phik, tk, dS, seq, chunk, W, beta, dk, dv_out, dbeta_part):
+        """Non-causal cotangents of every key from its packed sequence's summed
+        ``dS (G, S, F, dv + 1)`` (``seq``, ``chunk`` as :func:`queries_fwd`)."""
         n = v.shape[1]
         nb = (n + T - 1) // T
         g = cuda.blockIdx.x // nb
@@ -422,7 +481,8 @@ def make_kernels(L, P, T, dtype):
         du = cuda.local.array(LP, np.float64)
         acc = 0.0
         if j < n:
-            acc = key_row_bwd(phik[g, j], tk[g, j], v[g, j], dS[g], W, beta, dphi, du, dk[g, j], dv_out[g, j])
+            acc = key_row_bwd(phik[g, j], tk[g, j], v[g, j], dS[g, seq[j // chunk]], W, beta, dphi, du, dk[g, j],
+                              dv_out[g, j])
         block_sum(acc, dbeta_part, cuda.blockIdx.x)
 
     # -- causal scan: forward and backward ---------------------------------
