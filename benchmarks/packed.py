@@ -4,10 +4,10 @@
 
 One process; for each mode (non-causal, causal) one warm-up call of each, then
 ``reps`` alternating rounds of: one sequence of ``tokens`` tokens; the same
-tokens as ``sequences`` packed sequences of equal length (``cu_seqlens`` with
-every offset on a chunk: nothing copied); and as ``sequences`` of random
-lengths (uniform over 1 .. twice the mean, summing to ``tokens``: the kernels'
-padded layout, copies in and out).  Prints the median seconds of each, ns per
+tokens as ``sequences`` packed sequences of equal length (``cu_seqlens``);
+and as ``sequences`` of random lengths (uniform over 1 .. twice the mean,
+summing to ``tokens``: a sequence's last chunk is shorter, so there are up to
+``sequences`` more chunks).  Prints the median seconds of each, ns per
 token-head, and each packed call's ratio to the one sequence; float32.
 """
 
@@ -18,7 +18,8 @@ import numba
 import numpy as np
 
 import racecpu
-from racecpu.packing import packing
+from racecpu import _kernels as K
+from racecpu.packing import packed_chunks
 
 
 def _fwd_bwd(q, k, v, g, W, causal, cu):
@@ -49,14 +50,14 @@ def main():
     W = racecpu.hyperplanes(a.dim, 3, 3, seed=0, dtype=np.float32)
     equal = np.linspace(0, a.tokens, a.sequences + 1).round().astype(np.int32)
     ragged = random_offsets(rng, a.tokens, a.sequences)
-    pe, pr = packing(equal, a.tokens), packing(ragged, a.tokens)
+    chunk = K.chunk_length(a.tokens, a.heads, 24, a.dim)
+    pe, pr = packed_chunks(equal, a.tokens, chunk), packed_chunks(ragged, a.tokens, chunk)
     th = a.tokens * a.heads
     print(f"forward+backward, {a.tokens} tokens x {a.heads} heads, d = {a.dim}, P = L = 3, float32, "
           f"{numba.get_num_threads()} threads; median of {a.reps} alternating rounds")
-    print(f"equal: {a.sequences} x {a.tokens // a.sequences} tokens, chunk {pe.chunk}, "
-          f"{'nothing copied' if pe.rows is None else f'{pe.padded - a.tokens} padding rows'}; "
-          f"random: lengths {np.diff(ragged).min()} .. {np.diff(ragged).max()}, chunk {pr.chunk}, "
-          f"{pr.padded - a.tokens} padding rows ({(pr.padded - a.tokens) / a.tokens:.1%})")
+    print(f"chunks of {chunk} tokens: one sequence {-(-a.tokens // chunk)}; equal: {a.sequences} x "
+          f"{a.tokens // a.sequences} tokens, {pe.chunks.seq.size} chunks; random: lengths "
+          f"{np.diff(ragged).min()} .. {np.diff(ragged).max()}, {pr.chunks.seq.size} chunks")
     for causal in (False, True):
         calls = {"one sequence": lambda: _fwd_bwd(q, k, v, g, W, causal, None),
                  "packed, equal": lambda: _fwd_bwd(q, k, v, g, W, causal, equal),

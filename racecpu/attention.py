@@ -20,7 +20,7 @@ from ._checks import (SUMS_OVERFLOW, all_finite, check_array, check_beta, check_
 from ._memory import POOL
 from .config import DEFAULT_BETA
 from .hashing import hyperplanes
-from .packing import Packing, pack, packing, sequence_sums, unpack
+from .packing import Packing, packed_chunks, sequence_sums
 
 __all__ = ["race_attention", "race_attention_fwd", "race_attention_bwd", "RaceAttention", "Residuals"]
 
@@ -88,16 +88,11 @@ class Residuals:
     planes_dtype: np.dtype  # the dtype the planes were given in (their gradient's)
     namespace: object = None  # the array-API namespace of the forward's q (None: NumPy), for the gradients
     group: int = 1  # query heads per key/value head (grouped-query attention)
-    packing: Packing | None = None  # packed sequences (cu_seqlens); the rows above are in its layout
-
-    @property
-    def tokens(self):
-        """The forward's sequence length (the rows above hold more where packing padded them)."""
-        return self.phiq.shape[1] if self.packing is None else self.packing.n
+    packing: Packing | None = None  # packed sequences (cu_seqlens): their chunks
 
     @property
     def out_shape(self):
-        return self.lead + (self.tokens, self.v.shape[2])
+        return self.lead + (self.phiq.shape[1], self.v.shape[2])
 
     @property
     def kv_lead(self):
@@ -150,16 +145,14 @@ def race_attention_fwd(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLi
 
 def _packed(a, cu_seqlens, F):
     """The :class:`racecpu.packing.Packing` of ``cu_seqlens`` for the prepared
-    arguments ``a`` (None for None), and ``a`` in its layout."""
+    arguments ``a`` (None for None): every sequence in the usual chunks."""
     if cu_seqlens is None:
-        return None, a
+        return None
     G, nq, _ = a.q.shape
     Gk, nk, dv = a.v.shape
     if nq != nk:
         raise ValueError(f"cu_seqlens packs q, k and v alike: they need the same sequence length, got {nq} and {nk}")
-    pk = packing(cu_seqlens, nq, min_chunk=K.budget_chunk(nq, G, F, dv))
-    # the padding rows: masked keys (and values, queries of zeros, whose outputs are dropped)
-    return pk, replace(a, q=pack(a.q, pk), k=pack(a.k, pk), v=pack(a.v, pk), mask=pack(a.mask, pk, False))
+    return packed_chunks(cu_seqlens, nq, K.chunk_length(nq, G, F, dv))
 
 
 def _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residuals, cu_seqlens=None):
@@ -175,9 +168,8 @@ def _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residua
                          [("q", q), ("k", k), ("v", v), ("planes", planes), ("key_mask", key_mask)])
     L, P, _ = a.planes.shape
     F = L * 2 ** P
-    given_nq = a.q.shape[1]
-    pk, a = _packed(a, cu_seqlens, F)
-    seq = None if pk is None else pk.seq
+    pk = _packed(a, cu_seqlens, F)
+    chunks = None if pk is None else pk.chunks
     group = a.group
     G, nq, _ = a.q.shape
     Gk, nk, dv = a.v.shape
@@ -186,8 +178,8 @@ def _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residua
         base = K.chunk_length(max(nq, nk), G, F, dv)  # the backward's chunks (and the causal forward's carries)
         chunk = base if causal else K.sketch_task_length(base, max(nq, nk), G)
     else:
-        base = chunk = pk.chunk  # every packed sequence starts at a chunk
-    nck = -(-nk // chunk)
+        base = chunk = pk.chunk  # every packed sequence starts a chunk (its last one shorter)
+    nck = -(-nk // chunk) if pk is None else pk.chunks.seq.size
     rq, rk = (nq, nk) if residuals else (0, 0)  # rows kept of the queries' and keys' residuals
     phik = POOL.empty((Gk, nk if causal else rk, F), cdt)
     tk = POOL.empty((Gk, rk, L * P), cdt)
@@ -197,15 +189,16 @@ def _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residua
     phiq = POOL.empty((G, rq, F), cdt)
     tq = POOL.empty((G, rq, L * P), cdt)
     den = POOL.zeros((G, rq))
-    o = _target(out if pk is None or pk.rows is None else None, (G, nq, dv), cdt)  # the kernels write every row
+    o = _target(out, (G, nq, dv), cdt)  # the kernels write every row
     hsh, rows = Hash(a.planes, a.beta), Rows(phiq, tq, phik, tk, den)
     nan_q = nan_k = 0  # NaNs in the hashes' t: a NaN/Inf in q or k, or an overflow
     if Gk and nk:
         # causal: the B totals of the chunks before the last segment give the segments' carries
         nan_k = K.sketch_chunks(a.k, a.v, a.mask, hsh, chunk, rows, Sums(partA, partB),
                                 span=K.SCAN_BLOCK if causal else K.SKETCH_FUSED,
-                                totals=(0, K.segment_start(seg - 1, seg, nck)) if causal else None)
+                                totals=(0, K.segment_start(seg - 1, seg, nck)) if causal else None, chunks=chunks)
     if causal:
+        seq = None if pk is None else pk.chunks.seq
         A = K.exclusive_scan(partA, out=partA, seq=seq)
         B = K.exclusive_scan(partB, out=partB, segments=seg, seq=seq)  # the segments' first carries; the scan the rest
         # grouped-query attention: every query head scans from its key/value head's carries,
@@ -214,28 +207,25 @@ def _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residua
         sums_v = POOL.zeros((G, F, dv))  # the scan's total of B, for the check of v
         if G and nq:
             nan_q = K.causal_fwd(a.q, a.v, hsh, chunk, rows, Sums(A, B), o, final=sums_v,
-                                 segments=seg, seq=seq)
+                                 segments=seg, chunks=chunks)
     else:
         # packed: a sketch per sequence, (Gk, S, F) and (Gk, S, F, dv)
         A, B = (partA.sum(1), partB.sum(1)) if pk is None else (sequence_sums(partA, pk), sequence_sums(partB, pk))
         sums_v = B
         if G and nq:  # grouped-query attention: each query head reads its key/value head's sketch
             nan_q = K.queries_fwd(a.q, hsh, chunk, Sums(_repeat(A, group), _repeat(B.astype(cdt), group)), rows, o,
-                                  seq=seq)
+                                  chunks=chunks)
     overflow = f"its projections onto the planes overflow {cdt}"
     # packed and causal: the scan restarts, its total is the last sequence's; the output shows the others'
     finite_v = all_finite(sums_v) and not (causal and pk is not None and not all_finite(o))
     check_derived(a.check_finite, ("q", a.q, nan_q == 0, overflow), ("k", a.k, nan_k == 0, overflow),
                    ("v", a.v, finite_v, SUMS_OVERFLOW))
-    if pk is not None and pk.rows is not None:
-        o = unpack(o, pk)  # the tokens' rows
-    y = _deliver(o, out, a.lead + (given_nq, dv), a.out_dtype)
+    y = _deliver(o, out, a.lead + (nq, dv), a.out_dtype)
     if not residuals:
         return y, None
     pdt = np.asarray(planes).dtype
     # 16-bit inputs: the caller's arrays, not the widened copies (half the memory held until the backward)
-    # (packed sequences that moved: the padded copies, in the kernels' layout)
-    kq, kk, kv = (given if half_format(given.dtype) is not None and (pk is None or pk.rows is None) else x
+    kq, kk, kv = (given if half_format(given.dtype) is not None else x
                   for given, x in zip(a.given, (a.q, a.k, a.v)))
     return y, Residuals(a.planes, a.beta, a.causal, base, kv, phiq, tq, phik, tk, den, A, B,
                         a.lead, a.in_dtypes, a.out_dtype, a.check_finite, kq, kk,
@@ -288,15 +278,14 @@ def race_attention_bwd(residuals: Residuals, grad_out: ArrayLike, *,
     if not isinstance(r, Residuals):
         raise TypeError(f"residuals must come from race_attention_fwd, got {type(r).__name__}")
     g, _, _ = check_array("grad_out", grad_out, False)  # NaN/Inf: from what the kernels sum (below)
-    G, nq, F = r.phiq.shape  # (packed sequences: the rows of the kernels' layout)
+    G, nq, F = r.phiq.shape
     Gk, nk, dv = r.v.shape
     d = r.planes.shape[2]
     cdt = r.phiq.dtype
     qdt, kdt, vdt = r.in_dtypes
     lead, klead = r.lead, r.kv_lead
     pk = r.packing
-    moved = pk is not None and pk.rows is not None  # packed sequences in a padded layout: copied in and out
-    shapes = (lead + (r.tokens, d), klead + (r.tokens if pk else nk, d), klead + (r.tokens if pk else nk, dv))
+    shapes = (lead + (nq, d), klead + (nk, d), klead + (nk, dv))
     try:
         if g.shape != r.out_shape:
             raise ValueError(f"grad_out must have the output's shape {r.out_shape}, got {g.shape}")
@@ -314,20 +303,18 @@ def race_attention_bwd(residuals: Residuals, grad_out: ArrayLike, *,
     except (TypeError, ValueError):
         check_array("grad_out", g, r.check_finite)  # errors in the eager order: grad_out's NaN first
         raise
-    g = widened(g.reshape(G, r.tokens, dv), cdt)
-    if moved:
-        g = pack(g, pk)
+    g = widened(g.reshape(G, nq, dv), cdt)
     v = widened(r.v, cdt)
-    seq = None if pk is None else pk.seq
+    chunks = None if pk is None else pk.chunks
     chunk = r.chunk
-    ncq, nck = -(-nq // chunk), -(-nk // chunk)
+    ncq, nck = (-(-nq // chunk), -(-nk // chunk)) if pk is None else (pk.chunks.seq.size,) * 2
     hsh, rows = Hash(r.planes, r.beta), Rows(r.phiq, r.tq, r.phik, r.tk, r.den)
     # The kernels write every row; without queries or keys they do not run.  The causal
     # backward of grouped-query attention writes dk, dv per query head: summed over each group below.
     summed = r.causal and r.group > 1
     Gw = G if summed else Gk  # groups of dk, dv, dbk as the kernels write them
-    dq = _target(None if moved else out[0], (G, nq, d), cdt)
-    dk_kv, dv_kv = (_target(None if moved else buf, (Gk, nk, shape[-1]), cdt) for buf, shape in zip(out[1:], shapes[1:]))
+    dq = _target(out[0], (G, nq, d), cdt)
+    dk_kv, dv_kv = (_target(buf, (Gk,) + shape[-2:], cdt) for buf, shape in zip(out[1:], shapes[1:]))
     dk, dv_ = (POOL.empty((G,) + x.shape[1:], cdt) for x in (dk_kv, dv_kv)) if summed else (dk_kv, dv_kv)
     dbeta = 0.0
     LP = r.planes.shape[0] * r.planes.shape[1]
@@ -349,27 +336,25 @@ def race_attention_bwd(residuals: Residuals, grad_out: ArrayLike, *,
         if r.causal:
             dB = POOL.zeros((G, F, dv))  # the scan's total of dB, for the check of grad_out
             grads = Grads(dq, dk, dv_, POOL.zeros((G, nq)), dbq, dbk, pg)
-            K.causal_backward(g, v, rows, Sums(r.A, r.B), hsh, chunk, grads, Sums(partdA, partdB), final=dB, seq=seq)
+            K.causal_backward(g, v, rows, Sums(r.A, r.B), hsh, chunk, grads, Sums(partdA, partdB), final=dB, chunks=chunks)
             # packed: the reverse scan restarts, its total is the first sequence's; dv shows the others'
             finite = all_finite(dB) and (pk is None or all_finite(dv_))
             check_derived(r.check_finite, ("grad_out", g, finite, SUMS_OVERFLOW))
         else:
             grads = Grads(dq, dk, dv_, POOL.zeros((G, 0)), dbq, dbk, pg)
             sketch = Sums(_repeat(r.A, r.group), _repeat(r.B.astype(cdt), r.group))
-            K.queries_bwd(g, v, rows, sketch, hsh, chunk, grads, Sums(partdA, partdB), seq=seq)
+            K.queries_bwd(g, v, rows, sketch, hsh, chunk, grads, Sums(partdA, partdB), chunks=chunks)
             # a key/value head's sketch was read by its whole group (packed: one sketch per sequence)
             per_seq = (lambda x: x.sum(1)) if pk is None else (lambda x: sequence_sums(x, pk))
             dB = _group_sum(per_seq(partdB), r.group)
             check_derived(r.check_finite, ("grad_out", g, all_finite(dB), SUMS_OVERFLOW))  # before the keys' backward
             K.keys_bwd(v, rows, Sums(_group_sum(per_seq(partdA), r.group), dB.astype(cdt)), hsh, chunk, grads,
-                       seq=seq)
+                       chunks=chunks)
         dbeta = float(dbq.sum() + dbk.sum())
         if dplanes:
             dW = pg.dWq.sum((0, 1)) + pg.dWk.sum((0, 1))
     if summed:
         dk, dv_ = _group_sum(dk, r.group, dk_kv), _group_sum(dv_, r.group, dv_kv)
-    if moved:
-        dq, dk, dv_ = (unpack(x, pk) for x in (dq, dk, dv_))
     xp = r.namespace
     grads = tuple(to_namespace(xp if buf is None else None, _deliver(x, buf, shape, dt))
                   for x, buf, shape, dt in zip((dq, dk, dv_), out, shapes, (qdt, kdt, vdt))) + (dbeta,)

@@ -2,15 +2,14 @@
 
 ``cu_seqlens`` follows flash-attn and flash-linear-attention: the int32
 offsets ``0, n1, n1 + n2, ..., N`` of the packed sequences on the sequence
-axis.  The kernels see each sequence start at a chunk boundary: a sequence
-whose length is not a multiple of the chunk is followed by masked padding
-rows up to the next one (none after the last), so that the causal scans
-restart at the first chunk of every sequence and the non-causal queries of
-a chunk read their own sequence's sketch, both by the chunk's index into
-``seq`` (``docs/design.md``, "packed sequences").  The chunk is the longest
-power of two from config.CHUNK down to :data:`MIN_CHUNK` whose padding
-stays within 1/32 of the tokens; where the sequences already start at chunk
-boundaries nothing is copied.
+axis.  The CPU kernels cut the axis into chunks that never straddle two
+sequences (:func:`packed_chunks`: each sequence in chunks of the usual
+length, its last one shorter), so the causal scans restart at the first
+chunk of every sequence and the non-causal queries of a chunk read their
+own sequence's sketch, both by the chunk's index into ``seq``
+(``docs/design.md``, "packed sequences"); nothing is copied or padded.
+:mod:`racecpu.cuda`, whose kernels walk whole tiles, lays the sequences out
+padded to whole chunks instead (:func:`padded_layout`).
 """
 
 from __future__ import annotations
@@ -20,37 +19,19 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import config
+from ._kernels.bundles import Chunks
 
-#: The shortest chunk packing picks (shorter ones cost more per token than the padding they save).
+#: The shortest chunk :func:`padded_layout` picks.
 MIN_CHUNK = 64
 
-#: The padding packing accepts for a longer chunk, as a fraction of the tokens.
-PAD_FRACTION = 1 / 32
-
-
-@dataclass(frozen=True)
-class Packing:
-    """Where each packed sequence lies in the kernels' layout (treat as opaque).
-
-    ``n`` tokens on the caller's axis, ``padded`` rows on the kernels'
-    (``padded >= n``); ``rows (n,)`` int64 is each token's row there (None
-    where the rows are the tokens: nothing to copy); ``seq (nc,)`` int64 is
-    each chunk's sequence, counting the non-empty ones only, ``first (S,)``
-    int64 each one's first chunk.
-    """
-
-    cu_seqlens: np.ndarray
-    n: int
-    chunk: int
-    padded: int
-    rows: np.ndarray | None
-    seq: np.ndarray
-    first: np.ndarray
-
-    @property
-    def sequences(self):
-        """The number of non-empty sequences (sketches per head, non-causal)."""
-        return self.first.size
+#: What a chunk costs beyond its tokens, in tokens' worth of work, non-causal and causal: the
+#: float64 partials of every chunk (F * (dv + 1) each, written, summed and, in the backward,
+#: written again) and the per-task setup.  Fitted to forward+backward times of racecpu's CPU
+#: kernels, 4 heads of 65,536 tokens at d = dv = 128, P = L = 3 on 2 cores, every sequence one
+#: chunk long (chunks of 64, 128, 256, 512, 1024 tokens: non-causal 4.3, 2.2, 1.4, 1.17, 1.05x one
+#: sequence; causal 1.22, 1.15, 1.09, 1.06, 1.05x); used for racecpu.cuda's padded layout, where
+#: it has not been measured.
+CHUNK_OVERHEAD = {False: 150, True: 20}
 
 
 def check_cu_seqlens(cu_seqlens, n):
@@ -69,67 +50,45 @@ def check_cu_seqlens(cu_seqlens, n):
     return cu
 
 
-def _padded_length(lengths, chunk):
-    """Rows of the layout in which every sequence but the last starts at a multiple of ``chunk``."""
-    if lengths.size == 0:
-        return 0
-    return int((-(-lengths[:-1] // chunk) * chunk).sum() + lengths[-1])
+@dataclass(frozen=True)
+class Packing:
+    """Packed sequences as the CPU kernels take them (treat as opaque).
 
-
-def packing(cu_seqlens, n, min_chunk=MIN_CHUNK, max_chunk=None, multiple=1):
-    """The :class:`Packing` of sequences with offsets ``cu_seqlens`` over ``n`` tokens.
-
-    ``min_chunk``: the shortest chunk the kernels may use (the float64
-    partials' budget, :func:`racecpu._kernels.budget_chunk`; at least
-    :data:`MIN_CHUNK`); ``max_chunk`` the longest tried (default
-    config.CHUNK), halved from there; ``multiple``: every chunk tried is one
-    of it (racecpu.cuda: whole tiles).
+    ``chunks``: the :class:`racecpu._kernels.bundles.Chunks` of the ``n``
+    tokens (chunk c is rows ``cuts[c] .. cuts[c + 1]`` of sequence
+    ``seq[c]``, counting the non-empty sequences only); ``first (S,)`` int64
+    each sequence's first chunk.
     """
-    cu = check_cu_seqlens(cu_seqlens, n)
+
+    cu_seqlens: np.ndarray
+    n: int
+    chunk: int
+    chunks: Chunks
+    first: np.ndarray
+
+    @property
+    def sequences(self):
+        """The number of non-empty sequences (sketches per head, non-causal)."""
+        return self.first.size
+
+
+def _lengths(cu):
     lengths = np.diff(cu)
-    lengths = lengths[lengths > 0]
-
-    def whole(c):
-        return -(-c // multiple) * multiple
-    chunk = whole(max(config.CHUNK if max_chunk is None else max_chunk, min_chunk))
-    while _padded_length(lengths, chunk) - n > n * PAD_FRACTION:
-        shorter = whole(chunk // 2)
-        if shorter >= chunk or shorter < max(MIN_CHUNK, min_chunk):
-            break
-        chunk = shorter
-    padded = _padded_length(lengths, chunk)
-    starts = np.zeros(lengths.size, np.int64)  # each non-empty sequence's first row in the layout
-    starts[1:] = np.cumsum(-(-lengths[:-1] // chunk) * chunk)
-    first = starts // chunk
-    nc = -(-padded // chunk)
-    seq = np.zeros(nc, np.int64)
-    if first.size > 1:
-        seq[first[1:]] = 1
-        seq = np.cumsum(seq)
-    rows = None
-    if padded != n:
-        rows = np.repeat(starts - np.cumsum(lengths) + lengths, lengths) + np.arange(n)
-    return Packing(cu, n, chunk, padded, rows, seq, first)
+    return lengths[lengths > 0]
 
 
-def pack(x, pk, fill=0):
-    """``x (G, n, ...)`` in the kernels' layout ``(G, padded, ...)``: ``x`` itself where
-    nothing moves, else a copy with ``fill`` in the padding rows."""
-    if pk.rows is None:
-        return x
-    y = np.full((x.shape[0], pk.padded) + x.shape[2:], fill, x.dtype)
-    y[:, pk.rows] = x
-    return y
-
-
-def unpack(y, pk, out=None):
-    """The tokens' rows of ``y (G, padded, ...)``: ``(G, n, ...)`` (``y`` itself where nothing moved)."""
-    if pk.rows is None:
-        if out is not None:
-            out[...] = y
-            return out
-        return y
-    return np.take(y, pk.rows, axis=1, out=out)
+def packed_chunks(cu_seqlens, n, chunk):
+    """The :class:`Packing` of sequences with offsets ``cu_seqlens`` over ``n`` tokens:
+    each non-empty sequence in chunks of ``chunk`` tokens, its last one shorter."""
+    cu = check_cu_seqlens(cu_seqlens, n)
+    lengths = _lengths(cu)
+    per = -(-lengths // chunk)  # chunks per sequence
+    first = np.cumsum(per) - per
+    seq = np.repeat(np.arange(lengths.size, dtype=np.int64), per)
+    k = np.arange(seq.size, dtype=np.int64) - first[seq]  # chunk within its sequence
+    starts = np.cumsum(lengths) - lengths
+    cuts = np.append(starts[seq] + k * chunk, n).astype(np.int64)
+    return Packing(cu, n, chunk, Chunks(cuts, seq), first.astype(np.int64))
 
 
 def sequence_sums(part, pk):
@@ -137,3 +96,67 @@ def sequence_sums(part, pk):
     if part.shape[1] == 0:
         return np.zeros((part.shape[0], pk.sequences) + part.shape[2:])
     return np.add.reduceat(part, pk.first, axis=1)
+
+
+@dataclass(frozen=True)
+class PaddedLayout:
+    """Packed sequences padded to whole chunks (racecpu.cuda).
+
+    ``padded`` rows (``>= n``): every non-empty sequence starts at a multiple
+    of ``chunk``, padding rows after each but the last; ``rows (n,)`` int64 is
+    each token's row (None where the rows are the tokens); ``seq (nc,)`` each
+    chunk's sequence, ``first (S,)`` each sequence's first chunk.
+    """
+
+    n: int
+    chunk: int
+    padded: int
+    rows: np.ndarray | None
+    seq: np.ndarray
+    first: np.ndarray
+
+
+def _padded_length(lengths, chunk):
+    """Rows of the layout in which every sequence but the last starts at a multiple of ``chunk``."""
+    if lengths.size == 0:
+        return 0
+    return int((-(-lengths[:-1] // chunk) * chunk).sum() + lengths[-1])
+
+
+def padded_layout(cu_seqlens, n, min_chunk=MIN_CHUNK, max_chunk=None, multiple=1, causal=False):
+    """The :class:`PaddedLayout` of sequences with offsets ``cu_seqlens`` over ``n`` tokens.
+
+    The chunk is the one of ``max_chunk`` (default config.CHUNK), its half,
+    its quarter, ... down to ``min_chunk`` (the float64 partials' budget) or
+    :data:`MIN_CHUNK`, that costs least by the model ``padded rows * (1 +
+    CHUNK_OVERHEAD[causal] / chunk)`` (the longer on a tie); ``multiple``:
+    every chunk tried is one of it (racecpu.cuda: whole tiles).
+    """
+    cu = check_cu_seqlens(cu_seqlens, n)
+    lengths = _lengths(cu)
+
+    def whole(c):
+        return -(-c // multiple) * multiple
+
+    def cost(c):
+        return _padded_length(lengths, c) * (1 + CHUNK_OVERHEAD[bool(causal)] / c)
+    chunk = candidate = whole(max(config.CHUNK if max_chunk is None else max_chunk, min_chunk))
+    while True:
+        shorter = whole(candidate // 2)
+        if shorter >= candidate or shorter < max(MIN_CHUNK, min_chunk):
+            break
+        candidate = shorter
+        if cost(candidate) < cost(chunk):
+            chunk = candidate
+    padded = _padded_length(lengths, chunk)
+    starts = np.zeros(lengths.size, np.int64)  # each non-empty sequence's first row in the layout
+    starts[1:] = np.cumsum(-(-lengths[:-1] // chunk) * chunk)
+    first = starts // chunk
+    seq = np.zeros(-(-padded // chunk), np.int64)
+    if first.size > 1:
+        seq[first[1:]] = 1
+        seq = np.cumsum(seq)
+    rows = None
+    if padded != n:
+        rows = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths) + np.arange(n)
+    return PaddedLayout(n, chunk, padded, rows, seq, first)

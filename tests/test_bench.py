@@ -72,6 +72,10 @@ def test_bad_flags_exit_2(capsys):
     assert "--min-log2n" in capsys.readouterr().err
     assert main(["bench", "--impls", "race,flash", "--out", "/nonexistent"]) == 2
     assert "choose from" in capsys.readouterr().err
+    assert main(["bench", "--sections", "scaling,feature", "--out", "/nonexistent"]) == 2
+    assert "features" in capsys.readouterr().err  # the valid names are listed
+    assert main(["bench", "--sections", "features", "--features-log2n", "5", "--out", "/nonexistent"]) == 2
+    assert "--features-log2n" in capsys.readouterr().err
 
 
 def test_cuda_unavailable_says_so(capsys, tmp_path):
@@ -116,6 +120,42 @@ def test_suite_runs_end_to_end(tmp_path, capsys):
     out = capsys.readouterr()
     assert "ns/tok-head" in text and text.strip() in out.out
     assert "bench:" not in out.err  # no progress bar: stderr is not a terminal
+
+
+def test_features_section_pairs_each_feature_with_its_baseline(tmp_path, capsys):
+    # --sections features alone, at a tiny N: the six (feature, causal) pairs, each with its baseline.
+    rc = main(["bench", "--quick", "--sections", "features", "--features-log2n", "9", "--dim", "16",
+               "--repeats", "2", "--out", str(tmp_path), "--tag", "f"])
+    assert rc == 0
+    with open(tmp_path / "f.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["section"] for r in rows} == {"machine", "features"}  # the default sections did not run
+    feats = {(r["impl"], r["causal"]): r for r in rows if r["section"] == "features"}
+    names = [name for name, *_ in bench.FEATURES]
+    assert names == ["gqa", "packed", "dplanes"]
+    assert set(feats) == {(i, c) for n in names for i in (n, f"{n}-baseline") for c in ("0", "1")}
+    for (impl, causal), r in feats.items():
+        assert r["status"] == "ok", r
+        assert r["n"] == "512" and int(r["calls"]) == 2
+        assert r["mode"] == ("bwd" if impl.startswith("dplanes") else "fwdbwd")
+        heads = 32 if impl.startswith("gqa") else 4
+        assert r["heads"] == str(heads)
+        med = float(r["median_s"])
+        assert med > 0 and float(r["min_s"]) > 0
+        assert float(r["ns_per_token_head"]) == pytest.approx(med / (heads * 512) * 1e9, rel=1e-3)
+    targets = {name: target for name, _, target, _ in bench.FEATURES}
+    for name in names:
+        for causal in ("0", "1"):
+            r, b = feats[(name, causal)], feats[(f"{name}-baseline", causal)]
+            ratio = float(r["value"])
+            assert np.isfinite(ratio) and ratio > 0
+            assert ratio == pytest.approx(float(r["median_s"]) / float(b["median_s"]), rel=1e-3)
+            met = ratio <= targets[name]
+            assert r["note"].startswith("target met" if met else "target missed")
+            assert f"target <= {targets[name]}" in r["unit"]
+    text = (tmp_path / "f.txt").read_text()
+    assert "features:" in text and "ns/tok-head" in text and "targets met" in text
+    assert text.strip() in capsys.readouterr().out
 
 
 def test_memory_cap_skips_and_still_reports(tmp_path):

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import racecpu
 from racecpu import config
-from racecpu.packing import MIN_CHUNK, PAD_FRACTION, packing
+from racecpu.packing import CHUNK_OVERHEAD, packed_chunks, padded_layout
 
 
 def _offsets(lengths):
@@ -115,8 +115,8 @@ def test_packed_scans_agree_over_segments_and_backward_routes(rng, monkeypatch, 
         return split(*args, **kw)
     monkeypatch.setattr(kcausal, "causal_bwd_split", spy)
     runs = []
-    nc = packing(cu, n, min_chunk=1).seq.size
-    assert nc == 10  # 2 + 1 + 1 + 4 + 2 chunks of 16
+    nc = packed_chunks(cu, n, 16).chunks.seq.size
+    assert nc == 10  # 2 + 1 + 1 + 4 + 2 chunks of at most 16
     for seg, tail in [(1, None), (2, 0.01), (2, 0.32), (2, 0.99), (3, None), (nc, None)]:
         if tail is not None:
             monkeypatch.setattr(config, "SPLIT_TAIL", tail)
@@ -194,13 +194,32 @@ def test_overflow_in_an_early_sequence_is_reported(rng):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(0, 3000), min_size=1, max_size=40))
-def test_packing_layout(lengths):
-    # every non-empty sequence starts on a chunk, in order, with no row shared;
-    # the padding is within PAD_FRACTION unless the chunk is already the shortest
+@given(st.lists(st.integers(0, 3000), min_size=1, max_size=40), st.sampled_from([7, 64, 1024]))
+def test_packed_chunks(lengths, chunk):
+    # chunks cover the tokens in order, none longer than chunk or across two
+    # sequences, and a sequence has as few as its length allows
     cu = _offsets(lengths)
     n = int(cu[-1])
-    pk = packing(cu, n)
+    pk = packed_chunks(cu, n, chunk)
+    cuts, seq = pk.chunks
+    assert cuts[0] == 0 and cuts[-1] == n and np.all(np.diff(cuts) > 0) and np.all(np.diff(cuts) <= chunk)
+    nonempty = [s for s in range(len(lengths)) if lengths[s]]
+    np.testing.assert_array_equal(np.bincount(seq, minlength=len(nonempty)),
+                                  [-(-lengths[s] // chunk) for s in nonempty])
+    for c in range(seq.size):
+        s = nonempty[seq[c]]
+        assert cu[s] <= cuts[c] < cuts[c + 1] <= cu[s + 1]
+    np.testing.assert_array_equal(cuts[pk.first], cu[nonempty])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 3000), min_size=1, max_size=40))
+def test_padded_layout(lengths):
+    # racecpu.cuda's layout: every non-empty sequence starts on a chunk, in
+    # order, with no row shared; the chunk is the cheapest by the cost model
+    cu = _offsets(lengths)
+    n = int(cu[-1])
+    pk = padded_layout(cu, n)
     rows = np.arange(n) if pk.rows is None else pk.rows
     assert pk.padded >= n and rows.size == n
     assert np.all(np.diff(rows) > 0) and (n == 0 or rows[-1] < pk.padded)
@@ -211,7 +230,11 @@ def test_packing_layout(lengths):
     for s, lo in enumerate(pk.first):  # every chunk of a sequence maps to it
         hi = pk.first[s + 1] if s + 1 < pk.first.size else pk.seq.size
         np.testing.assert_array_equal(pk.seq[lo:hi], s)
-    assert pk.chunk == MIN_CHUNK or pk.padded - n <= n * PAD_FRACTION
+    for causal in (False, True):
+        pc = padded_layout(cu, n, causal=causal)
+        cost = {c: padded_layout(cu, n, min_chunk=c, max_chunk=c).padded * (1 + CHUNK_OVERHEAD[causal] / c)
+                for c in (1024, 512, 256, 128, 64)}
+        assert cost[pc.chunk] == min(cost.values())
 
 
 def test_autograd_op_and_layer_take_packed_sequences(rng):

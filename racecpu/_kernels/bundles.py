@@ -91,12 +91,22 @@ class Grads(NamedTuple):
     planes: PlanesGrad
 
 
+class Chunks(NamedTuple):
+    """How a sequence axis is cut into chunks: chunk ``c`` is rows
+    ``cuts[c] <= i < cuts[c + 1]`` (``cuts (nc + 1,)`` int64) of packed sequence
+    ``seq[c]`` (``(nc,)`` int64; one sequence: zeros).  Unpacked, every chunk
+    but the last has the same length (:func:`racecpu._kernels.scan.even_chunks`)."""
+
+    cuts: np.ndarray
+    seq: np.ndarray
+
+
 class Backward(NamedTuple):
     """The arrays every task of a backward reads or writes: ``grad (G, Nq, dv)``
     (the output's cotangent), ``v (G, Nk, dv)``, the forward's :class:`Rows`,
     the :class:`Hash`, the ``chunk`` length, the :class:`Grads` to write and
-    ``seq (nc,)`` int64, each chunk's packed sequence (the sketch it reads,
-    where the scans restart)."""
+    the :class:`Chunks` (each chunk's rows and packed sequence: the sketch
+    it reads, where the scans restart)."""
 
     grad: np.ndarray
     v: np.ndarray
@@ -104,7 +114,7 @@ class Backward(NamedTuple):
     hsh: Hash
     chunk: int
     grads: Grads
-    seq: np.ndarray
+    chunks: Chunks
 
 
 class QueryScratch(NamedTuple):

@@ -28,18 +28,18 @@ import numpy as np
 from .. import config
 from ..config import DEN_FLOOR, SCAN_BLOCK
 from ._jit import kernel
-from .bundles import Backward, Spread, Sums
+from .bundles import Backward, Chunks, Spread, Sums
 from .hash import hash_bwd_rows_dw, hash_chunk, residual_rows
 from .noncausal import dphi_from_y, queries_chunk_end, query_bwd_buffers
 from .products import add_product, add_rows, combine_rows, dot_rows, step_scores, zero_above, zero_below
 from .runtime import blas_tasks, run_tasks
-from .scan import (carry_on, exclusive_scan, exclusive_step, one_sequence, restarts, scan_segments, segment_chunks,
+from .scan import (carry_on, even_chunks, exclusive_scan, exclusive_step, restarts, scan_segments, segment_chunks,
                    segment_start, spread_order, task_bounds)
 
 
-def _backward(grad, v, rows, hsh, chunk, grads, seq, nc):
-    """The :class:`Backward` bundle, ``seq`` defaulting to one sequence of ``nc`` chunks."""
-    return Backward(grad, v, rows, hsh, chunk, grads, one_sequence(nc) if seq is None else seq)
+def _backward(grad, v, rows, hsh, chunk, grads, chunks):
+    """The :class:`Backward` bundle, ``chunks`` defaulting to the queries' in chunks of ``chunk``."""
+    return Backward(grad, v, rows, hsh, chunk, grads, even_chunks(grad.shape[1], chunk) if chunks is None else chunks)
 
 
 class StepScratch(NamedTuple):
@@ -76,8 +76,8 @@ class Forward(NamedTuple):
     """What every task of :func:`causal_fwd` reads or writes: queries ``q (G, N, d)``,
     values ``v (G, N, dv)``, the :class:`Hash`, the ``chunk`` length, the
     :class:`Rows` (``phik`` read; ``phiq``, ``tq``, ``den`` written where kept),
-    ``out (G, N, dv)`` and ``seq (nc,)`` int64, each chunk's packed sequence
-    (the scan restarts at each)."""
+    ``out (G, N, dv)`` and the :class:`Chunks` (each chunk's rows and packed
+    sequence: the scan restarts at each)."""
 
     q: np.ndarray
     v: np.ndarray
@@ -85,13 +85,13 @@ class Forward(NamedTuple):
     chunk: int
     rows: object
     out: np.ndarray
-    seq: np.ndarray
+    chunks: Chunks
 
 
 @kernel
 def _causal_fwd_task(task, segments, keep, fwd, carry, final, nan):
     """One segment of :func:`causal_fwd` (run by :func:`run_tasks`)."""
-    q, v, hsh, chunk, rows, out, seq = fwd
+    q, v, hsh, chunk, rows, out, chunks = fwd
     phik = rows.phik
     carryA, carryB = carry
     G, n, _ = q.shape
@@ -105,8 +105,7 @@ def _causal_fwd_task(task, segments, keep, fwd, carry, final, nan):
     track = last or c1 - c0 > 1
     total = np.zeros((F, dv), v.dtype)  # the chunk's sum of state updates, for the next carry
     for c in range(c0, c1):
-        lo = c * chunk
-        hi = min(lo + chunk, n)
+        lo, hi = chunks.cuts[c], chunks.cuts[c + 1]
         phi, _, bad = hash_chunk(q, g, lo, hi, hsh, keep[lo:hi], rows.tq, rows.phiq)
         nan[task] += bad
         dnc = residual_rows(rows.den, g, lo, hi)
@@ -138,11 +137,11 @@ def _causal_fwd_task(task, segments, keep, fwd, carry, final, nan):
             add_rows(A, Pk)
             add_product(Pk, V, S, dS, total, track)
         if c + 1 < c1 or last:
-            carry_on(carryB, g, c, c + 1, total, final, restarts(seq, c + 1))
+            carry_on(carryB, g, c, c + 1, total, final, restarts(chunks.seq, c + 1))
 
 
 @blas_tasks
-def causal_fwd(q, v, hsh, chunk, rows, carry, out, final=None, segments=None, seq=None):
+def causal_fwd(q, v, hsh, chunk, rows, carry, out, final=None, segments=None, chunks=None):
     """Scan every segment of chunks from its carried-in state; query i sees keys j <= i.
 
     Per step of SCAN_BLOCK tokens with state B before it:
@@ -168,9 +167,10 @@ def causal_fwd(q, v, hsh, chunk, rows, carry, out, final=None, segments=None, se
         Out: the total B.
     segments : int, optional
         Segments per group (default: one per chunk).
-    seq : (nc,) int64, optional
-        Each chunk's packed sequence (default: one sequence): the scan
-        restarts at the first chunk of each, whose carries must be zero.
+    chunks : Chunks, optional
+        Each chunk's rows and packed sequence (default: one sequence in
+        chunks of ``chunk``): the scan restarts at the first chunk of each
+        sequence, whose carries must be zero.
 
     Returns
     -------
@@ -181,7 +181,7 @@ def causal_fwd(q, v, hsh, chunk, rows, carry, out, final=None, segments=None, se
     keep = np.ones(q.shape[1], np.bool_)  # queries are never masked
     segments = nc if segments is None else segments
     nan = np.zeros(G * segments, np.int64)
-    fwd = Forward(q, v, hsh, chunk, rows, out, one_sequence(nc) if seq is None else seq)
+    fwd = Forward(q, v, hsh, chunk, rows, out, even_chunks(q.shape[1], chunk) if chunks is None else chunks)
     run_tasks(_causal_fwd_task, G * segments, segments, keep, fwd, carry,
               np.zeros((0, 0, 0)) if final is None else final, nan)
     return int(nan.sum())
@@ -191,13 +191,12 @@ def causal_fwd(q, v, hsh, chunk, rows, carry, out, final=None, segments=None, se
 def _causal_queries_bwd_chunk(bwd, carry, partd, g, c, t0, t1):
     """Chunk ``c`` of group ``g`` of :func:`causal_queries_bwd`; the chunk's dB
     total is summed for ``t0 <= c < t1`` only."""
-    grad, v, rows, hsh, chunk, grads, seq = bwd
+    grad, v, rows, hsh, chunk, grads, chunks = bwd
     phik, phiq, den = rows.phik, rows.phiq, rows.den
     G, n, dv = grad.shape
     L = hsh.W.shape[0]
     F = phik.shape[2]
-    lo = c * chunk
-    hi = min(lo + chunk, n)
+    lo, hi = chunks.cuts[c], chunks.cuts[c + 1]
     gk = kv_group(g, G, v.shape[0])
     A = carry.A[g, c].copy()
     S = carry.B[g, c].astype(v.dtype)  # the carried-in state, in the compute dtype
@@ -234,12 +233,12 @@ def _causal_queries_bwd_chunk(bwd, carry, partd, g, c, t0, t1):
 def _causal_queries_bwd_task(task, spread, bwd, carry, partd):
     """One (group, chunk) task of :func:`causal_queries_bwd` (run by :func:`run_tasks`)."""
     nc = carry.A.shape[1]
-    g, c, _, _ = task_bounds(spread.order[task], nc, bwd.chunk, bwd.grad.shape[1])
+    g, c, _, _ = task_bounds(spread.order[task], bwd.chunks)
     _causal_queries_bwd_chunk(bwd, carry, partd, g, c, spread.t0, spread.t1)
 
 
 @blas_tasks
-def causal_queries_bwd(grad, v, rows, carry, hsh, chunk, grads, partd, totals=None, seq=None):
+def causal_queries_bwd(grad, v, rows, carry, hsh, chunk, grads, partd, totals=None, chunks=None):
     """Backward pass 1: rebuild the prefix states by rescanning; cotangents of the queries.
 
     Per step with state B before it: Y = G B^T + tril(G V^T) Phik, whose rows
@@ -262,14 +261,14 @@ def causal_queries_bwd(grad, v, rows, carry, hsh, chunk, grads, partd, totals=No
         Out: the chunk totals of ``(dA, dB)`` (float64, written, not added),
         those of dB for the chunks ``totals = (c0, c1)`` only (default all;
         :func:`causal_keys_bwd` needs those after its first segment).
-    seq : (nc,) int64, optional
-        Each chunk's packed sequence (default: one sequence; the carries
-        restart at each).
+    chunks : Chunks, optional
+        Each chunk's rows and packed sequence (default: one sequence in
+        chunks of ``chunk``; the carries restart at each sequence).
     """
     G, nc = carry.A.shape[:2]
     t0, t1 = (0, nc) if totals is None else totals
     run_tasks(_causal_queries_bwd_task, G * nc, Spread(spread_order(G, nc, t0, t1), t0, t1),
-              _backward(grad, v, rows, hsh, chunk, grads, seq, nc), carry, partd)
+              _backward(grad, v, rows, hsh, chunk, grads, chunks), carry, partd)
 
 
 @kernel
@@ -277,14 +276,13 @@ def _causal_keys_bwd_chunk(bwd, dcarry, g, c, c0, track, last, final, total):
     """Chunk ``c`` of group ``g`` of :func:`causal_keys_bwd`, in a segment from
     chunk ``c0``: its dB total is summed in ``total`` when ``track``, and
     carried on to chunk c - 1 (``final`` for the first chunk if ``last``)."""
-    grad, v, rows, hsh, chunk, grads, seq = bwd
+    grad, v, rows, hsh, chunk, grads, chunks = bwd
     phik, phiq, den = rows.phik, rows.phiq, rows.den
     G, n, dv = grad.shape
     L = hsh.W.shape[0]
     F = phik.shape[2]
     ddv = np.zeros(SCAN_BLOCK, np.float64)
-    lo = c * chunk
-    hi = min(lo + chunk, n)
+    lo, hi = chunks.cuts[c], chunks.cuts[c + 1]
     gk = kv_group(g, G, v.shape[0])  # dk, dv, dbk, dWk are written per query group, summed by the caller
     dA = dcarry.A[g, c].copy()
     dB = dcarry.B[g, c].astype(grad.dtype)  # the carried-in state, in the compute dtype
@@ -327,7 +325,7 @@ def _causal_keys_bwd_chunk(bwd, dcarry, g, c, c0, track, last, final, total):
     grads.dbk[g, c] = hash_bwd_rows_dw(DPHI, phik[gk, lo:hi], rows.tk[gk, lo:hi], hsh, grads.dk[g, lo:hi],
                                        pg.k[gk, lo:hi], pg.dWk[g, c])
     if c - 1 >= c0 or last:
-        carry_on(dcarry.B, g, c, c - 1, total, final, restarts(seq, c))
+        carry_on(dcarry.B, g, c, c - 1, total, final, restarts(chunks.seq, c))
 
 
 @kernel
@@ -344,7 +342,7 @@ def _causal_keys_bwd_task(task, segments, bwd, dcarry, final):
 
 
 @blas_tasks
-def causal_keys_bwd(grad, v, rows, dcarry, hsh, chunk, grads, final=None, segments=None, seq=None):
+def causal_keys_bwd(grad, v, rows, dcarry, hsh, chunk, grads, final=None, segments=None, chunks=None):
     """Backward pass 2: suffix sums over queries i >= j by a reverse rescan; cotangents of the keys.
 
     Per step with dB from after it (queries past the step):
@@ -366,13 +364,14 @@ def causal_keys_bwd(grad, v, rows, dcarry, hsh, chunk, grads, final=None, segmen
         Out: the total dB.
     segments : int, optional
         Segments per group (default: one per chunk).
-    seq : (nc,) int64, optional
-        Each chunk's packed sequence (default: one sequence): the reverse
-        scan restarts at the last chunk of each.
+    chunks : Chunks, optional
+        Each chunk's rows and packed sequence (default: one sequence in
+        chunks of ``chunk``): the reverse scan restarts at the last chunk
+        of each sequence.
     """
     G, nc = dcarry.A.shape[:2]
     segments = nc if segments is None else segments
-    run_tasks(_causal_keys_bwd_task, G * segments, segments, _backward(grad, v, rows, hsh, chunk, grads, seq, nc),
+    run_tasks(_causal_keys_bwd_task, G * segments, segments, _backward(grad, v, rows, hsh, chunk, grads, chunks),
               dcarry,
               np.zeros((0, 0, 0)) if final is None else final)
 
@@ -389,7 +388,7 @@ def _causal_bwd_chunks(bwd, carry, partd, g, cs, acc, total, last, final):
     partd.B[g, nc - 1] = 0.0  # no dB after the last chunk
     for c in range(nc - 1, cs - 1, -1):
         _causal_queries_bwd_chunk(bwd, carry, partd, g, c, nc, nc)
-        if restarts(bwd.seq, c + 1):
+        if restarts(bwd.chunks.seq, c + 1):
             acc[:] = 0.0
         exclusive_step(partd.A[g, c], partd.A[g, c], acc)  # the chunk's dA total -> its carry
         _causal_keys_bwd_chunk(bwd, partd, g, c, cs, last or nc > 1, last, final, total)
@@ -404,7 +403,7 @@ def _causal_bwd_task(g, bwd, carry, partd, final):
 
 
 @blas_tasks
-def causal_bwd(grad, v, rows, carry, hsh, chunk, grads, partd, final=None, seq=None):
+def causal_bwd(grad, v, rows, carry, hsh, chunk, grads, partd, final=None, chunks=None):
     """:func:`causal_queries_bwd`, :func:`exclusive_scan` of the carries and
     :func:`causal_keys_bwd` in one pass, for one segment per group.
 
@@ -416,7 +415,7 @@ def causal_bwd(grad, v, rows, carry, hsh, chunk, grads, partd, final=None, seq=N
     gets every output and ``final (G, F, dv)`` (optional) the total dB.
     """
     G = grad.shape[0]
-    run_tasks(_causal_bwd_task, G, _backward(grad, v, rows, hsh, chunk, grads, seq, carry.A.shape[1]), carry, partd,
+    run_tasks(_causal_bwd_task, G, _backward(grad, v, rows, hsh, chunk, grads, chunks), carry, partd,
               np.zeros((0, 0, 0)) if final is None else final)
 
 
@@ -430,7 +429,7 @@ def _causal_bwd_split_task(task, cs, bwd, carry, partd, tail):
     if task % 2 == 0:
         total = np.zeros((bwd.rows.phik.shape[2], bwd.grad.shape[2]), bwd.grad.dtype)
         _causal_bwd_chunks(bwd, carry, partd, g, cs, tail.A[g], total, False, tail.B)
-        carry_on(partd.B, g, cs, -1, total, tail.B, restarts(bwd.seq, cs))  # tail.B[g]: the dB carry of chunk cs - 1
+        carry_on(partd.B, g, cs, -1, total, tail.B, restarts(bwd.chunks.seq, cs))  # tail.B[g]: the dB carry of chunk cs - 1
     else:
         for c in range(cs):
             _causal_queries_bwd_chunk(bwd, carry, partd, g, c, segment_start(1, 2, cs), cs)
@@ -460,7 +459,7 @@ def _split_carries(partdA, partdB, tailA, tailB, cs, seq):
 
 
 @blas_tasks
-def causal_bwd_split(grad, v, rows, carry, hsh, chunk, grads, partd, final=None, seq=None):
+def causal_bwd_split(grad, v, rows, carry, hsh, chunk, grads, partd, final=None, chunks=None):
     """:func:`causal_bwd` on two tasks per group, for two segments per group; the same bits.
 
     The last chunks, ``[cs, nc)`` with nc - cs ~ SPLIT_TAIL * nc, need no
@@ -476,14 +475,14 @@ def causal_bwd_split(grad, v, rows, carry, hsh, chunk, grads, partd, final=None,
     cs = nc - min(nc - 2, max(1, round(config.SPLIT_TAIL * nc)))
     F, dv = partd.B.shape[2:]
     tail = Sums(np.zeros((G, F)), np.zeros((G, F, dv)))
-    bwd = _backward(grad, v, rows, hsh, chunk, grads, seq, nc)
+    bwd = _backward(grad, v, rows, hsh, chunk, grads, chunks)
     run_tasks(_causal_bwd_split_task, 2 * G, cs, bwd, carry, partd, tail)
-    _split_carries(partd.A, partd.B.reshape(G, nc, F * dv), tail.A, tail.B.reshape(G, F * dv), cs, bwd.seq)
+    _split_carries(partd.A, partd.B.reshape(G, nc, F * dv), tail.A, tail.B.reshape(G, F * dv), cs, bwd.chunks.seq)
     causal_keys_bwd(grad, v, rows, Sums(partd.A[:, :cs], partd.B[:, :cs]), hsh, chunk, grads,
-                    final=final, segments=2, seq=bwd.seq[:cs])
+                    final=final, segments=2, chunks=Chunks(bwd.chunks.cuts[:cs + 1], bwd.chunks.seq[:cs]))
 
 
-def causal_backward(grad, v, rows, carry, hsh, chunk, grads, partd, final=None, seq=None):
+def causal_backward(grad, v, rows, carry, hsh, chunk, grads, partd, final=None, chunks=None):
     """The causal backward by the route that suits the thread count; every route gives the same bits.
 
     One segment per group (:func:`racecpu._kernels.scan.scan_segments`): one
@@ -492,19 +491,20 @@ def causal_backward(grad, v, rows, carry, hsh, chunk, grads, partd, final=None, 
     the rest (:func:`causal_bwd_split`).  Otherwise the queries' backward,
     the reverse exclusive scan of the chunk totals (in place in ``partd``)
     and the keys' backward in segments.  Arguments as :func:`causal_bwd`
-    (``seq``: each chunk's packed sequence, as :func:`causal_fwd`).
+    (``chunks``: each chunk's rows and packed sequence, as :func:`causal_fwd`).
     """
     G, nk = grad.shape[0], v.shape[1]
     nck = carry.A.shape[1]
     seg = scan_segments(G, nck, nk)
     if seg == 1:
-        causal_bwd(grad, v, rows, carry, hsh, chunk, grads, partd, final=final, seq=seq)
+        causal_bwd(grad, v, rows, carry, hsh, chunk, grads, partd, final=final, chunks=chunks)
     elif seg == 2 and nck >= 3:
-        causal_bwd_split(grad, v, rows, carry, hsh, chunk, grads, partd, final=final, seq=seq)
+        causal_bwd_split(grad, v, rows, carry, hsh, chunk, grads, partd, final=final, chunks=chunks)
     else:
         # the dB totals of the chunks after the first segment give the reverse segments' carries
         causal_queries_bwd(grad, v, rows, carry, hsh, chunk, grads, partd, totals=(segment_start(1, seg, nck), nck),
-                           seq=seq)
+                           chunks=chunks)
+        seq = None if chunks is None else chunks.seq
         dcarry = Sums(exclusive_scan(partd.A, True, partd.A, seq=seq),  # in place
                       exclusive_scan(partd.B, True, partd.B, segments=seg, seq=seq))  # the segments' last chunks
-        causal_keys_bwd(grad, v, rows, dcarry, hsh, chunk, grads, final=final, segments=seg, seq=seq)
+        causal_keys_bwd(grad, v, rows, dcarry, hsh, chunk, grads, final=final, segments=seg, chunks=chunks)

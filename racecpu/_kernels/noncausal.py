@@ -21,7 +21,7 @@ from .hash import hash_bwd_rows_dw, hash_chunk, hash_sketch_range, residual_rows
 from .products import add_rows, combine_rows, dot_rows, span_totals
 from .runtime import blas_tasks, run_tasks
 from .bundles import Backward, QueryScratch, Spread, Sums
-from .scan import one_sequence, spread_order, task_bounds
+from .scan import even_chunks, spread_order, task_bounds
 
 
 #: ``span`` of :func:`sketch_chunks` for totals that no scan has to match:
@@ -80,13 +80,11 @@ def dphi_from_y(phiq, A, den, L, dphi, wq):
 
 
 @kernel
-def _sketch_chunks_task(task, spread, k, v, mask, hsh, chunk, span, rows, part, nan):
+def _sketch_chunks_task(task, spread, k, v, mask, hsh, chunks, span, rows, part, nan):
     """One (group, chunk) task of :func:`sketch_chunks` (run by :func:`run_tasks`)."""
-    G, n, _ = k.shape
     partA, partB = part
-    nc = partA.shape[1]
     F = rows.phik.shape[2]
-    g, c, lo, hi = task_bounds(spread.order[task], nc, chunk, n)
+    g, c, lo, hi = task_bounds(spread.order[task], chunks)
     if span == SKETCH_FUSED:
         # phik, tk with no rows (a forward with no backward): hash_block writes none
         nan[task] = hash_sketch_range(k[g, lo:hi], v[g, lo:hi], 0, hi - lo, hsh, mask[g, lo:hi],
@@ -99,7 +97,7 @@ def _sketch_chunks_task(task, spread, k, v, mask, hsh, chunk, span, rows, part, 
 
 
 @blas_tasks
-def sketch_chunks(k, v, mask, hsh, chunk, rows, part, span=None, totals=None):
+def sketch_chunks(k, v, mask, hsh, chunk, rows, part, span=None, totals=None, chunks=None):
     """Hash every key and sum its sketch per chunk.
 
     Parameters
@@ -127,6 +125,9 @@ def sketch_chunks(k, v, mask, hsh, chunk, rows, part, span=None, totals=None):
     totals : (int, int), optional
         The chunks ``[c0, c1)`` of every group whose B totals are summed
         (default all; the causal forward needs those before its last segment).
+    chunks : Chunks, optional
+        Each chunk's rows (default: chunks of ``chunk``; packed sequences
+        start a chunk each).
 
     Returns
     -------
@@ -138,20 +139,20 @@ def sketch_chunks(k, v, mask, hsh, chunk, rows, part, span=None, totals=None):
     G, nc = partA.shape[:2]
     t0, t1 = (0, nc) if totals is None else totals
     nan = np.zeros(G * nc, np.int64)
-    run_tasks(_sketch_chunks_task, G * nc, Spread(spread_order(G, nc, t0, t1), t0, t1), k, v, mask, hsh, chunk,
+    chunks = even_chunks(k.shape[1], chunk) if chunks is None else chunks
+    run_tasks(_sketch_chunks_task, G * nc, Spread(spread_order(G, nc, t0, t1), t0, t1), k, v, mask, hsh, chunks,
               SCAN_BLOCK if span is None else span, rows, part, nan)
     return int(nan.sum())
 
 
 @kernel
-def _keys_bwd_task(task, v, rows, dsum, hsh, chunk, grads, seq):
+def _keys_bwd_task(task, v, rows, dsum, hsh, chunks, grads):
     """One (group, chunk) task of :func:`keys_bwd` (run by :func:`run_tasks`)."""
-    G, n, _ = v.shape
     phik, tk = rows.phik, rows.tk
     F = phik.shape[2]
-    nc = grads.dbk.shape[1]
-    g, c, lo, hi = task_bounds(task, nc, chunk, n)
-    dA, dB = dsum.A[g, seq[c]], dsum.B[g, seq[c]]  # the cotangent of the chunk's sequence's sketch
+    g, c, lo, hi = task_bounds(task, chunks)
+    s = chunks.seq[c]
+    dA, dB = dsum.A[g, s], dsum.B[g, s]  # the cotangent of the chunk's sequence's sketch
     DPHI = np.empty((hi - lo, F), np.float64)
     combine_rows(phik[g, lo:hi], dB, grads.dv[g, lo:hi], True)  # dv_j = dB^T phik_j (masked keys: 0)
     dot_rows(dB, v[g, lo:hi], DPHI)  # dphik_j = dB v_j + dA
@@ -164,7 +165,7 @@ def _keys_bwd_task(task, v, rows, dsum, hsh, chunk, grads, seq):
 
 
 @blas_tasks
-def keys_bwd(v, rows, dsum, hsh, chunk, grads, seq=None):
+def keys_bwd(v, rows, dsum, hsh, chunk, grads, chunks=None):
     """Non-causal cotangents of every key from the summed cotangent of the sketch.
 
     Parameters
@@ -175,45 +176,45 @@ def keys_bwd(v, rows, dsum, hsh, chunk, grads, seq=None):
         The forward's ``phik``, ``tk`` (all rows).
     dsum : Sums
         ``dA (G, F)`` float64 and ``dB (G, F, dv)`` in the compute dtype:
-        the cotangent of the summed sketch; with ``seq``, ``(G, S, F)`` and
-        ``(G, S, F, dv)``, one per packed sequence.
+        the cotangent of the summed sketch; with ``chunks``, ``(G, S, F)``
+        and ``(G, S, F, dv)``, one per packed sequence.
     hsh : Hash
     chunk : int
     grads : Grads
         Out: ``dk``, ``dv`` (every row written), ``dbk (G, nc)`` (each
         chunk's share of dbeta) and, where computed, ``planes.dWk`` (each
         chunk's share of the planes' gradient, from ``planes.k``).
-    seq : (nc,) int64, optional
-        Each chunk's packed sequence, the index into ``dsum``'s axis 1.
+    chunks : Chunks, optional
+        Each chunk's rows and packed sequence, the index into ``dsum``'s
+        axis 1 (default: one sequence in chunks of ``chunk``).
     """
     G, nc = grads.dbk.shape
-    dsum, seq = per_sequence(dsum, seq, nc)
-    run_tasks(_keys_bwd_task, G * nc, v, rows, dsum, hsh, chunk, grads, seq)
+    dsum, chunks = per_sequence(dsum, chunks, v.shape[1], chunk)
+    run_tasks(_keys_bwd_task, G * nc, v, rows, dsum, hsh, chunks, grads)
 
 
 @kernel
-def _queries_fwd_task(task, keep, q, hsh, chunk, sketch, seq, rows, out, nan):
+def _queries_fwd_task(task, keep, q, hsh, chunks, sketch, rows, out, nan):
     """One (group, chunk) task of :func:`queries_fwd` (run by :func:`run_tasks`)."""
-    G, n, _ = q.shape
     L = hsh.W.shape[0]
-    nc = (n + chunk - 1) // chunk
-    g, c, lo, hi = task_bounds(task, nc, chunk, n)
+    g, c, lo, hi = task_bounds(task, chunks)
     phi, _, nan[task] = hash_chunk(q, g, lo, hi, hsh, keep[lo:hi], rows.tq, rows.phiq)
-    s = seq[c]  # the chunk's packed sequence, whose sketch its queries read
+    s = chunks.seq[c]  # the chunk's packed sequence, whose sketch its queries read
     readout_rows(phi, sketch.A[g, s], sketch.B[g, s], L, residual_rows(rows.den, g, lo, hi), out[g, lo:hi])
 
 
-def per_sequence(sketch, seq, nc):
-    """``sketch`` and ``seq`` as the kernels take them: a sketch per packed sequence,
-    ``A (G, S, F)``, ``B (G, S, F, dv)``, and each chunk's sequence, ``(nc,)`` int64;
-    for ``seq=None``, the one sketch ``A (G, F)``, ``B (G, F, dv)`` as S = 1 (views)."""
-    if seq is None:
-        return Sums(sketch.A[:, None], sketch.B[:, None]), one_sequence(nc)
-    return sketch, seq
+def per_sequence(sketch, chunks, n, chunk):
+    """``sketch`` and ``chunks`` as the kernels take them: a sketch per packed sequence,
+    ``A (G, S, F)``, ``B (G, S, F, dv)``, and the :class:`Chunks`; for
+    ``chunks=None``, the one sketch ``A (G, F)``, ``B (G, F, dv)`` as S = 1
+    (views) and ``n`` tokens in chunks of ``chunk``."""
+    if chunks is None:
+        return Sums(sketch.A[:, None], sketch.B[:, None]), even_chunks(n, chunk)
+    return sketch, chunks
 
 
 @blas_tasks
-def queries_fwd(q, hsh, chunk, sketch, rows, out, seq=None):
+def queries_fwd(q, hsh, chunk, sketch, rows, out, chunks=None):
     """Hash every query and read the summed sketch.
 
     Parameters
@@ -228,10 +229,10 @@ def queries_fwd(q, hsh, chunk, sketch, rows, out, seq=None):
         Out: ``phiq``, ``tq``, ``den`` (each may have no rows: not kept).
     out : (G, Nq, dv)
         Out, compute dtype; every row written (streamed).
-    seq : (nc,) int64, optional
-        Each chunk's packed sequence: then ``sketch`` holds one per
+    chunks : Chunks, optional
+        Each chunk's rows and packed sequence: then ``sketch`` holds one per
         sequence, ``A (G, S, F)``, ``B (G, S, F, dv)``, and each chunk's
-        queries read their sequence's.
+        queries read their sequence's (default: one, chunks of ``chunk``).
 
     Returns
     -------
@@ -239,11 +240,10 @@ def queries_fwd(q, hsh, chunk, sketch, rows, out, seq=None):
         The number of NaNs in the queries' t (see :func:`racecpu._kernels.hash.hash_block`).
     """
     G, n, _ = q.shape
-    nc = (n + chunk - 1) // chunk
+    sketch, chunks = per_sequence(sketch, chunks, n, chunk)
     keep = np.ones(n, np.bool_)  # queries are never masked
-    nan = np.zeros(G * nc, np.int64)
-    sketch, seq = per_sequence(sketch, seq, nc)
-    run_tasks(_queries_fwd_task, nan.size, keep, q, hsh, chunk, sketch, seq, rows, out, nan)
+    nan = np.zeros(G * chunks.seq.shape[0], np.int64)
+    run_tasks(_queries_fwd_task, nan.size, keep, q, hsh, chunks, sketch, rows, out, nan)
     return int(nan.sum())
 
 
@@ -266,9 +266,7 @@ def queries_chunk_end(bwd, partd, g, c, scratch, span):
     (:func:`racecpu._kernels.hash.hash_bwd_rows_dw`).
     """
     grad = bwd.grad
-    n = grad.shape[1]
-    lo = c * bwd.chunk
-    hi = min(lo + bwd.chunk, n)
+    lo, hi = bwd.chunks.cuts[c], bwd.chunks.cuts[c + 1]
     partd.A[g, c] = scratch.dA
     if span > 0:
         span_totals(scratch.wblock, grad[g, lo:hi], span, True, partd.B[g, c],
@@ -283,12 +281,10 @@ def _queries_bwd_task(task, bwd, sketch, partd):
     """One (group, chunk) task of :func:`queries_bwd` (run by :func:`run_tasks`)."""
     grad, phiq, den = bwd.grad, bwd.rows.phiq, bwd.rows.den
     A, B = sketch
-    G, n, dv = grad.shape
     L = bwd.hsh.W.shape[0]
     F = phiq.shape[2]
-    nc = partd.A.shape[1]
-    g, c, lo, hi = task_bounds(task, nc, bwd.chunk, n)
-    s = bwd.seq[c]  # the chunk's packed sequence, whose sketch its queries read
+    g, c, lo, hi = task_bounds(task, bwd.chunks)
+    s = bwd.chunks.seq[c]  # the chunk's packed sequence, whose sketch its queries read
     scratch = query_bwd_buffers(grad, F, hi - lo)
     wq, wblock, dA, DPHI = scratch
     dot_rows(B[g, s], grad[g, lo:hi], DPHI)  # y_i = B g_i, turned into dphi_i in place
@@ -301,7 +297,7 @@ def _queries_bwd_task(task, bwd, sketch, partd):
 
 
 @blas_tasks
-def queries_bwd(grad, v, rows, sketch, hsh, chunk, grads, partd, seq=None):
+def queries_bwd(grad, v, rows, sketch, hsh, chunk, grads, partd, chunks=None):
     """Non-causal cotangents of every query, and the chunk totals of the sketch's cotangent.
 
     Parameters
@@ -321,10 +317,10 @@ def queries_bwd(grad, v, rows, sketch, hsh, chunk, grads, partd, seq=None):
         ``planes.dWq`` (from ``planes.q``).
     partd : Sums
         Out: the chunk totals ``dA (G, nc, F)``, ``dB (G, nc, F, dv)`` (float64).
-    seq : (nc,) int64, optional
-        Each chunk's packed sequence: ``sketch`` then holds one per
+    chunks : Chunks, optional
+        Each chunk's rows and packed sequence: ``sketch`` then holds one per
         sequence (as :func:`queries_fwd`).
     """
     G, nc = partd.A.shape[:2]
-    sketch, seq = per_sequence(sketch, seq, nc)
-    run_tasks(_queries_bwd_task, G * nc, Backward(grad, v, rows, hsh, chunk, grads, seq), sketch, partd)
+    sketch, chunks = per_sequence(sketch, chunks, grad.shape[1], chunk)
+    run_tasks(_queries_bwd_task, G * nc, Backward(grad, v, rows, hsh, chunk, grads, chunks), sketch, partd)

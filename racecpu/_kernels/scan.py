@@ -18,15 +18,22 @@ import numpy as np
 
 from .. import config
 from ._jit import kernel
+from .bundles import Chunks
 
 
 @kernel
-def task_bounds(task, nc, chunk, n):
+def task_bounds(task, chunks):
+    """Group, chunk and rows ``[lo, hi)`` of (group, chunk) task ``task`` (:class:`Chunks`)."""
+    nc = chunks.seq.shape[0]
     g = task // nc
     c = task - g * nc
-    lo = c * chunk
-    hi = min(lo + chunk, n)
-    return g, c, lo, hi
+    return g, c, chunks.cuts[c], chunks.cuts[c + 1]
+
+
+def even_chunks(n, chunk):
+    """The :class:`Chunks` of ``n`` tokens of one sequence in chunks of ``chunk`` (the last shorter)."""
+    nc = -(-n // chunk)
+    return Chunks(np.minimum(np.arange(nc + 1, dtype=np.int64) * chunk, n), np.zeros(nc, np.int64))
 
 
 def spread_order(G, nc, t0, t1):
@@ -116,7 +123,7 @@ def exclusive_scan(part, reverse=False, out=None, segments=None, seq=None):
     if part.size:
         G, nc = part.shape[:2]
         _scan_chunks(part.reshape(G, nc, -1), nc if segments is None else segments, reverse,
-                     one_sequence(nc) if seq is None else seq, out.reshape(G, nc, -1))
+                     np.zeros(nc, np.int64) if seq is None else seq, out.reshape(G, nc, -1))
     return out
 
 
@@ -157,11 +164,6 @@ def carry_on(carry, g, c, dst, total, final, reset):
         for cc in range(dv):
             to[f, cc] = 0.0 if reset else carry[g, c, f, cc] + total[f, cc]
             total[f, cc] = 0.0
-
-
-def one_sequence(nc):
-    """``seq`` of ``nc`` chunks of one sequence (no packing): zeros, int64."""
-    return np.zeros(nc, np.int64)
 
 
 def chunk_length(n, G, F, dv):

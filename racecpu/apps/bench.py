@@ -1,4 +1,4 @@
-"""``racecpu bench``: the benchmark suite (speed, roofline, memory, threads, compile cost).
+"""``racecpu bench``: the benchmark suite (speed, roofline, memory, threads, compile cost, features).
 
 What it measures
 ----------------
@@ -31,6 +31,21 @@ What it measures
    (cold: compiles every kernel the public API uses in float32) and a fresh
    process with that now warm cache (time from ``import racecpu`` to the first
    result, and to all results).
+5. **Features** (only when named: ``--sections features`` or e.g.
+   ``--sections scaling,features``; not with ``--device cuda``): three features
+   against their baselines at one ``N = 2**--features-log2n`` (default 2**16,
+   2**12 with ``--quick``), batch 1, d, dv, P, L and dtype of the suite:
+   grouped-query attention (q with 32 heads, k and v with 8) against k and v
+   repeated to 32 heads beforehand (the repeat untimed), forward+backward;
+   64 equal packed sequences (``cu_seqlens``) against one sequence of the same N,
+   4 heads, forward+backward; ``race_attention_bwd(..., dplanes=True)`` against
+   the plain backward, 4 heads, the backward alone (one untimed forward shared).
+   Causal and not.  Each (feature, causal) is one fresh process that times the
+   feature and its baseline on the same inputs, alternately (which goes first
+   alternates), after one untimed call of each at full size; ratio = median
+   feature time / median baseline time (with ``--rounds``, the calls of that many
+   processes pooled), against the targets (<= 0.7, <= 1.1, <= 1.15), each
+   reported as met or missed with the measured ratio.
 
 Every measurement runs in a fresh subprocess (``python -c``): it warms up on a tiny
 input (compile / cache load / thread pools), resets its RSS high-water
@@ -41,7 +56,8 @@ and ``VmHWM``.  Memory ratio = peak RSS / bytes of (q, k, v, out, grad_out, dq,
 dk, dv) for forward+backward and of (q, k, v, out) for the forward; the peak
 includes the interpreter (~0.1 GB, ~0.3 GB with torch), negligible at large N.
 With ``--device cuda`` (``racecpu.cuda`` on CuPy arrays, SDPA on torch CUDA
-tensors) only machine limits (CuPy copy and float32 matmul) and scaling run,
+tensors) only machine limits (CuPy copy and float32 matmul) and scaling run
+(other sections asked for are skipped with a note),
 and the ratio uses the device peak (CuPy pool / ``torch.cuda``).
 
 Skips (said in the table, the CSV and the log): before each measurement its
@@ -134,6 +150,19 @@ TORCH_IMPLS = {"torch-vec", "sdpa", "sdpa-cuda"}
 CONFIGS = (("fwd", False), ("fwd", True), ("fwdbwd", False), ("fwdbwd", True))
 #: Thread scaling runs both: fresh outputs (what a plain call gets) and out= buffers allocated once.
 THREAD_IMPLS = ("race", "race-out")
+#: Sections that --sections may name, in the order they run (the machine's always runs).
+SECTIONS = ("scaling", "threads", "compile", "features")
+#: The features section: (feature, what is timed, target of feature time / baseline time, what the pair is).
+FEATURES = (
+    ("gqa", "fwdbwd", 0.7, "32 query heads over 8 key/value heads vs k, v repeated to 32 heads (repeat untimed)"),
+    ("packed", "fwdbwd", 1.1, "64 equal packed sequences (cu_seqlens) vs one sequence of the same N, 4 heads"),
+    ("dplanes", "bwd", 1.15, "race_attention_bwd(dplanes=True) vs without, backward only (one shared forward), "
+                             "4 heads"),
+)
+#: Query and key/value heads of the grouped-query pair; heads of the other two pairs; packed sequences.
+GQA_HEADS = (32, 8)
+FEATURE_HEADS = 4
+PACKED_SEQS = 64
 _MARK = "@@racecpu-bench@@"
 #: Calls predicted to take at most this long get one untimed call at full size first.
 _FULL_WARMUP_S = 10.0
@@ -290,26 +319,29 @@ from .._memory import reset_peak_rss as _reset_peak  # noqa: E402
 from .demo import available_memory  # noqa: E402
 
 
-def _inputs(spec, n):
-    """q, k, v (B, H, n, d|dv) and grad_out (fwdbwd) in the spec's dtype.
+def _random_rows(rng, B, H, n, last, dt):
+    """A ``(B, H, n, last)`` array of random normal rows in ``dt``; beyond 4096
+    tokens the first 4096 repeat (cheap to make at 2**20; the kernels' cost does
+    not depend on the values)."""
+    blk = min(n, 4096)
+    a = rng.standard_normal((B, H, blk, last)).astype(dt)
+    if blk == n:
+        return a
+    out = np.empty((B, H, n, last), dt)
+    for i in range(0, n, blk):
+        m = min(blk, n - i)
+        out[:, :, i:i + m] = a[:, :, :m]
+    return out
 
-    Random normal rows; beyond 4096 tokens the first 4096 repeat (cheap to make
-    at 2**20; the kernels' cost does not depend on the values).
-    """
+
+def _inputs(spec, n):
+    """q, k, v (B, H, n, d|dv) and grad_out (fwdbwd) in the spec's dtype (:func:`_random_rows`)."""
     B, H, d, dv = spec["batch"], spec["heads"], spec["d"], spec["dv"]
     dt = np.dtype(spec["dtype"])
     rng = np.random.default_rng(spec["seed"])
 
     def make(last):
-        blk = min(n, 4096)
-        a = rng.standard_normal((B, H, blk, last)).astype(dt)
-        if blk == n:
-            return a
-        out = np.empty((B, H, n, last), dt)
-        for i in range(0, n, blk):
-            m = min(blk, n - i)
-            out[:, :, i:i + m] = a[:, :, :m]
-        return out
+        return _random_rows(rng, B, H, n, last, dt)
 
     arrs = [make(d), make(d), make(dv)]
     arrs.append(make(dv) if spec["mode"] == "fwdbwd" else None)
@@ -458,6 +490,71 @@ def _measure(spec):
                 device_peak=_device_peak(spec["impl"]), threading_layer=layer)
 
 
+def _feature_setup(spec, n):
+    """The pair of one features measurement at ``n`` tokens: two zero-argument callables
+    ``(feature, baseline)`` on the same inputs, each returning nothing (module docstring, section 5)."""
+    import racecpu
+
+    feat, causal, beta, check = spec["feature"], spec["causal"], spec["beta"], spec["check_finite"]
+    d, dv, dt = spec["d"], spec["dv"], np.dtype(spec["dtype"])
+    rng = np.random.default_rng(spec["seed"])
+    W = _planes(spec)
+    if feat == "gqa":
+        hq, hkv = GQA_HEADS
+        q, g = _random_rows(rng, 1, hq, n, d, dt), _random_rows(rng, 1, hq, n, dv, dt)
+        k, v = _random_rows(rng, 1, hkv, n, d, dt), _random_rows(rng, 1, hkv, n, dv, dt)
+        kr, vr = np.repeat(k, hq // hkv, axis=1), np.repeat(v, hq // hkv, axis=1)  # made once, untimed
+
+        def fwdbwd(kk, vv):
+            _, res = racecpu.race_attention_fwd(q, kk, vv, W, beta, causal=causal, check_finite=check)
+            racecpu.race_attention_bwd(res, g)
+        return (lambda: fwdbwd(k, v)), (lambda: fwdbwd(kr, vr))
+    H = FEATURE_HEADS
+    q, k = _random_rows(rng, 1, H, n, d, dt), _random_rows(rng, 1, H, n, d, dt)
+    v, g = _random_rows(rng, 1, H, n, dv, dt), _random_rows(rng, 1, H, n, dv, dt)
+    if feat == "packed":
+        cu = np.linspace(0, n, PACKED_SEQS + 1).round().astype(np.int32)
+
+        def packed(cu_seqlens):
+            _, res = racecpu.race_attention_fwd(q, k, v, W, beta, causal=causal, check_finite=check,
+                                                cu_seqlens=cu_seqlens)
+            racecpu.race_attention_bwd(res, g)
+        return (lambda: packed(cu)), (lambda: packed(None))
+    if feat == "dplanes":
+        _, res = racecpu.race_attention_fwd(q, k, v, W, beta, causal=causal, check_finite=check)  # untimed, shared
+
+        def bwd(dplanes):
+            racecpu.race_attention_bwd(res, g, dplanes=dplanes)
+        return (lambda: bwd(True)), (lambda: bwd(False))
+    raise ValueError(f"unknown feature {feat!r}")
+
+
+def _features(spec):
+    """Child side of one features measurement: warm both members up small, make one untimed call
+    of each at ``n``, then ``repeats`` rounds calling both, alternately first."""
+    n = spec["n"]
+    t0 = time.perf_counter()
+    for call in _feature_setup(spec, min(n, 128)):  # compile / load cache / start thread pools
+        call()
+    warm_s = time.perf_counter() - t0
+    reset = _reset_peak()
+    base_rss = _proc_status("VmRSS")
+    pair = _feature_setup(spec, n)
+    for call in pair:  # the first call at full size pays one-time costs (page faults, pool)
+        call()
+    times = ([], [])  # feature, baseline
+    for r in range(spec["repeats"]):
+        for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+            t = time.perf_counter()
+            pair[i]()
+            times[i].append(time.perf_counter() - t)
+        if sum(times[0]) + sum(times[1]) > 2 * spec["budget_s"]:
+            break
+    import numba
+    return dict(times=times[0], base_times=times[1], peak_rss=_peak_rss(), base_rss=base_rss, peak_reset=reset,
+                warm_s=warm_s, threading_layer=numba.threading_layer())
+
+
 def best_time(f, reps):
     """Seconds of the fastest of ``reps`` calls of ``f()``, after one untimed call."""
     f()
@@ -535,7 +632,7 @@ def _child_main():
     spec = json.loads(sys.stdin.read())
     kind = spec.pop("kind")
     try:
-        res = {"measure": _measure, "machine": _machine}[kind](spec)
+        res = {"measure": _measure, "machine": _machine, "features": _features}[kind](spec)
         res["ok"] = True
     except MemoryError:
         res = dict(ok=False, error="MemoryError")
@@ -636,6 +733,8 @@ def add_arguments(parser):
     s.add_argument("--min-log2n", type=int, default=10, help="smallest N = 2**this (default 10)")
     s.add_argument("--max-log2n", type=int, default=None, help="largest N = 2**this (default 20; 14 with --quick)")
     s.add_argument("--large", action="store_true", help="go up to N = 2**22 (needs --heads 1 to fit 24 GiB)")
+    s.add_argument("--features-log2n", type=int, default=None,
+                   help="N = 2**this for the features section (default 16; 12 with --quick)")
     s.add_argument("--quick", action="store_true",
                    help="small run: N <= 2**14, 3 repeats, 3 GiB memory cap (for a busy machine)")
     s.add_argument("--repeats", type=positive_int, default=None, help="timed calls per measurement (default 5; 3 with --quick)")
@@ -658,7 +757,9 @@ def add_arguments(parser):
     o.add_argument("--no-cold", action="store_true",
                    help="skip the cold-compile measurement (~1 min); the warm-cache one uses the default cache")
     o.add_argument("--sections", default="scaling,threads,compile",
-                   help="comma-separated sections to run besides the machine's (default scaling,threads,compile)")
+                   help="comma-separated sections to run besides the machine's, from " + ",".join(SECTIONS)
+                        + " (default scaling,threads,compile; features only when named, e.g. "
+                          "--sections features or --sections scaling,features)")
     o.add_argument("--tag", default=None, help="file stem of the outputs (default 'bench' or 'bench-quick')")
     add_common_arguments(parser, out=True)
 
@@ -680,6 +781,8 @@ def _settings(args):
         planes=args.num_planes, tables=args.num_tables, beta=DEFAULT_BETA if args.beta is None else args.beta, dtype=args.dtype,
         device=args.device, threads=args.threads or cores,
         min_log2n=args.min_log2n,
+        features_log2n=(getattr(args, "features_log2n", None)
+                        if getattr(args, "features_log2n", None) is not None else (12 if args.quick else 16)),
         max_log2n=args.max_log2n if args.max_log2n is not None else (14 if args.quick else 22 if args.large else 20),
         repeats=args.repeats or (3 if args.quick else 5), rounds=args.rounds,
         budget_s=args.budget_seconds, max_call_s=args.max_call_seconds,
@@ -693,6 +796,9 @@ def _settings(args):
         raise ValueError(f"--num-planes must be 1..{MAX_PLANES}, got {st['planes']}")
     if not 4 <= st["min_log2n"] <= st["max_log2n"] <= 26:
         raise ValueError(f"need 4 <= --min-log2n <= --max-log2n <= 26, got {st['min_log2n']}, {st['max_log2n']}")
+    if not 6 <= st["features_log2n"] <= 26:
+        raise ValueError(f"need 6 <= --features-log2n <= 26 (its {PACKED_SEQS} packed sequences), "
+                         f"got {st['features_log2n']}")
     if not st["beta"] > 0:
         raise ValueError(f"--beta must be > 0, got {st['beta']}")
     if st["threads"] > cores:
@@ -750,8 +856,8 @@ def run(args):
                   f"or run without --device cuda.", file=sys.stderr)
             return 2
     sections = [x.strip() for x in args.sections.split(",") if x.strip()]
-    if not sections or set(sections) - {"scaling", "threads", "compile"}:
-        print(f"racecpu bench: --sections {args.sections!r}: choose from scaling,threads,compile", file=sys.stderr)
+    if not sections or set(sections) - set(SECTIONS):
+        print(f"racecpu bench: --sections {args.sections!r}: choose from {','.join(SECTIONS)}", file=sys.stderr)
         return 2
     require("matplotlib", "racecpu bench (its plots)", "bench")
     out_dir = Path(output_dir(args, "bench"))
@@ -789,8 +895,10 @@ class _Suite:
         self.LP = st["tables"] * st["planes"]
         self.itemsize = np.dtype(st["dtype"]).itemsize
         wanted = [x.strip() for x in getattr(args, "sections", "scaling,threads,compile").split(",")]
-        self.sections = ["machine"] + [x for x in ("scaling", "threads", "compile") if x in wanted]
+        self.sections = ["machine"] + [x for x in SECTIONS if x in wanted]
+        self.dropped = []  # sections asked for that this device does not run
         if st["device"] == "cuda":
+            self.dropped = [x for x in self.sections if x not in ("machine", "scaling")]
             self.sections = [x for x in self.sections if x in ("machine", "scaling")]
         self.progress = getattr(args, "progress", False)
 
@@ -832,7 +940,8 @@ class _Suite:
         n_scaling = len(self.ns) * len(CONFIGS) * len(self.impls) * st["rounds"] if "scaling" in self.sections else 0
         n_threads = self._thread_runs() if "threads" in self.sections else 0
         n_compile = (1 if st["no_cold"] else 2) if "compile" in self.sections else 0
-        total = 2 + n_scaling + n_threads + n_compile
+        n_features = 2 * len(FEATURES) * st["rounds"] if "features" in self.sections else 0
+        total = 2 + n_scaling + n_threads + n_compile + n_features
         t0 = time.perf_counter()
         self.started = datetime.now(timezone.utc)
         self.load = [_loadavg()]
@@ -840,12 +949,17 @@ class _Suite:
         print(f"racecpu bench: {', '.join(self.impls)}; N = 2^{st['min_log2n']}..2^{st['max_log2n']}, "
               f"B={st['batch']} H={st['heads']} d={st['d']} dv={st['dv']} P={st['planes']} L={st['tables']} "
               f"{st['dtype']}, {st['threads']} threads, {st['repeats']} repeats; caps {cap_txt}, "
-              f"{st['max_call_s']:.0f} s/call", flush=True)
+              f"{st['max_call_s']:.0f} s/call; sections {','.join(self.sections[1:]) or 'none'}"
+              + (f" (features at N = 2^{st['features_log2n']})" if "features" in self.sections else ""), flush=True)
         if self.load[0] > 0.5:
             print(f"warning: load average {self.load[0]:.1f} before starting: other work is running, "
                   "absolute timings will be noisy", flush=True)
         with tqdm(total=total, desc="bench", unit="run", file=sys.stderr, dynamic_ncols=True,
                   disable=not self.progress) as self.bar:
+            for sec in self.dropped:
+                self._note(f"{sec} section skipped: --device cuda runs the machine limits and scaling only"
+                           + (" (the features are timed on the CPU kernels; cu_seqlens and dplanes=True are not "
+                              "implemented on the GPU)" if sec == "features" else ""))
             self._machine_section("start")
             if "scaling" in self.sections:
                 self._scaling_section()
@@ -853,6 +967,8 @@ class _Suite:
                 self._threads_section()
             if "compile" in self.sections:
                 self._compile_section()
+            if "features" in self.sections:
+                self._features_section()
             self._machine_section("end")
         self.load.append(_loadavg())
         self.elapsed = time.perf_counter() - t0
@@ -1075,6 +1191,90 @@ class _Suite:
                           ("all-kernels", res["all_s"]), ("process-wall", wall)):
             self._row("compile", impl=f"{which}:{name}", value=f"{val:.3f}", unit="s", note=cache)
 
+    def _feature_peak(self, feat, causal, n):
+        """Predicted peak RSS of one features measurement (both members' inputs live at once)."""
+        st, s = self.st, self.itemsize
+        if feat == "gqa":
+            hq, hkv = GQA_HEADS
+            shape = (1, hq, n, st["d"], st["dv"])
+            extra = hkv * n * (st["d"] + st["dv"]) * s  # k, v at their own heads beside the repeated ones
+        else:
+            shape = (1, FEATURE_HEADS, n, st["d"], st["dv"])
+            extra = io_bytes("fwd", shape, s) if feat == "packed" else 0  # room for a packed copy
+        return predict_peak("race", "fwdbwd", causal, shape, self.F, self.LP, s) + extra
+
+    def _features_section(self):
+        """Each feature against its baseline: one process per (feature, causal) and round, timing both
+        members alternately on the same inputs; rows of both, the feature's with the ratio."""
+        st = self.st
+        n = 2 ** st["features_log2n"]
+        got = {}
+        for rnd in range(st["rounds"]):
+            for feat, mode, _, _ in FEATURES:
+                for causal in ((False, True) if rnd % 2 == 0 else (True, False)):
+                    label = f"features: {feat} {mode}{' causal' if causal else ''} N=2^{st['features_log2n']}"
+                    self.bar.set_description(label)
+                    acc = got.setdefault((feat, causal), dict(times=[], base=[], peak=0, err=None, skip=None))
+                    pred = self._feature_peak(feat, causal, n)
+                    if pred > st["mem_cap"]:
+                        acc["skip"] = (f"skip(mem): predicted peak {pred / _GIB:.1f} GiB > cap "
+                                       f"{st['mem_cap'] / _GIB:.1f} GiB")
+                        if rnd == 0:
+                            self._note(f"{label}: {acc['skip']}")
+                        self.bar.update()
+                        continue
+                    spec = self._spec(kind="features", feature=feat, causal=causal, n=n, batch=1,
+                                      heads=GQA_HEADS[0] if feat == "gqa" else FEATURE_HEADS)
+                    per = st["max_call_s"]  # 4 untimed calls, then repeats of both up to the budget each
+                    res, _ = _spawn(_CHILD, spec, _env(st["threads"]), 120 + 4 * per + 2 * (st["budget_s"] + per))
+                    self.bar.update()
+                    if not res.get("ok"):
+                        acc["err"] = res.get("error")
+                        self._note(f"{label}: failed: {acc['err']}")
+                        continue
+                    acc["times"] += res["times"]
+                    acc["base"] += res["base_times"]
+                    acc["peak"] = max(acc["peak"], res["peak_rss"] or 0)
+                    self.layer = self.layer or res.get("threading_layer")
+        missed, met = [], 0
+        for feat, mode, target, what in FEATURES:
+            heads = GQA_HEADS[0] if feat == "gqa" else FEATURE_HEADS
+            base_what = {"gqa": f"k, v repeated to {heads} heads", "packed": "one sequence, no cu_seqlens",
+                         "dplanes": "race_attention_bwd without dplanes"}[feat]
+            for causal in (False, True):
+                acc = got[(feat, causal)]
+                row = dict(mode=mode, causal=int(causal), n=n, batch=1, heads=heads)
+                if not acc["times"]:
+                    status, why = ("skip(mem)", acc["skip"]) if acc["skip"] else ("failed", str(acc["err"]))
+                    self._row("features", impl=feat, **row, status=status, note=why)
+                    self._row("features", impl=f"{feat}-baseline", **row, status=status, note=why)
+                    missed.append(f"{feat} {'causal' if causal else 'non-causal'} not measured ({status})")
+                    continue
+                tokheads = heads * n
+                meds = [statistics.median(acc[k]) for k in ("times", "base")]
+                ratio = meds[0] / meds[1]
+                pair_ratios = [a / b for a, b in zip(acc["times"], acc["base"])]  # one per round of calls
+                ok = ratio <= target
+                mode_txt = f"{feat} {'causal' if causal else 'non-causal'}"
+                if ok:
+                    met += 1
+                else:
+                    missed.append(f"{mode_txt} {ratio:.4f} > {target}")
+                for impl, times, med in ((feat, acc["times"], meds[0]), (f"{feat}-baseline", acc["base"], meds[1])):
+                    if impl == feat:
+                        extra = dict(value=f"{ratio:.4f}", unit=f"time / {feat}-baseline time, target <= {target}",
+                                     note=f"target {'met' if ok else 'missed'} ({ratio:.4f} "
+                                          f"{'<=' if ok else '>'} {target}); per-call ratios "
+                                          f"{min(pair_ratios):.3f}..{max(pair_ratios):.3f}; {what}")
+                    else:
+                        extra = dict(note=f"baseline of {feat}: {base_what}")
+                    self._row("features", impl=impl, **row, calls=len(times), median_s=f"{med:.6g}",
+                              min_s=f"{min(times):.6g}", ns_per_token_head=f"{med / tokheads * 1e9:.2f}",
+                              peak_rss_bytes=acc["peak"] or "", **extra)
+        total = 2 * len(FEATURES)
+        self._note(f"features at N=2^{st['features_log2n']}: targets met {met} of {total}"
+                   + (f"; missed: {', '.join(missed)}" if missed else ""))
+
     # -- outputs ---------------------------------------------------------
     def _write(self):
         for row in self.rows:
@@ -1127,7 +1327,8 @@ class _Suite:
             roof, bound = self._roof(mode)
             lines.append(f"roofline {mode}: {b} B and {f} flop per token-head -> {b / m['bandwidth'] * 1e9:.1f} ns "
                          f"(memory) vs {f / m['sgemm'] * 1e9:.1f} ns (compute): roof {roof:.1f} ns, {bound}-bound")
-        lines += ["", self._scaling_table()]
+        if any(r["section"] == "scaling" for r in self.rows):
+            lines += ["", self._scaling_table()]
         thr = [r for r in self.rows if r["section"] == "threads"]
         if thr:
             lines += ["", "thread scaling (fwdbwd, B=1 H=1; race-out: into out= buffers allocated once; "
@@ -1154,6 +1355,8 @@ class _Suite:
             lines += ["", "compile / first call (seconds from before `import racecpu`):"]
             for r in comp:
                 lines.append(f"  {r['impl']:<22} {r['value'] or r['status']:>8} {r['unit']}  ({r['note']})")
+        if any(r["section"] == "features" for r in self.rows):
+            lines += ["", self._features_table()]
         if self.notes:
             lines += ["", "notes:"] + [f"  {t}" for t in self.notes]
         return "\n".join(lines) + "\n"
@@ -1194,6 +1397,33 @@ class _Suite:
                "'x peer' = peer time / RACE time (same run)",
                fmt.format(*head), fmt.format(*("-" * w for w in widths))]
         out += [fmt.format(*t) for t in table]
+        return "\n".join(out)
+
+    def _features_table(self):
+        rows = [r for r in self.rows if r["section"] == "features"]
+        by = {(r["impl"], r["causal"]): r for r in rows}
+        head = ["feature", "timed", "causal", "N", "heads", "feature s", "baseline s", "feature ns/tok-head",
+                "baseline ns/tok-head", "ratio", "target", "met"]
+        table = []
+        for feat, mode, target, _ in FEATURES:
+            for causal in (0, 1):
+                r, b = by.get((feat, causal)), by.get((f"{feat}-baseline", causal))
+                if r is None:
+                    continue
+                line = [feat, mode, "yes" if causal else "no", f"2^{int(r['n']).bit_length() - 1}", r["heads"]]
+                if r["status"] != "ok" or b is None:
+                    table.append(line + [r["status"], "", "", "", "", f"<= {target}", "not measured"])
+                    continue
+                met = float(r["value"]) <= target
+                table.append(line + [r["median_s"], b["median_s"], r["ns_per_token_head"], b["ns_per_token_head"],
+                                     r["value"], f"<= {target}", "yes" if met else "NO"])
+        widths = [max(len(h), *(len(str(t[i])) for t in table)) if table else len(h) for i, h in enumerate(head)]
+        fmt = "  ".join(f"{{:>{w}}}" for w in widths)
+        out = ["features: each against its baseline in one process, calls alternating, median of the calls; "
+               "ns per query token-head; ratio = feature time / baseline time",
+               fmt.format(*head), fmt.format(*("-" * w for w in widths))]
+        out += [fmt.format(*(str(x) for x in t)) for t in table]
+        out += [f"  {feat}: {what}" for feat, _, _, what in FEATURES]
         return "\n".join(out)
 
     def _plot_threads(self, ax_speed, ax_ns):

@@ -43,7 +43,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from .. import _checks as _cpu
 from ..hashing import DEFAULT_BETA
-from ..packing import packing as _packing
+from ..packing import padded_layout as _padded_layout
 from . import _kernels as K
 
 __all__ = ["soft_buckets", "race_attention", "race_attention_fwd", "race_attention_bwd", "Residuals",
@@ -295,15 +295,15 @@ class _Layout:
     rows: object
 
     @classmethod
-    def make(cls, cu_seqlens, n, G, F, dv, dev):
+    def make(cls, cu_seqlens, n, G, F, dv, dev, causal):
         if cu_seqlens is None:
             chunk = _chunk(n, G, F, dv)
             nc = -(-n // chunk)
             return cls(None, chunk, dev.to_device(np.zeros(nc, np.int64)),
                        dev.to_device(np.array([0, nc], np.int64)), None)
         t = int(THREADS)
-        pk = _packing(_host(cu_seqlens), n, min_chunk=max(t, _budget_chunk(n, G, F, dv)),
-                      max_chunk=int(CHUNK), multiple=t)
+        pk = _padded_layout(_host(cu_seqlens), n, min_chunk=max(t, _budget_chunk(n, G, F, dv)),
+                      max_chunk=int(CHUNK), multiple=t, causal=causal)
         bounds = np.append(pk.first, pk.seq.size).astype(np.int64)
         return cls(pk, pk.chunk, dev.to_device(pk.seq), dev.to_device(bounds),
                    None if pk.rows is None else dev.to_device(pk.rows))
@@ -450,7 +450,7 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
     if cu_seqlens is not None and n_given != nk:
         raise ValueError(f"cu_seqlens packs q, k and v alike: they need the same sequence length, "
                          f"got {n_given} and {nk}")
-    lay = _Layout.make(cu_seqlens, max(n_given, nk), G, F, dv, dev)
+    lay = _Layout.make(cu_seqlens, max(n_given, nk), G, F, dv, dev, causal)
     # grouped-query k, v (and mask) per query head; packed sequences in the padded layout
     kk, vv, mask = (lay.pack(_repeat(x, a.group, dev), dev, fill) for x, fill in ((a.k, 0), (a.v, 0), (a.mask, False)))
     qq = lay.pack(a.q, dev)
