@@ -67,6 +67,11 @@ from .config import CHUNK
 from .hashing import DEFAULT_BETA, soft_buckets
 from .streaming import advance
 
+
+def _group_sum(x, group):
+    """``x (Gk * group, ...)`` summed over each run of ``group`` (x itself for 1)."""
+    return x if group == 1 else x.reshape((x.shape[0] // group, group) + x.shape[1:]).sum(1)
+
 __all__ = ["race_attention_fwd_ooc", "race_attention_bwd_ooc", "OocResiduals", "BLOCK"]
 
 #: Default tokens per block (per head); a multiple of ``CHUNK`` so the chunk
@@ -102,6 +107,29 @@ class OocResiduals:
     A: np.ndarray
     B: np.ndarray
     key: dict
+    group: int = 1  # query heads per key/value head (grouped-query attention)
+
+    @property
+    def kv_lead(self):
+        return kv_lead(self.lead, self.group)
+
+
+def kv_lead(lead, group):
+    """The leading dims of k and v: q's with the head axis (the last) ``group`` times smaller."""
+    return lead[:-1] + (lead[-1] // group,) if group > 1 else lead
+
+
+def _group_of(q, k, v):
+    """Query heads per key/value head: 1 where k, v have q's leading dims; else k's and
+    v's head axis (the last leading one) divides q's, the others equal."""
+    lead, klead = tuple(q.shape[:-2]), tuple(k.shape[:-2])
+    if tuple(v.shape[:-2]) == klead:
+        if klead == lead:
+            return 1
+        if len(klead) == len(lead) and lead and klead[:-1] == lead[:-1] and klead[-1] and lead[-1] % klead[-1] == 0:
+            return lead[-1] // klead[-1]
+    raise ValueError(f"q, k, v must have the same leading dims, or k and v a head axis (the one before the tokens) "
+                     f"that divides q's, got shapes q {q.shape}, k {k.shape}, v {v.shape}")
 
 
 def race_attention_fwd_ooc(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, out, block=BLOCK,
@@ -112,7 +140,9 @@ def race_attention_fwd_ooc(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, 
     ----------
     q, k : np.memmap, ndarray, row source or array-like (e.g. zarr.Array), shape (..., Nq, d), (..., Nk, d)
     v : same kinds, shape (..., Nk, dv)
-        float32 or float64 (the compute dtype is their common type).
+        float32 or float64 (the compute dtype is their common type).  k and
+        v may have a head axis (the one before the tokens) that divides q's
+        (grouped-query attention, as :func:`racecpu.race_attention`).
     planes, beta, causal :
         As for :func:`racecpu.race_attention`.
     out : np.memmap ('r+'/'w+'), ndarray or writable array-like (e.g. zarr.Array), shape (..., Nq, dv)
@@ -134,8 +164,8 @@ def race_attention_fwd_ooc(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, 
     """
     cdt = np.result_type(*(engine.check_store_input(n, x) for n, x in (("q", q), ("k", k), ("v", v))))
     lead = tuple(q.shape[:-2])
-    if tuple(k.shape[:-2]) != lead or tuple(v.shape[:-2]) != lead:
-        raise ValueError(f"q, k, v must have the same leading dims, got shapes q {q.shape}, k {k.shape}, v {v.shape}")
+    group = _group_of(q, k, v)
+    klead = kv_lead(lead, group)
     (nq, d), (nk, dk_), (nv, dv) = q.shape[-2:], k.shape[-2:], v.shape[-2:]
     if dk_ != d:
         raise ValueError(f"q and k must have the same head dim, got shapes q {q.shape} and k {k.shape}")
@@ -148,6 +178,7 @@ def race_attention_fwd_ooc(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, 
     block = engine.check_block(block)
     engine.check_store_out("out", out, lead + (nq, dv), readback=checkpoint is not None)
     G = int(np.prod(lead, dtype=np.int64))
+    Gk = G // group
     L, P, _ = planes.shape
     F = L * 2 ** P
     ck = checkpoint is not None
@@ -157,21 +188,22 @@ def race_attention_fwd_ooc(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, 
                block=block, cdt=np.dtype(cdt).name)
     bufs = engine.Buffers()
     ckdir = None if checkpoint is None else os.fspath(checkpoint)
-    shapes = [(G, F), (G, F, dv)]
-    ones = np.ones(G * block, np.bool_)  # key mask: every key counts
+    shapes = [(Gk, F), (Gk, F, dv)]  # the keys' sketch or state, per key/value head
+    ones = np.ones(Gk * block, np.bool_)  # key mask: every key counts
     hsh = Hash(planes, beta)
     none, none2 = np.empty((G, 0, F), cdt), np.empty((G, 0))  # residual rows that are not kept
+    knone = np.empty((Gk, 0, F), cdt)
 
     if causal:
         def body(lo, hi, state):
             n = hi - lo
             qb = engine.load_block(q, "q", lead, lo, hi, bufs, cdt, check_finite)
-            kb = engine.load_block(k, "k", lead, lo, hi, bufs, cdt, check_finite)
-            vb = engine.load_block(v, "v", lead, lo, hi, bufs, cdt, check_finite)
+            kb = engine.load_block(k, "k", klead, lo, hi, bufs, cdt, check_finite)
+            vb = engine.load_block(v, "v", klead, lo, hi, bufs, cdt, check_finite)
             ob = bufs("out", (G, n, dv), cdt)
             step = advance(qb, kb, vb, planes, beta, state[0], state[1], ob,
                            rows=Rows(bufs("phiq", (G, n, F), cdt), bufs("tq", (G, n, L * P), cdt),
-                                     bufs("phik", (G, n, F), cdt), bufs("tk", (G, n, L * P), cdt),
+                                     bufs("phik", (Gk, n, F), cdt), bufs("tk", (Gk, n, L * P), cdt),
                                      bufs("den", (G, n), np.float64)))
             engine.store_block(out, lead, lo, hi, ob)
             return (step.A, step.B), 0.0
@@ -183,21 +215,22 @@ def race_attention_fwd_ooc(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, 
     else:
         def sketch(lo, hi, state):
             n = hi - lo
-            kb = engine.load_block(k, "k", lead, lo, hi, bufs, cdt, check_finite)
-            vb = engine.load_block(v, "v", lead, lo, hi, bufs, cdt, check_finite)
-            chunk = K.chunk_length(n, G, F, dv)
+            kb = engine.load_block(k, "k", klead, lo, hi, bufs, cdt, check_finite)
+            vb = engine.load_block(v, "v", klead, lo, hi, bufs, cdt, check_finite)
+            chunk = K.chunk_length(n, Gk, F, dv)
             nc = -(-n // chunk)
-            partA = bufs("partA", (G, nc, F), np.float64, zero=True)
-            partB = bufs("partB", (G, nc, F, dv), np.float64, zero=True)
-            rows = Rows(none, none, bufs("phik", (G, n, F), cdt), bufs("tk", (G, n, L * P), cdt), none2)
-            K.sketch_chunks(kb, vb, ones[:G * n].reshape(G, n), hsh, chunk, rows, Sums(partA, partB),
+            partA = bufs("partA", (Gk, nc, F), np.float64, zero=True)
+            partB = bufs("partB", (Gk, nc, F, dv), np.float64, zero=True)
+            rows = Rows(none, none, bufs("phik", (Gk, n, F), cdt), bufs("tk", (Gk, n, L * P), cdt), none2)
+            K.sketch_chunks(kb, vb, ones[:Gk * n].reshape(Gk, n), hsh, chunk, rows, Sums(partA, partB),
                             span=K.SKETCH_FUSED)
             return (state[0] + partA.sum(1), state[1] + partB.sum(1)), 0.0
 
         scan = engine.Scan(ckdir, "fwd_sketch", key, -(-nk // block), shapes, commit_every)
         (A, B), _ = engine.run(scan, engine.block_ranges(nk, block), sketch, progress, "forward: key sketch", [],
                                [k, v])
-        Bc = B.astype(cdt)
+        # grouped-query attention: every query head reads its key/value head's sketch
+        A_q, Bc = np.repeat(A, group, axis=0), np.repeat(B.astype(cdt), group, axis=0)
         key = dict(key, sketch_sum=scan.digest())  # what reads the sketch resumes only onto this very one
 
         def readout(lo, hi, state):
@@ -206,14 +239,14 @@ def race_attention_fwd_ooc(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, 
             ob = bufs("out", (G, n, dv), cdt)
             rows = Rows(bufs("phiq", (G, n, F), cdt), bufs("tq", (G, n, L * P), cdt), none, none,
                         bufs("den", (G, n), np.float64))
-            K.queries_fwd(qb, hsh, K.chunk_length(n, G, F, dv), Sums(A, Bc), rows, ob)
+            K.queries_fwd(qb, hsh, K.chunk_length(n, G, F, dv), Sums(A_q, Bc), rows, ob)
             engine.store_block(out, lead, lo, hi, ob)
             return (), 0.0
 
         scan2 = engine.Scan(ckdir, "fwd_readout", dict(key, sketch=scan.key), -(-nq // block), [], commit_every)
         engine.run(scan2, engine.block_ranges(nq, block), readout, progress, "forward: queries", [out], [q])
     return OocResiduals(q, k, v, planes, beta, bool(causal), block, lead, nq, nk, np.dtype(cdt), check_finite,
-                        np.asarray(A), np.asarray(B), key)
+                        np.asarray(A), np.asarray(B), key, group)
 
 
 def race_attention_bwd_ooc(res, grad_out, *, dq, dk, dv, checkpoint=None, commit_every=30.0, progress=True):
@@ -248,6 +281,8 @@ def race_attention_bwd_ooc(res, grad_out, *, dq, dk, dv, checkpoint=None, commit
     for name, x, shape in (("dq", dq, r.q.shape), ("dk", dk, r.k.shape), ("dv", dv, r.v.shape)):
         engine.check_store_out(name, x, shape, readback=checkpoint is not None)
     G = int(np.prod(lead, dtype=np.int64))
+    group, klead = r.group, r.kv_lead
+    Gk = G // group
     L, P, _ = r.planes.shape
     F = L * 2 ** P
     planes, beta, cf = r.planes, r.beta, r.check_finite
@@ -271,10 +306,10 @@ def race_attention_bwd_ooc(res, grad_out, *, dq, dk, dv, checkpoint=None, commit
             n = hi - lo
             b = lo // block
             qb = engine.load_block(r.q, "q", lead, lo, hi, bufs, cdt, cf)
-            kb = engine.load_block(r.k, "k", lead, lo, hi, bufs, cdt, cf)
-            vb = engine.load_block(r.v, "v", lead, lo, hi, bufs, cdt, cf)
+            kb = engine.load_block(r.k, "k", klead, lo, hi, bufs, cdt, cf)
+            vb = engine.load_block(r.v, "v", klead, lo, hi, bufs, cdt, cf)
             gb = engine.load_block(grad_out, "grad_out", lead, lo, hi, bufs, cdt, cf)
-            phik, tk = bufs("phik", (G, n, F), cdt), bufs("tk", (G, n, L * P), cdt)
+            phik, tk = bufs("phik", (Gk, n, F), cdt), bufs("tk", (Gk, n, L * P), cdt)
             phiq, tq = bufs("phiq", (G, n, F), cdt), bufs("tq", (G, n, L * P), cdt)
             den = bufs("den", (G, n), np.float64)
             ob = bufs("out", (G, n, dvdim), cdt)
@@ -283,6 +318,7 @@ def race_attention_bwd_ooc(res, grad_out, *, dq, dk, dv, checkpoint=None, commit
             chunk, cA, cB = step.chunk, step.carryA, step.carryB
             nc = cA.shape[1]
             dqb = bufs("dq", (G, n, d), cdt, zero=True)
+            # grouped-query attention: the keys' cotangents per query head, summed over each group below
             dkb = bufs("dk", (G, n, d), cdt, zero=True)
             dvb = bufs("dv", (G, n, dvdim), cdt, zero=True)
             dden = bufs("dden", (G, n), np.float64, zero=True)
@@ -297,8 +333,9 @@ def race_attention_bwd_ooc(res, grad_out, *, dq, dk, dv, checkpoint=None, commit
             sA += state[0][:, None]
             sB += state[1][:, None]
             K.causal_keys_bwd(gb, vb, rows, Sums(sA, sB), hsh, chunk, grads)
-            for x, a in ((dq, dqb), (dk, dkb), (dv, dvb)):
-                engine.store_block(x, lead, lo, hi, a)
+            engine.store_block(dq, lead, lo, hi, dqb)
+            for x, a in ((dk, dkb), (dv, dvb)):
+                engine.store_block(x, klead, lo, hi, _group_sum(a, group))
             return (state[0] + pdA.sum(1), state[1] + pdB.sum(1)), float(dbq.sum() + dbk.sum())
 
         scan = engine.Scan(ckdir, "bwd_causal", key, nb, shapes, commit_every)
@@ -306,8 +343,10 @@ def race_attention_bwd_ooc(res, grad_out, *, dq, dk, dv, checkpoint=None, commit
                         [r.q, r.k, r.v, grad_out])
         return dbeta
 
-    A, Bc = r.A, r.B.astype(cdt)
+    # grouped-query attention: every query head reads its key/value head's sketch
+    A, Bc = np.repeat(r.A, group, axis=0), np.repeat(r.B.astype(cdt), group, axis=0)
     none, none2 = np.empty((G, 0, F), cdt), np.empty((G, 0))  # residual rows that are not kept
+    knone, knone2 = np.empty((Gk, 0, F), cdt), np.empty((Gk, 0))
 
     def queries(lo, hi, state):
         n = hi - lo
@@ -332,25 +371,25 @@ def race_attention_bwd_ooc(res, grad_out, *, dq, dk, dv, checkpoint=None, commit
     scan = engine.Scan(ckdir, "bwd_queries", key, -(-nq // block), shapes, commit_every)
     (dA, dB), dbeta_q = engine.run(scan, engine.block_ranges(nq, block), queries, progress, "backward: queries", [dq],
                              [r.q, grad_out])
-    dBc = dB.astype(cdt)
+    dA, dBc = _group_sum(dA, group), _group_sum(dB, group).astype(cdt)  # a sketch read by its whole group
 
     def keys(lo, hi, state):
         n = hi - lo
-        chunk = K.chunk_length(n, G, F, dvdim)
+        chunk = K.chunk_length(n, Gk, F, dvdim)
         nc = -(-n // chunk)
-        kb = engine.load_block(r.k, "k", lead, lo, hi, bufs, cdt, cf)
-        vb = engine.load_block(r.v, "v", lead, lo, hi, bufs, cdt, cf)
-        phik, tk = bufs("phik", (G, n, F), cdt), bufs("tk", (G, n, L * P), cdt)
-        for g in range(G):
+        kb = engine.load_block(r.k, "k", klead, lo, hi, bufs, cdt, cf)
+        vb = engine.load_block(r.v, "v", klead, lo, hi, bufs, cdt, cf)
+        phik, tk = bufs("phik", (Gk, n, F), cdt), bufs("tk", (Gk, n, L * P), cdt)
+        for g in range(Gk):
             K.soft_hash_rows(kb[g], hsh, tk[g], phik[g])
-        dkb = bufs("dk", (G, n, d), cdt, zero=True)
-        dvb = bufs("dv", (G, n, dvdim), cdt, zero=True)
-        dbk = bufs("dbk", (G, nc), np.float64, zero=True)
+        dkb = bufs("dk", (Gk, n, d), cdt, zero=True)
+        dvb = bufs("dv", (Gk, n, dvdim), cdt, zero=True)
+        dbk = bufs("dbk", (Gk, nc), np.float64, zero=True)
         # the keys' pass writes dk, dv and dbk only
-        grads = Grads(dkb, dkb, dvb, none2, dbk, dbk, no_planes_grad(dkb, G, nc, nc, d))
-        K.keys_bwd(vb, Rows(none, none, phik, tk, none2), Sums(dA, dBc), hsh, chunk, grads)
+        grads = Grads(dkb, dkb, dvb, knone2, dbk, dbk, no_planes_grad(dkb, Gk, nc, nc, d))
+        K.keys_bwd(vb, Rows(knone, knone, phik, tk, knone2), Sums(dA, dBc), hsh, chunk, grads)
         for x, a in ((dk, dkb), (dv, dvb)):
-            engine.store_block(x, lead, lo, hi, a)
+            engine.store_block(x, klead, lo, hi, a)
         return (), float(dbk.sum())
 
     scan2 = engine.Scan(ckdir, "bwd_keys", dict(key, queries=scan.key, queries_sum=scan.digest()), -(-nk // block), [],

@@ -210,3 +210,26 @@ def test_release_drops_mapped_pages_but_keeps_writes(tmp_path):
     assert float(a[::4096].sum()) == 1.5 * len(a[::4096])  # re-read from the page cache / file
     del a
     assert float(np.load(tmp_path / "a.npy", mmap_mode="r")[-1]) == 1.5
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_grouped_kv_matches_in_memory(tmp_path, rng, causal):
+    # k and v with 2 heads for q's 6 (grouped-query attention): the in-memory
+    # grouped call's output and gradients, with blocks not on the chunks
+    n, d, dv = 1300, 8, 5
+    x = {"q": rng.standard_normal((1, 6, n, d)), "k": rng.standard_normal((1, 2, n, d)),
+         "v": rng.standard_normal((1, 2, n, dv)), "g": rng.standard_normal((1, 6, n, dv))}
+    o = {"out": memmap(tmp_path / "out.npy", (1, 6, n, dv), np.float64),
+         "dq": memmap(tmp_path / "dq.npy", (1, 6, n, d), np.float64),
+         "dk": memmap(tmp_path / "dk.npy", (1, 2, n, d), np.float64),
+         "dv": memmap(tmp_path / "dv.npy", (1, 2, n, dv), np.float64)}
+    W = racecpu.hyperplanes(d, 3, 3, seed=2, dtype=np.float64)
+    dbeta = run_ooc(x, o, W, causal, block=500)
+    y, res = racecpu.race_attention_fwd(x["q"], x["k"], x["v"], W, 8.0, causal=causal)
+    want = racecpu.race_attention_bwd(res, x["g"])
+    for name, a, b in zip(("out", "dq", "dk", "dv"), (o["out"], o["dq"], o["dk"], o["dv"]), (y,) + want[:3]):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=1e-10, err_msg=name)
+    assert dbeta == pytest.approx(want[3], rel=1e-10, abs=1e-10)
+    with pytest.raises(ValueError, match="divides q's"):
+        race_attention_fwd_ooc(x["q"], x["k"][:, :1].repeat(4, 1), x["v"][:, :1].repeat(4, 1), W,
+                               out=o["out"])

@@ -161,8 +161,13 @@ def carry_on(carry, g, c, dst, total, final, reset):
     F, dv = total.shape
     to = carry[g, dst] if 0 <= dst < carry.shape[1] else final[g]
     for f in range(F):
+        if reset:
+            for cc in range(dv):
+                to[f, cc] = 0.0
+        else:
+            for cc in range(dv):
+                to[f, cc] = carry[g, c, f, cc] + total[f, cc]
         for cc in range(dv):
-            to[f, cc] = 0.0 if reset else carry[g, c, f, cc] + total[f, cc]
             total[f, cc] = 0.0
 
 
