@@ -385,8 +385,7 @@ def race_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, 
         ``h // group``, whose keys are hashed and sketched once for the
         group (the causal scan's state updates still run per query head) and
         whose gradients sum over it; equal to repeating k and v ``group``
-        times.  (On the GPU, :mod:`racecpu.cuda` repeats k and v per query
-        head: the same results, no sketch shared yet.)
+        times.
         NumPy arrays, or any array with ``__array__`` or DLPack (torch CPU
         tensors without grad, JAX CPU arrays, ...), read without a copy where
         the library allows; CuPy ``q`` runs on the GPU (:mod:`racecpu.cuda`).

@@ -321,24 +321,23 @@ _PTX = textwrap.dedent("""
         sigs = {  # as racecpu.cuda launches them
             "soft_hash_rows": (A(f, 2), A(f, 3), d, A(f, 2), A(f, 2)),
             "sketch_chunks": (A(f, 3), A(f, 3), A(b, 2), A(f, 3), d, i, A(f, 3), A(f, 3), A(d, 4)),
-            "queries_fwd": (A(f, 3), A(f, 3), d, A(f, 4), A(i, 1), i, A(f, 3), A(f, 3), A(d, 2), A(f, 3)),
-            "queries_bwd": (A(f, 3), A(f, 3), A(f, 3), A(d, 2), A(f, 4), A(i, 1), A(f, 3), d, i, A(f, 3),
+            "queries_fwd": (A(f, 3), A(f, 3), d, A(f, 4), A(i, 1), i, i, A(f, 3), A(f, 3), A(d, 2), A(f, 3)),
+            "queries_bwd": (A(f, 3), A(f, 3), A(f, 3), A(d, 2), A(f, 4), A(i, 1), i, A(f, 3), d, i, A(f, 3),
                             A(d, 2), A(d, 2), A(d, 4), A(d, 1)),
             "keys_bwd": (A(f, 3), A(f, 3), A(f, 3), A(f, 4), A(i, 1), i, A(f, 3), d, A(f, 3), A(f, 3),
                          A(d, 1)),
-            "causal_fwd": (A(f, 3), A(f, 3), A(f, 3), A(d, 4), A(f, 3), d, i, A(f, 3), A(f, 3), A(f, 3),
+            "causal_fwd": (A(f, 3), A(f, 3), A(f, 3), A(d, 4), i, A(f, 3), d, i, A(f, 3), A(f, 3), A(f, 3),
                            A(d, 2), A(f, 3)),
-            "causal_queries_bwd": (A(f, 3), A(f, 3), A(f, 3), A(f, 3), A(f, 3), A(d, 2), A(d, 4), A(f, 3), d, i,
-                                   A(f, 3), A(f, 3), A(d, 2), A(d, 2), A(d, 4), A(d, 1)),
-            "causal_keys_bwd": (A(f, 3), A(f, 3), A(f, 3), A(f, 3), A(f, 3), A(d, 2), A(d, 2), A(d, 4), A(f, 3),
-                                d, i, A(f, 3), A(f, 3), A(f, 3), A(d, 1)),
+            "causal_queries_bwd": (A(f, 3), A(f, 3), A(f, 3), A(f, 3), A(f, 3), A(d, 2), A(d, 4), i, A(f, 3), d,
+                                   i, A(f, 3), A(f, 3), A(d, 2), A(d, 2), A(d, 4), A(d, 1)),
+            "causal_keys_bwd": (A(f, 3), A(f, 3), A(f, 3), A(f, 3), A(f, 3), A(d, 2), A(d, 2), A(d, 4), i,
+                                A(f, 3), d, i, A(f, 3), A(f, 3), A(f, 3), A(d, 1)),
         }
         fns = [(k[n].py_func, s) for n, s in sigs.items()] + [
             (K.sum_chunks.py_func, (A(d, 3), A(i, 1), A(d, 3))),
             (K.scan_chunks.py_func, (A(d, 3), A(i, 1), A(d, 3), b)),
             (K.scatter_rows.py_func, (A(f, 3), A(i, 1), A(f, 3))), (K.scatter_rows.py_func, (A(b, 3), A(i, 1), A(b, 3))),
             (K.gather_rows.py_func, (A(f, 3), A(i, 1), A(f, 3))),
-            (K.repeat_groups.py_func, (A(f, 2), A(f, 2), i)), (K.repeat_groups.py_func, (A(b, 2), A(b, 2), i)),
             (K.fold_groups.py_func, (A(f, 2), A(f, 2), i)),
             (K.cast_copy.py_func, (A(h, 1), A(f, 1))), (K.cast_copy.py_func, (A(f, 1), A(h, 1))),
             (K.cast_copy.py_func, (A(f, 1), A(d, 1))), (K.cast_copy.py_func, (A(d, 1), A(f, 1))),
@@ -368,7 +367,7 @@ def test_kernels_compile_to_ptx(ptx_run, cc, dtype):
             pytest.fail("NVVM/NVRTC not found although RACECPU_REQUIRE_PTX=1:\n" + p.stderr[-3000:])
         pytest.skip("the CUDA compiler libraries (NVVM/NVRTC) are not installed: pip install "
                     "'cuda-toolkit[nvvm,nvrtc,cudart]==13.*' (or run .ci/cuda-ptx.sh) to run this check")
-    assert f"compiled 22 for {cc[0]}.{cc[1]}:{dtype}" in p.stdout, p.stdout + p.stderr[-3000:]
+    assert f"compiled 20 for {cc[0]}.{cc[1]}:{dtype}" in p.stdout, p.stdout + p.stderr[-3000:]
 
 
 def test_gpu_benchmark_runs_and_checks(capsys):

@@ -332,17 +332,6 @@ class _Layout:
         return x
 
 
-def _repeat(x, group, dev):
-    """``x (Gk, ...)`` with each group repeated ``group`` times (grouped-query k, v, mask)."""
-    if group == 1:
-        return x
-    Gk = x.shape[0]
-    y = dev.empty((Gk * group,) + tuple(x.shape[1:]), x.dtype)
-    if y.size:
-        dev.grid(K.repeat_groups, y.size)(x.reshape(Gk, x.size // Gk), y.reshape(Gk * group, x.size // Gk), group)
-    return y
-
-
 def _fold(x, group, dev):
     """``x (Gk * group, ...)`` summed over each run of ``group`` heads (the gradients of k, v)."""
     if group == 1:
@@ -434,9 +423,10 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
 
     Arguments and results as :func:`racecpu.race_attention_fwd`; arrays are
     on the device (see the module docstring).  Grouped-query k and v are
-    repeated per query head on the device (the same results as the CPU's;
-    the keys' sketch is not shared yet).  Packed sequences (``cu_seqlens``)
-    use the CPU's layout (:mod:`racecpu.packing`) in whole tiles.
+    hashed and sketched once per key/value head, as on the CPU (the causal
+    scan's state updates and the keys' backward still run per query head,
+    dk and dv summed over each group).  Packed sequences (``cu_seqlens``)
+    are padded to whole chunks (:func:`racecpu.packing.padded_layout`).
     """
     dev = _Device(_is_cupy(q))
     a = _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, dev)
@@ -451,32 +441,34 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
         raise ValueError(f"cu_seqlens packs q, k and v alike: they need the same sequence length, "
                          f"got {n_given} and {nk}")
     lay = _Layout.make(cu_seqlens, max(n_given, nk), G, F, dv, dev, causal)
-    # grouped-query k, v (and mask) per query head; packed sequences in the padded layout
-    kk, vv, mask = (lay.pack(_repeat(x, a.group, dev), dev, fill) for x, fill in ((a.k, 0), (a.v, 0), (a.mask, False)))
+    # packed sequences in the padded layout; grouped-query k, v: sketched once per key/value head
+    Gk = G // a.group
+    kk, vv, mask = (lay.pack(x, dev, fill) for x, fill in ((a.k, 0), (a.v, 0), (a.mask, False)))
     qq = lay.pack(a.q, dev)
     nq, nk = qq.shape[1], kk.shape[1]
     chunk = lay.chunk
     nck = -(-nk // chunk)
-    phik = dev.empty((G, nk, F), cdt)
-    tk = dev.empty((G, nk, L * P), cdt)
-    part = dev.full((G, nck, F, dv + 1), np.float64, 0)
+    phik = dev.empty((Gk, nk, F), cdt)
+    tk = dev.empty((Gk, nk, L * P), cdt)
+    part = dev.full((Gk, nck, F, dv + 1), np.float64, 0)
     phiq = dev.empty((G, nq, F), cdt)
     tq = dev.empty((G, nq, L * P), cdt)
     den = dev.empty((G, nq), np.float64)
     out = dev.empty((G, nq, dv), cdt)
     if G and nk:
-        dev.launch(kern["sketch_chunks"], G * nck, T)(kk, vv, mask, a.planes, a.beta, chunk, phik, tk, part)
+        dev.launch(kern["sketch_chunks"], Gk * nck, T)(kk, vv, mask, a.planes, a.beta, chunk, phik, tk, part)
+    # S per key/value head: the carries (causal) or sketch that its query heads read
     if causal:
         S = _scan_chunks(part, dev, False, lay.seq)
         if G and nq:
             state = dev.empty((G * nck, F, dv + 1), cdt)
-            dev.launch(kern["causal_fwd"], G * nck, T)(qq, vv, phik, S, a.planes, a.beta, chunk, state,
+            dev.launch(kern["causal_fwd"], G * nck, T)(qq, vv, phik, S, a.group, a.planes, a.beta, chunk, state,
                                                        phiq, tq, den, out)
     else:
         S = _sum_chunks(part, dev, lay.bounds)
         if G and nq:
             dev.launch(kern["queries_fwd"], G * -(-nq // T), T)(qq, a.planes, a.beta, dev.cast(S, cdt, S.shape),
-                                                                lay.seq, chunk, phiq, tq, den, out)
+                                                                lay.seq, chunk, a.group, phiq, tq, den, out)
     res = Residuals(a.planes, a.beta, bool(causal), chunk, T, vv, phiq, tq, phik, tk, den, S,
                     a.lead, a.in_dtypes, a.out_dtype, bool(check_finite), dev.cupy, n_given, a.group, lay)
     return _output(lay.unpack(out, dev), a.out_dtype, res.out_shape, dev), res
@@ -509,9 +501,11 @@ def race_attention_bwd(residuals, grad_out):
     g = lay.pack(_to_device(g, cdt, (G, r.tokens, dv), dev), dev)
     chunk = r.chunk
     ncq, nck = -(-nq // chunk), -(-nk // chunk)
+    Gk = G // r.group
+    Gw = G if r.causal else Gk  # groups of dk, dv as the kernels write them (causal: per query head, summed below)
     dq = dev.empty((G, nq, d), cdt)
-    dk = dev.empty((G, nk, d), cdt)
-    dv_ = dev.empty((G, nk, dv), cdt)
+    dk = dev.empty((Gw, nk, d), cdt)
+    dv_ = dev.empty((Gw, nk, dv), cdt)
     dbeta = 0.0
     if G and nq and nk:
         part = dev.full((G, ncq, F, dv + 1), np.float64, 0)
@@ -521,18 +515,20 @@ def race_attention_bwd(residuals, grad_out):
         if r.causal:
             state = dev.empty((G * ncq, F, dv + 1), cdt)
             dev.launch(kern["causal_queries_bwd"], G * ncq, T)(
-                g, r.v, r.phik, r.phiq, r.tq, r.den, r.S, r.planes, r.beta, chunk, state, dq, dden, winv, part, dbq)
-            carry = _scan_chunks(part, dev, True, lay.seq)
+                g, r.v, r.phik, r.phiq, r.tq, r.den, r.S, r.group, r.planes, r.beta, chunk, state, dq, dden, winv,
+                part, dbq)
+            carry = _scan_chunks(part, dev, True, lay.seq)  # per query head
             dbk = dev.empty(G * nck, np.float64)
             dev.launch(kern["causal_keys_bwd"], G * nck, T)(
-                g, r.v, r.phik, r.tk, r.phiq, dden, winv, carry, r.planes, r.beta, chunk, state, dk, dv_, dbk)
+                g, r.v, r.phik, r.tk, r.phiq, dden, winv, carry, r.group, r.planes, r.beta, chunk, state, dk, dv_,
+                dbk)
         else:
             dev.launch(kern["queries_bwd"], G * ncq, T)(
-                g, r.phiq, r.tq, r.den, dev.cast(r.S, cdt, r.S.shape), lay.seq, r.planes, r.beta, chunk,
+                g, r.phiq, r.tq, r.den, dev.cast(r.S, cdt, r.S.shape), lay.seq, r.group, r.planes, r.beta, chunk,
                 dq, dden, winv, part, dbq)
-            dS = _sum_chunks(part, dev, lay.bounds)
+            dS = _fold(_sum_chunks(part, dev, lay.bounds), r.group, dev)  # a sketch read by its whole group
             dS = dev.cast(dS, cdt, dS.shape)
-            nbk = G * -(-nk // T)
+            nbk = Gk * -(-nk // T)
             dbk = dev.empty(nbk, np.float64)
             dev.launch(kern["keys_bwd"], nbk, T)(r.v, r.phik, r.tk, dS, lay.seq, chunk, r.planes, r.beta, dk, dv_,
                                                  dbk)
@@ -543,7 +539,8 @@ def race_attention_bwd(residuals, grad_out):
                 dev.grid(K.fill, x.size)(x.reshape(x.size), 0)
     qdt, kdt, vdt = r.in_dtypes
     dq, dk, dv_ = (lay.unpack(x, dev) for x in (dq, dk, dv_))
-    dk, dv_ = _fold(dk, r.group, dev), _fold(dv_, r.group, dev)  # a key/value head's gradient sums its group's
+    if r.causal:  # a key/value head's gradient sums its query heads'
+        dk, dv_ = _fold(dk, r.group, dev), _fold(dv_, r.group, dev)
     lead, klead = r.lead, r.kv_lead
     return (_output(dq, qdt, lead + (dq.shape[1], d), dev),
             _output(dk, kdt, klead + (dk.shape[1], d), dev),

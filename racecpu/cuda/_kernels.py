@@ -325,16 +325,6 @@ def gather_rows(src, rows, dst):
 
 
 @cuda.jit
-def repeat_groups(src, dst, group):
-    """dst[g, m] = src[g // group, m] (src (Gk, M), dst (Gk * group, M)): grouped-query k, v per query head."""
-    G, M = dst.shape
-    for x in range(cuda.grid(1), G * M, cuda.gridsize(1)):
-        g = x // M
-        m = x - g * M
-        dst[g, m] = src[g // group, m]
-
-
-@cuda.jit
 def fold_groups(src, dst, group):
     """dst[h, m] = sum of src[h * group + j, m] over j < group, in order: the gradients of
     a key/value head summed over its query heads."""
@@ -429,9 +419,10 @@ def make_kernels(L, P, T, dtype):
     # -- non-causal readout: forward and backward --------------------------
 
     @cuda.jit
-    def queries_fwd(q, W, beta, S, seq, chunk, phiq, tq, den, out):
-        """Hash every query and read its packed sequence's summed sketch ``S (G, S, F, dv + 1)``
-        (compute dtype; ``seq[c]`` the sequence of chunk c, one: S = 1)."""
+    def queries_fwd(q, W, beta, S, seq, chunk, group, phiq, tq, den, out):
+        """Hash every query and read its packed sequence's summed sketch ``S (Gk, S, F, dv + 1)``
+        (compute dtype; ``seq[c]`` the sequence of chunk c, one: S = 1), that of its
+        key/value head ``g // group`` (grouped-query attention)."""
         n = q.shape[1]
         L = W.shape[0]
         nb = (n + T - 1) // T
@@ -439,10 +430,10 @@ def make_kernels(L, P, T, dtype):
         i = (cuda.blockIdx.x - g * nb) * T + cuda.threadIdx.x
         if i < n:
             hash_row(q[g, i], W, beta, tq[g, i], phiq[g, i], True)
-            den[g, i] = readout_row(phiq[g, i], S[g, seq[i // chunk]], L, out[g, i])
+            den[g, i] = readout_row(phiq[g, i], S[g // group, seq[i // chunk]], L, out[g, i])
 
     @cuda.jit
-    def queries_bwd(grad, phiq, tq, den, S, seq, W, beta, chunk, dq, dden, winv, part, dbeta_part):
+    def queries_bwd(grad, phiq, tq, den, S, seq, group, W, beta, chunk, dq, dden, winv, part, dbeta_part):
         """Non-causal cotangents of every query; chunk sums of (dB, dA) into ``part``."""
         n = grad.shape[1]
         dv = grad.shape[2]
@@ -460,7 +451,7 @@ def make_kernels(L, P, T, dtype):
             t1 = min(t0 + T, hi)
             i = t0 + tid
             if i < t1:
-                dd, wi = readout_row_bwd(phiq[g, i], S[g, seq[c]], grad[g, i], den[g, i], L, dphi)
+                dd, wi = readout_row_bwd(phiq[g, i], S[g // group, seq[c]], grad[g, i], den[g, i], L, dphi)
                 dden[g, i] = dd
                 winv[g, i] = wi
                 acc += hash_row_bwd(dphi, phiq[g, i], tq[g, i], W, beta, du, dq[g, i])
@@ -525,8 +516,9 @@ def make_kernels(L, P, T, dtype):
         return den
 
     @cuda.jit
-    def causal_fwd(q, v, phik, carry, W, beta, chunk, state, phiq, tq, den, out):
-        """Rescan every chunk from its carried-in state ``carry (G, nc, F, dv + 1)``.
+    def causal_fwd(q, v, phik, carry, group, W, beta, chunk, state, phiq, tq, den, out):
+        """Rescan every chunk from its carried-in state ``carry (Gk, nc, F, dv + 1)``, query
+        group g reading key/value group ``g // group``'s keys, values and carries.
 
         ``state (G * nc, F, dv + 1)`` (compute dtype) is each block's running
         state; it sums at most one chunk on top of the float64 carry.
@@ -538,20 +530,21 @@ def make_kernels(L, P, T, dtype):
         tid = cuda.threadIdx.x
         b = cuda.blockIdx.x
         g = b // nc
+        gk = g // group
         c = b - g * nc
         lo = c * chunk
         hi = min(lo + chunk, n)
         S = state[b]
-        load_state(carry, g, c, S)
+        load_state(carry, gk, c, S)
         for t0 in range(lo, hi, T):
             t1 = min(t0 + T, hi)
             i = t0 + tid
             if i < t1:
                 hash_row(q[g, i], W, beta, tq[g, i], phiq[g, i], True)
-                den[g, i] = causal_readout_row(phiq[g, i], S, phik[g], v[g], t0, i, L, out[g, i])
+                den[g, i] = causal_readout_row(phiq[g, i], S, phik[gk], v[gk], t0, i, L, out[g, i])
             cuda.syncthreads()
             for col in range(tid, dv + 1, T):
-                tile_sketch(phik[g], v[g], t0, t1, col, S)
+                tile_sketch(phik[gk], v[gk], t0, t1, col, S)
             cuda.syncthreads()
 
     @cuda.jit(device=True)
@@ -589,12 +582,13 @@ def make_kernels(L, P, T, dtype):
         return dden, inv
 
     @cuda.jit
-    def causal_queries_bwd(grad, v, phik, phiq, tq, den, carry, W, beta, chunk, state,
+    def causal_queries_bwd(grad, v, phik, phiq, tq, den, carry, group, W, beta, chunk, state,
                            dq, dden, winv, part, dbeta_part):
         """Backward pass 1: rebuild prefix states by rescanning; cotangents of queries.
 
         Writes dden and 1/(L den) per query and the chunk totals of (dB, dA)
-        into ``part`` for the reverse scan.
+        into ``part`` for the reverse scan.  Query group g reads key/value
+        group ``g // group``'s keys, values and forward carries.
         """
         n = grad.shape[1]
         dv = grad.shape[2]
@@ -603,11 +597,12 @@ def make_kernels(L, P, T, dtype):
         tid = cuda.threadIdx.x
         b = cuda.blockIdx.x
         g = b // nc
+        gk = g // group
         c = b - g * nc
         lo = c * chunk
         hi = min(lo + chunk, n)
         S = state[b]
-        load_state(carry, g, c, S)
+        load_state(carry, gk, c, S)
         dphi = cuda.local.array(F, np.float64)
         du = cuda.local.array(LP, np.float64)
         acc = 0.0
@@ -615,7 +610,7 @@ def make_kernels(L, P, T, dtype):
             t1 = min(t0 + T, hi)
             i = t0 + tid
             if i < t1:
-                dd, wi = causal_readout_row_bwd(phiq[g, i], S, phik[g], v[g], grad[g, i], t0, i,
+                dd, wi = causal_readout_row_bwd(phiq[g, i], S, phik[gk], v[gk], grad[g, i], t0, i,
                                                 den[g, i], L, dphi)
                 dden[g, i] = dd
                 winv[g, i] = wi
@@ -623,7 +618,7 @@ def make_kernels(L, P, T, dtype):
             cuda.syncthreads()
             for col in range(tid, dv + 1, T):
                 tile_dsketch(phiq[g], winv[g], dden[g], grad[g], t0, t1, L, col, part[g, c])
-                tile_sketch(phik[g], v[g], t0, t1, col, S)
+                tile_sketch(phik[gk], v[gk], t0, t1, col, S)
             cuda.syncthreads()
         block_sum(acc, dbeta_part, b)
 
@@ -662,9 +657,13 @@ def make_kernels(L, P, T, dtype):
         return hash_row_bwd(dphi, phik, tk, W, beta, du, dk)
 
     @cuda.jit
-    def causal_keys_bwd(grad, v, phik, tk, phiq, dden, winv, carry, W, beta, chunk, state,
+    def causal_keys_bwd(grad, v, phik, tk, phiq, dden, winv, carry, group, W, beta, chunk, state,
                         dk, dv_out, dbeta_part):
-        """Backward pass 2: suffix sums of (dB, dA) over queries i >= j by a reverse rescan."""
+        """Backward pass 2: suffix sums of (dB, dA) over queries i >= j by a reverse rescan.
+
+        Per query group g (``carry``, ``dk``, ``dv_out`` have q's groups), reading
+        key/value group ``g // group``'s keys and values; the caller sums dk, dv
+        over each group."""
         n = grad.shape[1]
         dv = grad.shape[2]
         L = W.shape[0]
@@ -686,7 +685,8 @@ def make_kernels(L, P, T, dtype):
             t1 = min(t0 + T, hi)
             j = t0 + tid
             if j < t1:
-                acc += causal_key_row_bwd(phik[g, j], tk[g, j], v[g, j], S, phiq[g], grad[g], dden[g],
+                gk = g // group
+                acc += causal_key_row_bwd(phik[gk, j], tk[gk, j], v[gk, j], S, phiq[g], grad[g], dden[g],
                                           winv[g], j, t1, L, W, beta, dphi, du, dk[g, j], dv_out[g, j])
             cuda.syncthreads()
             for col in range(tid, dv + 1, T):
