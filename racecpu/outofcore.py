@@ -192,7 +192,6 @@ def race_attention_fwd_ooc(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, 
     ones = np.ones(Gk * block, np.bool_)  # key mask: every key counts
     hsh = Hash(planes, beta)
     none, none2 = np.empty((G, 0, F), cdt), np.empty((G, 0))  # residual rows that are not kept
-    knone = np.empty((Gk, 0, F), cdt)
 
     if causal:
         def body(lo, hi, state):

@@ -232,7 +232,6 @@ def _causal_queries_bwd_chunk(bwd, carry, partd, g, c, t0, t1):
 @kernel
 def _causal_queries_bwd_task(task, spread, bwd, carry, partd):
     """One (group, chunk) task of :func:`causal_queries_bwd` (run by :func:`run_tasks`)."""
-    nc = carry.A.shape[1]
     g, c, _, _ = task_bounds(spread.order[task], bwd.chunks)
     _causal_queries_bwd_chunk(bwd, carry, partd, g, c, spread.t0, spread.t1)
 
