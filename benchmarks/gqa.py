@@ -12,12 +12,11 @@ token-head, and the grouped call's ratio to the other two; float32.
 """
 
 import argparse
-import time
-
 import numba
 import numpy as np
 
 import racecpu
+from alternating import alternate, rounds_text  # benchmarks/alternating.py
 
 
 def _fwd_bwd(q, k, v, g, W, causal):
@@ -53,20 +52,12 @@ def main():
         calls = {"grouped": lambda: _fwd_bwd(q, k, v, g, W, causal),
                  "repeated": lambda: _fwd_bwd(q, kr, vr, g, W, causal),
                  "by hand": lambda: _by_hand(q, k, v, g, W, causal, group)}
-        times = {name: [] for name in calls}
-        for call in calls.values():
-            call()  # compile, warm the pool
-        for _ in range(a.reps):
-            for name, call in calls.items():
-                t0 = time.perf_counter()
-                call()
-                times[name].append(time.perf_counter() - t0)
-        med = {n: np.median(t) for n, t in times.items()}
+        times, med = alternate(calls, a.reps)
         print(f"{'causal' if causal else 'non-causal':>10}: " + ", ".join(
             f"{n} {med[n]:.3f} s ({med[n] / th * 1e9:.0f} ns per token-head)" for n in calls)
             + f"; grouped / repeated {med['grouped'] / med['repeated']:.3f}, grouped / by hand "
               f"{med['grouped'] / med['by hand']:.3f}  ("
-            + "; ".join(f"{n}: {' '.join(f'{t:.3f}' for t in times[n])}" for n in calls) + ")", flush=True)
+            + rounds_text(times) + ")", flush=True)
 
 
 if __name__ == "__main__":

@@ -12,12 +12,11 @@ token-head, and each packed call's ratio to the one sequence; float32.
 """
 
 import argparse
-import time
-
 import numba
 import numpy as np
 
 import racecpu
+from alternating import alternate, rounds_text  # benchmarks/alternating.py
 from racecpu import _kernels as K
 from racecpu.packing import packed_chunks
 
@@ -62,20 +61,12 @@ def main():
         calls = {"one sequence": lambda: _fwd_bwd(q, k, v, g, W, causal, None),
                  "packed, equal": lambda: _fwd_bwd(q, k, v, g, W, causal, equal),
                  "packed, random": lambda: _fwd_bwd(q, k, v, g, W, causal, ragged)}
-        times = {name: [] for name in calls}
-        for call in calls.values():
-            call()  # compile, warm the pool
-        for _ in range(a.reps):
-            for name, call in calls.items():
-                t0 = time.perf_counter()
-                call()
-                times[name].append(time.perf_counter() - t0)
-        med = {n: np.median(t) for n, t in times.items()}
+        times, med = alternate(calls, a.reps)
         one = med["one sequence"]
         print(f"{'causal' if causal else 'non-causal':>10}: " + ", ".join(
             f"{n} {med[n]:.3f} s ({med[n] / th * 1e9:.0f} ns per token-head)" for n in calls)
             + "; " + ", ".join(f"{n} / one {med[n] / one:.3f}" for n in list(calls)[1:]) + "  ("
-            + "; ".join(f"{n}: {' '.join(f'{t:.3f}' for t in times[n])}" for n in calls) + ")", flush=True)
+            + rounds_text(times) + ")", flush=True)
 
 
 if __name__ == "__main__":

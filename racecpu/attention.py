@@ -110,17 +110,6 @@ def _repeat(x, group):
     return y
 
 
-def _group_sum(x, group, out=None):
-    """``x (Gk * group, ...)`` summed over each run of ``group`` along axis 0 (``x`` itself for 1),
-    into ``out (Gk, ...)`` (C-contiguous, x's dtype) or a new array."""
-    if group == 1:
-        return x
-    if out is None:
-        out = np.empty((x.shape[0] // group,) + x.shape[1:], x.dtype)
-    K.fold_groups(np.ascontiguousarray(x).reshape(x.shape[0], -1), out.reshape(out.shape[0], -1), group)
-    return out
-
-
 def race_attention_fwd(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, beta: float = DEFAULT_BETA, *,
                        causal: bool = False, key_mask: ArrayLike | None = None, check_finite: bool = True,
                        out: np.ndarray | None = None,
@@ -346,15 +335,15 @@ def race_attention_bwd(residuals: Residuals, grad_out: ArrayLike, *,
             K.queries_bwd(g, v, rows, sketch, hsh, chunk, grads, Sums(partdA, partdB), chunks=chunks)
             # a key/value head's sketch was read by its whole group (packed: one sketch per sequence)
             per_seq = (lambda x: x.sum(1)) if pk is None else (lambda x: sequence_sums(x, pk))
-            dB = _group_sum(per_seq(partdB), r.group)
+            dB = K.group_sum(per_seq(partdB), r.group)
             check_derived(r.check_finite, ("grad_out", g, all_finite(dB), SUMS_OVERFLOW))  # before the keys' backward
-            K.keys_bwd(v, rows, Sums(_group_sum(per_seq(partdA), r.group), dB.astype(cdt)), hsh, chunk, grads,
+            K.keys_bwd(v, rows, Sums(K.group_sum(per_seq(partdA), r.group), dB.astype(cdt)), hsh, chunk, grads,
                        chunks=chunks)
         dbeta = float(dbq.sum() + dbk.sum())
         if dplanes:
             dW = pg.dWq.sum((0, 1)) + pg.dWk.sum((0, 1))
     if summed:
-        dk, dv_ = _group_sum(dk, r.group, dk_kv), _group_sum(dv_, r.group, dv_kv)
+        dk, dv_ = K.group_sum(dk, r.group, dk_kv), K.group_sum(dv_, r.group, dv_kv)
     xp = r.namespace
     grads = tuple(to_namespace(xp if buf is None else None, _deliver(x, buf, shape, dt))
                   for x, buf, shape, dt in zip((dq, dk, dv_), out, shapes, (qdt, kdt, vdt))) + (dbeta,)

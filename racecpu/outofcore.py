@@ -67,11 +67,6 @@ from .config import CHUNK
 from .hashing import DEFAULT_BETA, soft_buckets
 from .streaming import advance
 
-
-def _group_sum(x, group):
-    """``x (Gk * group, ...)`` summed over each run of ``group`` (x itself for 1)."""
-    return x if group == 1 else x.reshape((x.shape[0] // group, group) + x.shape[1:]).sum(1)
-
 __all__ = ["race_attention_fwd_ooc", "race_attention_bwd_ooc", "OocResiduals", "BLOCK"]
 
 #: Default tokens per block (per head); a multiple of ``CHUNK`` so the chunk
@@ -334,7 +329,7 @@ def race_attention_bwd_ooc(res, grad_out, *, dq, dk, dv, checkpoint=None, commit
             K.causal_keys_bwd(gb, vb, rows, Sums(sA, sB), hsh, chunk, grads)
             engine.store_block(dq, lead, lo, hi, dqb)
             for x, a in ((dk, dkb), (dv, dvb)):
-                engine.store_block(x, klead, lo, hi, _group_sum(a, group))
+                engine.store_block(x, klead, lo, hi, K.group_sum(a, group))
             return (state[0] + pdA.sum(1), state[1] + pdB.sum(1)), float(dbq.sum() + dbk.sum())
 
         scan = engine.Scan(ckdir, "bwd_causal", key, nb, shapes, commit_every)
@@ -370,7 +365,7 @@ def race_attention_bwd_ooc(res, grad_out, *, dq, dk, dv, checkpoint=None, commit
     scan = engine.Scan(ckdir, "bwd_queries", key, -(-nq // block), shapes, commit_every)
     (dA, dB), dbeta_q = engine.run(scan, engine.block_ranges(nq, block), queries, progress, "backward: queries", [dq],
                              [r.q, grad_out])
-    dA, dBc = _group_sum(dA, group), _group_sum(dB, group).astype(cdt)  # a sketch read by its whole group
+    dA, dBc = K.group_sum(dA, group), K.group_sum(dB, group).astype(cdt)  # a sketch read by its whole group
 
     def keys(lo, hi, state):
         n = hi - lo

@@ -51,7 +51,7 @@ table ``l`` at ``phi[l*R:(l+1)*R]``; its tanh projections are ``t (L * P,)``.
 
 from .causal import causal_backward, causal_bwd, causal_bwd_split, causal_fwd, causal_keys_bwd, causal_queries_bwd
 from .expmath import exp_neg
-from .groups import fold_groups
+from .groups import fold_groups, group_sum
 from .hash import hash_block, hash_range, hash_rows_du, hash_sketch_range, soft_hash_rows
 from .noncausal import SKETCH_FUSED, keys_bwd, queries_bwd, queries_fwd, sketch_chunks
 from .products import combine_rows, dot_rows, step_scores
@@ -61,7 +61,7 @@ from ..config import BLAS_ROWS, BLAS_SCORE_F, HASH_BLOCK, SCAN_BLOCK, SKETCH_RUN
 
 __all__ = [
     "causal_backward", "causal_bwd", "causal_bwd_split", "causal_fwd", "causal_keys_bwd", "causal_queries_bwd",
-    "exp_neg", "fold_groups", "hash_block", "hash_range", "hash_rows_du", "hash_sketch_range", "soft_hash_rows",
+    "exp_neg", "fold_groups", "group_sum", "hash_block", "hash_range", "hash_rows_du", "hash_sketch_range", "soft_hash_rows",
     "SKETCH_FUSED", "keys_bwd", "queries_bwd", "queries_fwd", "sketch_chunks", "combine_rows", "dot_rows",
     "step_scores", "FLUSH_SUBNORMALS", "count_nonfinite", "run_tasks", "budget_chunk", "chunk_length", "exclusive_scan",
     "scan_segments", "segment_start", "sketch_task_length", "spread_order",

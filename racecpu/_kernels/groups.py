@@ -8,6 +8,7 @@ sums them over each group on every core.  NumPy's ``x.reshape(Gk, group,
 
 from __future__ import annotations
 
+import numpy as np
 from numba import prange
 
 from ._jit import kernel
@@ -44,3 +45,14 @@ def fold_groups(x, out, group):
     start_threads()
     with _parallel_region():
         _fold(x, out, group)
+
+
+def group_sum(x, group, out=None):
+    """``x (Gk * group, ...)`` summed over each run of ``group`` along axis 0 (``x`` itself for 1),
+    into ``out (Gk, ...)`` (C-contiguous, x's dtype) or a new array, by :func:`fold_groups`."""
+    if group == 1:
+        return x
+    if out is None:
+        out = np.empty((x.shape[0] // group,) + x.shape[1:], x.dtype)
+    fold_groups(np.ascontiguousarray(x).reshape(x.shape[0], -1), out.reshape(out.shape[0], -1), group)
+    return out
