@@ -120,6 +120,61 @@ def test_large_beta_gives_the_sum_over_tables_of_the_hard_bucket_mean(rng):
 
 
 # ---------------------------------------------------------------------------
+# racecpu.bucket_mean: the same estimator from per-bucket (prefix) sums, linear in N
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_linear_time_version_equals_the_oracle(rng, causal, masked):
+    from racecpu import bucket_mean as bm
+    q, k, v = _data(rng, lead=(2, 3), nq=11, nk=11 if causal else 9, d=6, dv=4)
+    W = racecpu.hyperplanes(6, 3, 4, seed=2, dtype=np.float64)
+    mask = rng.random((2, 3, k.shape[-2])) > 0.4 if masked else None
+    if masked:
+        mask[0, 0] = False  # a row of queries that sees no key: zeros in both
+    before = [a.copy() for a in (q, k, v)]
+    o1, r1 = ref.race_attention_bucket_mean_fwd(q, k, v, W, 1.7, causal=causal, key_mask=mask)
+    o2, r2 = bm.race_attention_bucket_mean_fwd(q, k, v, W, 1.7, causal=causal, key_mask=mask)
+    np.testing.assert_allclose(o2, o1, rtol=1e-12, atol=1e-13)
+    if masked:
+        np.testing.assert_array_equal(o2[0, 0], 0.0)
+    g = rng.standard_normal(o1.shape)
+    for a, b in zip(bm.race_attention_bucket_mean_bwd(r2, g), ref.race_attention_bucket_mean_bwd(r1, g)):
+        np.testing.assert_allclose(a, b, rtol=1e-11, atol=1e-12)
+    for a, b in zip((q, k, v), before):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_linear_time_version_broadcasts_and_keeps_float32(rng):
+    from racecpu import bucket_mean as bm
+    q, _, _ = _data(rng, lead=(2, 1), nq=8, d=4)
+    _, k, v = _data(rng, lead=(1, 3), nk=8, d=4)
+    W = racecpu.hyperplanes(4, 2, 3, seed=5, dtype=np.float64)
+    for causal in (False, True):
+        o, res = bm.race_attention_bucket_mean_fwd(q, k, v, W, 2.5, causal=causal)
+        o_ref, res_ref = ref.race_attention_bucket_mean_fwd(q, k, v, W, 2.5, causal=causal)
+        np.testing.assert_allclose(o, o_ref, rtol=1e-12, atol=1e-13)
+        g = rng.standard_normal(o.shape)
+        for a, b in zip(bm.race_attention_bucket_mean_bwd(res, g), ref.race_attention_bucket_mean_bwd(res_ref, g)):
+            np.testing.assert_allclose(a, b, rtol=1e-11, atol=1e-12)
+        o32 = bm.race_attention_bucket_mean(*(a.astype(np.float32) for a in (q, k, v)), W, 2.5, causal=causal)
+        assert o32.dtype == np.float32
+        np.testing.assert_allclose(o32, o, rtol=1e-4, atol=1e-5)
+
+
+def test_linear_time_version_rejects_bad_shapes(rng):
+    from racecpu import bucket_mean as bm
+    q, k, v = _data(rng, nq=5, nk=6)
+    W = racecpu.hyperplanes(4, 2, 2, seed=5, dtype=np.float64)
+    with pytest.raises(ValueError, match="Nq == Nk"):
+        bm.race_attention_bucket_mean(q, k, v, W, 1.0, causal=True)
+    with pytest.raises(ValueError, match="disagree"):
+        bm.race_attention_bucket_mean(q, k, v[:, :5], W, 1.0)
+    with pytest.raises(TypeError):
+        bm.race_attention_bucket_mean(q.astype(int), k.astype(int), v.astype(int), W, 1.0)
+
+
+# ---------------------------------------------------------------------------
 # autograd op, attention module, training
 # ---------------------------------------------------------------------------
 
@@ -140,8 +195,8 @@ def test_autograd_op_gradients(causal):
     check_grad(lambda q, k, v: F.race_attention_bucket_mean(q, k, v, planes, 2.0, causal=causal, key_mask=mask),
                q, k, v)
     out = F.race_attention_bucket_mean(q, k, v, planes, 2.0, causal=causal, key_mask=mask).data
-    np.testing.assert_array_equal(out, ref.race_attention_bucket_mean(q.data, k.data, v.data, planes, 2.0,
-                                                                      causal=causal, key_mask=mask))
+    np.testing.assert_allclose(out, ref.race_attention_bucket_mean(q.data, k.data, v.data, planes, 2.0,
+                                                                   causal=causal, key_mask=mask), rtol=1e-12, atol=1e-13)
 
 
 def test_autograd_op_per_head_beta():
@@ -152,8 +207,9 @@ def test_autograd_op_per_head_beta():
     beta = Tensor(np.array([0.7, 1.5, 3.0]))
     out = F.race_attention_bucket_mean(q, k, v, planes, beta, causal=True).data
     for h, b in enumerate(beta.data):
-        np.testing.assert_array_equal(out[:, h], ref.race_attention_bucket_mean(q.data[:, h], k.data[:, h],
-                                                                                v.data[:, h], planes, b, causal=True))
+        np.testing.assert_allclose(out[:, h], ref.race_attention_bucket_mean(q.data[:, h], k.data[:, h],
+                                                                             v.data[:, h], planes, b, causal=True),
+                                   rtol=1e-12, atol=1e-13)
     check_grad(lambda q, k, v, b: F.race_attention_bucket_mean(q, k, v, planes, b, causal=True), q, k, v, beta)
     with pytest.raises(ValueError, match="scalar"):
         F.race_attention_bucket_mean(q, k, v, planes, Tensor(np.ones(2)))

@@ -106,6 +106,44 @@ def test_cli_json(capsys):
     assert res["attention"] == "softmax" and res["steps"] == 3 and 0 <= res["val_accuracy"] <= 1
 
 
+@pytest.mark.parametrize("attention", ["race", "softmax"])
+def test_attention_inputs_are_what_each_layer_reads(attention):
+    from racecpu.autograd import functional as F
+    model = nn.TransformerLM(11, 8, 2, 2, attention=attention, conv_size=2, token_shift=True, seed=3,
+                             dtype=np.float64)
+    tokens = np.random.default_rng(0).integers(0, 11, (3, 12))
+    layers = T.attention_inputs(model, tokens)
+    assert "forward" not in vars(model.blocks[0].attn)  # the capture is gone
+    assert len(layers) == 2 and all(a.shape == (3, 2, 12, 4) for qkv in layers for a in qkv)
+    # layer 0's attention on the captured q, k, v, then its projection, is what the block adds to x
+    x = model.tok(tokens) + model.pos(np.arange(12)) + model.prev(
+        np.concatenate([np.full((3, 1), 11), tokens[:, :-1]], axis=1))
+    blk = model.blocks[0]
+    q, k, v = layers[0]
+    if attention == "race":
+        o = F.race_attention(q, k, v, blk.attn.planes, blk.attn.log_beta.exp(), causal=True)
+    else:
+        o = F.softmax_attention(q, k, v, causal=True)
+    o = blk.attn.proj(o.transpose(0, 2, 1, 3).reshape(3, 12, 8))
+    np.testing.assert_allclose(o.data, blk.attn(blk.ln1(x)).data, rtol=1e-12, atol=1e-12)
+    scale = 4 ** -0.5 if attention == "race" else 1.0  # RACE's q as its hash sees it
+    np.testing.assert_allclose(q, blk.attn.project(blk.ln1(x))[0].data, rtol=1e-12)
+    np.testing.assert_allclose(q / scale, blk.attn._conv(blk.attn.q(blk.ln1(x)), blk.attn.conv_q).data
+                               .reshape(3, 12, 2, 4).transpose(0, 2, 1, 3), rtol=1e-12)
+
+
+def test_cli_save_qkv(tmp_path):
+    path = tmp_path / "qkv.npz"
+    rc = main(["train", "--task", "chars", "--steps", "2", "--batch-size", "2", "--tokens", "16", "--d-model", "8",
+               "--layers", "1", "--eval-size", "9", "--quiet", "--out", str(tmp_path), "--save-qkv", str(path)])
+    assert rc == 0
+    with np.load(path) as f:
+        assert {n: f[n].shape for n in f.files} == {n: (1, 8, 2, 16, 4) for n in "qkv"}
+    from racecpu.apps.validation import data
+    q, k, v = data.npz_dataset(str(path))(16, 0, 0, np.random.default_rng(0))
+    assert q.shape == (16, 4) and np.isfinite(q).all()
+
+
 @pytest.mark.parametrize("flags", [["--steps", "0"], ["--tokens", "-3"], ["--beta", "-1"], ["--num-planes", "40"],
                                    ["--lr", "nan"], ["--tokens", "8", "--num-pairs", "4"]])
 def test_cli_bad_flags_are_usage_errors(flags, capsys):

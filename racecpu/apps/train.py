@@ -82,9 +82,13 @@ def add_arguments(p):
     r.add_argument("--fixed-beta", action="store_true", help="do not train beta")
     r.add_argument("--estimator", choices=ESTIMATORS, default="ratio",
                    help="ratio: the paper's (linear in N); "
-                        "bucket_mean: the authors' released code's (O(N^2) reference)")
+                        "bucket_mean: the authors' released code's (also linear in N)")
     r.add_argument("--beta-per-head", action="store_true", help="one trained temperature per head")
     o = add_common_arguments(p, out=True)
+    o.add_argument("--save-qkv", metavar="FILE.npz", default=None,
+                   help="after training, save the queries, keys and values every layer's attention reads on the "
+                        "first 8 validation sequences (arrays q, k, v of shape (layers, 8, heads, N, head_dim); "
+                        "for racecpu validate --qkv)")
     o.add_argument("--timing-lengths", type=_lengths, default="256,512,1024,2048",
                    help="comma-separated sequence lengths for --timing")
 
@@ -189,12 +193,47 @@ def train_step(model, opt, x, y, clip):
     return float(loss.data)
 
 
-def train(cfg, progress=False, desc=None):
+def attention_inputs(model, tokens):
+    """The ``(q, k, v)`` each attention layer of ``model`` reads on ``tokens (B, N)``.
+
+    Returns a list with one tuple of arrays per layer, shapes ``(B, H, N,
+    head_dim)`` (keys and values with the layer's key/value heads), as
+    :meth:`racecpu.autograd.nn.MultiHeadAttention.project` gives them.
+    The model is run once without gradients and left as it was.
+    """
+    seen = []
+
+    def capture(attn):
+        def forward(x, *args, **kwargs):
+            seen.append(tuple(t.data for t in attn.project(x)))
+            return type(attn).forward(attn, x, *args, **kwargs)
+        return forward
+
+    for blk in model.blocks:
+        blk.attn.forward = capture(blk.attn)  # an instance attribute, removed below
+    try:
+        with no_grad():
+            model(tokens)
+    finally:
+        for blk in model.blocks:
+            del blk.attn.forward
+    return seen
+
+
+def save_attention_inputs(model, tokens, path):
+    """Write :func:`attention_inputs` to ``path`` (``.npz``: ``q``, ``k``, ``v`` stacked over layers)."""
+    layers = attention_inputs(model, tokens)
+    np.savez_compressed(path, **{name: np.stack([qkv[i] for qkv in layers]) for i, name in enumerate("qkv")})
+
+
+def train(cfg, progress=False, desc=None, save_qkv=None):
     """Train one model from ``cfg`` (see :func:`config_from_args`); returns the metrics dict.
 
     The dict holds the final validation metrics, ``time_per_step_ms`` (median
     over steps), ``train_seconds`` and ``history`` (per-step losses and the
-    periodic validation metrics, for learning curves).
+    periodic validation metrics, for learning curves).  With ``save_qkv`` (a
+    path), the trained model's attention inputs on the first 8 validation
+    sequences are written there (:func:`save_attention_inputs`).
     """
     from tqdm import tqdm
 
@@ -229,6 +268,8 @@ def train(cfg, progress=False, desc=None):
     bar.close()
     total = time.perf_counter() - t_start
     final = history["eval"][-1] if history["eval"] else evaluate(model, cfg, data)
+    if save_qkv:
+        save_attention_inputs(model, data.eval[0][:8], save_qkv)
     betas = None
     if cfg["attention"] == "race":
         betas = [b for blk in model.blocks for b in np.atleast_1d(blk.attn.current_beta())]
@@ -371,7 +412,11 @@ def run(args):
         return timing(args)
     if args.compare:
         return compare(args)
-    res = train(config_from_args(args), progress=args.progress)
+    if args.save_qkv and (args.compare or args.timing):
+        raise UsageError("--save-qkv saves one trained model's attention inputs: not with --compare or --timing")
+    if args.save_qkv and not os.path.isdir(os.path.dirname(os.path.abspath(args.save_qkv))):
+        raise UsageError(f"--save-qkv {args.save_qkv}: no such folder")
+    res = train(config_from_args(args), progress=args.progress, save_qkv=args.save_qkv)
     key, label = _metric(args.task)
     print(f"{res['task']} / {res['attention']}: validation {label} {res[key]:.4f}, val loss {res['val_loss']:.4f}, "
           f"{res['time_per_step_ms']:.1f} ms/step, {res['train_seconds']:.0f} s"

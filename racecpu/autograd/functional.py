@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import bucket_mean as _bm
 from .. import reference as _ref
 from ..attention import race_attention_bwd, race_attention_fwd
 from ..hashing import DEFAULT_BETA, DEN_FLOOR
@@ -236,12 +237,12 @@ def _race_per_head(q, k, v, planes, beta_t, causal, key_mask, extra=(), cu_seqle
 
 
 def race_attention_bucket_mean(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None, eps=1e-6):
-    """Per-bucket-mean RACE attention (:func:`racecpu.reference.race_attention_bucket_mean`) as an op.
+    """Per-bucket-mean RACE attention (:func:`racecpu.bucket_mean.race_attention_bucket_mean`) as an op.
 
     The estimator of the authors' released code: ``out_i = sum_l sum_r
     phi_l(q_i)_r B_lr / (A_lr + eps)`` (no 1/L; prefix sums when causal).
-    O(N^2) in time and memory (the reference's forward and backward), so for
-    small models.  ``beta`` as in :func:`race_attention`: a positive float, a
+    Linear in N (the per-bucket sums of :mod:`racecpu.bucket_mean`, equal
+    to the O(N^2) oracle :func:`racecpu.reference.race_attention_bucket_mean`).  ``beta`` as in :func:`race_attention`: a positive float, a
     scalar Tensor, or a Tensor of shape ``(H,)`` for inputs ``(B, H, N, d)``;
     as a Tensor it receives its gradient.  ``planes`` are constants.
 
@@ -274,21 +275,21 @@ def race_attention_bucket_mean(q, k, v, planes, beta=DEFAULT_BETA, *, causal=Fal
     if per_head:
         H = q.shape[1]
         mask = None if key_mask is None else np.broadcast_to(np.asarray(key_mask), k.shape[:-1])
-        fr = [_ref.race_attention_bucket_mean_fwd(q.data[:, h], k.data[:, h], v.data[:, h], planes,
+        fr = [_bm.race_attention_bucket_mean_fwd(q.data[:, h], k.data[:, h], v.data[:, h], planes,
                                                   float(beta_t.data[h]), causal=causal, eps=eps,
                                                   key_mask=None if mask is None else mask[:, h]) for h in range(H)]
 
         def vjp(g):
-            grads = [_ref.race_attention_bucket_mean_bwd(r, g[:, h]) for h, (_, r) in enumerate(fr)]
+            grads = [_bm.race_attention_bucket_mean_bwd(r, g[:, h]) for h, (_, r) in enumerate(fr)]
             dq, dk, dv = (np.stack([gr[i] for gr in grads], axis=1) for i in range(3))
             return dq, dk, dv, np.array([gr[3] for gr in grads], dtype=beta_t.dtype)
         return _op(np.stack([o for o, _ in fr], axis=1), (q, k, v, beta_t), vjp)
     b = float(beta_t.data) if beta_t is not None else beta
-    out, res = _ref.race_attention_bucket_mean_fwd(q.data, k.data, v.data, planes, b, causal=causal,
+    out, res = _bm.race_attention_bucket_mean_fwd(q.data, k.data, v.data, planes, b, causal=causal,
                                                    key_mask=key_mask, eps=eps)
 
     def vjp(g):
-        dq, dk, dv, dbeta = _ref.race_attention_bucket_mean_bwd(res, g)
+        dq, dk, dv, dbeta = _bm.race_attention_bucket_mean_bwd(res, g)
         if beta_t is None:
             return dq, dk, dv
         return dq, dk, dv, np.full(beta_t.shape, dbeta, dtype=beta_t.dtype)

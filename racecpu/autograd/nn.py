@@ -188,8 +188,8 @@ class MultiHeadAttention(Module):
         :func:`racecpu.race_attention`, linear in N; ``bucket_mean``: the
         estimator of the authors' released code,
         :func:`racecpu.autograd.functional.race_attention_bucket_mean` (a mean
-        per bucket, summed over buckets and tables, no 1/L), computed by the
-        O(N^2) reference, so for small models.  Same hash, same q/k scaling.
+        per bucket, summed over buckets and tables, no 1/L), linear in N by
+        per-bucket (prefix) sums in NumPy.  Same hash, same q/k scaling.
     train_beta : bool, default True
     learn_planes : bool, default False
         RACE (``estimator="ratio"``) only: the hyperplanes are a
@@ -269,6 +269,27 @@ class MultiHeadAttention(Module):
         t = F.causal_conv1d(t, w)
         return t.silu() if self.conv_act else t
 
+    def project(self, x):
+        """The queries, keys and values this layer's attention reads, for ``x (B, N, d_model)``.
+
+        Returns Tensors ``q (B, H, N, head_dim)``, ``k``, ``v (B, n_kv_heads, N,
+        head_dim)``: the projections, after the short convolution if any; for
+        RACE, q and k scaled by ``head_dim ** -0.5`` as the hash sees them.
+        """
+        B, N, _ = x.shape
+        dh = self.head_dim
+
+        def heads(t, n):
+            return t.reshape(B, N, n, dh).transpose(0, 2, 1, 3)
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        if self.conv_size:
+            q, k, v = self._conv(q, self.conv_q), self._conv(k, self.conv_k), self._conv(v, self.conv_v)
+        q, k, v = heads(q, self.n_heads), heads(k, self.n_kv_heads), heads(v, self.n_kv_heads)
+        if self.attention == "race":
+            s = dh ** -0.5  # keeps W q ~ N(0, 1): tanh unsaturated, so q and k get gradients
+            q, k = q * s, k * s
+        return q, k, v
+
     def forward(self, x, key_mask=None, cu_seqlens=None):
         """``x``: (B, N, d_model); ``key_mask``: optional bool (B, N), False = padding;
         ``cu_seqlens``: packed sequences on the N axis (:func:`racecpu.race_attention`'s),
@@ -278,14 +299,8 @@ class MultiHeadAttention(Module):
                                            and not self.conv_size):
             raise NotImplementedError("cu_seqlens (packed sequences) needs attention='race' with "
                                       "estimator='ratio' and conv_size=0 (the convolution would mix sequences)")
-        H, Hk, dh = self.n_heads, self.n_kv_heads, self.head_dim
-
-        def heads(t, n):
-            return t.reshape(B, N, n, dh).transpose(0, 2, 1, 3)
-        q, k, v = self.q(x), self.k(x), self.v(x)
-        if self.conv_size:
-            q, k, v = self._conv(q, self.conv_q), self._conv(k, self.conv_k), self._conv(v, self.conv_v)
-        q, k, v = heads(q, H), heads(k, Hk), heads(v, Hk)
+        H, Hk = self.n_heads, self.n_kv_heads
+        q, k, v = self.project(x)
         shared = self.attention == "race" and self.estimator == "ratio"  # grouped k, v read as they are
         if Hk != H and not shared:  # the others see each key/value head repeated for its query heads
             group = np.repeat(np.arange(Hk), H // Hk)
@@ -293,10 +308,9 @@ class MultiHeadAttention(Module):
         mask = None if key_mask is None else np.broadcast_to(np.asarray(key_mask)[:, None, :], (B, Hk, N))
         if self.attention == "race":
             beta = self.log_beta.exp() if hasattr(self, "log_beta") else self.beta
-            s = self.head_dim ** -0.5  # keeps W q ~ N(0, 1): tanh unsaturated, so q and k get gradients
             race = F.race_attention if self.estimator == "ratio" else F.race_attention_bucket_mean
             packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
-            o = race(q * s, k * s, v, self.planes, beta, causal=self.causal, key_mask=mask, **packed)
+            o = race(q, k, v, self.planes, beta, causal=self.causal, key_mask=mask, **packed)
         elif self.attention == "softmax":
             o = F.softmax_attention(q, k, v, causal=self.causal, key_mask=mask)
         elif self.attention == "angular":

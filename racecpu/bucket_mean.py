@@ -1,0 +1,140 @@
+"""The per-bucket-mean estimator of the authors' released code, in linear time.
+
+:func:`racecpu.reference.race_attention_bucket_mean` states the estimator
+(read its docstring for what it is and how it differs from the paper's
+ratio) through the ``(Nq, Nk)`` matrix, as an oracle.  This module computes
+the same numbers from the per-bucket sums themselves, in O(N L 2**P dv) time
+and memory, so that models train with it at the cost of the ratio
+estimator: non-causal, one sum per bucket over all keys; causal, prefix sums
+over the keys ``j <= i`` (``docs/design.md``, "the per-bucket mean").
+
+With ``phi`` the soft hash (:func:`racecpu.reference.soft_buckets_dense`,
+shared with the oracle so that both state one hash), ``A_lr = sum_j
+phi_l(k_j)_r`` and ``B_lr = sum_j phi_l(k_j)_r v_j`` (prefix sums when
+causal), ``U_lr = B_lr / (A_lr + eps)`` and ``out_i = sum_lr phi_l(q_i)_r
+U_lr``.  The backward, for ``g_i = d out_i``::
+
+    dphi(q_i)_lr = g_i . U_lr
+    dB_lr        = sum_i phi_l(q_i)_r g_i / (A_lr + eps)        (suffix sums i >= j when causal)
+    dA_lr        = -sum_i phi_l(q_i)_r (g_i . U_lr) / (A_lr + eps)
+    dphi(k_j)_lr = v_j . dB_lr + dA_lr,     dv_j = sum_lr phi_l(k_j)_r dB_lr
+
+and the soft hash's backward gives dq, dk and dbeta.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .reference import _dtype, _soft_buckets_dense_bwd, soft_buckets_dense
+
+__all__ = ["race_attention_bucket_mean", "race_attention_bucket_mean_fwd", "race_attention_bucket_mean_bwd"]
+
+
+def _reverse_cumsum(x, axis):
+    return np.flip(np.cumsum(np.flip(x, axis), axis), axis)
+
+
+def race_attention_bucket_mean_fwd(q, k, v, planes, beta, *, causal=False, key_mask=None, eps=1e-6):
+    """The per-bucket-mean estimator and what its backward needs; returns ``(out, residuals)``.
+
+    Arguments as :func:`race_attention_bucket_mean`.  ``residuals`` is opaque
+    (for :func:`race_attention_bucket_mean_bwd`); it holds the inputs' soft
+    hashes and the per-bucket sums, O(N L 2**P dv) numbers when causal.
+    """
+    dt = _dtype(q, k, v)
+    q, k, v = (np.asarray(a, dtype=dt) for a in (q, k, v))
+    if q.ndim < 2 or k.ndim < 2 or v.ndim < 2:
+        raise ValueError(f"q, k, v need shape (..., N, d); got {q.shape}, {k.shape}, {v.shape}")
+    if k.shape[-2] != v.shape[-2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q (..., Nq, d), k (..., Nk, d) and v (..., Nk, dv) disagree: {q.shape}, {k.shape}, "
+                         f"{v.shape}")
+    if causal and q.shape[-2] != k.shape[-2]:
+        raise ValueError(f"causal attention needs Nq == Nk, got {q.shape[-2]} and {k.shape[-2]}")
+    beta, eps = float(beta), float(eps)
+    planes = np.asarray(planes, dtype=dt)
+    lead = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    pq, tq = soft_buckets_dense(q, planes, beta)         # (..., Nq, L, R)
+    pk, tk = soft_buckets_dense(k, planes, beta)         # (..., Nk, L, R)
+    pkm = pk
+    if key_mask is not None:
+        mask = np.broadcast_to(np.asarray(key_mask, dtype=bool), lead + k.shape[-2:-1])
+        pkm = pk * mask[..., None, None].astype(dt)
+    if causal:
+        A = np.cumsum(pkm, axis=-3)                                          # (..., N, L, R)
+        B = np.cumsum(pkm[..., None] * v[..., :, None, None, :], axis=-4)     # (..., N, L, R, dv)
+    else:
+        A = pkm.sum(-3)[..., None, :, :]                                      # (..., 1, L, R)
+        B = np.einsum("...jlr,...jc->...lrc", pkm, v)[..., None, :, :, :]    # (..., 1, L, R, dv)
+    D = A + dt(eps)
+    U = B / D[..., None]
+    out = np.einsum("...ilr,...ilrc->...ic", pq, np.broadcast_to(U, lead + (q.shape[-2],) + U.shape[-3:]))
+    return out.astype(dt), (planes, beta, causal, key_mask, lead, pq, tq, pk, tk, pkm, D, U, v)
+
+
+def race_attention_bucket_mean_bwd(residuals, grad_out):
+    """Returns ``(dq, dk, dv, dbeta)``, ``dbeta`` summed over everything.
+
+    ``dq``, ``dk``, ``dv`` have the shapes of the inputs the forward got
+    (after broadcasting the leading axes); fresh arrays, the residuals are
+    not modified.
+    """
+    planes, beta, causal, key_mask, lead, pq, tq, pk, tk, pkm, D, U, v = residuals
+    dt = pq.dtype
+    g = np.asarray(grad_out, dtype=dt)
+    nq = pq.shape[-3]
+    Ub = np.broadcast_to(U, lead + (nq,) + U.shape[-3:])
+    dpq = np.einsum("...ic,...ilrc->...ilr", g, Ub)
+    if causal:
+        dB = _reverse_cumsum(pq[..., None] * g[..., :, None, None, :] / D[..., None], axis=-4)  # (..., N, L, R, dv)
+        dA = _reverse_cumsum(-dpq * pq / D, axis=-3)                                         # (..., N, L, R)
+        dpkm = np.einsum("...jc,...jlrc->...jlr", v, dB) + dA
+        dv = np.einsum("...jlr,...jlrc->...jc", pkm, dB)
+    else:
+        dB = np.einsum("...ilr,...ic->...lrc", pq, g) / D[..., 0, :, :, None]
+        dA = -(dpq * pq).sum(-3) / D[..., 0, :, :]
+        dpkm = np.einsum("...jc,...lrc->...jlr", v, dB) + dA[..., None, :, :]
+        dv = np.einsum("...jlr,...lrc->...jc", pkm, dB)
+    dpk = dpkm
+    if key_mask is not None:
+        mask = np.broadcast_to(np.asarray(key_mask, dtype=bool), lead + pk.shape[-3:-2])
+        dpk = dpkm * mask[..., None, None].astype(dt)
+    dq, db_q = _soft_buckets_dense_bwd(dpq, pq, tq, planes, beta)
+    dk, db_k = _soft_buckets_dense_bwd(dpk, pk, tk, planes, beta)
+    return dq.astype(dt), dk.astype(dt), np.broadcast_to(dv, lead + dv.shape[-2:]).astype(dt), db_q + db_k
+
+
+def race_attention_bucket_mean(q, k, v, planes, beta, *, causal=False, key_mask=None, eps=1e-6):
+    """RACE attention as the authors' released code computes it, in linear time.
+
+    ``out_i = sum_l sum_r phi_l(q_i)_r B_lr / (A_lr + eps)`` with ``A``, ``B``
+    the soft count and soft value sum of bucket ``r`` of table ``l`` over the
+    keys query ``i`` sees (all of them; ``j <= i`` when causal); no 1/L.  The
+    same numbers as :func:`racecpu.reference.race_attention_bucket_mean`
+    (which states the estimator), from the per-bucket sums.
+
+    Parameters
+    ----------
+    q : ndarray, shape (..., Nq, d), float32 or float64
+    k : ndarray, shape (..., Nk, d)
+    v : ndarray, shape (..., Nk, dv)
+        Leading dims broadcast; computed in the inputs' float dtype.  Not modified.
+    planes : ndarray, shape (L, P, d)
+    beta : float
+    causal : bool
+        Needs ``Nq == Nk``.
+    key_mask : bool ndarray, shape (..., Nk), optional
+        False: the key adds nothing to any bucket.
+    eps : float, default 1e-6
+        Added to every bucket's soft count (the released code's).
+
+    Returns
+    -------
+    out : ndarray, shape (..., Nq, dv), the inputs' dtype
+
+    Notes
+    -----
+    O(N L 2**P (d + dv)) time; memory O(N L 2**P dv) when causal (the prefix
+    sums of every bucket), O(N L 2**P + L 2**P dv) otherwise.
+    """
+    return race_attention_bucket_mean_fwd(q, k, v, planes, beta, causal=causal, key_mask=key_mask, eps=eps)[0]
