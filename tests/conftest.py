@@ -35,6 +35,36 @@ def _pool_every_result(monkeypatch):
     monkeypatch.setattr(POOL, "MIN_BYTES", 0)
 
 
+def pytest_configure(config):
+    # With xdist, every worker would compile the same kernel signatures on first use, each
+    # paying the whole compile time.  The controller has them compiled once, its share of
+    # them by each of as many processes as there are workers, into the kernel cache the
+    # workers then load from (racecpu warmup --jobs).  RACECPU_TEST_PREWARM=0 turns it off.
+    workers = getattr(config.option, "numprocesses", None)
+    if hasattr(config, "workerinput") or not isinstance(workers, int) or workers < 2:
+        return
+    if os.environ.get("RACECPU_TEST_PREWARM", "1") == "0":
+        return
+    import subprocess
+    import sys
+    import time
+
+    import racecpu
+    from racecpu._kernels._jit import shared_cache_dir
+    if shared_cache_dir() is None:
+        return
+    t0 = time.perf_counter()
+    here = os.path.dirname(os.path.dirname(os.path.abspath(racecpu.__file__)))  # this racecpu, not a copy in cwd
+    r = subprocess.run([sys.executable, "-m", "racecpu", "warmup", "--jobs", str(workers), "--quiet"],
+                       capture_output=True, text=True, cwd=here)
+    config._racecpu_prewarm = (r.returncode, time.perf_counter() - t0, r.stderr[-2000:])
+
+
 def pytest_report_header(config):
     import racecpu
-    return f"racecpu {racecpu.__version__} imported from {os.path.dirname(racecpu.__file__)}"
+    lines = [f"racecpu {racecpu.__version__} imported from {os.path.dirname(racecpu.__file__)}"]
+    if hasattr(config, "_racecpu_prewarm"):
+        rc, seconds, err = config._racecpu_prewarm
+        lines.append(f"kernels compiled or loaded by {config.option.numprocesses} warm-up processes in {seconds:.0f} s"
+                     + ("" if rc == 0 else f" (failed, exit status {rc}: the workers compile what they need)\n{err}"))
+    return lines

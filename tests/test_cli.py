@@ -110,6 +110,19 @@ def test_info_json(capsys):
     assert doc["versions"]["numpy"] and doc["versions"]["numba"] and doc["simd_vector_bytes"] in (16, 32, 64)
 
 
+def test_warmup_shares_its_steps_between_processes(capsys):
+    from racecpu.apps.warmup import warmup
+    names = [list(warmup(part=i, parts=3)) for i in range(3)]  # loads what the suite's warm-up compiled
+    assert sorted(sum(names, [])) == sorted(warmup(part=0, parts=1))
+    assert names[2] == ["float32 non-causal", "float64 soft_buckets, RaceState"]
+    for part, parts in ((2, 2), (-1, 2), (0, 0)):
+        with pytest.raises(ValueError, match="part"):
+            warmup(part=part, parts=parts)
+    with pytest.raises(SystemExit) as exc:
+        main(["warmup", "--jobs", "0"])
+    assert exc.value.code == 2 and "--jobs" in capsys.readouterr().err
+
+
 def test_python_dash_m_racecpu():
     r = _racecpu("--version", timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("racecpu ")

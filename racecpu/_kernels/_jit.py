@@ -92,14 +92,11 @@ def cache_tag():
     return "kernels-" + hashlib.sha1(str(_SOURCES).encode()).hexdigest()[:12]
 
 
-@functools.lru_cache(maxsize=None)
-def cache_dir():
-    """The directory the kernels are cached in, or None (no writable place: no cache).
-
-    Tried in order: ``$NUMBA_CACHE_DIR/racecpu-<tag>``, ``racecpu/_kernels/__pycache__``,
-    ``<user cache>/racecpu/<tag>``, a new private temporary directory.  ``<tag>``
-    tells checkouts apart (a hash of this package's path).
-    """
+def shared_cache_dir():
+    """The first writable of ``$NUMBA_CACHE_DIR/racecpu-<tag>``, ``racecpu/_kernels/__pycache__``
+    and ``<user cache>/racecpu/<tag>``: where every process of this checkout finds the
+    kernels another compiled; None if none is writable.  ``<tag>`` tells checkouts apart
+    (a hash of this package's path)."""
     tag = cache_tag()
     candidates = []
     if numba_config.CACHE_DIR:
@@ -109,6 +106,19 @@ def cache_dir():
     for path in candidates:
         if _writable(path):
             return str(path)
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def cache_dir():
+    """The directory the kernels are cached in, or None (no writable place: no cache).
+
+    :func:`shared_cache_dir`, else a new private temporary directory (kept by
+    this process alone).
+    """
+    shared = shared_cache_dir()
+    if shared is not None:
+        return shared
     try:
         return tempfile.mkdtemp(prefix="racecpu-kernels-")
     except OSError:
