@@ -282,4 +282,6 @@ def test_estimator_experiment_quick(tmp_path):
     verdicts = {c.key: c.holds for c in res.claims}
     assert verdicts["E1"] and verdicts["E2"] and verdicts["E3"] and verdicts["E5"]
     assert verdicts["E4"] in (True, None)
+    bias = res.values["ratio_bias"]  # the ratio's bias at finite L falls like 1/L
+    assert verdicts["E7"] and bias[0]["bias"] > 3 * bias[0]["noise"] and bias[1]["bias"] < 0.7 * bias[0]["bias"]
     assert (tmp_path / "estimators.png").exists() and len(res.tables["estimators.csv"]) == 2 * 4 * 4

@@ -86,11 +86,14 @@ def test_cli_validate_with_npz_hook(tmp_path):
     np.savez(path, q=rng.standard_normal((2, 300, 8)), k=rng.standard_normal((2, 300, 8)),
              v=rng.standard_normal((2, 300, 4)))
     out = tmp_path / "out"
-    rc = main(["validate", "--quick", "--only", "assumptions", "softmax", "--datasets", "isotropic",
+    rc = main(["validate", "--quick", "--only", "assumptions", "softmax", "estimators", "--datasets", "isotropic",
                "--qkv", str(path), "--out", str(out), "--no-progress"])
     assert rc == 0
-    report = (out / "REPORT-softmax-assumptions.md").read_text()
+    report = (out / "REPORT-softmax-assumptions-estimators.md").read_text()
     assert "npz:qkv" in report
+    assert "| E8 | npz:qkv (a trained model's q, k, v" in report  # both estimators on the file's q, k (d = 8)
+    rows = (out / "estimators.csv").read_text().splitlines()
+    assert any(r.startswith("npz:qkv,raw,3,") for r in rows)
     rows = (out / "assumptions.csv").read_text().splitlines()
     assert any(r.startswith("npz:qkv,256,") for r in rows) and not any(",512," in r for r in rows)
     assert main(["validate", "--quick", "--qkv", str(tmp_path / "missing.npz"), "--out", str(out)]) == 2

@@ -1,4 +1,4 @@
-"""All four experiments; writes CSVs, PNGs and REPORT.md into validation/results/.
+"""All five experiments; writes CSVs, PNGs and REPORT.md into validation/results/.
 
 Usage: python validation/run_all.py [--quick] [--out DIR] [--seed S] [--datasets ...] [--qkv FILE.npz]
 (the options of `racecpu validate`; the work is done by racecpu.apps.validation).

@@ -1,6 +1,6 @@
 """Validation of RACE attention against the angular kernel and Theorem 1 of the paper.
 
-``racecpu validate [--quick] [--out DIR]`` runs four experiments and writes,
+``racecpu validate [--quick] [--out DIR]`` runs five experiments and writes,
 into ``DIR``, one CSV per table, PNG plots and ``REPORT.md`` with a verdict per
 claim:
 
@@ -13,7 +13,10 @@ claim:
 3. :mod:`~racecpu.apps.validation.softmax` -- angular against softmax attention as
    gamma grows, and the best-matching gamma per head dim;
 4. :mod:`~racecpu.apps.validation.assumptions` -- (A1) ``s_min / N`` and (A2) for
-   every data set.
+   every data set;
+5. :mod:`~racecpu.apps.validation.estimators` -- the paper's ratio against the
+   per-bucket mean of the authors' released code, against angular and softmax
+   attention, their limits in beta and L, and the ratio's bias at finite L.
 
 Data sets (seeded) are in :mod:`~racecpu.apps.validation.data`; queries and keys
 of a trained model enter through ``--qkv FILE.npz`` (arrays ``q``, ``k``,
@@ -32,13 +35,14 @@ import os
 import sys
 import time
 
-from . import assumptions, data, kernel, softmax, theorem
+from . import assumptions, data, estimators, kernel, softmax, theorem
 from .common import Claim, Result, style, write_csv
 
 __all__ = ["run_all", "add_arguments", "run", "main", "EXPERIMENTS", "Claim", "Result"]
 
 #: name -> module with ``run(mode, seed, out_dir, show_progress[, datasets])``
-EXPERIMENTS = {"kernel": kernel, "theorem": theorem, "softmax": softmax, "assumptions": assumptions}
+EXPERIMENTS = {"kernel": kernel, "theorem": theorem, "softmax": softmax, "assumptions": assumptions,
+               "estimators": estimators}
 
 
 def run_all(out_dir, *, quick=False, seed=0, only=None, datasets=None, show_progress=False, argv=None):
