@@ -3,10 +3,13 @@
 :func:`racecpu.reference.race_attention_bucket_mean` states the estimator
 (read its docstring for what it is and how it differs from the paper's
 ratio) through the ``(Nq, Nk)`` matrix, as an oracle.  This module computes
-the same numbers from the per-bucket sums themselves, in O(N L 2**P dv) time
-and memory, so that models train with it at the cost of the ratio
-estimator: non-causal, one sum per bucket over all keys; causal, prefix sums
-over the keys ``j <= i`` (``docs/design.md``, "the per-bucket mean").
+the same numbers from the per-bucket sums themselves, in O(N L 2**P dv) time,
+so that models train with it at about the cost of the ratio estimator:
+non-causal, one sum per bucket over all keys; causal, prefix sums over the
+keys ``j <= i``, computed in blocks of BLOCK tokens as linear attention with
+queries ``W_i = phi(q_i) / (A_i + eps)`` (the prefix counts ``A_i`` are cheap)
+and keys ``phi(k_j)``, so that no per-token ``(L, 2**P, dv)`` sum is formed
+(``docs/design.md`` section 1.5).
 
 With ``phi`` the soft hash (:func:`racecpu.reference.soft_buckets_dense`,
 shared with the oracle so that both state one hash), ``A_lr = sum_j
@@ -30,6 +33,9 @@ from .reference import _dtype, _soft_buckets_dense_bwd, soft_buckets_dense
 
 __all__ = ["race_attention_bucket_mean", "race_attention_bucket_mean_fwd", "race_attention_bucket_mean_bwd"]
 
+#: Tokens per block of the causal form (``docs/design.md`` section 1.5).
+BLOCK = 64
+
 
 def _reverse_cumsum(x, axis):
     return np.flip(np.cumsum(np.flip(x, axis), axis), axis)
@@ -40,7 +46,7 @@ def race_attention_bucket_mean_fwd(q, k, v, planes, beta, *, causal=False, key_m
 
     Arguments as :func:`race_attention_bucket_mean`.  ``residuals`` is opaque
     (for :func:`race_attention_bucket_mean_bwd`); it holds the inputs' soft
-    hashes and the per-bucket sums, O(N L 2**P dv) numbers when causal.
+    hashes, the per-bucket sums and, when causal, each block's weights.
     """
     dt = _dtype(q, k, v)
     q, k, v = (np.asarray(a, dtype=dt) for a in (q, k, v))
@@ -60,16 +66,41 @@ def race_attention_bucket_mean_fwd(q, k, v, planes, beta, *, causal=False, key_m
     if key_mask is not None:
         mask = np.broadcast_to(np.asarray(key_mask, dtype=bool), lead + k.shape[-2:-1])
         pkm = pk * mask[..., None, None].astype(dt)
+    n, dv = q.shape[-2], v.shape[-1]
+    F = pq.shape[-2] * pq.shape[-1]
     if causal:
-        A = np.cumsum(pkm, axis=-3)                                          # (..., N, L, R)
-        B = np.cumsum(pkm[..., None] * v[..., :, None, None, :], axis=-4)     # (..., N, L, R, dv)
+        D = np.cumsum(pkm, axis=-3) + dt(eps)        # (..., N, L, R): prefix counts
+        W = np.broadcast_to(pq / D, lead + pq.shape[-3:]).reshape(lead + (n, F))  # a query's weight per bucket
+        Wb, Kb, Vb = (_blocks(x, lead) for x in (W, pkm.reshape(pkm.shape[:-2] + (F,)), v))
+        B0 = _exclusive(np.swapaxes(Kb, -1, -2) @ Vb, axis=-3)   # (..., nb, F, dv): sums before each block
+        S = np.tril(Wb @ np.swapaxes(Kb, -1, -2))                 # (..., nb, c, c): within the block, j <= i
+        out = (Wb @ B0 + S @ Vb).reshape(lead + (-1, dv))[..., :n, :]
+        extra = (W, Wb, Kb, Vb, B0, S)
     else:
-        A = pkm.sum(-3)[..., None, :, :]                                      # (..., 1, L, R)
-        B = np.einsum("...jlr,...jc->...lrc", pkm, v)[..., None, :, :, :]    # (..., 1, L, R, dv)
-    D = A + dt(eps)
-    U = B / D[..., None]
-    out = np.einsum("...ilr,...ilrc->...ic", pq, np.broadcast_to(U, lead + (q.shape[-2],) + U.shape[-3:]))
-    return out.astype(dt), (planes, beta, causal, key_mask, lead, pq, tq, pk, tk, pkm, D, U, v)
+        D = pkm.sum(-3)[..., None, :, :] + dt(eps)                                 # (..., 1, L, R)
+        U = np.einsum("...jlr,...jc->...lrc", pkm, v) / D[..., 0, :, :, None]    # (..., L, R, dv): bucket means
+        out = np.einsum("...ilr,...lrc->...ic", pq, U)
+        extra = (U,)
+    return out.astype(dt), (planes, beta, causal, key_mask, lead, pq, tq, pk, tk, pkm, D, v, extra)
+
+
+def _blocks(x, lead):
+    """``x (..., N, F)`` broadcast to ``lead`` and cut into ``(..., nb, BLOCK, F)``, zero rows past N."""
+    n, c = x.shape[-2], BLOCK
+    nb = -(-n // c)
+    x = np.broadcast_to(x, lead + x.shape[-2:])
+    if nb * c != n:
+        x = np.concatenate([x, np.zeros(lead + (nb * c - n, x.shape[-1]), x.dtype)], axis=-2)
+    return x.reshape(lead + (nb, c, x.shape[-1]))
+
+
+def _exclusive(x, axis, reverse=False):
+    """Exclusive cumulative sum along ``axis`` (from the end when ``reverse``)."""
+    if reverse:
+        return np.flip(_exclusive(np.flip(x, axis), axis), axis)
+    c = np.cumsum(x, axis=axis)
+    return np.concatenate([np.zeros_like(np.take(c, [0], axis=axis)), np.take(c, range(x.shape[axis] - 1), axis=axis)],
+                          axis=axis)
 
 
 def race_attention_bucket_mean_bwd(residuals, grad_out):
@@ -79,18 +110,27 @@ def race_attention_bucket_mean_bwd(residuals, grad_out):
     (after broadcasting the leading axes); fresh arrays, the residuals are
     not modified.
     """
-    planes, beta, causal, key_mask, lead, pq, tq, pk, tk, pkm, D, U, v = residuals
+    planes, beta, causal, key_mask, lead, pq, tq, pk, tk, pkm, D, v, extra = residuals
     dt = pq.dtype
     g = np.asarray(grad_out, dtype=dt)
-    nq = pq.shape[-3]
-    Ub = np.broadcast_to(U, lead + (nq,) + U.shape[-3:])
-    dpq = np.einsum("...ic,...ilrc->...ilr", g, Ub)
+    n, dv = pq.shape[-3], v.shape[-1]
     if causal:
-        dB = _reverse_cumsum(pq[..., None] * g[..., :, None, None, :] / D[..., None], axis=-4)  # (..., N, L, R, dv)
-        dA = _reverse_cumsum(-dpq * pq / D, axis=-3)                                         # (..., N, L, R)
-        dpkm = np.einsum("...jc,...jlrc->...jlr", v, dB) + dA
-        dv = np.einsum("...jlr,...jlrc->...jc", pkm, dB)
+        W, Wb, Kb, Vb, B0, S = extra
+        Gb = _blocks(g, lead)
+        # out_i = sum_{j <= i} (W_i . pk_j) v_j: linear attention with queries W, keys pk
+        dWb = Gb @ np.swapaxes(B0, -1, -2) + np.tril(Gb @ np.swapaxes(Vb, -1, -2)) @ Kb
+        C = _exclusive(np.swapaxes(Wb, -1, -2) @ Gb, axis=-3, reverse=True)   # (..., nb, F, dv): queries after
+        dKb = Vb @ np.swapaxes(C, -1, -2) + np.triu(Vb @ np.swapaxes(Gb, -1, -2)) @ Wb
+        dVb = Kb @ C + np.swapaxes(S, -1, -2) @ Gb
+        shape = lead + pq.shape[-3:]  # (..., N, L, R)
+        dW = dWb.reshape(lead + (-1, Wb.shape[-1]))[..., :n, :].reshape(shape)
+        dpq = dW / D
+        dpkm = dKb.reshape(lead + (-1, Kb.shape[-1]))[..., :n, :].reshape(shape)
+        dpkm = dpkm + _reverse_cumsum(-dW * W.reshape(shape) / D, axis=-3)   # through the prefix counts
+        dv = dVb.reshape(lead + (-1, dv))[..., :n, :]
     else:
+        (U,) = extra
+        dpq = np.einsum("...ic,...lrc->...ilr", g, U)
         dB = np.einsum("...ilr,...ic->...lrc", pq, g) / D[..., 0, :, :, None]
         dA = -(dpq * pq).sum(-3) / D[..., 0, :, :]
         dpkm = np.einsum("...jc,...lrc->...jlr", v, dB) + dA[..., None, :, :]
@@ -134,7 +174,7 @@ def race_attention_bucket_mean(q, k, v, planes, beta, *, causal=False, key_mask=
 
     Notes
     -----
-    O(N L 2**P (d + dv)) time; memory O(N L 2**P dv) when causal (the prefix
-    sums of every bucket), O(N L 2**P + L 2**P dv) otherwise.
+    O(N L 2**P (d + dv + BLOCK)) time, O(N L 2**P + N BLOCK + (N / BLOCK) L 2**P dv)
+    memory (the blocks' sums when causal, one per bucket otherwise).
     """
     return race_attention_bucket_mean_fwd(q, k, v, planes, beta, causal=causal, key_mask=key_mask, eps=eps)[0]

@@ -125,8 +125,10 @@ def test_large_beta_gives_the_sum_over_tables_of_the_hard_bucket_mean(rng):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
-def test_linear_time_version_equals_the_oracle(rng, causal, masked):
+@pytest.mark.parametrize("block", [4, 64])  # the causal form's blocks: several with a partial one, or one
+def test_linear_time_version_equals_the_oracle(rng, monkeypatch, causal, masked, block):
     from racecpu import bucket_mean as bm
+    monkeypatch.setattr(bm, "BLOCK", block)
     q, k, v = _data(rng, lead=(2, 3), nq=11, nk=11 if causal else 9, d=6, dv=4)
     W = racecpu.hyperplanes(6, 3, 4, seed=2, dtype=np.float64)
     mask = rng.random((2, 3, k.shape[-2])) > 0.4 if masked else None
@@ -145,8 +147,9 @@ def test_linear_time_version_equals_the_oracle(rng, causal, masked):
         np.testing.assert_array_equal(a, b)
 
 
-def test_linear_time_version_broadcasts_and_keeps_float32(rng):
+def test_linear_time_version_broadcasts_and_keeps_float32(rng, monkeypatch):
     from racecpu import bucket_mean as bm
+    monkeypatch.setattr(bm, "BLOCK", 3)
     q, _, _ = _data(rng, lead=(2, 1), nq=8, d=4)
     _, k, v = _data(rng, lead=(1, 3), nk=8, d=4)
     W = racecpu.hyperplanes(4, 2, 3, seed=5, dtype=np.float64)
