@@ -212,7 +212,7 @@ def run(mode="quick", seed=0, out_dir=".", show_progress=False, datasets=None):
     fig = _plot(rows, limit_rows, cfg, out_dir)
     return Result(name="estimators", title="The paper's ratio against the released code's per-bucket mean",
                   tables={"estimators.csv": rows, "estimators_limit.csv": limit_rows}, figures=[fig],
-                  claims=claims, markdown=_table_md(rows, cfg) + _bias_md(values["ratio_bias"]), values=values,
+                  claims=claims, markdown=_table_md(rows, cfg) + "\n\n" + _bias_md(values["ratio_bias"]), values=values,
                   seconds=time.perf_counter() - t0)
 
 

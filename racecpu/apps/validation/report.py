@@ -37,6 +37,13 @@ NOTES = """## Notes on reading the paper
   proof's concentration lemma then asks for `L >= 2/C1^2 log(2N^2/delta)`,
   thousands of tables, while the measured error is already small at L of a few
   tens. The `sqrt(1/L)` rate is tight (T1); the constants in the proof are not.
+* **Which estimator trains.** Section 5 compares the two estimators as approximations; how
+  models train with each (the character LM at 512 tokens and MQAR at 256 tokens, against softmax,
+  angular and linear attention) is in `benchmarks/results/train/chars512/README.md` and
+  `benchmarks/results/train/mqar_hard.md`. On a trained model's q and k (`--qkv`), the softmax
+  columns compare with softmax of those q, k at scale 1/sqrt(d), which is not the attention that
+  model ran (RACE's q and k were already scaled by 1/sqrt(d) for its hash), so read the angular
+  columns there.
 * **Causal attention.** (A1) cannot hold with a constant C1 for causal
   attention (row i sums only i+1 keys), which is one reason the proof does not
   cover it. Measured, the causal error follows the same L^-1/2 and 1/beta^2
