@@ -287,4 +287,7 @@ def test_estimator_experiment_quick(tmp_path):
     assert verdicts["E4"] in (True, None)
     bias = res.values["ratio_bias"]  # the ratio's bias at finite L falls like 1/L
     assert verdicts["E7"] and bias[0]["bias"] > 3 * bias[0]["noise"] and bias[1]["bias"] < 0.7 * bias[0]["bias"]
+    assert verdicts["E9"] is None and verdicts["E10"] is None  # measured: N and beta sweeps
+    assert [r["N"] for r in res.values["n_sweep"]] == [128, 256, 512]
+    assert all(0 < r["ratio_vs_angular"] < 0.2 for r in res.values["n_sweep"])
     assert (tmp_path / "estimators.png").exists() and len(res.tables["estimators.csv"]) == 2 * 4 * 4

@@ -60,11 +60,11 @@ __all__ = ["run", "table_terms", "hard_table_terms", "main"]
 PRESETS = {
     "quick": dict(datasets=("clustered",), N=256, d=64, dv=64, Ps=(3,), betas=(0.125, 1, 16, 1024),
                   Ls=(1, 4, 16, 32), seeds=1, limit_tables=256, limit_Ls=(1, 4, 16, 64, 256), bias_Ls=(1, 2, 4, 8),
-                  bias_tables=8192, bias_queries=128),
+                  bias_tables=8192, bias_queries=128, Ns=(128, 256, 512), n_beta=16.0, n_L=16),
     "full": dict(datasets=("clustered", "isotropic", "near_duplicate"), N=512, d=64, dv=64, Ps=(2, 3, 4),
                  betas=(0.125, 1, 4, 16, 64, 256, 1024), Ls=(1, 2, 4, 8, 16, 32), seeds=2,
                  limit_tables=2048, limit_Ls=(1, 4, 16, 64, 256, 1024), bias_Ls=(1, 2, 4, 8, 16, 32),
-                 bias_tables=65536, bias_queries=256),
+                 bias_tables=65536, bias_queries=256, Ns=(128, 256, 512, 1024, 2048), n_beta=16.0, n_L=32),
 }
 EPS = 1e-6
 
@@ -207,6 +207,7 @@ def run(mode="quick", seed=0, out_dir=".", show_progress=False, datasets=None):
                                 softmax_vs_meanV=_rms(soft, mean_v, v), angular_vs_softmax=_rms(ang, soft, v)))
     rows = _average_seeds(rows)
     limit_rows, values = _limits(cfg, seed)
+    values["n_sweep"] = _n_sweep(cfg, seed)
     values["sweep_seconds"] = time.perf_counter() - t0
     claims = _claims(rows, limit_rows, values, cfg)
     fig = _plot(rows, limit_rows, cfg, out_dir)
@@ -276,6 +277,21 @@ def _limits(cfg, seed):
                                                         0.0)))
     values["limit_tables"] = T - half
     return limit_rows, values
+
+
+def _n_sweep(cfg, seed):
+    """Both estimators against angular attention as N grows (clustered, unit q/k, P = 3, one beta and L)."""
+    P, beta, L = 3, cfg["n_beta"], cfg["n_L"]
+    rows = []
+    for N in cfg["Ns"]:
+        q_raw, k_raw, v = make_qkv("clustered", N, cfg["d"], cfg["dv"], [seed, 43, 3, N])
+        q, k = unit_rows(q_raw), unit_rows(k_raw)
+        ang = angular_attention(q, k, v, P)
+        planes = racecpu.hyperplanes(cfg["d"], P, L, seed=[seed, 43, 3, N, P], dtype=np.float64)
+        num, den, bm = table_terms(q, k, v, planes, beta)
+        rows.append(dict(N=int(N), ratio_vs_angular=_rms(_guarded(num.sum(0), den.sum(0)), ang, v),
+                         bmL_vs_angular=_rms(bm.sum(0) / L, ang, v)))
+    return rows
 
 
 def _ratio_bias(q, k, v, ang, P, cfg, seed, chunk=512):
@@ -379,7 +395,24 @@ def _claims(rows, limit_rows, values, cfg):
                         f"at L = {', '.join(str(r['L']) for r in br)}: {', '.join(fmt(r['bias']) for r in br)} "
                         f"(noise {', '.join(fmt(r['noise']) for r in br)}), log-log slope {sb:.2f} over the L where "
                         f"it exceeds twice the noise; spread of one draw {', '.join(fmt(r['spread']) for r in br)}"))
+    ns = values["n_sweep"]
+    x = [r["N"] for r in ns]
+    claims.append(Claim("E9", f"both estimators' error against angular attention as N grows (clustered, unit q/k, "
+                              f"P = 3, beta = {cfg['n_beta']:g}, L = {cfg['n_L']})", None,
+                        f"N = {', '.join(map(str, x))}: ratio {', '.join(fmt(r['ratio_vs_angular']) for r in ns)} "
+                        f"(log-log slope {_slope(x, [r['ratio_vs_angular'] for r in ns]):+.2f}), bucket mean / L "
+                        f"{', '.join(fmt(r['bmL_vs_angular']) for r in ns)} (slope "
+                        f"{_slope(x, [r['bmL_vs_angular'] for r in ns]):+.2f})"))
     P = 3 if 3 in cfg["Ps"] else cfg["Ps"][0]
+    sel = sorted(_pick(rows, dataset="clustered", inputs="unit", P=P, L=max(cfg["Ls"])), key=lambda r: r["beta"])
+    small = [r for r in sel if r["beta"] <= 4]  # before the variance floor of L tables
+    if len(small) > 1:
+        b = [r["beta"] for r in small]
+        claims.append(Claim("E10", f"slopes in beta of the error against angular attention for beta <= 4 (before the "
+                                   f"floor of L = {max(cfg['Ls'])} tables; clustered, unit, P = {P})", None,
+                            f"ratio {_slope(b, [r['ratio_vs_angular'] for r in small]):+.3f}, bucket mean / L "
+                            f"{_slope(b, [r['bmL_vs_angular'] for r in small]):+.3f} over beta = "
+                            + ", ".join(fmt(x) for x in b)))
     sel = sorted(_pick(rows, dataset="clustered", inputs="unit", P=P, beta=max(cfg["betas"])), key=lambda r: r["L"])
     if len(sel) > 1:
         x = [r["L"] for r in sel]
