@@ -62,10 +62,9 @@ def race_attention_bucket_mean_fwd(q, k, v, planes, beta, *, causal=False, key_m
     lead = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     pq, tq = soft_buckets_dense(q, planes, beta)         # (..., Nq, L, R)
     pk, tk = soft_buckets_dense(k, planes, beta)         # (..., Nk, L, R)
-    pkm = pk
-    if key_mask is not None:
-        mask = np.broadcast_to(np.asarray(key_mask, dtype=bool), lead + k.shape[-2:-1])
-        pkm = pk * mask[..., None, None].astype(dt)
+    mask = None if key_mask is None else np.broadcast_to(np.asarray(key_mask, dtype=bool),
+                                                         lead + k.shape[-2:-1])[..., None, None].astype(dt)
+    pkm = pk if mask is None else pk * mask      # masked keys add nothing to any bucket
     n, dv = q.shape[-2], v.shape[-1]
     F = pq.shape[-2] * pq.shape[-1]
     if causal:
@@ -75,13 +74,13 @@ def race_attention_bucket_mean_fwd(q, k, v, planes, beta, *, causal=False, key_m
         B0 = _exclusive(np.swapaxes(Kb, -1, -2) @ Vb, axis=-3)   # (..., nb, F, dv): sums before each block
         S = np.tril(Wb @ np.swapaxes(Kb, -1, -2))                 # (..., nb, c, c): within the block, j <= i
         out = (Wb @ B0 + S @ Vb).reshape(lead + (-1, dv))[..., :n, :]
-        extra = (W, Wb, Kb, Vb, B0, S)
+        extra = (Wb, Kb, Vb, B0, S)
     else:
         D = pkm.sum(-3)[..., None, :, :] + dt(eps)                                 # (..., 1, L, R)
         U = np.einsum("...jlr,...jc->...lrc", pkm, v) / D[..., 0, :, :, None]    # (..., L, R, dv): bucket means
         out = np.einsum("...ilr,...lrc->...ic", pq, U)
         extra = (U,)
-    return out.astype(dt), (planes, beta, causal, key_mask, lead, pq, tq, pk, tk, pkm, D, v, extra)
+    return out.astype(dt), (planes, beta, causal, mask, lead, pq, tq, pk, tk, pkm, D, v, extra)
 
 
 def _blocks(x, lead):
@@ -110,12 +109,12 @@ def race_attention_bucket_mean_bwd(residuals, grad_out):
     (after broadcasting the leading axes); fresh arrays, the residuals are
     not modified.
     """
-    planes, beta, causal, key_mask, lead, pq, tq, pk, tk, pkm, D, v, extra = residuals
+    planes, beta, causal, mask, lead, pq, tq, pk, tk, pkm, D, v, extra = residuals
     dt = pq.dtype
     g = np.asarray(grad_out, dtype=dt)
     n, dv = pq.shape[-3], v.shape[-1]
     if causal:
-        W, Wb, Kb, Vb, B0, S = extra
+        Wb, Kb, Vb, B0, S = extra
         Gb = _blocks(g, lead)
         # out_i = sum_{j <= i} (W_i . pk_j) v_j: linear attention with queries W, keys pk
         dWb = Gb @ np.swapaxes(B0, -1, -2) + np.tril(Gb @ np.swapaxes(Vb, -1, -2)) @ Kb
@@ -126,7 +125,8 @@ def race_attention_bucket_mean_bwd(residuals, grad_out):
         dW = dWb.reshape(lead + (-1, Wb.shape[-1]))[..., :n, :].reshape(shape)
         dpq = dW / D
         dpkm = dKb.reshape(lead + (-1, Kb.shape[-1]))[..., :n, :].reshape(shape)
-        dpkm = dpkm + _reverse_cumsum(-dW * W.reshape(shape) / D, axis=-3)   # through the prefix counts
+        W = Wb.reshape(lead + (-1, Wb.shape[-1]))[..., :n, :].reshape(shape)
+        dpkm = dpkm + _reverse_cumsum(-dW * W / D, axis=-3)   # through the prefix counts
         dv = dVb.reshape(lead + (-1, dv))[..., :n, :]
     else:
         (U,) = extra
@@ -135,10 +135,7 @@ def race_attention_bucket_mean_bwd(residuals, grad_out):
         dA = -(dpq * pq).sum(-3) / D[..., 0, :, :]
         dpkm = np.einsum("...jc,...lrc->...jlr", v, dB) + dA[..., None, :, :]
         dv = np.einsum("...jlr,...lrc->...jc", pkm, dB)
-    dpk = dpkm
-    if key_mask is not None:
-        mask = np.broadcast_to(np.asarray(key_mask, dtype=bool), lead + pk.shape[-3:-2])
-        dpk = dpkm * mask[..., None, None].astype(dt)
+    dpk = dpkm if mask is None else dpkm * mask
     dq, db_q = _soft_buckets_dense_bwd(dpq, pq, tq, planes, beta)
     dk, db_k = _soft_buckets_dense_bwd(dpk, pk, tk, planes, beta)
     return dq.astype(dt), dk.astype(dt), np.broadcast_to(dv, lead + dv.shape[-2:]).astype(dt), db_q + db_k

@@ -119,22 +119,21 @@ def hard_table_terms(q, k, v, planes, chunk=256):
         Their number (the ratio's denominator term).
     """
     L, P, _ = planes.shape
-    R, dv = 2 ** P, v.shape[1]
+    R = 2 ** P
     weights = 2 ** np.arange(P - 1, -1, -1)              # corners() order: plane 0 is the top bit
     bms, nums, cnts = [], [], []
     for s in range(0, L, chunk):
         W = planes[s:s + chunk]
-        hq = (np.einsum("nd,lpd->lnp", q, W) > 0) @ weights   # (l, N) bucket ids
-        hk = (np.einsum("nd,lpd->lnp", k, W) > 0) @ weights
-        off = (np.arange(len(W)) * R)[:, None]
-        count = np.bincount((hk + off).ravel(), minlength=len(W) * R).astype(np.float64)
-        total = np.zeros((len(W) * R, dv))
-        np.add.at(total, (hk + off).ravel(), np.broadcast_to(v, (len(W),) + v.shape).reshape(-1, dv))
-        mean = total / np.maximum(count, 1)[:, None]
-        idx = hq + off
-        bms.append(mean[idx])
-        nums.append(total[idx])
-        cnts.append(count[idx])
+        hq = (np.einsum("nd,lpd->lnp", q, W) > 0) @ weights   # (l, Nq) bucket ids
+        hk = (np.einsum("nd,lpd->lnp", k, W) > 0) @ weights   # (l, Nk)
+        onehot = (hk[:, None, :] == np.arange(R)[None, :, None]).astype(np.float64)  # (l, R, Nk)
+        total = onehot @ v                                  # (l, R, dv): each bucket's sum of values
+        count = onehot.sum(-1)                              # (l, R)
+        num = np.take_along_axis(total, hq[:, :, None], 1)  # (l, Nq, dv): the query's bucket's
+        cnt = np.take_along_axis(count, hq, 1)              # (l, Nq)
+        bms.append(num / np.maximum(cnt, 1)[..., None])
+        nums.append(num)
+        cnts.append(cnt)
     return np.concatenate(bms), np.concatenate(nums), np.concatenate(cnts)
 
 
@@ -306,21 +305,13 @@ def _ratio_bias(q, k, v, ang, P, cfg, seed, chunk=512):
     """
     nq = min(cfg["bias_queries"], len(q))
     qs, target = q[:nq], ang[:nq]
-    d, dv, R = q.shape[1], v.shape[1], 2 ** P
-    weights = 2 ** np.arange(P - 1, -1, -1)
+    d, dv = q.shape[1], v.shape[1]
     Ls = cfg["bias_Ls"]
     T = cfg["bias_tables"] - cfg["bias_tables"] % chunk
     acc = {L: [np.zeros((nq, dv)), np.zeros((nq, dv)), 0] for L in Ls}   # sum, sum of squares, blocks
     rng = np.random.default_rng(seed)
     for _ in range(T // chunk):
-        W = rng.standard_normal((chunk, P, d))
-        hq = (np.einsum("nd,lpd->lnp", qs, W) > 0) @ weights           # (chunk, nq) bucket ids
-        hk = (np.einsum("nd,lpd->lnp", k, W) > 0) @ weights            # (chunk, N)
-        onehot = (hk[:, None, :] == np.arange(R)[None, :, None]).astype(np.float64)   # (chunk, R, N)
-        total = onehot @ v                                             # (chunk, R, dv)
-        count = onehot.sum(-1)                                         # (chunk, R)
-        num = np.take_along_axis(total, hq[:, :, None], 1)            # (chunk, nq, dv)
-        cnt = np.take_along_axis(count, hq, 1)                         # (chunk, nq)
+        _, num, cnt = hard_table_terms(qs, k, v, rng.standard_normal((chunk, P, d)), chunk=chunk)
         for L in Ls:
             nb = chunk // L
             bn = num.reshape(nb, L, nq, dv).sum(1)
