@@ -76,9 +76,9 @@ class Residuals:
     phik: np.ndarray     # (Gk, Nk, F)
     tk: np.ndarray       # (Gk, Nk, L*P)
     den: np.ndarray      # (G, Nq) float64
-    A: np.ndarray        # (Gk, F) total ((Gk, S, F) per packed sequence), or (G, nc, F) carries
-                         # (per query head) when causal; float64
-    B: np.ndarray        # (Gk, F, dv) total ((Gk, S, F, dv) packed), or (G, nc, F, dv) carries when causal
+    A: np.ndarray        # (Gk, F) total ((Gk, S, F) per packed sequence), or (Gk, nc, F) carries
+                         # when causal; float64
+    B: np.ndarray        # (Gk, F, dv) total ((Gk, S, F, dv) packed), or (Gk, nc, F, dv) carries when causal
     lead: tuple
     in_dtypes: tuple
     out_dtype: np.dtype
@@ -172,7 +172,7 @@ def _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residua
     rq, rk = (nq, nk) if residuals else (0, 0)  # rows kept of the queries' and keys' residuals
     phik = POOL.empty((Gk, nk if causal else rk, F), cdt)
     tk = POOL.empty((Gk, rk, L * P), cdt)
-    seg = K.scan_segments(G, nck, nk) if causal else 1
+    seg = K.scan_segments(Gk, nck, nk) if causal else 1
     partA = POOL.zeros((Gk, nck, F))
     partB = POOL.empty((Gk, nck, F, dv), np.float64)  # the kernels write every value read (causal: the carries)
     phiq = POOL.empty((G, rq, F), cdt)
@@ -190,10 +190,8 @@ def _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residua
         seq = None if pk is None else pk.chunks.seq
         A = K.exclusive_scan(partA, out=partA, seq=seq)
         B = K.exclusive_scan(partB, out=partB, segments=seg, seq=seq)  # the segments' first carries; the scan the rest
-        # grouped-query attention: every query head scans from its key/value head's carries,
-        # reading that head's phik and v (the scan's state updates are per query head)
-        A, B = _repeat(A, group), _repeat(B, group)
-        sums_v = POOL.zeros((G, F, dv))  # the scan's total of B, for the check of v
+        # grouped-query attention: one scan per key/value head, read by its whole group of query heads
+        sums_v = POOL.zeros((Gk, F, dv))  # the scan's total of B, for the check of v
         if G and nq:
             nan_q = K.causal_fwd(a.q, a.v, hsh, chunk, rows, Sums(A, B), o, final=sums_v,
                                  segments=seg, chunks=chunks)
@@ -298,13 +296,9 @@ def race_attention_bwd(residuals: Residuals, grad_out: ArrayLike, *,
     chunk = r.chunk
     ncq, nck = (-(-nq // chunk), -(-nk // chunk)) if pk is None else (pk.chunks.seq.size,) * 2
     hsh, rows = Hash(r.planes, r.beta), Rows(r.phiq, r.tq, r.phik, r.tk, r.den)
-    # The kernels write every row; without queries or keys they do not run.  The causal
-    # backward of grouped-query attention writes dk, dv per query head: summed over each group below.
-    summed = r.causal and r.group > 1
-    Gw = G if summed else Gk  # groups of dk, dv, dbk as the kernels write them
+    # The kernels write every row; without queries or keys they do not run.
     dq = _target(out[0], (G, nq, d), cdt)
-    dk_kv, dv_kv = (_target(buf, (Gk,) + shape[-2:], cdt) for buf, shape in zip(out[1:], shapes[1:]))
-    dk, dv_ = (POOL.empty((G,) + x.shape[1:], cdt) for x in (dk_kv, dv_kv)) if summed else (dk_kv, dv_kv)
+    dk, dv_ = (_target(buf, (Gk,) + shape[-2:], cdt) for buf, shape in zip(out[1:], shapes[1:]))
     dbeta = 0.0
     LP = r.planes.shape[0] * r.planes.shape[1]
     dW = np.zeros((LP, d))
@@ -315,15 +309,18 @@ def race_attention_bwd(residuals: Residuals, grad_out: ArrayLike, *,
     else:
         if dplanes:  # per-chunk shares, summed below in a fixed order
             pg = PlanesGrad(widened(r.q, cdt), widened(r.k, cdt), POOL.empty((G, ncq, LP, d), np.float64),
-                            POOL.empty((Gw, nck, LP, d), np.float64))
+                            POOL.empty((Gk, nck, LP, d), np.float64))
         else:
             pg = no_planes_grad(g, G, ncq, nck, d)
-        partdA = POOL.zeros((G, ncq, F))
-        partdB = POOL.empty((G, ncq, F, dv), np.float64)  # the kernels write every value read
+        # the chunk totals of (dA, dB): per query head, or per key/value head (summed over
+        # its group) from the causal scan, which runs the group's query heads together
+        Gd = Gk if r.causal else G
+        partdA = POOL.zeros((Gd, ncq, F))
+        partdB = POOL.empty((Gd, ncq, F, dv), np.float64)  # the kernels write every value read
         dbq = POOL.zeros((G, ncq))
-        dbk = POOL.zeros((Gw, nck))
+        dbk = POOL.zeros((Gk, nck))
         if r.causal:
-            dB = POOL.zeros((G, F, dv))  # the scan's total of dB, for the check of grad_out
+            dB = POOL.zeros((Gk, F, dv))  # the scan's total of dB, for the check of grad_out
             grads = Grads(dq, dk, dv_, POOL.zeros((G, nq)), dbq, dbk, pg)
             K.causal_backward(g, v, rows, Sums(r.A, r.B), hsh, chunk, grads, Sums(partdA, partdB), final=dB, chunks=chunks)
             # packed: the reverse scan restarts, its total is the first sequence's; dv shows the others'
@@ -342,8 +339,6 @@ def race_attention_bwd(residuals: Residuals, grad_out: ArrayLike, *,
         dbeta = float(dbq.sum() + dbk.sum())
         if dplanes:
             dW = pg.dWq.sum((0, 1)) + pg.dWk.sum((0, 1))
-    if summed:
-        dk, dv_ = K.group_sum(dk, r.group, dk_kv), K.group_sum(dv_, r.group, dv_kv)
     xp = r.namespace
     grads = tuple(to_namespace(xp if buf is None else None, _deliver(x, buf, shape, dt))
                   for x, buf, shape, dt in zip((dq, dk, dv_), out, shapes, (qdt, kdt, vdt))) + (dbeta,)

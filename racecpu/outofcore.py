@@ -312,14 +312,14 @@ def race_attention_bwd_ooc(res, grad_out, *, dq, dk, dv, checkpoint=None, commit
             chunk, cA, cB = step.chunk, step.carryA, step.carryB
             nc = cA.shape[1]
             dqb = bufs("dq", (G, n, d), cdt, zero=True)
-            # grouped-query attention: the keys' cotangents per query head, summed over each group below
-            dkb = bufs("dk", (G, n, d), cdt, zero=True)
-            dvb = bufs("dv", (G, n, dvdim), cdt, zero=True)
+            # grouped-query attention: the scans run per key/value head, over its group of query heads
+            dkb = bufs("dk", (Gk, n, d), cdt, zero=True)
+            dvb = bufs("dv", (Gk, n, dvdim), cdt, zero=True)
             dden = bufs("dden", (G, n), np.float64, zero=True)
-            pdA = bufs("pdA", (G, nc, F), np.float64, zero=True)
-            pdB = bufs("pdB", (G, nc, F, dvdim), np.float64, zero=True)
+            pdA = bufs("pdA", (Gk, nc, F), np.float64, zero=True)
+            pdB = bufs("pdB", (Gk, nc, F, dvdim), np.float64, zero=True)
             dbq = bufs("dbq", (G, nc), np.float64, zero=True)
-            dbk = bufs("dbk", (G, nc), np.float64, zero=True)
+            dbk = bufs("dbk", (Gk, nc), np.float64, zero=True)
             grads = Grads(dqb, dkb, dvb, dden, dbq, dbk, no_planes_grad(dqb, G, nc, nc, d))
             K.causal_queries_bwd(gb, vb, rows, Sums(cA, cB), hsh, chunk, grads, Sums(pdA, pdB))
             sA = K.exclusive_scan(pdA, reverse=True)
@@ -329,10 +329,11 @@ def race_attention_bwd_ooc(res, grad_out, *, dq, dk, dv, checkpoint=None, commit
             K.causal_keys_bwd(gb, vb, rows, Sums(sA, sB), hsh, chunk, grads)
             engine.store_block(dq, lead, lo, hi, dqb)
             for x, a in ((dk, dkb), (dv, dvb)):
-                engine.store_block(x, klead, lo, hi, K.group_sum(a, group))
+                engine.store_block(x, klead, lo, hi, a)
             return (state[0] + pdA.sum(1), state[1] + pdB.sum(1)), float(dbq.sum() + dbk.sum())
 
-        scan = engine.Scan(ckdir, "bwd_causal", key, nb, shapes, commit_every)
+        # the reverse state (dA, dB) per key/value head, summed over its group of query heads
+        scan = engine.Scan(ckdir, "bwd_causal", key, nb, [(Gk, F), (Gk, F, dvdim)], commit_every)
         _, dbeta = engine.run(scan, blocks, body, progress, "backward (causal, reverse)", [dq, dk, dv],
                         [r.q, r.k, r.v, grad_out])
         return dbeta

@@ -254,9 +254,8 @@ class RaceState:
         out = np.empty((G, 1, self.dv), dt)
         hsh, rows = Hash(self._planes, self._beta), Rows(s["phiq"], s["tq"], s["phik"], s["tk"], s["den"])
         K.sketch_chunks(k, v, s["mask"], hsh, 1, rows, Sums(s["partA"], s["partB"]))
-        carry = Sums(self._A.reshape(Gk, 1, F), self._B.reshape(Gk, 1, F, self.dv))  # the state itself
-        if self._group > 1:  # each query head reads its key/value head's state
-            carry = Sums(*(np.repeat(x, self._group, axis=0) for x in carry))
+        # the state itself, one per key/value head: the scan runs each head's group of query heads
+        carry = Sums(self._A.reshape(Gk, 1, F), self._B.reshape(Gk, 1, F, self.dv))
         K.causal_fwd(q, v, hsh, 1, rows, carry, out)
         self._A += s["partA"][:, 0]
         self._B += s["partB"][:, 0]
@@ -555,8 +554,8 @@ def advance(q, k, v, planes, beta, A0, B0, out, *, rows=None, mask=None):
     receives the soft buckets, tanh projections and denominators (the
     residuals a backward needs; ``phik`` must have every row, the others may
     have none: not kept); allocated when not given.  ``mask (G, n)`` bool
-    leaves keys out (default: every key counts).  The returned state is per
-    key group, the carries per query group.
+    leaves keys out (default: every key counts).  The returned state and
+    carries are per key group (each read by its group of query groups).
 
     The chunk grid and float64 carries are those of
     :func:`racecpu.race_attention_fwd`, with ``(A0, B0)`` added to every
@@ -582,7 +581,5 @@ def advance(q, k, v, planes, beta, A0, B0, out, *, rows=None, mask=None):
     carryB = K.exclusive_scan(partB)
     carryA += A0[:, None]
     carryB += B0[:, None]
-    if Gk != G:  # every query group scans from its key group's carries (one segment per chunk: read only)
-        carryA, carryB = (np.repeat(x, G // Gk, axis=0) for x in (carryA, carryB))
     nan_q = K.causal_fwd(q, v, hsh, chunk, rows, Sums(carryA, carryB), out)
     return Advanced(A0 + partA.sum(1), B0 + partB.sum(1), chunk, carryA, carryB, nan_q, nan_k)

@@ -117,9 +117,9 @@ def test_blas_and_loop_paths_match_reference(rng, monkeypatch, causal, dtype, to
         assert rel_err(a, b, floor=1e-3) < 10 * tol, name
 
 
-@pytest.mark.parametrize("chunk", [7, 28])
+@pytest.mark.parametrize("chunk,group", [(7, 1), (28, 1), (28, 3)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_causal_scans_agree_bit_for_bit_over_segment_counts(rng, monkeypatch, chunk, dtype):
+def test_causal_scans_agree_bit_for_bit_over_segment_counts(rng, monkeypatch, chunk, group, dtype):
     # One task per group scanning all its chunks (no chunk totals of B and
     # dB; the backward in one pass, causal_bwd), a few segments each from
     # carries summed from the totals of the chunks before (after) it, or one
@@ -129,7 +129,8 @@ def test_causal_scans_agree_bit_for_bit_over_segment_counts(rng, monkeypatch, ch
     # carries, so the same results to the last bit, and all match the
     # reference, with no value read that the kernels did not write.  Chunks
     # of 28 reach the sgemm steps and end on a shorter step (28 = 3 * 8 + 4);
-    # 7, the loop path.
+    # 7, the loop path.  group 3: grouped-query attention, three query heads
+    # per key/value head scanned together (the reference: k, v repeated).
     from racecpu import _kernels, attention
     assert chunk < _kernels.BLAS_ROWS or (chunk % _kernels.SCAN_BLOCK and _kernels.SCAN_BLOCK >= _kernels.BLAS_ROWS)
     monkeypatch.setattr(config, "CHUNK", chunk)
@@ -142,10 +143,13 @@ def test_causal_scans_agree_bit_for_bit_over_segment_counts(rng, monkeypatch, ch
         return x
     monkeypatch.setattr(attention.POOL, "empty", nan_empty)
     q, k, v, W = make(rng, (3,), 124, 124, 6, 5, 3, 2, dtype)
+    q = np.concatenate([q] + [make(rng, (3,), 124, 124, 6, 5, 3, 2, dtype)[0] for _ in range(group - 1)])
     mask = rng.random((3, 124)) > 0.2
-    g = rng.standard_normal((3, 124, 5)).astype(dtype)
-    want, wres = ref.race_attention_dense_fwd(*f64(q, k, v, W), 2.0, causal=True, key_mask=mask)
-    wgrads = ref.race_attention_dense_bwd(wres, f64(g)[0])
+    g = rng.standard_normal((3 * group, 124, 5)).astype(dtype)
+    rep = (lambda x: np.repeat(x, group, axis=0))
+    want, wres = ref.race_attention_dense_fwd(*f64(q, rep(k), rep(v), W), 2.0, causal=True, key_mask=rep(mask))
+    wgrads = list(ref.race_attention_dense_bwd(wres, f64(g)[0]))
+    wgrads[1:3] = [x.reshape((3, group) + x.shape[1:]).sum(1) for x in wgrads[1:3]]  # dk, dv summed per group
     nc = -(-124 // chunk)
     from racecpu._kernels import causal as kcausal  # where the backward's route is chosen
     split = kcausal.causal_bwd_split

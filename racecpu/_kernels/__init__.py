@@ -44,7 +44,9 @@ The modules, bottom up (each imports only those above it):
   three backward routes (:func:`causal_backward`).
 
 Layout of every array: each (batch, head) pair is a *group* ``g``; arrays are
-C-contiguous ``x (G, N, d)``, ``v (G, N, dv)``, planes ``W (L, P, d)``.  The
+C-contiguous ``x (G, N, d)``, ``v (G, N, dv)``, planes ``W (L, P, d)``.  Under
+grouped-query attention keys and values have ``Gk`` groups (``G // Gk`` query
+groups each); the causal kernels run per key/value group (:mod:`.causal`).  The
 soft hash of all tables of one token is one row ``phi (F,)``, ``F = L * R``,
 table ``l`` at ``phi[l*R:(l+1)*R]``; its tanh projections are ``t (L * P,)``.
 """

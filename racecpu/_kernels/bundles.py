@@ -76,11 +76,12 @@ class PlanesGrad(NamedTuple):
 
 
 class Grads(NamedTuple):
-    """What a backward writes: ``dq (G, Nq, d)``, ``dk (G, Nk, d)``, ``dv (G, Nk, dv)``
-    (compute dtype), ``dden (G, Nq)`` (float64, the causal passes' cotangent of
-    each denominator), the per-chunk shares of dbeta ``dbq (G, ncq)``,
-    ``dbk (G, nck)`` (float64, summed by the caller) and the :class:`PlanesGrad`
-    (per-chunk shares of the planes' gradient, or none)."""
+    """What a backward writes: ``dq (G, Nq, d)``, ``dk (Gk, Nk, d)``, ``dv (Gk, Nk, dv)``
+    (compute dtype; ``Gk`` key/value groups, ``G // Gk`` query groups each
+    under grouped-query attention), ``dden (G, Nq)`` (float64, the causal
+    passes' cotangent of each denominator), the per-chunk shares of dbeta
+    ``dbq (G, ncq)``, ``dbk (Gk, nck)`` (float64, summed by the caller) and
+    the :class:`PlanesGrad` (per-chunk shares of the planes' gradient, or none)."""
 
     dq: np.ndarray
     dk: np.ndarray

@@ -17,6 +17,14 @@ picks one of three routes that give the same bits: the two passes in
 segments, both in one pass chunk by chunk (:func:`causal_bwd`), or a third of
 the chunks in one pass beside the queries' pass over the rest
 (:func:`causal_bwd_split`).
+
+Every scan runs per key/value head ``gk`` (``Gk`` of them): the state
+depends on the keys alone, so under grouped-query attention (``G = group *
+Gk`` query heads, query head ``h`` reading key/value head ``h // group``)
+each step's state is read by the ``group`` query heads in turn and updated
+once, and the reverse scan sums the group's ``(dA, dB)`` into one suffix
+state; dk, dv and the carries are per key/value head, with nothing to
+repeat or sum back (``docs/design.md`` section 4).
 """
 
 from __future__ import annotations
@@ -29,9 +37,10 @@ from .. import config
 from ..config import DEN_FLOOR, SCAN_BLOCK
 from ._jit import kernel
 from .bundles import Backward, Chunks, Spread, Sums
-from .hash import hash_bwd_rows_dw, hash_chunk, residual_rows
-from .noncausal import dphi_from_y, queries_chunk_end, query_bwd_buffers
-from .products import add_product, add_rows, combine_rows, dot_rows, step_scores, zero_above, zero_below
+from .hash import hash_bwd_rows_dw, hash_range, head_rows, head_scratch
+from .noncausal import dphi_from_y
+from .products import (add_product, add_rows, combine_rows, dot_rows, group_span_totals, step_scores, zero_above,
+                       zero_below)
 from .runtime import blas_tasks, run_tasks
 from .scan import (carry_on, even_chunks, exclusive_scan, exclusive_step, restarts, scan_segments, segment_chunks,
                    segment_start, spread_order, task_bounds)
@@ -65,16 +74,9 @@ def step_buffers(like, F, m):
                        np.zeros((m, F), dt), np.zeros((m, dv), dt), np.zeros((F, dv), dt))
 
 
-@kernel(inline="always")
-def kv_group(g, G, Gk):
-    """The key/value group that query group ``g`` of ``G`` reads when keys and values
-    have ``Gk`` groups (grouped-query attention: ``G // Gk`` query groups per key group)."""
-    return g // (G // Gk)
-
-
 class Forward(NamedTuple):
     """What every task of :func:`causal_fwd` reads or writes: queries ``q (G, N, d)``,
-    values ``v (G, N, dv)``, the :class:`Hash`, the ``chunk`` length, the
+    values ``v (Gk, N, dv)``, the :class:`Hash`, the ``chunk`` length, the
     :class:`Rows` (``phik`` read; ``phiq``, ``tq``, ``den`` written where kept),
     ``out (G, N, dv)`` and the :class:`Chunks` (each chunk's rows and packed
     sequence: the scan restarts at each)."""
@@ -90,27 +92,30 @@ class Forward(NamedTuple):
 
 @kernel
 def _causal_fwd_task(task, segments, keep, fwd, carry, final, nan):
-    """One segment of :func:`causal_fwd` (run by :func:`run_tasks`)."""
+    """One segment of one key/value head of :func:`causal_fwd` (run by :func:`run_tasks`)."""
     q, v, hsh, chunk, rows, out, chunks = fwd
     phik = rows.phik
     carryA, carryB = carry
     G, n, _ = q.shape
+    group = G // v.shape[0]  # the query heads that read this key/value head's state
     L = hsh.W.shape[0]
     nc = carryA.shape[1]
     F = phik.shape[2]
     dv = v.shape[2]
-    g, c0, c1 = segment_chunks(task, segments, nc)
-    gk = kv_group(g, G, v.shape[0])
+    gk, c0, c1 = segment_chunks(task, segments, nc)
+    h0 = gk * group
     last = c1 == nc and final.shape[0] > 0  # this segment writes the total to final
     track = last or c1 - c0 > 1
     total = np.zeros((F, dv), v.dtype)  # the chunk's sum of state updates, for the next carry
     for c in range(c0, c1):
         lo, hi = chunks.cuts[c], chunks.cuts[c + 1]
-        phi, _, bad = hash_chunk(q, g, lo, hi, hsh, keep[lo:hi], rows.tq, rows.phiq)
-        nan[task] += bad
-        dnc = residual_rows(rows.den, g, lo, hi)
-        A = carryA[g, c].copy()
-        S = carryB[g, c].astype(v.dtype)  # the carried-in state, in the compute dtype
+        phis, dens = head_scratch(rows.phiq, group, hi - lo), head_scratch(rows.den, group, hi - lo)
+        for hl in range(group):
+            t = rows.tq[h0 + hl, lo:hi]  # no rows where none is kept
+            nan[task] += hash_range(q[h0 + hl, lo:hi], 0, hi - lo, hsh, keep[lo:hi], t,
+                                    head_rows(rows.phiq, phis, h0 + hl, hl, lo, hi))
+        A = carryA[gk, c].copy()
+        S = carryB[gk, c].astype(v.dtype)  # the carried-in state, in the compute dtype
         st = step_buffers(v, F, min(SCAN_BLOCK, hi - lo))
         for i0 in range(lo, hi, SCAN_BLOCK):
             i1 = min(i0 + SCAN_BLOCK, hi)
@@ -118,26 +123,30 @@ def _causal_fwd_task(task, segments, keep, fwd, carry, final, nan):
             if m != st.M.shape[0]:  # the chunk's last, shorter step
                 st = step_buffers(v, F, m)
             H, X, dS = st.M, st.X, st.dS
-            Pq, Pk, V, O = phi[i0 - lo:i1 - lo], phik[gk, i0:i1], v[gk, i0:i1], out[g, i0:i1]
-            step_scores(Pq, Pk, H, True)  # H_ij = phiq_i . phik_j, kept for j <= i
-            if dv > 0:
-                combine_rows(Pq, S, O)
-                combine_rows(H, V, X)
-            for i in range(m):
-                dn = 0.0
-                for f in range(F):
-                    dn += Pq[i, f] * A[f]
-                for j in range(i + 1):
-                    dn += H[i, j]
-                dn /= L
-                dnc[i0 - lo + i] = dn
-                inv = 1.0 / (L * dn) if dn > DEN_FLOOR else 0.0  # the floor: zeros
-                for cc in range(dv):
-                    O[i, cc] = (O[i, cc] + X[i, cc]) * inv
+            Pk, V = phik[gk, i0:i1], v[gk, i0:i1]
+            for hl in range(group):  # every query head of the group reads the one state
+                phi, dnc = head_rows(rows.phiq, phis, h0 + hl, hl, lo, hi), head_rows(rows.den, dens, h0 + hl, hl,
+                                                                                      lo, hi)
+                Pq, O = phi[i0 - lo:i1 - lo], out[h0 + hl, i0:i1]
+                step_scores(Pq, Pk, H, True)  # H_ij = phiq_i . phik_j, kept for j <= i
+                if dv > 0:
+                    combine_rows(Pq, S, O)
+                    combine_rows(H, V, X)
+                for i in range(m):
+                    dn = 0.0
+                    for f in range(F):
+                        dn += Pq[i, f] * A[f]
+                    for j in range(i + 1):
+                        dn += H[i, j]
+                    dn /= L
+                    dnc[i0 - lo + i] = dn
+                    inv = 1.0 / (L * dn) if dn > DEN_FLOOR else 0.0  # the floor: zeros
+                    for cc in range(dv):
+                        O[i, cc] = (O[i, cc] + X[i, cc]) * inv
             add_rows(A, Pk)
             add_product(Pk, V, S, dS, total, track)
         if c + 1 < c1 or last:
-            carry_on(carryB, g, c, c + 1, total, final, restarts(chunks.seq, c + 1))
+            carry_on(carryB, gk, c, c + 1, total, final, restarts(chunks.seq, c + 1))
 
 
 @blas_tasks
@@ -149,24 +158,25 @@ def causal_fwd(q, v, hsh, chunk, rows, carry, out, final=None, segments=None, ch
 
     Parameters
     ----------
-    q : (G, N, d), v : (G, N, dv)
-        Queries and values (compute dtype).
+    q : (G, N, d), v : (Gk, N, dv)
+        Queries and values (compute dtype); ``Gk`` divides ``G``.
     hsh : Hash
     chunk : int
     rows : Rows
-        ``phik (G, N, F)`` read (every row); ``phiq``, ``tq``, ``den`` written
-        (each may have no rows: not kept).
+        ``phik (Gk, N, F)`` read (every row); ``phiq``, ``tq``, ``den`` (G
+        heads) written (each may have no rows: not kept).
     carry : Sums
-        ``A (G, nc, F)``, ``B (G, nc, F, dv)`` float64: the state summed over
+        ``A (Gk, nc, F)``, ``B (Gk, nc, F, dv)`` float64: the state summed over
         all keys before each chunk.  Of B only the carry at the first chunk of
-        each of the ``segments`` per group is read; the scan writes the others,
-        bit for bit those of the chunk totals (:func:`racecpu._kernels.products.span_totals`).
+        each of the ``segments`` per key/value head is read; the scan writes
+        the others, bit for bit those of the chunk totals
+        (:func:`racecpu._kernels.products.span_totals`).
     out : (G, N, dv)
         Out (compute dtype), every row written.
-    final : (G, F, dv) float64, optional
+    final : (Gk, F, dv) float64, optional
         Out: the total B.
     segments : int, optional
-        Segments per group (default: one per chunk).
+        Segments per key/value head (default: one per chunk).
     chunks : Chunks, optional
         Each chunk's rows and packed sequence (default: one sequence in
         chunks of ``chunk``): the scan restarts at the first chunk of each
@@ -177,31 +187,36 @@ def causal_fwd(q, v, hsh, chunk, rows, carry, out, final=None, segments=None, ch
     int
         The number of NaNs in the queries' t (see :func:`racecpu._kernels.hash.hash_block`).
     """
-    G, nc = carry.A.shape[:2]
+    Gk, nc = carry.A.shape[:2]
     keep = np.ones(q.shape[1], np.bool_)  # queries are never masked
     segments = nc if segments is None else segments
-    nan = np.zeros(G * segments, np.int64)
+    nan = np.zeros(Gk * segments, np.int64)
     fwd = Forward(q, v, hsh, chunk, rows, out, even_chunks(q.shape[1], chunk) if chunks is None else chunks)
-    run_tasks(_causal_fwd_task, G * segments, segments, keep, fwd, carry,
+    run_tasks(_causal_fwd_task, Gk * segments, segments, keep, fwd, carry,
               np.zeros((0, 0, 0)) if final is None else final, nan)
     return int(nan.sum())
 
 
 @kernel
-def _causal_queries_bwd_chunk(bwd, carry, partd, g, c, t0, t1):
-    """Chunk ``c`` of group ``g`` of :func:`causal_queries_bwd`; the chunk's dB
-    total is summed for ``t0 <= c < t1`` only."""
+def _causal_queries_bwd_chunk(bwd, carry, partd, gk, c, t0, t1):
+    """Chunk ``c`` of key/value head ``gk`` of :func:`causal_queries_bwd`, for
+    every query head of its group; the chunk's dB total is summed for
+    ``t0 <= c < t1`` only."""
     grad, v, rows, hsh, chunk, grads, chunks = bwd
     phik, phiq, den = rows.phik, rows.phiq, rows.den
     G, n, dv = grad.shape
+    group = G // v.shape[0]
+    h0 = gk * group
     L = hsh.W.shape[0]
     F = phik.shape[2]
     lo, hi = chunks.cuts[c], chunks.cuts[c + 1]
-    gk = kv_group(g, G, v.shape[0])
-    A = carry.A[g, c].copy()
-    S = carry.B[g, c].astype(v.dtype)  # the carried-in state, in the compute dtype
-    scratch = query_bwd_buffers(grad, F, hi - lo)
-    wq, wblock, dA, DPHI = scratch
+    A = carry.A[gk, c].copy()
+    Ah = np.empty(F)  # A before each key of the step, per query head
+    S = carry.B[gk, c].astype(v.dtype)  # the carried-in state, in the compute dtype
+    wq = np.empty(F)
+    dA = np.zeros(F)  # the chunk's dA total, summed over the group
+    wblock = np.empty((group, hi - lo, F), grad.dtype)
+    DPHI = np.empty((group, hi - lo, F))  # the hash backward runs once per chunk, SIMD over tokens
     st = step_buffers(v, F, min(SCAN_BLOCK, hi - lo))
     for i0 in range(lo, hi, SCAN_BLOCK):
         i1 = min(i0 + SCAN_BLOCK, hi)
@@ -209,29 +224,41 @@ def _causal_queries_bwd_chunk(bwd, carry, partd, g, c, t0, t1):
         if m != st.M.shape[0]:  # the chunk's last, shorter step
             st = step_buffers(v, F, m)
         M, Y, Z, dS = st.M, st.Y, st.Z, st.dS
-        Pq, Pk, V, Gb = phiq[g, i0:i1], phik[gk, i0:i1], v[gk, i0:i1], grad[g, i0:i1]
-        if dv > 0:  # y_i = B_i g_i = B g_i + sum_{j<=i} phik_j (v_j . g_i)
-            dot_rows(S, Gb, Y)
-            dot_rows(V, Gb, M)  # M_ij = g_i . v_j, kept for j <= i
-            zero_above(M)
-            np.dot(M, Pk, Z)
-        for i in range(m):
-            dphi = DPHI[i0 + i - lo]  # the hash backward runs once per chunk, SIMD over tokens
-            for f in range(F):
-                A[f] += Pk[i, f]
-                dphi[f] = Y[i, f] + Z[i, f]
-            dden = dphi_from_y(Pq[i], A, den[g, i0 + i], L, dphi, wq)
-            grads.dden[g, i0 + i] = dden
-            for f in range(F):
-                dA[f] += Pq[i, f] * dden / L
-                wblock[i0 + i - lo, f] = wq[f]
+        Pk, V = phik[gk, i0:i1], v[gk, i0:i1]
+        for hl in range(group):  # every query head of the group reads the one rebuilt state
+            h = h0 + hl
+            Pq, Gb = phiq[h, i0:i1], grad[h, i0:i1]
+            if dv > 0:  # y_i = B_i g_i = B g_i + sum_{j<=i} phik_j (v_j . g_i)
+                dot_rows(S, Gb, Y)
+                dot_rows(V, Gb, M)  # M_ij = g_i . v_j, kept for j <= i
+                zero_above(M)
+                np.dot(M, Pk, Z)
+            Ah[:] = A
+            for i in range(m):
+                dphi = DPHI[hl, i0 + i - lo]
+                for f in range(F):
+                    Ah[f] += Pk[i, f]
+                    dphi[f] = Y[i, f] + Z[i, f]
+                dden = dphi_from_y(Pq[i], Ah, den[h, i0 + i], L, dphi, wq)
+                grads.dden[h, i0 + i] = dden
+                for f in range(F):
+                    dA[f] += Pq[i, f] * dden / L
+                    wblock[hl, i0 + i - lo, f] = wq[f]
+        A[:] = Ah
         add_product(Pk, V, S, dS, dS, False)  # (no total to track)
-    grads.dbq[g, c] = queries_chunk_end(bwd, partd, g, c, scratch, SCAN_BLOCK if t0 <= c < t1 else 0)
+    partd.A[gk, c] = dA
+    if t0 <= c < t1:  # dB = sum_i wq_i g_i^T, summed as the keys' reverse scan sums it
+        group_span_totals(wblock, grad, h0, lo, SCAN_BLOCK, partd.B[gk, c], np.empty((F, dv), grad.dtype))
+    pg = grads.planes
+    for hl in range(group):
+        h = h0 + hl
+        grads.dbq[h, c] = hash_bwd_rows_dw(DPHI[hl], phiq[h, lo:hi], rows.tq[h, lo:hi], hsh, grads.dq[h, lo:hi],
+                                           pg.q[h, lo:hi], pg.dWq[h, c])
 
 
 @kernel
 def _causal_queries_bwd_task(task, spread, bwd, carry, partd):
-    """One (group, chunk) task of :func:`causal_queries_bwd` (run by :func:`run_tasks`)."""
+    """One (key/value head, chunk) task of :func:`causal_queries_bwd` (run by :func:`run_tasks`)."""
     g, c, _, _ = task_bounds(spread.order[task], bwd.chunks)
     _causal_queries_bwd_chunk(bwd, carry, partd, g, c, spread.t0, spread.t1)
 
@@ -247,44 +274,50 @@ def causal_queries_bwd(grad, v, rows, carry, hsh, chunk, grads, partd, totals=No
     ----------
     grad : (G, N, dv)
         The output's cotangent (compute dtype).
-    v : (G, N, dv)
+    v : (Gk, N, dv)
     rows : Rows
         The forward's rows (all kept).
     carry : Sums
-        The forward's carries ``A (G, nc, F)``, ``B (G, nc, F, dv)`` float64.
+        The forward's carries ``A (Gk, nc, F)``, ``B (Gk, nc, F, dv)`` float64.
     hsh : Hash
     chunk : int
     grads : Grads
-        Out: ``dq``, ``dden``, ``dbq`` and, where computed, ``planes.dWq``.
+        Out: ``dq``, ``dden``, ``dbq`` (G heads) and, where computed, ``planes.dWq``.
     partd : Sums
-        Out: the chunk totals of ``(dA, dB)`` (float64, written, not added),
-        those of dB for the chunks ``totals = (c0, c1)`` only (default all;
-        :func:`causal_keys_bwd` needs those after its first segment).
+        Out: the chunk totals of ``(dA, dB)``, ``(Gk, nc, F)`` and ``(Gk, nc,
+        F, dv)`` float64 summed over each key/value head's query heads
+        (written, not added), those of dB for the chunks ``totals = (c0,
+        c1)`` only (default all; :func:`causal_keys_bwd` needs those after
+        its first segment).
     chunks : Chunks, optional
         Each chunk's rows and packed sequence (default: one sequence in
         chunks of ``chunk``; the carries restart at each sequence).
     """
-    G, nc = carry.A.shape[:2]
+    Gk, nc = carry.A.shape[:2]
     t0, t1 = (0, nc) if totals is None else totals
-    run_tasks(_causal_queries_bwd_task, G * nc, Spread(spread_order(G, nc, t0, t1), t0, t1),
+    run_tasks(_causal_queries_bwd_task, Gk * nc, Spread(spread_order(Gk, nc, t0, t1), t0, t1),
               _backward(grad, v, rows, hsh, chunk, grads, chunks), carry, partd)
 
 
 @kernel
-def _causal_keys_bwd_chunk(bwd, dcarry, g, c, c0, track, last, final, total):
-    """Chunk ``c`` of group ``g`` of :func:`causal_keys_bwd`, in a segment from
-    chunk ``c0``: its dB total is summed in ``total`` when ``track``, and
+def _causal_keys_bwd_chunk(bwd, dcarry, gk, c, c0, track, last, final, total):
+    """Chunk ``c`` of key/value head ``gk`` of :func:`causal_keys_bwd`, in a
+    segment from chunk ``c0``: the suffix sums run over every query head of
+    the group; its dB total is summed in ``total`` when ``track``, and
     carried on to chunk c - 1 (``final`` for the first chunk if ``last``)."""
     grad, v, rows, hsh, chunk, grads, chunks = bwd
     phik, phiq, den = rows.phik, rows.phiq, rows.den
     G, n, dv = grad.shape
+    group = G // v.shape[0]
+    h0 = gk * group
     L = hsh.W.shape[0]
     F = phik.shape[2]
-    ddv = np.zeros(SCAN_BLOCK, np.float64)
+    ddv = np.zeros((group, SCAN_BLOCK))
+    wq = np.empty((group, SCAN_BLOCK, F), grad.dtype)  # the weights wq_i of g_i in dB, per query head
+    Zh = np.empty((SCAN_BLOCK, F), grad.dtype)  # one query head's share of Z
     lo, hi = chunks.cuts[c], chunks.cuts[c + 1]
-    gk = kv_group(g, G, v.shape[0])  # dk, dv, dbk, dWk are written per query group, summed by the caller
-    dA = dcarry.A[g, c].copy()
-    dB = dcarry.B[g, c].astype(grad.dtype)  # the carried-in state, in the compute dtype
+    dA = dcarry.A[gk, c].copy()
+    dB = dcarry.B[gk, c].astype(grad.dtype)  # the carried-in state, in the compute dtype
     DPHI = np.empty((hi - lo, F), np.float64)
     nb = (hi - lo + SCAN_BLOCK - 1) // SCAN_BLOCK
     st = step_buffers(grad, F, min(SCAN_BLOCK, hi - lo))
@@ -294,42 +327,55 @@ def _causal_keys_bwd_chunk(bwd, dcarry, g, c, c0, track, last, final, total):
         m = i1 - i0
         if m != st.M.shape[0]:  # the chunk's last, shorter step
             st = step_buffers(grad, F, m)
-        M, M2, wb, Y, Z, X, dS = st
-        Pq, Pk, V, Gb, dV = phiq[g, i0:i1], phik[gk, i0:i1], v[gk, i0:i1], grad[g, i0:i1], grads.dv[g, i0:i1]
-        for i in range(m):
-            dn = den[g, i0 + i]
-            inv = 1.0 / (L * dn) if dn > DEN_FLOOR else 0.0
-            ddv[i] = grads.dden[g, i0 + i] / L if dn > DEN_FLOOR else 0.0
-            for f in range(F):
-                wb[i, f] = Pq[i, f] * inv  # the weights wq_i of g_i in dB
+        M, M2, _, Y, Z, X, dS = st
+        Pk, V, dV = phik[gk, i0:i1], v[gk, i0:i1], grads.dv[gk, i0:i1]
+        for hl in range(group):
+            h = h0 + hl
+            for i in range(m):
+                dn = den[h, i0 + i]
+                inv = 1.0 / (L * dn) if dn > DEN_FLOOR else 0.0
+                ddv[hl, i] = grads.dden[h, i0 + i] / L if dn > DEN_FLOOR else 0.0
+                for f in range(F):
+                    wq[hl, i, f] = phiq[h, i0 + i, f] * inv
         if dv > 0:
-            # dphik_j = dB v_j + sum_{i>=j} wq_i (g_i . v_j) + dA_j, dB from after the step
+            # dphik_j = dB v_j + sum_h sum_{i>=j} wq_hi (g_hi . v_j) + dA_j, dB from after the step
+            # dv_j = dB^T phik_j + sum_h sum_{i>=j} (wq_hi . phik_j) g_hi
             dot_rows(dB, V, Y)
-            dot_rows(Gb, V, M)  # M_ji = v_j . g_i, kept for i >= j
-            zero_below(M)
-            np.dot(M, wb, Z)
-            # dv_j = dB^T phik_j + sum_{i>=j} (wq_i . phik_j) g_i
             np.dot(Pk, dB, dV)
-            step_scores(Pk, wb, M2, False)  # M2_ji = phik_j . wq_i, kept for i >= j
-            np.dot(M2, Gb, X)
-            for j in range(m):
-                for cc in range(dv):
-                    dV[j, cc] += X[j, cc]
+            for hl in range(group):
+                wb, Gb = wq[hl, :m], grad[h0 + hl, i0:i1]
+                dot_rows(Gb, V, M)  # M_ji = v_j . g_i, kept for i >= j
+                zero_below(M)
+                if hl == 0:
+                    np.dot(M, wb, Z)
+                else:
+                    np.dot(M, wb, Zh[:m])
+                    for j in range(m):
+                        for f in range(F):
+                            Z[j, f] += Zh[j, f]
+                step_scores(Pk, wb, M2, False)  # M2_ji = phik_j . wq_i, kept for i >= j
+                np.dot(M2, Gb, X)
+                for j in range(m):
+                    for cc in range(dv):
+                        dV[j, cc] += X[j, cc]
         for j in range(m - 1, -1, -1):
+            for hl in range(group):
+                for f in range(F):
+                    dA[f] += phiq[h0 + hl, i0 + j, f] * ddv[hl, j]
             for f in range(F):
-                dA[f] += Pq[j, f] * ddv[j]
                 DPHI[i0 + j - lo, f] = Y[j, f] + Z[j, f] + dA[f]
-        add_product(wb, Gb, dB, dS, total, track)
+        for hl in range(group):  # dB += Wq_h^T G_h, head by head (as group_span_totals sums them)
+            add_product(wq[hl, :m], grad[h0 + hl, i0:i1], dB, dS, total, track)
     pg = grads.planes
-    grads.dbk[g, c] = hash_bwd_rows_dw(DPHI, phik[gk, lo:hi], rows.tk[gk, lo:hi], hsh, grads.dk[g, lo:hi],
-                                       pg.k[gk, lo:hi], pg.dWk[g, c])
+    grads.dbk[gk, c] = hash_bwd_rows_dw(DPHI, phik[gk, lo:hi], rows.tk[gk, lo:hi], hsh, grads.dk[gk, lo:hi],
+                                        pg.k[gk, lo:hi], pg.dWk[gk, c])
     if c - 1 >= c0 or last:
-        carry_on(dcarry.B, g, c, c - 1, total, final, restarts(chunks.seq, c))
+        carry_on(dcarry.B, gk, c, c - 1, total, final, restarts(chunks.seq, c))
 
 
 @kernel
 def _causal_keys_bwd_task(task, segments, bwd, dcarry, final):
-    """One segment of :func:`causal_keys_bwd` (run by :func:`run_tasks`)."""
+    """One segment of one key/value head of :func:`causal_keys_bwd` (run by :func:`run_tasks`)."""
     dv = bwd.grad.shape[2]
     nc = dcarry.A.shape[1]
     F = bwd.rows.phik.shape[2]
@@ -353,31 +399,32 @@ def causal_keys_bwd(grad, v, rows, dcarry, hsh, chunk, grads, final=None, segmen
     grad, v, rows, hsh, chunk
         As :func:`causal_queries_bwd`.
     dcarry : Sums
-        ``dA (G, nc, F)``, ``dB (G, nc, F, dv)`` float64: the reverse
-        (exclusive suffix) carries at every chunk; of dB only the carry at
-        the last chunk of each segment is read, the scan writes the others.
+        ``dA (Gk, nc, F)``, ``dB (Gk, nc, F, dv)`` float64: the reverse
+        (exclusive suffix) carries at every chunk, summed over each key/value
+        head's query heads; of dB only the carry at the last chunk of each
+        segment is read, the scan writes the others.
     grads : Grads
         ``dden`` read (from pass 1); out: ``dk``, ``dv``, ``dbk`` and, where
-        computed, ``planes.dWk``.
-    final : (G, F, dv) float64, optional
+        computed, ``planes.dWk`` (Gk heads).
+    final : (Gk, F, dv) float64, optional
         Out: the total dB.
     segments : int, optional
-        Segments per group (default: one per chunk).
+        Segments per key/value head (default: one per chunk).
     chunks : Chunks, optional
         Each chunk's rows and packed sequence (default: one sequence in
         chunks of ``chunk``): the reverse scan restarts at the last chunk
         of each sequence.
     """
-    G, nc = dcarry.A.shape[:2]
+    Gk, nc = dcarry.A.shape[:2]
     segments = nc if segments is None else segments
-    run_tasks(_causal_keys_bwd_task, G * segments, segments, _backward(grad, v, rows, hsh, chunk, grads, chunks),
+    run_tasks(_causal_keys_bwd_task, Gk * segments, segments, _backward(grad, v, rows, hsh, chunk, grads, chunks),
               dcarry,
               np.zeros((0, 0, 0)) if final is None else final)
 
 
 @kernel
 def _causal_bwd_chunks(bwd, carry, partd, g, cs, acc, total, last, final):
-    """Chunks ``nc - 1`` down to ``cs`` of group ``g`` in one pass: each one's
+    """Chunks ``nc - 1`` down to ``cs`` of key/value head ``g`` in one pass: each one's
     queries' backward and then its keys' backward, the reverse carries summed
     on the way as :func:`exclusive_scan` sums them (dA in ``acc``).  Chunk
     cs's dB is left in ``total``, not carried on, unless ``last`` (cs = 0,
@@ -395,7 +442,7 @@ def _causal_bwd_chunks(bwd, carry, partd, g, cs, acc, total, last, final):
 
 @kernel
 def _causal_bwd_task(g, bwd, carry, partd, final):
-    """Group ``g`` of :func:`causal_bwd`."""
+    """Key/value head ``g`` of :func:`causal_bwd`."""
     F = bwd.rows.phik.shape[2]
     _causal_bwd_chunks(bwd, carry, partd, g, 0, np.zeros(F), np.zeros((F, bwd.grad.shape[2]), bwd.grad.dtype),
                        final.shape[0] > 0, final)
@@ -404,23 +451,22 @@ def _causal_bwd_task(g, bwd, carry, partd, final):
 @blas_tasks
 def causal_bwd(grad, v, rows, carry, hsh, chunk, grads, partd, final=None, chunks=None):
     """:func:`causal_queries_bwd`, :func:`exclusive_scan` of the carries and
-    :func:`causal_keys_bwd` in one pass, for one segment per group.
+    :func:`causal_keys_bwd` in one pass, for one segment per key/value head.
 
     Each chunk's keys' backward follows its queries' backward while the
     chunk's rows of ``v`` and ``grad`` are still in cache, instead of
     reading them again in a second pass (docs/performance.md, "one-pass
     causal backward").  The same bits as the three calls; ``partd`` ends as
     the reverse carries.  Arguments as :func:`causal_queries_bwd`; ``grads``
-    gets every output and ``final (G, F, dv)`` (optional) the total dB.
+    gets every output and ``final (Gk, F, dv)`` (optional) the total dB.
     """
-    G = grad.shape[0]
-    run_tasks(_causal_bwd_task, G, _backward(grad, v, rows, hsh, chunk, grads, chunks), carry, partd,
+    run_tasks(_causal_bwd_task, v.shape[0], _backward(grad, v, rows, hsh, chunk, grads, chunks), carry, partd,
               np.zeros((0, 0, 0)) if final is None else final)
 
 
 @kernel
 def _causal_bwd_split_task(task, cs, bwd, carry, partd, tail):
-    """Task of :func:`causal_bwd_split`: even, group ``task // 2``'s chunks
+    """Task of :func:`causal_bwd_split`: even, key/value head ``task // 2``'s chunks
     ``[cs, nc)`` in one pass, with their dA and dB sums in ``tail``; odd, the
     queries' backward of its chunks ``[0, cs)``, with the dB totals of the
     keys' second segment, ``[cs // 2, cs)``."""
@@ -438,7 +484,7 @@ def _causal_bwd_split_task(task, cs, bwd, carry, partd, tail):
 def _split_carries(partdA, partdB, tailA, tailB, cs, seq):
     """Reverse carries of chunks ``c < cs`` (in place of their totals), summed on from
     the sums of chunks ``>= cs``, ``tailA``, ``tailB``: dA of every chunk, dB of the
-    last chunks of the keys' two segments (``partdB`` flat: (G, nc, F * dv)); the
+    last chunks of the keys' two segments (``partdB`` flat: (Gk, nc, F * dv)); the
     sums restart at each packed sequence (``seq``)."""
     m = segment_start(1, 2, cs)
     for g in range(partdA.shape[0]):
@@ -459,7 +505,7 @@ def _split_carries(partdA, partdB, tailA, tailB, cs, seq):
 
 @blas_tasks
 def causal_bwd_split(grad, v, rows, carry, hsh, chunk, grads, partd, final=None, chunks=None):
-    """:func:`causal_bwd` on two tasks per group, for two segments per group; the same bits.
+    """:func:`causal_bwd` on two tasks per key/value head, for two segments each; the same bits.
 
     The last chunks, ``[cs, nc)`` with nc - cs ~ SPLIT_TAIL * nc, need no
     carry: one task runs them in one pass while the other runs the queries'
@@ -492,9 +538,9 @@ def causal_backward(grad, v, rows, carry, hsh, chunk, grads, partd, final=None, 
     and the keys' backward in segments.  Arguments as :func:`causal_bwd`
     (``chunks``: each chunk's rows and packed sequence, as :func:`causal_fwd`).
     """
-    G, nk = grad.shape[0], v.shape[1]
+    Gk, nk = v.shape[:2]
     nck = carry.A.shape[1]
-    seg = scan_segments(G, nck, nk)
+    seg = scan_segments(Gk, nck, nk)
     if seg == 1:
         causal_bwd(grad, v, rows, carry, hsh, chunk, grads, partd, final=final, chunks=chunks)
     elif seg == 2 and nck >= 3:

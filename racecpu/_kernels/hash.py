@@ -345,6 +345,24 @@ def residual_rows(res, g, lo, hi):
     return res[g, lo:hi]
 
 
+@kernel(inline="always")
+def head_rows(res, scratch, h, hl, lo, hi):
+    """Rows lo..hi of head ``h`` of a residual ``res (G, N, ...)``, or
+    ``scratch[hl]`` (:func:`head_scratch`) where the caller keeps none of its
+    rows: :func:`residual_rows` for the heads of a group that one task runs
+    (the causal scan of grouped-query attention)."""
+    if res.shape[1] == 0:
+        return scratch[hl]
+    return res[h, lo:hi]
+
+
+@kernel
+def head_scratch(res, group, n):
+    """Scratch for ``n`` rows of each of ``group`` heads of ``res (G, N, ...)``
+    where the caller keeps none of its rows (no rows otherwise; :func:`head_rows`)."""
+    return np.empty((group if res.shape[1] == 0 else 0, n) + res.shape[2:], res.dtype)
+
+
 @kernel
 def hash_chunk(x, g, lo, hi, hsh, keep, t_res, phi_res):
     """:func:`hash_range` of rows lo..hi of group ``g`` of ``x (G, N, d)`` into

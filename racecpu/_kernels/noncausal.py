@@ -256,7 +256,7 @@ def query_bwd_buffers(grad, F, n):
 
 @kernel
 def queries_chunk_end(bwd, partd, g, c, scratch, span):
-    """End of a query chunk's backward (causal or not); returns the chunk's hash share of dbeta.
+    """End of a non-causal query chunk's backward; returns the chunk's hash share of dbeta.
 
     The chunk's total of dA to ``partd.A[g, c]``, and to ``partd.B[g, c]``
     (float64) its dB = sum_i wq_i g_i^T by :func:`span_totals` over ``span``

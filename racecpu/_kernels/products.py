@@ -314,6 +314,28 @@ def span_totals(w, x, span, reverse, total, tmp):
 
 
 @kernel
+def group_span_totals(w, x, h0, lo, span, total, tmp):
+    """total (float64) = sum_h w[h]^T x[h0 + h, lo:lo + n] for the query heads
+    of one key/value head (``w (group, n, F)``, ``x (G, N, dv)``), summed as
+    the causal keys' reverse scan sums them: the last span of rows first,
+    and within each span head by head (:func:`span_totals`, whose bits it
+    gives for one head)."""
+    group, n = w.shape[:2]
+    F, dv = total.shape
+    acc = np.zeros((F, dv), tmp.dtype)
+    nb = (n + span - 1) // span
+    for b in range(nb):
+        j0 = (nb - 1 - b) * span
+        j1 = min(j0 + span, n)
+        for hl in range(group):
+            step_product(w[hl, j0:j1], x[h0 + hl, lo + j0:lo + j1], tmp)
+            add_into(acc, tmp)
+    for f in range(F):
+        for c in range(dv):
+            total[f, c] = acc[f, c]
+
+
+@kernel
 def zero_above(M):
     """Zero the strict upper triangle of square ``M`` (keep j <= i)."""
     m = M.shape[0]
