@@ -366,10 +366,9 @@ def race_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, 
         or, for grouped-query (multi-query) attention, k and v with a head
         axis (the one before the tokens) ``group`` times smaller than q's,
         every other leading axis equal: query head h reads key/value head
-        ``h // group``, whose keys are hashed and sketched once for the
-        group (the causal scan's state updates still run per query head) and
-        whose gradients sum over it; equal to repeating k and v ``group``
-        times.
+        ``h // group``, whose keys are hashed and sketched (causal: whose
+        state is scanned) once for the group and whose gradients sum over
+        it; equal to repeating k and v ``group`` times.
         NumPy arrays, or any array with ``__array__`` or DLPack (torch CPU
         tensors without grad, JAX CPU arrays, ...), read without a copy where
         the library allows; CuPy ``q`` runs on the GPU (:mod:`racecpu.cuda`).
