@@ -423,9 +423,10 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
 
     Arguments and results as :func:`racecpu.race_attention_fwd`; arrays are
     on the device (see the module docstring).  Grouped-query k and v are
-    hashed and sketched once per key/value head, as on the CPU (the causal
-    scan's state updates and the keys' backward still run per query head,
-    dk and dv summed over each group).  Packed sequences (``cu_seqlens``)
+    hashed and sketched once per key/value head, as on the CPU; the causal
+    keys' backward runs once per key/value head over its query heads, but
+    the causal forward and queries' backward rescan each chunk per query
+    head (from carries computed per key/value head).  Packed sequences (``cu_seqlens``)
     are padded to whole chunks (:func:`racecpu.packing.padded_layout`).
     """
     dev = _Device(_is_cupy(q))
@@ -502,10 +503,9 @@ def race_attention_bwd(residuals, grad_out):
     chunk = r.chunk
     ncq, nck = -(-nq // chunk), -(-nk // chunk)
     Gk = G // r.group
-    Gw = G if r.causal else Gk  # groups of dk, dv as the kernels write them (causal: per query head, summed below)
     dq = dev.empty((G, nq, d), cdt)
-    dk = dev.empty((Gw, nk, d), cdt)
-    dv_ = dev.empty((Gw, nk, dv), cdt)
+    dk = dev.empty((Gk, nk, d), cdt)
+    dv_ = dev.empty((Gk, nk, dv), cdt)
     dbeta = 0.0
     if G and nq and nk:
         part = dev.full((G, ncq, F, dv + 1), np.float64, 0)
@@ -517,9 +517,10 @@ def race_attention_bwd(residuals, grad_out):
             dev.launch(kern["causal_queries_bwd"], G * ncq, T)(
                 g, r.v, r.phik, r.phiq, r.tq, r.den, r.S, r.group, r.planes, r.beta, chunk, state, dq, dden, winv,
                 part, dbq)
-            carry = _scan_chunks(part, dev, True, lay.seq)  # per query head
-            dbk = dev.empty(G * nck, np.float64)
-            dev.launch(kern["causal_keys_bwd"], G * nck, T)(
+            # the reverse carries per key/value head, summed over its query heads
+            carry = _scan_chunks(_fold(part, r.group, dev), dev, True, lay.seq)
+            dbk = dev.empty(Gk * nck, np.float64)
+            dev.launch(kern["causal_keys_bwd"], Gk * nck, T)(
                 g, r.v, r.phik, r.tk, r.phiq, dden, winv, carry, r.group, r.planes, r.beta, chunk, state, dk, dv_,
                 dbk)
         else:
@@ -539,8 +540,6 @@ def race_attention_bwd(residuals, grad_out):
                 dev.grid(K.fill, x.size)(x.reshape(x.size), 0)
     qdt, kdt, vdt = r.in_dtypes
     dq, dk, dv_ = (lay.unpack(x, dev) for x in (dq, dk, dv_))
-    if r.causal:  # a key/value head's gradient sums its query heads'
-        dk, dv_ = _fold(dk, r.group, dev), _fold(dv_, r.group, dev)
     lead, klead = r.lead, r.kv_lead
     return (_output(dq, qdt, lead + (dq.shape[1], d), dev),
             _output(dk, kdt, klead + (dk.shape[1], d), dev),

@@ -623,37 +623,48 @@ def make_kernels(L, P, T, dtype):
         block_sum(acc, dbeta_part, b)
 
     @cuda.jit(device=True)
-    def causal_key_row_bwd(phik, tk, vrow, dS, phiq, g, dden, winv, j, t1, L, W, beta, dphi, du, dk, dvrow):
-        """:func:`key_row_bwd` at suffix j: tile-end state ``dS`` plus queries j..t1-1."""
+    def causal_key_row_bwd(phik, tk, vrow, dS, phiq, g, dden, winv, h0, group, j, t1, L, W, beta, dphi, du, dk,
+                           dvrow):
+        """:func:`key_row_bwd` at suffix j: tile-end state ``dS`` (summed over the
+        key/value head's query groups) plus the queries j..t1-1 of each of its
+        ``group`` query groups ``h0 ..`` (``phiq``, ``g``, ``dden``, ``winv``
+        indexed by query group)."""
         F_ = dS.shape[0]
         dv = vrow.shape[0]
         zero = phik[0] - phik[0]
         gv = cuda.local.array(T, DT)
         pw = cuda.local.array(T, DT)
-        for i in range(j, t1):
-            s = zero
-            for c in range(dv):
-                s += g[i, c] * vrow[c]
-            gv[i - j] = s
-            p = zero
-            for f in range(F_):
-                p += phik[f] * phiq[i, f]
-            pw[i - j] = p * winv[i]
         for f in range(F_):
             y = zero
             for c in range(dv):
                 y += dS[f, c] * vrow[c]
-            e = 0.0
-            for i in range(j, t1):
-                e += phiq[i, f] * (winv[i] * gv[i - j] + dden[i] / L)
-            dphi[f] = y + dS[f, dv] + e
+            dphi[f] = y + dS[f, dv]
         for c in range(dv):
             s = zero
             for f in range(F_):
                 s += phik[f] * dS[f, c]
-            for i in range(j, t1):
-                s += pw[i - j] * g[i, c]
             dvrow[c] = s
+        for hl in range(group):
+            h = h0 + hl
+            for i in range(j, t1):
+                s = zero
+                for c in range(dv):
+                    s += g[h, i, c] * vrow[c]
+                gv[i - j] = s
+                p = zero
+                for f in range(F_):
+                    p += phik[f] * phiq[h, i, f]
+                pw[i - j] = p * winv[h, i]
+            for f in range(F_):
+                e = 0.0
+                for i in range(j, t1):
+                    e += phiq[h, i, f] * (winv[h, i] * gv[i - j] + dden[h, i] / L)
+                dphi[f] += e
+            for c in range(dv):
+                s = zero
+                for i in range(j, t1):
+                    s += pw[i - j] * g[h, i, c]
+                dvrow[c] += s
         return hash_row_bwd(dphi, phik, tk, W, beta, du, dk)
 
     @cuda.jit
@@ -661,21 +672,23 @@ def make_kernels(L, P, T, dtype):
                         dk, dv_out, dbeta_part):
         """Backward pass 2: suffix sums of (dB, dA) over queries i >= j by a reverse rescan.
 
-        Per query group g (``carry``, ``dk``, ``dv_out`` have q's groups), reading
-        key/value group ``g // group``'s keys and values; the caller sums dk, dv
-        over each group."""
+        Per key/value group gk (``carry (Gk, nc, F, dv + 1)``: the reverse carries
+        summed over its query groups; ``dk``, ``dv_out`` have k's groups), the
+        suffix state summing the ``group`` query groups ``gk * group ..``: the
+        keys' terms and hash backward run once per key/value group."""
         n = grad.shape[1]
         dv = grad.shape[2]
         L = W.shape[0]
         nc = carry.shape[1]
         tid = cuda.threadIdx.x
         b = cuda.blockIdx.x
-        g = b // nc
-        c = b - g * nc
+        gk = b // nc
+        c = b - gk * nc
+        h0 = gk * group
         lo = c * chunk
         hi = min(lo + chunk, n)
         S = state[b]
-        load_state(carry, g, c, S)
+        load_state(carry, gk, c, S)
         dphi = cuda.local.array(F, np.float64)
         du = cuda.local.array(LP, np.float64)
         acc = 0.0
@@ -685,12 +698,12 @@ def make_kernels(L, P, T, dtype):
             t1 = min(t0 + T, hi)
             j = t0 + tid
             if j < t1:
-                gk = g // group
-                acc += causal_key_row_bwd(phik[gk, j], tk[gk, j], v[gk, j], S, phiq[g], grad[g], dden[g],
-                                          winv[g], j, t1, L, W, beta, dphi, du, dk[g, j], dv_out[g, j])
+                acc += causal_key_row_bwd(phik[gk, j], tk[gk, j], v[gk, j], S, phiq, grad, dden, winv, h0, group,
+                                          j, t1, L, W, beta, dphi, du, dk[gk, j], dv_out[gk, j])
             cuda.syncthreads()
             for col in range(tid, dv + 1, T):
-                tile_dsketch(phiq[g], winv[g], dden[g], grad[g], t0, t1, L, col, S)
+                for hl in range(group):
+                    tile_dsketch(phiq[h0 + hl], winv[h0 + hl], dden[h0 + hl], grad[h0 + hl], t0, t1, L, col, S)
             cuda.syncthreads()
         block_sum(acc, dbeta_part, b)
 
