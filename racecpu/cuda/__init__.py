@@ -423,10 +423,9 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
 
     Arguments and results as :func:`racecpu.race_attention_fwd`; arrays are
     on the device (see the module docstring).  Grouped-query k and v are
-    hashed and sketched once per key/value head, as on the CPU; the causal
-    keys' backward runs once per key/value head over its query heads, but
-    the causal forward and queries' backward rescan each chunk per query
-    head (from carries computed per key/value head).  Packed sequences (``cu_seqlens``)
+    hashed and sketched once per key/value head, as on the CPU, and the
+    causal scans run one thread block per key/value head and chunk, whose
+    state its query heads read in turn.  Packed sequences (``cu_seqlens``)
     are padded to whole chunks (:func:`racecpu.packing.padded_layout`).
     """
     dev = _Device(_is_cupy(q))
@@ -462,8 +461,8 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
     if causal:
         S = _scan_chunks(part, dev, False, lay.seq)
         if G and nq:
-            state = dev.empty((G * nck, F, dv + 1), cdt)
-            dev.launch(kern["causal_fwd"], G * nck, T)(qq, vv, phik, S, a.group, a.planes, a.beta, chunk, state,
+            state = dev.empty((Gk * nck, F, dv + 1), cdt)
+            dev.launch(kern["causal_fwd"], Gk * nck, T)(qq, vv, phik, S, a.group, a.planes, a.beta, chunk, state,
                                                        phiq, tq, den, out)
     else:
         S = _sum_chunks(part, dev, lay.bounds)
@@ -508,17 +507,19 @@ def race_attention_bwd(residuals, grad_out):
     dv_ = dev.empty((Gk, nk, dv), cdt)
     dbeta = 0.0
     if G and nq and nk:
-        part = dev.full((G, ncq, F, dv + 1), np.float64, 0)
+        # the chunk totals of (dB, dA): per query head, or per key/value head (causal: summed
+        # over the query heads that one block runs)
+        Gd = Gk if r.causal else G
+        part = dev.full((Gd, ncq, F, dv + 1), np.float64, 0)
         dden = dev.empty((G, nq), np.float64)
         winv = dev.empty((G, nq), np.float64)
-        dbq = dev.empty(G * ncq, np.float64)
+        dbq = dev.empty(Gd * ncq, np.float64)
         if r.causal:
-            state = dev.empty((G * ncq, F, dv + 1), cdt)
-            dev.launch(kern["causal_queries_bwd"], G * ncq, T)(
+            state = dev.empty((Gk * ncq, F, dv + 1), cdt)
+            dev.launch(kern["causal_queries_bwd"], Gk * ncq, T)(
                 g, r.v, r.phik, r.phiq, r.tq, r.den, r.S, r.group, r.planes, r.beta, chunk, state, dq, dden, winv,
                 part, dbq)
-            # the reverse carries per key/value head, summed over its query heads
-            carry = _scan_chunks(_fold(part, r.group, dev), dev, True, lay.seq)
+            carry = _scan_chunks(part, dev, True, lay.seq)  # the reverse carries per key/value head
             dbk = dev.empty(Gk * nck, np.float64)
             dev.launch(kern["causal_keys_bwd"], Gk * nck, T)(
                 g, r.v, r.phik, r.tk, r.phiq, dden, winv, carry, r.group, r.planes, r.beta, chunk, state, dk, dv_,

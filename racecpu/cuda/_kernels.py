@@ -517,10 +517,11 @@ def make_kernels(L, P, T, dtype):
 
     @cuda.jit
     def causal_fwd(q, v, phik, carry, group, W, beta, chunk, state, phiq, tq, den, out):
-        """Rescan every chunk from its carried-in state ``carry (Gk, nc, F, dv + 1)``, query
-        group g reading key/value group ``g // group``'s keys, values and carries.
+        """Rescan every chunk of every key/value group gk from its carried-in state
+        ``carry (Gk, nc, F, dv + 1)``: each tile's state is read by the ``group``
+        query groups ``gk * group ..`` in turn and updated once.
 
-        ``state (G * nc, F, dv + 1)`` (compute dtype) is each block's running
+        ``state (Gk * nc, F, dv + 1)`` (compute dtype) is each block's running
         state; it sums at most one chunk on top of the float64 carry.
         """
         n = q.shape[1]
@@ -529,9 +530,8 @@ def make_kernels(L, P, T, dtype):
         nc = carry.shape[1]
         tid = cuda.threadIdx.x
         b = cuda.blockIdx.x
-        g = b // nc
-        gk = g // group
-        c = b - g * nc
+        gk = b // nc
+        c = b - gk * nc
         lo = c * chunk
         hi = min(lo + chunk, n)
         S = state[b]
@@ -540,8 +540,9 @@ def make_kernels(L, P, T, dtype):
             t1 = min(t0 + T, hi)
             i = t0 + tid
             if i < t1:
-                hash_row(q[g, i], W, beta, tq[g, i], phiq[g, i], True)
-                den[g, i] = causal_readout_row(phiq[g, i], S, phik[gk], v[gk], t0, i, L, out[g, i])
+                for h in range(gk * group, gk * group + group):
+                    hash_row(q[h, i], W, beta, tq[h, i], phiq[h, i], True)
+                    den[h, i] = causal_readout_row(phiq[h, i], S, phik[gk], v[gk], t0, i, L, out[h, i])
             cuda.syncthreads()
             for col in range(tid, dv + 1, T):
                 tile_sketch(phik[gk], v[gk], t0, t1, col, S)
@@ -586,9 +587,10 @@ def make_kernels(L, P, T, dtype):
                            dq, dden, winv, part, dbeta_part):
         """Backward pass 1: rebuild prefix states by rescanning; cotangents of queries.
 
-        Writes dden and 1/(L den) per query and the chunk totals of (dB, dA)
-        into ``part`` for the reverse scan.  Query group g reads key/value
-        group ``g // group``'s keys, values and forward carries.
+        Per key/value group gk, whose rebuilt state the ``group`` query groups
+        ``gk * group ..`` read in turn: writes dden and 1/(L den) per query and
+        the chunk totals of (dB, dA), summed over those query groups, into
+        ``part (Gk, nc, F, dv + 1)`` for the reverse scan.
         """
         n = grad.shape[1]
         dv = grad.shape[2]
@@ -596,9 +598,9 @@ def make_kernels(L, P, T, dtype):
         nc = carry.shape[1]
         tid = cuda.threadIdx.x
         b = cuda.blockIdx.x
-        g = b // nc
-        gk = g // group
-        c = b - g * nc
+        gk = b // nc
+        c = b - gk * nc
+        h0 = gk * group
         lo = c * chunk
         hi = min(lo + chunk, n)
         S = state[b]
@@ -610,14 +612,16 @@ def make_kernels(L, P, T, dtype):
             t1 = min(t0 + T, hi)
             i = t0 + tid
             if i < t1:
-                dd, wi = causal_readout_row_bwd(phiq[g, i], S, phik[gk], v[gk], grad[g, i], t0, i,
-                                                den[g, i], L, dphi)
-                dden[g, i] = dd
-                winv[g, i] = wi
-                acc += hash_row_bwd(dphi, phiq[g, i], tq[g, i], W, beta, du, dq[g, i])
+                for h in range(h0, h0 + group):
+                    dd, wi = causal_readout_row_bwd(phiq[h, i], S, phik[gk], v[gk], grad[h, i], t0, i,
+                                                    den[h, i], L, dphi)
+                    dden[h, i] = dd
+                    winv[h, i] = wi
+                    acc += hash_row_bwd(dphi, phiq[h, i], tq[h, i], W, beta, du, dq[h, i])
             cuda.syncthreads()
             for col in range(tid, dv + 1, T):
-                tile_dsketch(phiq[g], winv[g], dden[g], grad[g], t0, t1, L, col, part[g, c])
+                for h in range(h0, h0 + group):
+                    tile_dsketch(phiq[h], winv[h], dden[h], grad[h], t0, t1, L, col, part[gk, c])
                 tile_sketch(phik[gk], v[gk], t0, t1, col, S)
             cuda.syncthreads()
         block_sum(acc, dbeta_part, b)
