@@ -49,7 +49,7 @@ from . import _kernels as K
 from ._checks import SUMS_OVERFLOW, all_finite, check_array, check_beta, check_derived, check_planes, dtypes, prepare
 from ._kernels.bundles import Grads, Hash, Rows, Sums, no_planes_grad
 from ._memory import POOL
-from .config import DEFAULT_BETA
+from .config import DEFAULT_BETA, DEN_FLOOR
 from .streaming import advance, causal_rows
 
 __all__ = ["Sketch", "sketch", "readout", "readout_bwd", "sketch_bwd", "causal_block", "causal_block_bwd",
@@ -601,20 +601,68 @@ def causal_block_bwd(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike
 
 def causal_block_dstate(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, beta: float, grad_out: ArrayLike,
                         initial_state: Sketch | None = None, *, key_mask: ArrayLike | None = None,
-                        check_finite: bool = True) -> Sketch:
+                        check_finite: bool = True, out: ArrayLike | None = None) -> Sketch:
     """The cotangent a block's outputs send back to its initial state, without dq, dk, dv.
 
-    Equals ``causal_block_bwd(..., dfinal_state=None)[4]`` and costs the
-    forward and the queries' backward of the block only.  A distributed
-    backward sums these over the blocks after each block (a reverse scan)
-    to get each block's ``dfinal_state``.  Arguments as :func:`causal_block_bwd`.
+    Equals ``causal_block_bwd(..., dfinal_state=None)[4]`` (up to rounding
+    with ``out``) and costs the forward and the queries' backward of the
+    block only, or, given the block's output, its soft hash and one product.
+    A distributed backward sums these over the blocks after each block (a
+    reverse scan) to get each block's ``dfinal_state``.  Arguments as
+    :func:`causal_block_bwd`, and:
+
+    out : array_like, shape (..., n, dv), optional
+        The block's output, :func:`causal_block`'s for these arguments (not
+        checked: another array gives a wrong result).  With it the block is
+        not rescanned: query i sends ``dB += w_i g_i^T`` and ``dA += phiq_i
+        dden_i / L`` with ``w_i = phiq_i / (L den_i)`` and ``dden_i = -(out_i
+        . g_i) / den_i`` (``phiq_i B_i = L den_i out_i``; ``docs/design.md``
+        section 3), ``den_i`` from the prefix sums of the keys' soft
+        buckets.  Needs a float dtype at least as precise as the compute
+        dtype (float16 or bfloat16 outputs of a float32 computation: pass
+        none).
 
     Returns
     -------
     Sketch
         ``dA (..., L, R)``, ``dB (..., L, R, dv)`` float64.
     """
-    return _causal_backward(q, k, v, planes, beta, grad_out, initial_state, None, key_mask, check_finite, True)
+    if out is None:
+        return _causal_backward(q, k, v, planes, beta, grad_out, initial_state, None, key_mask, check_finite, True)
+    POOL.tick()
+    a, G, n, dv, L, P, F = _causal_args(q, k, v, planes, beta, key_mask, check_finite, initial_state)
+    cdt = a.q.dtype
+    g = _grad("grad_out", grad_out, a.lead + (n, dv), cdt, check_finite)
+    o, _, _ = check_array("out", out, False)
+    if o.shape != g.shape:
+        raise ValueError(f"out must have the block's output shape {g.shape}, got {o.shape}")
+    if o.dtype.kind != "f" or o.dtype.itemsize < np.dtype(cdt).itemsize:
+        raise TypeError(f"out must be a float array at least as precise as the compute dtype {cdt}, got {o.dtype}")
+    g = np.ascontiguousarray(g.reshape(G, n, dv), dtype=cdt)
+    o = np.ascontiguousarray(o.reshape(G, n, dv), dtype=cdt)
+    A0, _ = _flat_state(initial_state, G, F, dv)
+    dA, dB = np.zeros((G, F)), np.zeros((G, F, dv))
+    if G and n:
+        chunk = K.chunk_length(n, G, F, dv)
+        nc = -(-n // chunk)
+        hsh = Hash(a.planes, a.beta)
+        phi = {}
+        for name, x, mask in (("k", a.k, a.mask), ("q", a.q, np.ones((G, n), np.bool_))):
+            phi[name] = POOL.empty((G, n, F), cdt)
+            rows = Rows(_none(G, cdt, F), _none(G, cdt, L * P), phi[name], _none(G, cdt, L * P), _none(G, np.float64))
+            # the hash only: no B totals (totals=(0, 0)); masked keys get phi = 0
+            nan = K.sketch_chunks(x, a.v, mask, hsh, chunk, rows, Sums(np.zeros((G, nc, F)), np.empty((G, nc, F, 0))),
+                                  totals=(0, 0))
+            check_derived(a.check_finite, (name, x, nan == 0, _OVERFLOW.format(cdt)))
+        check_array("grad_out", g, a.check_finite)
+        w = POOL.empty((G, n, F), cdt)
+        K.state_cotangent_rows(phi["q"], phi["k"], A0, o, g, L, dA, w)
+        for h in range(G):
+            dB[h] = np.dot(w[h].T, g[h])  # one sgemm (compute dtype), as the kernels' chunk totals
+        check_derived(a.check_finite, ("grad_out", g, all_finite(dB), SUMS_OVERFLOW))
+    R = 2 ** P
+    return Sketch(dA.reshape(a.lead + (L, R)), dB.reshape(a.lead + (L, R, dv)), np.asarray(planes), a.beta, cdt,
+                  dtypes(*a.in_dtypes)[1])
 
 
 # ---------------------------------------------------------------------------

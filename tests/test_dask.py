@@ -111,12 +111,26 @@ def test_causal_blocks_compose(rng, dtype):
         args = (q[:, a:b], k[:, a:b], v[:, a:b], W, 4.0, g[:, a:b], states[i])
         grads[i] = S.causal_block_bwd(*args, dfinal, key_mask=m[:, a:b])
         part = S.causal_block_dstate(*args, key_mask=m[:, a:b])
+        # from the block's output, with no rescan: the same up to rounding
+        fast = S.causal_block_dstate(*args, key_mask=m[:, a:b], out=outs[i])
+        close(fast.A, part.A, dtype, "dA from out")
+        close(fast.B, part.B, dtype, "dB from out")
         total = part + (0 if dfinal is None else dfinal)
         np.testing.assert_array_equal(grads[i][4].B, total.B)
         dfinal = total
     for j, name in enumerate(("dq", "dk", "dv")):
         close(np.concatenate([x[j] for x in grads], 1), rg[j], dtype, name)
     close(sum(x[3] for x in grads), rg[3], dtype, "dbeta")
+
+
+def test_dstate_from_out_checks_it(rng):
+    W = racecpu.hyperplanes(16)
+    q, k, v, g, m = data(rng, (2,), 30, 30, 16, 8, np.float32, False)
+    out, _ = S.causal_block(q, k, v, W, 4.0)
+    with pytest.raises(ValueError, match="out must have the block's output shape"):
+        S.causal_block_dstate(q, k, v, W, 4.0, g, out=out[:, :-1])
+    with pytest.raises(TypeError, match="at least as precise"):
+        S.causal_block_dstate(q, k, v, W, 4.0, g, out=out.astype(np.float16))
 
 
 def test_state_round_trip(rng):

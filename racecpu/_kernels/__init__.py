@@ -51,7 +51,8 @@ soft hash of all tables of one token is one row ``phi (F,)``, ``F = L * R``,
 table ``l`` at ``phi[l*R:(l+1)*R]``; its tanh projections are ``t (L * P,)``.
 """
 
-from .causal import causal_backward, causal_bwd, causal_bwd_split, causal_fwd, causal_keys_bwd, causal_queries_bwd
+from .causal import (causal_backward, causal_bwd, causal_bwd_split, causal_fwd, causal_keys_bwd, causal_queries_bwd,
+                     state_cotangent_rows)
 from .expmath import exp_neg
 from .groups import fold_groups, group_sum
 from .hash import hash_block, hash_range, hash_rows_du, hash_sketch_range, soft_hash_rows
@@ -63,6 +64,7 @@ from ..config import BLAS_ROWS, BLAS_SCORE_F, HASH_BLOCK, SCAN_BLOCK, SKETCH_RUN
 
 __all__ = [
     "causal_backward", "causal_bwd", "causal_bwd_split", "causal_fwd", "causal_keys_bwd", "causal_queries_bwd",
+    "state_cotangent_rows",
     "exp_neg", "fold_groups", "group_sum", "hash_block", "hash_range", "hash_rows_du", "hash_sketch_range", "soft_hash_rows",
     "SKETCH_FUSED", "keys_bwd", "queries_bwd", "queries_fwd", "sketch_chunks", "combine_rows", "dot_rows",
     "step_scores", "FLUSH_SUBNORMALS", "count_nonfinite", "run_tasks", "budget_chunk", "chunk_length", "exclusive_scan",

@@ -553,3 +553,41 @@ def causal_backward(grad, v, rows, carry, hsh, chunk, grads, partd, final=None, 
         dcarry = Sums(exclusive_scan(partd.A, True, partd.A, seq=seq),  # in place
                       exclusive_scan(partd.B, True, partd.B, segments=seg, seq=seq))  # the segments' last chunks
         causal_keys_bwd(grad, v, rows, dcarry, hsh, chunk, grads, final=final, segments=seg, chunks=chunks)
+
+
+@kernel
+def state_cotangent_rows(phiq, phik, A0, out, grad, L, dA, w):
+    """The cotangent that causal outputs send back to the state before them,
+    from the outputs themselves (no rescan), but for the product dB = w^T grad.
+
+    For query i with A_i = A0 + sum_{j <= i} phik_j (float64) and
+    den_i = phiq_i . A_i / L: ``phiq_i B_i = L den_i out_i``, so dden_i =
+    -(out_i . g_i) / den_i, and query i adds phiq_i dden_i / L to ``dA (G, F)``
+    (float64, added to) and has weight ``w_i = phiq_i / (L den_i)`` in dB
+    (``w (G, n, F)``, compute dtype, written); rows at the DEN_FLOOR send
+    nothing.  ``phiq``, ``phik (G, n, F)`` (masked keys' rows zero), ``A0 (G, F)``
+    float64, ``out``, ``grad (G, n, dv)`` in the compute dtype.
+    """
+    G, n, F = phiq.shape
+    dv = out.shape[2]
+    A = np.empty(F)
+    for g in range(G):
+        A[:] = A0[g]
+        for i in range(n):
+            den = 0.0
+            for f in range(F):
+                A[f] += phik[g, i, f]
+                den += phiq[g, i, f] * A[f]
+            den /= L
+            if den <= DEN_FLOOR:
+                for f in range(F):
+                    w[g, i, f] = 0.0
+                continue
+            og = 0.0
+            for c in range(dv):
+                og += out[g, i, c] * grad[g, i, c]
+            dden = -og / den
+            inv = 1.0 / (L * den)
+            for f in range(F):
+                dA[g, f] += phiq[g, i, f] * dden / L
+                w[g, i, f] = phiq[g, i, f] * inv
