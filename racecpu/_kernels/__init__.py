@@ -20,6 +20,8 @@ causal scan (Algorithm 2)     causal.causal_fwd           causal.causal_backward
                                                           causal_queries_bwd +
                                                           causal_keys_bwd
 carries between chunks        scan.exclusive_scan         scan.exclusive_scan (reverse)    scan_chunks                     test_race: scans
+a block's carried-in state    --                          causal.state_cotangent_rows      --                              test_dask: causal
+from its outputs                                          (sketches.causal_block_dstate)                                   blocks compose
 ============================  ==========================  ===============================  ==============================  =======================
 
 The modules, bottom up (each imports only those above it):
