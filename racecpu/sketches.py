@@ -617,7 +617,7 @@ def causal_block_dstate(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayL
         not rescanned: query i sends ``dB += w_i g_i^T`` and ``dA += phiq_i
         dden_i / L`` with ``w_i = phiq_i / (L den_i)`` and ``dden_i = -(out_i
         . g_i) / den_i`` (``phiq_i B_i = L den_i out_i``; ``docs/design.md``
-        section 3), ``den_i`` from the prefix sums of the keys' soft
+        section 3.4), ``den_i`` from the prefix sums of the keys' soft
         buckets.  Needs a float dtype at least as precise as the compute
         dtype (float16 or bfloat16 outputs of a float32 computation: pass
         none).
@@ -658,7 +658,7 @@ def causal_block_dstate(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayL
         w = POOL.empty((G, n, F), cdt)
         K.state_cotangent_rows(phi["q"], phi["k"], A0, o, g, L, dA, w)
         for h in range(G):
-            dB[h] = np.dot(w[h].T, g[h])  # one sgemm (compute dtype), as the kernels' chunk totals
+            dB[h] = np.dot(w[h].T, g[h])  # one product over the block in the compute dtype (BLAS)
         check_derived(a.check_finite, ("grad_out", g, all_finite(dB), SUMS_OVERFLOW))
     R = 2 ** P
     return Sketch(dA.reshape(a.lead + (L, R)), dB.reshape(a.lead + (L, R, dv)), np.asarray(planes), a.beta, cdt,
