@@ -112,9 +112,9 @@ def _t_causal(threads, q, k, v, mask, planes, beta, state, cf):
     return S.causal_block(q, k, v, planes, beta, state, key_mask=mask, check_finite=cf)[0]
 
 
-def _t_causal_dstate(threads, q, k, v, g, mask, planes, beta, state, cf, out=None):
+def _t_causal_dstate(threads, q, k, v, g, mask, planes, beta, state, cf):
     _set_threads(threads)
-    return S.causal_block_dstate(q, k, v, planes, beta, g, state, key_mask=mask, check_finite=cf, out=out)
+    return S.causal_block_dstate(q, k, v, planes, beta, g, state, key_mask=mask, check_finite=cf)
 
 
 def _t_causal_bwd(threads, q, k, v, g, mask, planes, beta, state, dstate, cf):
@@ -214,7 +214,6 @@ class DaskResiduals:
     check_finite: bool
     threads: object
     states: dict
-    outs: dict = None  # causal: per block of the leading axes, the delayed output of every sequence block
 
 
 def _prepare(q, k, v, planes, beta, causal, key_mask):
@@ -272,7 +271,7 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
     nlead = qb.shape[:-2]
     dv = v.shape[-1]
     out = np.empty(qb.shape, object)
-    states, outs = {}, {}
+    states = {}
     cf, thr = bool(check_finite), threads
     for b in np.ndindex(nlead):
         mask = (lambda j: None) if mb is None else (lambda j: mb[b + (j,)])
@@ -286,7 +285,6 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
             for j in range(qb.shape[-2]):
                 out[b + (j, 0)] = _call("causal", _t_causal, thr, qb[b + (j, 0)], kb[b + (j, 0)], vb[b + (j, 0)],
                                         mask(j), W, beta, carries[j], cf)
-            outs[b] = [out[b + (j, 0)] for j in range(qb.shape[-2])]
         else:
             total = _tree_sum(tot, "sum") if tot else _call("zeros", _zero_sketch, W, beta,
                                                               tuple(c[i] for c, i in zip(q.chunks, b)), dv, cdt)
@@ -294,7 +292,7 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
             for i in range(qb.shape[-2]):
                 out[b + (i, 0)] = _call("readout", _t_readout, thr, qb[b + (i, 0)], total, cf)
     y = _assemble(out, q.chunks[:-1] + ((dv,),), odt, "out")
-    return y, DaskResiduals(q, k, v, m, W, beta, bool(causal), cdt, odt, cf, threads, states, outs)
+    return y, DaskResiduals(q, k, v, m, W, beta, bool(causal), cdt, odt, cf, threads, states)
 
 
 def _zero_sketch(W, beta, lead, dv, cdt):
@@ -350,17 +348,13 @@ def race_attention_bwd(residuals, grad_out):
         mask = (lambda j: None) if mb is None else (lambda j: mb[b + (j,)])
         if r.causal:
             carries = r.states[b]
-            # a block's cotangent of its carried-in state comes from its output (no rescan: shared
-            # with the forward's when both are computed together) unless that was narrowed
-            narrowed = np.dtype(r.odt).itemsize < np.dtype(r.cdt).itemsize
-            outs = [None] * qb.shape[-2] if narrowed else r.outs[b]
             nb = qb.shape[-2]
             blk = [(qb[b + (j, 0)], kb[b + (j, 0)], vb[b + (j, 0)], gb[b + (j, 0)]) for j in range(nb)]
             rc, acc = [None] * nb, None
             for j in range(nb - 1, -1, -1):
                 rc[j] = acc
                 if j > 0:
-                    part = _call("dstate", _t_causal_dstate, thr, *blk[j], mask(j), W, beta, carries[j], cf, outs[j])
+                    part = _call("dstate", _t_causal_dstate, thr, *blk[j], mask(j), W, beta, carries[j], cf)
                     acc = part if acc is None else _call("rcarry", _t_add, acc, part)
             for j in range(nb):
                 t = _call("causal-bwd", _t_causal_bwd, thr, *blk[j], mask(j), W, beta, carries[j], rc[j], cf, nout=4)
