@@ -49,7 +49,7 @@ from . import _kernels as K
 from ._checks import SUMS_OVERFLOW, all_finite, check_array, check_beta, check_derived, check_planes, dtypes, prepare
 from ._kernels.bundles import Grads, Hash, Rows, Sums, no_planes_grad
 from ._memory import POOL
-from .config import DEFAULT_BETA, DEN_FLOOR
+from .config import DEFAULT_BETA
 from .streaming import advance, causal_rows
 
 __all__ = ["Sketch", "sketch", "readout", "readout_bwd", "sketch_bwd", "causal_block", "causal_block_bwd",
