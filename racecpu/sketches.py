@@ -239,6 +239,18 @@ def _flat_state(state, G, F, dv):
     return state._flat()
 
 
+def _hash_only(x, v, mask, hsh, chunk, rows):
+    """Soft-hash every row of ``x (G, n, d)`` into ``rows.phik`` (and ``rows.tk``
+    where it has rows), rows where ``mask`` is False zero, with no sketch summed
+    (``sketch_chunks`` with ``totals=(0, 0)``: no B totals; A's are summed and
+    dropped); returns the NaN count of the projections."""
+    G, n, _ = x.shape
+    F = rows.phik.shape[2]
+    nc = -(-n // chunk)
+    return K.sketch_chunks(x, v, mask, hsh, chunk, rows, Sums(np.zeros((G, nc, F)), np.empty((G, nc, F, 0))),
+                           totals=(0, 0))
+
+
 def _grad(name, g, shape, cdt, check_finite):
     g, _, _ = check_array(name, g, False)
     if g.shape != shape:
@@ -439,9 +451,7 @@ def sketch_bwd(k: ArrayLike, v: ArrayLike, dsketch: Sketch, *, key_mask: ArrayLi
         none, none2 = _none(G, cdt, F), _none(G, np.float64)
         rows = Rows(none, none, POOL.empty((G, nk, F), cdt), POOL.empty((G, nk, L * P), cdt), none2)
         hsh = Hash(W, beta)
-        # the hash only: no B totals (totals=(0, 0)); A's are summed and dropped
-        nan = K.sketch_chunks(k, v, mask, hsh, chunk, rows, Sums(np.zeros((G, nc, F)), np.empty((G, nc, F, 0))),
-                              totals=(0, 0))
+        nan = _hash_only(k, v, mask, hsh, chunk, rows)
         check_derived(check_finite, ("k", k, nan == 0, _OVERFLOW.format(cdt)))
         dA, dB = dsketch._flat()
         dbk = np.zeros((G, nc))
@@ -644,15 +654,12 @@ def causal_block_dstate(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayL
     dA, dB = np.zeros((G, F)), np.zeros((G, F, dv))
     if G and n:
         chunk = K.chunk_length(n, G, F, dv)
-        nc = -(-n // chunk)
         hsh = Hash(a.planes, a.beta)
         phi = {}
-        for name, x, mask in (("k", a.k, a.mask), ("q", a.q, np.ones((G, n), np.bool_))):
+        for name, x, mask in (("k", a.k, a.mask), ("q", a.q, np.ones((G, n), np.bool_))):  # masked keys: phi = 0
             phi[name] = POOL.empty((G, n, F), cdt)
             rows = Rows(_none(G, cdt, F), _none(G, cdt, L * P), phi[name], _none(G, cdt, L * P), _none(G, np.float64))
-            # the hash only: no B totals (totals=(0, 0)); masked keys get phi = 0
-            nan = K.sketch_chunks(x, a.v, mask, hsh, chunk, rows, Sums(np.zeros((G, nc, F)), np.empty((G, nc, F, 0))),
-                                  totals=(0, 0))
+            nan = _hash_only(x, a.v, mask, hsh, chunk, rows)
             check_derived(a.check_finite, (name, x, nan == 0, _OVERFLOW.format(cdt)))
         check_array("grad_out", g, a.check_finite)
         w = POOL.empty((G, n, F), cdt)
