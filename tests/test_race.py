@@ -572,6 +572,32 @@ def test_block_products_match_numpy(rng, n, F, d, dtype):
                                        atol=max(tol, np.finfo(out.dtype).eps * 10))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_tn_product_matches_numpy(rng, dtype):
+    # tn_product (U^T X, the planes' gradient): transposed tiles 8, 4 and 2 vectors
+    # wide (d = 128, 96, 80, 33 reach each width in both dtypes), their single-row
+    # siblings for the last rows (m = 1, 3, 9, 24), the loop for the last columns
+    # (d = 33, 80) and for a strided X; a strided U, out of another dtype, no rows.
+    from racecpu._kernels import tn_product
+
+    other = np.float64 if dtype == np.float32 else np.float32
+    tol = 1e-4 if dtype == np.float32 else 1e-12
+    for n in (0, 1, 7, 300):
+        for m in (1, 3, 9, 24):
+            for d in (33, 80, 96, 128):
+                U = rng.standard_normal((n, m)).astype(dtype)
+                X = rng.standard_normal((n, d)).astype(dtype)
+                want = U.T.astype(np.float64) @ X.astype(np.float64)
+                for Us, Xs, out in ((U, X, np.full((m, d), np.nan, dtype)),
+                                    (U, X, np.full((m, d), np.nan, other)),
+                                    (np.asfortranarray(U), X, np.full((m, d), np.nan)),
+                                    (U, np.repeat(X, 2, axis=1)[:, ::2], np.full((m, d), np.nan, dtype))):
+                    tn_product(Us, Xs, out)
+                    t = max(tol, 10 * np.finfo(out.dtype).eps)
+                    np.testing.assert_allclose(out, want, rtol=t, atol=t * max(1.0, np.sqrt(n)),
+                                               err_msg=f"n={n} m={m} d={d} out {out.dtype}")
+
+
 @pytest.mark.parametrize("m", [1, 3, 5, 8])
 @pytest.mark.parametrize("F", [1, 6, 24, 40])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -11,7 +11,8 @@ operation                     forward                     backward              
 soft hash (Algorithm 1)       hash.hash_block             hash.hash_rows_du,               soft_hash_rows                  test_race: soft hash,
                               (hash_range, hash_chunk)    hash.hash_bwd_rows                                               exp_neg, tanh
 planes' gradient (dplanes)    --                          hash.hash_bwd_rows_dw (per                                       test_planes_grad
-                                                          chunk, in the hash backward)
+                                                          chunk, in the hash backward:
+                                                          products.tn_product)
 keys' sketch, per chunk       noncausal.sketch_chunks     noncausal.keys_bwd               sketch_chunks, keys_bwd         test_race: gradients
 non-causal readout            noncausal.queries_fwd       noncausal.queries_bwd            queries_fwd, queries_bwd        test_race: vs reference
                               (readout_rows)              (dphi_from_y, queries_chunk_end)
@@ -59,7 +60,7 @@ from .expmath import exp_neg
 from .groups import fold_groups, group_sum
 from .hash import hash_block, hash_range, hash_rows_du, hash_sketch_range, soft_hash_rows
 from .noncausal import SKETCH_FUSED, keys_bwd, queries_bwd, queries_fwd, sketch_chunks
-from .products import combine_rows, dot_rows, step_scores
+from .products import combine_rows, dot_rows, step_scores, tn_product
 from .runtime import FLUSH_SUBNORMALS, count_nonfinite, run_tasks
 from .scan import (budget_chunk, chunk_length, exclusive_scan, scan_segments, segment_start, sketch_task_length, spread_order)
 from ..config import BLAS_ROWS, BLAS_SCORE_F, HASH_BLOCK, SCAN_BLOCK, SKETCH_RUN
@@ -69,7 +70,7 @@ __all__ = [
     "state_cotangent_rows",
     "exp_neg", "fold_groups", "group_sum", "hash_block", "hash_range", "hash_rows_du", "hash_sketch_range", "soft_hash_rows",
     "SKETCH_FUSED", "keys_bwd", "queries_bwd", "queries_fwd", "sketch_chunks", "combine_rows", "dot_rows",
-    "step_scores", "FLUSH_SUBNORMALS", "count_nonfinite", "run_tasks", "budget_chunk", "chunk_length", "exclusive_scan",
+    "step_scores", "tn_product", "FLUSH_SUBNORMALS", "count_nonfinite", "run_tasks", "budget_chunk", "chunk_length", "exclusive_scan",
     "scan_segments", "segment_start", "sketch_task_length", "spread_order",
     "BLAS_ROWS", "BLAS_SCORE_F", "HASH_BLOCK", "SCAN_BLOCK", "SKETCH_RUN",
 ]

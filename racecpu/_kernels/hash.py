@@ -17,7 +17,7 @@ from ..config import (DU_BLOCK, HASH_BLOCK, PREFETCH_CORNERS, PREFETCH_MATH, PRE
 from ._jit import kernel
 from .bundles import HashScratch
 from .expmath import exp_neg
-from .products import add_into, combine_rows, dot_rows, prefetch_to
+from .products import add_into, combine_rows, dot_rows, prefetch_to, tn_product
 from .runtime import run_tasks
 
 
@@ -220,11 +220,11 @@ def hash_bwd_rows_dw(dphi, phi, t, hsh, dx, x, dW):
     dW : (L*P, d) float64, or (0, d)
         Out: ``du^T x``, row ``l*P + p`` the gradient of plane p of table l
         from these rows (``docs/design.md`` section 3.3), overwritten; one
-        product in the compute dtype (:func:`combine_rows` with ``du^T`` as
-        X: register tiles over x's rows, where an sgemm of LP = 9 rows was
-        20x slower, docs/performance.md "planes' gradient"), written as
-        float64 for the caller's sum over chunks.  With no rows: nothing is
-        computed (the backward without the planes' gradient).
+        product summed in the compute dtype (:func:`tn_product`, where an
+        sgemm of LP = 9 rows was 20x slower, docs/performance.md "planes'
+        gradient"), stored as float64 for the caller's sum over chunks.  With
+        no rows: nothing is computed (the backward without the planes'
+        gradient).
 
     Returns
     -------
@@ -236,12 +236,7 @@ def hash_bwd_rows_dw(dphi, phi, t, hsh, dx, x, dW):
     du = np.empty((dphi.shape[0], L * P), W.dtype)
     acc = hash_rows_du(dphi, phi, t, P, beta, du)
     if dW.shape[0]:  # before dx's streamed stores, which a call with arrays would wait for
-        tmp = np.empty((L * P, d), W.dtype)
-        # du^T copied to rows (9 x n values): a strided X would compile combine_rows once more
-        combine_rows(np.ascontiguousarray(du.T), x, tmp, False)
-        for m in range(L * P):
-            for c in range(d):
-                dW[m, c] = tmp[m, c]
+        tn_product(du, x, dW)
     combine_rows(du, W.reshape(L * P, d), dx, True)
     return acc
 

@@ -4,6 +4,7 @@ The products are thin (one side is F = L * 2**P or L * P long, a few dozen
 values, the other d or dv long), where BLAS's call overhead or copying paths
 cost more than the work: :func:`dot_rows` and :func:`combine_rows` run them
 in the register tiles of :mod:`.tiles` with plain loops at the edges;
+:func:`tn_product` gives the planes' gradient ``du^T x``;
 :func:`step_scores` gives a scan step's triangular scores; :func:`step_product`
 and :func:`span_totals` the rank-k state updates and chunk totals (BLAS from
 BLAS_ROWS rows).  Sums run in the dtype of the rows unless a docstring says
@@ -16,8 +17,9 @@ import numpy as np
 
 from ..config import BLAS_ROWS, BLAS_SCORE_F
 from ._jit import kernel
-from .tiles import (COMB_ROWS, COMB_VECTORS, TILE_ROWS, VECTOR_BYTES, comb_tile, comb_tile_lines, comb_tile_pieces,
-                    dot_tile_cols, dot_tile_cols1, dot_tile_rows, prefetch_lines)
+from .tiles import (COMB_ROWS, COMB_VECTORS, TILE_ROWS, TN_ACC, VECTOR_BYTES, comb_tile, comb_tile_lines,
+                    comb_tile_pieces, dot_tile_cols, dot_tile_cols1, dot_tile_rows, prefetch_lines, tn_row2, tn_row4,
+                    tn_row8, tn_tile2, tn_tile4, tn_tile8)
 
 
 @kernel
@@ -127,6 +129,72 @@ def _combine_rows_loop(X, S, out):
             for c in range(dv):
                 o[c] += wf * sf[c]
             f += 1
+
+
+@kernel
+def tn_product(U, X, out):
+    """out = U^T X, overwriting ``out (m, d)``, for ``U (n, m)`` and ``X (n, d)``.
+
+    Sums run in U's dtype (X converted on load, out on store: out may be
+    float64).  Transposed combine tiles (:mod:`racecpu._kernels.tiles`,
+    ``tn_tile8`` and siblings: rows of out by 8, 4 or 2 vectors of X's
+    columns) where X's and out's columns are contiguous, widest first, so
+    that X's rows are read in order (docs/performance.md, "planes'
+    gradient"); :func:`_tn_product_loop` for the last columns.  U may be
+    strided.  None of the arrays may alias ``out``.
+    """
+    m = U.shape[1]
+    d = X.shape[1]
+    lanes = VECTOR_BYTES // U.itemsize
+    c = 0
+    if X.strides[1] == X.itemsize and out.strides[1] == out.itemsize:
+        while c + 8 * lanes <= d:
+            r = 0
+            while r + TN_ACC // 8 <= m:
+                tn_tile8(U, X, out, r, c)
+                r += TN_ACC // 8
+            while r < m:
+                tn_row8(U, X, out, r, c)
+                r += 1
+            c += 8 * lanes
+        if c + 4 * lanes <= d:
+            r = 0
+            while r + TN_ACC // 4 <= m:
+                tn_tile4(U, X, out, r, c)
+                r += TN_ACC // 4
+            while r < m:
+                tn_row4(U, X, out, r, c)
+                r += 1
+            c += 4 * lanes
+        if c + 2 * lanes <= d:
+            r = 0
+            while r + TN_ACC // 2 <= m:
+                tn_tile2(U, X, out, r, c)
+                r += TN_ACC // 2
+            while r < m:
+                tn_row2(U, X, out, r, c)
+                r += 1
+            c += 2 * lanes
+    if c < d:
+        _tn_product_loop(U, X[:, c:], out[:, c:])
+
+
+@kernel
+def _tn_product_loop(U, X, out):
+    """:func:`tn_product` by loops, summing in U's dtype."""
+    n, m = U.shape
+    d = X.shape[1]
+    acc = np.zeros((m, d), U.dtype)
+    for k in range(n):
+        xk = X[k]
+        for i in range(m):
+            u = U[k, i]
+            a = acc[i]
+            for c in range(d):
+                a[c] += u * xk[c]
+    for i in range(m):
+        for c in range(d):
+            out[i, c] = acc[i, c]
 
 
 @kernel

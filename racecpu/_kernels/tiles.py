@@ -243,10 +243,12 @@ def _store_stream(builder, arr, i, row, col, value, whole):
         builder.store(part, p, align=align).set_metadata("nontemporal", nontemporal)
 
 
-def _comb_tile(rows, store):
+def _comb_tile(rows, store, cols=COMB_VECTORS, transposed=False):
     """Intrinsic ``tile(X, S, out, i0, c0)``: out[i0 + r, c0:c0 + w] = X[i0 + r, :] S[:, c0:c0 + w]
-    for r < ``rows``, w = COMB_VECTORS vectors (overwriting): per row of S, its w
-    columns are loaded once and feed every row.
+    for r < ``rows``, w = ``cols`` vectors (overwriting): per row of S, its w
+    columns are loaded once and feed every row.  ``transposed``: X is read
+    as its transpose, out[i0 + r, c0:c0 + w] = X[:, i0 + r]^T S[:, c0:c0 + w]
+    (``X (K, >= i0 + rows)``, a row of X's elements per row of S).
 
     ``store``: ``"plain"``, or out written with non-temporal stores,
     ``"pieces"`` of 16 bytes (out's rows must start on 16 bytes) or
@@ -266,9 +268,8 @@ def _comb_tile(rows, store):
         sty = ir.VectorType(_float(context, sig.args[1].dtype), n)
         oty = ir.VectorType(_float(context, sig.args[2].dtype), n)
         fma = _fma(builder, vty)
-        cols = COMB_VECTORS
         acc = _accumulators(builder, vty, rows * cols)
-        K = cgutils.unpack_tuple(builder, arr.arrays[0].shape)[1]
+        K = cgutils.unpack_tuple(builder, arr.arrays[0].shape)[0 if transposed else 1]
         undef = ir.Constant(vty, ir.Undefined)
         splat = ir.Constant(ir.VectorType(ir.IntType(32), n), [0] * n)
         with cgutils.for_range(builder, K) as loop:
@@ -276,7 +277,8 @@ def _comb_tile(rows, store):
             s = [_convert(builder, builder.load(arr.ptr(1, k, builder.add(c0v, arr.const(v * n)), sty), align=1),
                           vty) for v in range(cols)]
             for r in range(rows):
-                x = builder.load(arr.ptr(0, builder.add(i0v, arr.const(r)), k, fty))
+                i = builder.add(i0v, arr.const(r))
+                x = builder.load(arr.ptr(0, k, i, fty) if transposed else arr.ptr(0, i, k, fty))
                 xb = builder.shuffle_vector(builder.insert_element(undef, x, ir.Constant(ir.IntType(32), 0)),
                                             undef, splat)
                 for v in range(cols):
@@ -300,6 +302,23 @@ def _comb_tile(rows, store):
 comb_tile = _comb_tile(COMB_ROWS, "plain")
 comb_tile_pieces = _comb_tile(2, "pieces")
 comb_tile_lines = _comb_tile(COMB_ROWS, "lines")
+
+#: Accumulators of a transposed combine tile (``out = X^T S``: the planes'
+#: gradient ``du^T x``, X = du with L*P columns, S the chunk's rows of q or k):
+#: 16 of AVX-512's 32 vector registers, 8 of AVX2's 16.
+TN_ACC = 16 if VECTOR_BYTES == 64 else 8
+#: Transposed combine tiles 8, 4 and 2 vectors wide (TN_ACC / width rows of
+#: out), and one row of out by 8, 4 and 2 vectors for the last rows.  Wide
+#: first: a tile of 8 vectors reads whole 512-byte rows of float32 x at d = 128
+#: in order, which memory streams; tiles of 2 vectors read every row in four
+#: strided passes, 1.5x slower from memory though faster in cache
+#: (docs/performance.md, "planes' gradient").
+tn_tile8 = _comb_tile(TN_ACC // 8, "plain", 8, True)
+tn_tile4 = _comb_tile(TN_ACC // 4, "plain", 4, True)
+tn_tile2 = _comb_tile(TN_ACC // 2, "plain", 2, True)
+tn_row8 = _comb_tile(1, "plain", 8, True)
+tn_row4 = _comb_tile(1, "plain", 4, True)
+tn_row2 = _comb_tile(1, "plain", 2, True)
 
 
 @intrinsic
