@@ -12,7 +12,7 @@ largest share of the samples, their Numba names shortened
 one function apart), and the call's ns per token-head.
 
     python benchmarks/perf_profile.py [--mode fwd|fwdbwd|causal-fwd|causal-fwdbwd] [--log2n 18]
-                                 [--heads 4] [--threads 2] [--seconds 10] [--top 25]
+                                 [--heads 4] [--threads 2] [--seconds 10] [--top 25] [--dplanes]
 
 It needs ``perf`` (linux-tools) and a kernel that lets this user sample
 (``/proc/sys/kernel/perf_event_paranoid``); without them it says so and stops.
@@ -129,6 +129,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seconds", type=float, default=10.0, help="how long perf samples")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--dplanes", action="store_true", help="the backward also returns the planes' gradient")
     a = p.parse_args(argv)
     if not 4 <= a.log2n <= 24:
         p.error("--log2n must be in 4..24")
@@ -159,7 +160,7 @@ def main(argv=None):
     def call():
         if a.mode.endswith("fwdbwd"):
             res = racecpu.race_attention_fwd(q, k, v, planes, causal=causal, out=out)[1]
-            racecpu.race_attention_bwd(res, g, out=grads)
+            racecpu.race_attention_bwd(res, g, out=grads, dplanes=a.dplanes)
         else:
             racecpu.race_attention(q, k, v, planes, causal=causal, out=out)
 
