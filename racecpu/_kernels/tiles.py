@@ -8,7 +8,8 @@ them across its lanes on its own.  These intrinsics hold a whole tile of
 outputs in VECTOR_BYTES-byte vectors (64 with AVX-512: 16 float32 or 8
 float64 lanes; 32 otherwise) and, for dot products, sum a tile's partial
 sums across lanes together, in one tree of shuffles (docs/performance.md,
-"dot tiles" and "combine tiles").
+"dot tiles" and "combine tiles").  Transposed combine tiles (``tn_*``) give
+``X^T S``, the planes' gradient ``du^T x`` ("planes' gradient").
 
 ``comb_tile_lines`` and ``comb_tile_pieces`` write their outputs with
 non-temporal stores (whole vectors, or 16-byte pieces of them): the
@@ -17,7 +18,7 @@ by them, and at scale a plain store first reads every line it writes.
 
 The tiles compute in the dtype of ``X``; ``S`` is converted to it on load,
 ``Y`` from it on store.  Callers (``products.dot_rows``,
-``products.combine_rows``) pick the tiles, check the layouts they need and
+``products.combine_rows``, ``products.tn_product``) pick the tiles, check the layouts they need and
 handle the edges with plain loops.
 
 ``prefetch_lines`` asks for lines of memory ahead of their use (the soft
