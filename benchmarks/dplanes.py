@@ -60,6 +60,7 @@ def main():
 
 
 def product(a):
+    """``--product``: time the chunk product routes (module docstring) and print ns per row."""
     import numba
     from numba import prange
 
