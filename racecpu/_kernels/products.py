@@ -148,33 +148,28 @@ def tn_product(U, X, out):
     lanes = VECTOR_BYTES // U.itemsize
     c = 0
     if X.strides[1] == X.itemsize and out.strides[1] == out.itemsize:
-        while c + 8 * lanes <= d:
-            r = 0
-            while r + TN_ACC // 8 <= m:
-                tn_tile8(U, X, out, r, c)
-                r += TN_ACC // 8
-            while r < m:
-                tn_row8(U, X, out, r, c)
-                r += 1
-            c += 8 * lanes
-        if c + 4 * lanes <= d:
-            r = 0
-            while r + TN_ACC // 4 <= m:
-                tn_tile4(U, X, out, r, c)
-                r += TN_ACC // 4
-            while r < m:
-                tn_row4(U, X, out, r, c)
-                r += 1
-            c += 4 * lanes
-        if c + 2 * lanes <= d:
-            r = 0
-            while r + TN_ACC // 2 <= m:
-                tn_tile2(U, X, out, r, c)
-                r += TN_ACC // 2
-            while r < m:
-                tn_row2(U, X, out, r, c)
-                r += 1
-            c += 2 * lanes
+        for width in (8, 4, 2):  # vectors; after the 8-wide blocks at most one of 4 and one of 2
+            tall = TN_ACC // width  # rows of out in a whole tile
+            while c + width * lanes <= d:
+                r = 0
+                while r < m:
+                    step = tall if r + tall <= m else 1
+                    if width == 8:
+                        if step > 1:
+                            tn_tile8(U, X, out, r, c)
+                        else:
+                            tn_row8(U, X, out, r, c)
+                    elif width == 4:
+                        if step > 1:
+                            tn_tile4(U, X, out, r, c)
+                        else:
+                            tn_row4(U, X, out, r, c)
+                    elif step > 1:
+                        tn_tile2(U, X, out, r, c)
+                    else:
+                        tn_row2(U, X, out, r, c)
+                    r += step
+                c += width * lanes
     if c < d:
         _tn_product_loop(U, X[:, c:], out[:, c:])
 
