@@ -122,19 +122,46 @@ def _t_causal_bwd(threads, q, k, v, g, mask, planes, beta, state, dstate, cf):
     return S.causal_block_bwd(q, k, v, planes, beta, g, state, dstate, key_mask=mask, check_finite=cf)[:4]
 
 
-def _item(x, i):
-    """``x[i]``, or ``x`` for ``i`` None."""
+def _pick(x, i, *marker):
+    """``x[i]``, or ``x`` for ``i`` None (``marker``: see :func:`_outputs`)."""
     return x if i is None else x[i]
+
+
+def _mark(x):
+    """The marker of a task that returns several results (None; see :func:`_outputs`)."""
+    return None
 
 
 # ---------------------------------------------------------------------------
 # graph building
 # ---------------------------------------------------------------------------
 
-def _call(name, fn, *args, nout=None):
+def _call(name, fn, *args):
     """A delayed call with a readable, deterministic key ``race-<name>-<token>``."""
     token = dask.base.tokenize(fn.__name__, *args)
-    return dask.delayed(fn, pure=True, nout=nout)(*args, dask_key_name=f"race-{name}-{token}")
+    return dask.delayed(fn, pure=True)(*args, dask_key_name=f"race-{name}-{token}")
+
+
+def _outputs(task, n):
+    """``task``'s ``n`` results as ``(task, i, marker)`` triples, for :func:`_assemble` and :func:`_part`.
+
+    Every task that picks a result depends on ``task`` and on its marker, a
+    task of ``task`` alone.  So ``task`` always has two dependents and a pick
+    two dependencies, and Dask's linear fusion never merges a pick with
+    ``task``: a fused copy gets a new key, and where two collections that
+    share ``task`` are optimized apart (a ``distributed`` client computing
+    ``da.store(..., compute=False)`` and ``dbeta`` together) ``task`` would
+    run twice.  The marker runs where ``task`` did, so the picks add no
+    other worker to those the scheduler may place them on.
+    """
+    marker = dask.delayed(_mark, pure=True)(task, dask_key_name=f"race-marker-{task.key.removeprefix('race-')}")
+    return [(task, i, marker) for i in range(n)]
+
+
+def _part(name, output):
+    """Delayed result ``output`` (a triple of :func:`_outputs`)."""
+    task, i, marker = output
+    return _call(name, _pick, task, i, marker)
 
 
 def _tree_sum(items, name):
@@ -173,15 +200,20 @@ def _blocks(x):
 
 
 def _assemble(pieces, chunks, dtype, name):
-    """Dask array from an object array of delayed blocks laid out as ``chunks``.
+    """Dask array from an object array of ``(delayed task, index, marker)`` laid out as ``chunks``.
 
-    Each block's key is the array's own key ``(name, *index)``, computed by a
-    task whose one dependency is the block's racecpu task: no alias task
-    that the scheduler could place on another worker and move rows to."""
+    ``index`` and ``marker`` are None for a task that returns the block
+    itself, else as :func:`_outputs` gives them.  Each block's key is the
+    array's own key ``(name, *index)``, computed by :func:`_pick` from the
+    block's racecpu task: no alias task that the scheduler could place on
+    another worker and move rows to."""
     from dask.highlevelgraph import HighLevelGraph
-    name = f"race-{name}-{dask.base.tokenize(*(p.key for p in pieces.flat))}"
-    layer = {(name,) + idx: (_item, p.key, None) for idx, p in zip(np.ndindex(pieces.shape), pieces.flat)}
-    graph = HighLevelGraph.from_collections(name, layer, dependencies=list(pieces.flat))
+    name = f"race-{name}-{dask.base.tokenize(*(t.key for t, _, _ in pieces.flat))}"
+    layer, deps = {}, {}
+    for idx, (t, i, m) in zip(np.ndindex(pieces.shape), pieces.flat):
+        layer[(name,) + idx] = (_pick, t.key, i) + (() if m is None else (m.key,))
+        deps.update({x.key: x for x in (t, m) if x is not None})
+    graph = HighLevelGraph.from_collections(name, layer, dependencies=list(deps.values()))
     meta = np.empty((0,) * len(chunks), dtype)
     return da.Array(graph, name, chunks, dtype=dtype, meta=meta)
 
@@ -283,14 +315,14 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
                 carries.append(tot[0] if j == 1 else _call("carry", _t_add, carries[-1], tot[j - 1]))
             states[b] = carries
             for j in range(qb.shape[-2]):
-                out[b + (j, 0)] = _call("causal", _t_causal, thr, qb[b + (j, 0)], kb[b + (j, 0)], vb[b + (j, 0)],
-                                        mask(j), W, beta, carries[j], cf)
+                out[b + (j, 0)] = (_call("causal", _t_causal, thr, qb[b + (j, 0)], kb[b + (j, 0)], vb[b + (j, 0)],
+                                         mask(j), W, beta, carries[j], cf), None, None)
         else:
             total = _tree_sum(tot, "sum") if tot else _call("zeros", _zero_sketch, W, beta,
                                                               tuple(c[i] for c, i in zip(q.chunks, b)), dv, cdt)
             states[b] = total
             for i in range(qb.shape[-2]):
-                out[b + (i, 0)] = _call("readout", _t_readout, thr, qb[b + (i, 0)], total, cf)
+                out[b + (i, 0)] = (_call("readout", _t_readout, thr, qb[b + (i, 0)], total, cf), None, None)
     y = _assemble(out, q.chunks[:-1] + ((dv,),), odt, "out")
     return y, DaskResiduals(q, k, v, m, W, beta, bool(causal), cdt, odt, cf, threads, states)
 
@@ -357,22 +389,21 @@ def race_attention_bwd(residuals, grad_out):
                     part = _call("dstate", _t_causal_dstate, thr, *blk[j], mask(j), W, beta, carries[j], cf)
                     acc = part if acc is None else _call("rcarry", _t_add, acc, part)
             for j in range(nb):
-                t = _call("causal-bwd", _t_causal_bwd, thr, *blk[j], mask(j), W, beta, carries[j], rc[j], cf, nout=4)
-                dq[b + (j, 0)], dk[b + (j, 0)], dv[b + (j, 0)] = t[0], t[1], t[2]
-                dbetas.append(t[3])
+                t = _call("causal-bwd", _t_causal_bwd, thr, *blk[j], mask(j), W, beta, carries[j], rc[j], cf)
+                dq[b + (j, 0)], dk[b + (j, 0)], dv[b + (j, 0)], d_beta = _outputs(t, 4)
+                dbetas.append(_part("dbeta-part", d_beta))
         else:
             total = r.states[b]
             parts = []
             for i in range(qb.shape[-2]):
-                t = _call("readout-bwd", _t_readout_bwd, thr, qb[b + (i, 0)], total, gb[b + (i, 0)], cf, nout=3)
-                dq[b + (i, 0)] = t[0]
-                parts.append(t[1])
-                dbetas.append(t[2])
+                t = _call("readout-bwd", _t_readout_bwd, thr, qb[b + (i, 0)], total, gb[b + (i, 0)], cf)
+                dq[b + (i, 0)], d_sketch, d_beta = _outputs(t, 3)
+                parts.append(_part("dsketch-part", d_sketch))
+                dbetas.append(_part("dbeta-part", d_beta))
             dsk = _tree_sum(parts, "dsum")  # every dask array has a block, even of no rows
             for j in range(kb.shape[-2]):
-                t = _call("sketch-bwd", _t_sketch_bwd, thr, kb[b + (j, 0)], vb[b + (j, 0)], dsk, mask(j), r.cdt, cf,
-                          nout=3)
-                dk[b + (j, 0)], dv[b + (j, 0)] = t[0], t[1]
-                dbetas.append(t[2])
+                t = _call("sketch-bwd", _t_sketch_bwd, thr, kb[b + (j, 0)], vb[b + (j, 0)], dsk, mask(j), r.cdt, cf)
+                dk[b + (j, 0)], dv[b + (j, 0)], d_beta = _outputs(t, 3)
+                dbetas.append(_part("dbeta-part", d_beta))
     return (_assemble(dq, r.q.chunks, r.q.dtype, "dq"), _assemble(dk, r.k.chunks, r.k.dtype, "dk"),
             _assemble(dv, r.v.chunks, r.v.dtype, "dv"), _scalar(dbetas))

@@ -291,6 +291,44 @@ def test_dask_cluster_bytes_moved_per_block(client, causal):
     assert ours / (2 * nb) <= 2 * state  # per block and pass (forward, backward)
 
 
+class _Discard:
+    """A ``da.store`` target that keeps nothing."""
+
+    def __setitem__(self, key, value):
+        pass
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_task_runs_once_when_stores_and_dbeta_compute_together(rng, client, causal):
+    """``client.compute([da.store(..., compute=False), dbeta])`` optimizes the store (a Delayed) and
+    dbeta (an Array) apart; a task they share that Dask fused into a chain in one of them would
+    run twice under two keys (it did: every block's backward ran twice in the benchmark and the
+    demo).  Count each racecpu task in the task stream: every block's, once."""
+    distributed = pytest.importorskip("distributed")
+    W = racecpu.hyperplanes(16)
+    _, (Q, K, V, G, _) = dask_inputs(rng, causal, False, np.float32)
+    out, res = rd.race_attention_fwd(Q, K, V, W, causal=causal)
+    dq, dk, dv, dbeta = rd.race_attention_bwd(res, G)
+    work = [da.store([dq, dk, dv], [_Discard()] * 3, lock=False, compute=False), dbeta]
+    with distributed.get_task_stream(client) as ts:
+        _gather(client, client.compute(work))
+    counts = {}
+    for t in ts.data:
+        name = _key_name(t["key"])
+        for kind in ("race-causal-bwd", "race-readout-bwd", "race-sketch-bwd", "race-dstate", "race-sketch-"):
+            if name.startswith(kind):
+                counts[kind] = counts.get(kind, 0) + 1
+                break
+    nq, nk = (res.q.numblocks, res.k.numblocks)
+    lead = nq[0] * nq[1]
+    if causal:
+        want = {"race-causal-bwd": lead * nq[2], "race-dstate": lead * (nq[2] - 1),
+                "race-sketch-": lead * (nq[2] - 1)}  # the last block's total carries into nothing
+    else:
+        want = {"race-readout-bwd": lead * nq[2], "race-sketch-bwd": lead * nk[2], "race-sketch-": lead * nk[2]}
+    assert counts == want
+
+
 def test_worker_tasks_use_the_worker_threads(client):
     def probe(x):
         rd._set_threads(None)
