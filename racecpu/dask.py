@@ -18,14 +18,16 @@ scalars, never rows:
   sketch's cotangent, summed by a tree, then per key block the keys' and
   values' gradients;
 * causal backward: per block the cotangent its outputs send to its
-  carried-in state (:func:`racecpu.sketches.causal_block_dstate`), a reverse
+  carried-in state (:func:`racecpu.sketches.causal_block_dstate` from the
+  block's forward output: a soft hash and one product, no rescan), a reverse
   exclusive scan of those, then every block's gradients from its carried-in
   state and reverse carry (:func:`racecpu.sketches.causal_block_bwd`).
 
-The blocks' forwards are recomputed in the backward (the residuals hold only
-the sketches' tasks), so the causal backward costs about one more forward and
-queries' backward than the in-memory one; in exchange no task holds more than
-one block's rows.  Results equal the in-memory API up to float rounding (the
+The blocks' gradients recompute their forward (the residuals hold only the
+sketches' tasks and, causal, the forward's output tasks, which a computation
+of the gradients alone runs too), so the backward costs about one more
+forward than the in-memory one; in exchange no task holds more than one
+block's rows.  Results equal the in-memory API up to float rounding (the
 chunk totals are summed in another order).
 
 Threads.  Dask workers cap OpenMP and BLAS threads but not Numba's: each task
@@ -112,9 +114,9 @@ def _t_causal(threads, q, k, v, mask, planes, beta, state, cf):
     return S.causal_block(q, k, v, planes, beta, state, key_mask=mask, check_finite=cf)[0]
 
 
-def _t_causal_dstate(threads, q, k, v, g, mask, planes, beta, state, cf):
+def _t_causal_dstate(threads, q, k, v, g, mask, planes, beta, state, out, cf):
     _set_threads(threads)
-    return S.causal_block_dstate(q, k, v, planes, beta, g, state, key_mask=mask, check_finite=cf)
+    return S.causal_block_dstate(q, k, v, planes, beta, g, state, key_mask=mask, check_finite=cf, out=out)
 
 
 def _t_causal_bwd(threads, q, k, v, g, mask, planes, beta, state, dstate, cf):
@@ -142,8 +144,9 @@ def _call(name, fn, *args):
     return dask.delayed(fn, pure=True)(*args, dask_key_name=f"race-{name}-{token}")
 
 
-def _outputs(task, n):
-    """``task``'s ``n`` results as ``(task, i, marker)`` triples, for :func:`_assemble` and :func:`_part`.
+def _outputs(task, n=None):
+    """``task``'s ``n`` results as ``(task, i, marker)`` triples, for :func:`_assemble` and :func:`_part`
+    (``n`` None: its one result, ``(task, None, marker)``, for a task that other tasks also read).
 
     Every task that picks a result depends on ``task`` and on its marker, a
     task of ``task`` alone.  So ``task`` always has two dependents and a pick
@@ -155,7 +158,7 @@ def _outputs(task, n):
     other worker to those the scheduler may place them on.
     """
     marker = dask.delayed(_mark, pure=True)(task, dask_key_name=f"race-marker-{task.key.removeprefix('race-')}")
-    return [(task, i, marker) for i in range(n)]
+    return [(task, None, marker)] if n is None else [(task, i, marker) for i in range(n)]
 
 
 def _part(name, output):
@@ -230,7 +233,9 @@ class DaskResiduals:
 
     The (rechunked) dask inputs and the delayed sketches: per block of the
     leading axes, the key sketch's total (non-causal) or the carried-in
-    state of every sequence block (causal).  Nothing is computed until a
+    state of every sequence block (causal; and the blocks' forward tasks,
+    whose outputs give the cotangents the blocks send to their states
+    without a rescan).  Nothing is computed until a
     result is; computing the forward's output and the gradients together
     (``dask.compute(out, dq, ...)``) computes the sketches once.
     """
@@ -246,6 +251,7 @@ class DaskResiduals:
     check_finite: bool
     threads: object
     states: dict
+    outputs: dict = None
 
 
 def _prepare(q, k, v, planes, beta, causal, key_mask):
@@ -303,7 +309,7 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
     nlead = qb.shape[:-2]
     dv = v.shape[-1]
     out = np.empty(qb.shape, object)
-    states = {}
+    states, outputs = {}, {}
     cf, thr = bool(check_finite), threads
     for b in np.ndindex(nlead):
         mask = (lambda j: None) if mb is None else (lambda j: mb[b + (j,)])
@@ -314,9 +320,10 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
             for j in range(1, len(tot)):
                 carries.append(tot[0] if j == 1 else _call("carry", _t_add, carries[-1], tot[j - 1]))
             states[b] = carries
-            for j in range(qb.shape[-2]):
-                out[b + (j, 0)] = (_call("causal", _t_causal, thr, qb[b + (j, 0)], kb[b + (j, 0)], vb[b + (j, 0)],
-                                         mask(j), W, beta, carries[j], cf), None, None)
+            outputs[b] = [_call("causal", _t_causal, thr, qb[b + (j, 0)], kb[b + (j, 0)], vb[b + (j, 0)], mask(j), W,
+                                beta, carries[j], cf) for j in range(qb.shape[-2])]
+            for j, t in enumerate(outputs[b]):  # marked: the backward's dstate tasks read them too
+                out[b + (j, 0)], = _outputs(t)
         else:
             total = _tree_sum(tot, "sum") if tot else _call("zeros", _zero_sketch, W, beta,
                                                               tuple(c[i] for c, i in zip(q.chunks, b)), dv, cdt)
@@ -324,7 +331,7 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
             for i in range(qb.shape[-2]):
                 out[b + (i, 0)] = (_call("readout", _t_readout, thr, qb[b + (i, 0)], total, cf), None, None)
     y = _assemble(out, q.chunks[:-1] + ((dv,),), odt, "out")
-    return y, DaskResiduals(q, k, v, m, W, beta, bool(causal), cdt, odt, cf, threads, states)
+    return y, DaskResiduals(q, k, v, m, W, beta, bool(causal), cdt, odt, cf, threads, states, outputs)
 
 
 def _zero_sketch(W, beta, lead, dv, cdt):
@@ -380,13 +387,16 @@ def race_attention_bwd(residuals, grad_out):
         mask = (lambda j: None) if mb is None else (lambda j: mb[b + (j,)])
         if r.causal:
             carries = r.states[b]
+            # The cotangent block j's outputs send to its state, from its forward output (a hash and one
+            # product) rather than a rescan, unless the output is narrower than the compute dtype.
+            outs = r.outputs[b] if r.odt.itemsize >= np.dtype(r.cdt).itemsize else [None] * qb.shape[-2]
             nb = qb.shape[-2]
             blk = [(qb[b + (j, 0)], kb[b + (j, 0)], vb[b + (j, 0)], gb[b + (j, 0)]) for j in range(nb)]
             rc, acc = [None] * nb, None
             for j in range(nb - 1, -1, -1):
                 rc[j] = acc
                 if j > 0:
-                    part = _call("dstate", _t_causal_dstate, thr, *blk[j], mask(j), W, beta, carries[j], cf)
+                    part = _call("dstate", _t_causal_dstate, thr, *blk[j], mask(j), W, beta, carries[j], outs[j], cf)
                     acc = part if acc is None else _call("rcarry", _t_add, acc, part)
             for j in range(nb):
                 t = _call("causal-bwd", _t_causal_bwd, thr, *blk[j], mask(j), W, beta, carries[j], rc[j], cf)

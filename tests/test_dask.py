@@ -283,12 +283,45 @@ def test_dask_cluster_bytes_moved_per_block(client, causal):
             for key, nbytes in e["keys"].items():
                 name = key if isinstance(key, str) else key[0]
                 moved[name] = moved.get(name, 0) + nbytes
-    ours = sum(b for name, b in moved.items() if name.startswith("race-"))
-    rows = sum(b for name, b in moved.items() if not name.startswith("race-"))
+    ours = sum(b for name, b in moved.items() if name.startswith("race-") and not _holds_rows(name))
+    rows = sum(b for name, b in moved.items() if not name.startswith("race-") or _holds_rows(name))
     state = int(np.prod(lead)) * 24 * (d + 1) * 8
     print(f"causal={causal}: {ours / nb:.0f} B of sketches per block moved (forward + backward) (state {state} B), "
-          f"{rows / nb:.0f} B of other keys per block")
+          f"{rows / nb:.0f} B of rows per block (the scheduler's load balancing of tiny blocks)")
     assert ours / (2 * nb) <= 2 * state  # per block and pass (forward, backward)
+
+
+def _holds_rows(name):
+    """Whether a racecpu key holds a block's rows (a forward output or gradients), not a sketch."""
+    return name.startswith(("race-causal-", "race-readout-", "race-sketch-bwd-", "race-out-", "race-dq-", "race-dk-",
+                            "race-dv-"))
+
+
+def test_causal_backward_tasks_read_only_their_block():
+    """Graph-level check that no row needs to cross between workers in the causal backward: every
+    dstate and causal-bwd task reads the q, k, v, grad_out blocks of one sequence block, the
+    dstate task also that block's forward task (its output; the forward task reads the same
+    blocks), and otherwise only sketches."""
+    from dask.core import get_dependencies
+    rng = np.random.default_rng(3)
+    X = da.from_array(rng.standard_normal((4, 2, 64, 16)).astype(np.float32), chunks=(1, 1, (20, 12, 32), 16))
+    Q, K, V, G = X[0], X[1], X[2], X[3]
+    _, res = rd.race_attention_fwd(Q, K, V, racecpu.hyperplanes(16), causal=True)
+    graph = dict(rd.race_attention_bwd(res, G)[0].__dask_graph__())
+    counts = {"race-dstate-": 0, "race-causal-bwd-": 0}
+    for key in graph:
+        if not (isinstance(key, str) and key.startswith(("race-dstate-", "race-causal-bwd-"))):
+            continue
+        deps = get_dependencies(graph, key)
+        blocks = {d[1:] for d in deps if isinstance(d, tuple)}
+        assert len(blocks) == 1 and sum(isinstance(d, tuple) for d in deps) == 4, deps
+        for d in deps:
+            if isinstance(d, str) and d.startswith("race-causal-"):  # the forward task of the same block
+                assert {x[1:] for x in get_dependencies(graph, d) if isinstance(x, tuple)} == blocks
+            elif isinstance(d, str):
+                assert d.startswith(("race-sketch-", "race-carry-", "race-rcarry-", "race-dstate-")), d
+        counts["race-dstate-" if key.startswith("race-dstate-") else "race-causal-bwd-"] += 1
+    assert counts == {"race-dstate-": 2 * 2, "race-causal-bwd-": 2 * 3}  # 2 heads x 3 blocks (no dstate for the first)
 
 
 class _Discard:
