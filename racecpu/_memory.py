@@ -98,8 +98,9 @@ class BufferPool:
     reused as they are.
 
     Idle blocks are released when they have not been reused for
-    ``MAX_IDLE_CALLS`` calls (:meth:`tick`), when idle bytes would exceed
-    ``limit``, and by :meth:`release`.  Arrays below ``MIN_BYTES`` or above
+    ``MAX_IDLE_CALLS`` calls (:meth:`tick`; unless ``age_by_calls`` is False,
+    as in a Dask worker, whose tasks interleave calls of several kinds), when
+    idle bytes would exceed ``limit``, and by :meth:`release`.  Arrays below ``MIN_BYTES`` or above
     ``limit`` (so every one while it is 0), and every one where ``mmap`` has no
     private anonymous mappings (Windows), come from ``np.empty`` as before.
     """
@@ -113,6 +114,8 @@ class BufferPool:
         self._call = 0
         self._lock = threading.Lock()
         self.hits = self.misses = 0
+        #: Whether :meth:`tick` releases blocks idle for more than MAX_IDLE_CALLS calls (the limit applies always).
+        self.age_by_calls = True
 
     @property
     def limit(self):
@@ -185,7 +188,7 @@ class BufferPool:
         """Start of a public call: age the idle blocks and apply the limit."""
         with self._lock:
             self._call += 1
-            self._drop_idle(self.limit, self.MAX_IDLE_CALLS)
+            self._drop_idle(self.limit, self.MAX_IDLE_CALLS if self.age_by_calls else None)
 
     def set_limit(self, nbytes):
         """Set ``limit`` (releasing idle blocks beyond it); returns the previous one."""

@@ -68,17 +68,50 @@ def _sizeof_sketch(s):
 # ---------------------------------------------------------------------------
 
 def _set_threads(threads):
-    """Numba threads for this task: ``threads``, or the distributed worker's thread count."""
+    """Numba threads for this task: ``threads``, or the distributed worker's thread count.
+
+    On a ``distributed`` worker, also set once per process how racecpu's
+    result pool keeps memory (:func:`_worker_pool`)."""
     import numba
+    w = None
+    try:
+        from distributed import get_worker
+        w = get_worker()
+    except (ImportError, ValueError):
+        pass
+    if w is not None:
+        _worker_pool(w)
     if threads is None:
-        try:
-            from distributed import get_worker
-            w = get_worker()
-        except (ImportError, ValueError):
+        if w is None:
             return
         state = getattr(w, "state", None)
         threads = getattr(state, "nthreads", None) or getattr(w, "nthreads", 1)
     numba.set_num_threads(max(1, min(int(threads), numba.config.NUMBA_NUM_THREADS)))
+
+
+_POOL_SET = False
+
+
+def _worker_pool(worker):
+    """Configure racecpu's result pool for a Dask worker (once per process).
+
+    A worker's tasks interleave calls of several kinds (a causal graph runs
+    every block's forward and cotangent tasks between two of its backward
+    tasks), so the pool's ageing by calls would release the blocks of one
+    kind before their next use, and every such task would fault its results
+    in afresh: the pool keeps its idle blocks instead, up to its limit,
+    lowered to half the worker's memory limit where it has one (idle blocks
+    are ``MADV_FREE``: the kernel takes them back when memory runs short)."""
+    global _POOL_SET
+    if _POOL_SET:
+        return
+    from ._memory import POOL
+    POOL.age_by_calls = False
+    limit = getattr(worker, "memory_limit", None) or getattr(getattr(worker, "memory_manager", None),
+                                                              "memory_limit", None)
+    if limit:
+        POOL.set_limit(min(POOL.limit, int(limit) // 2))
+    _POOL_SET = True
 
 
 def _t_sketch(threads, k, v, mask, planes, beta, cdt, cf):

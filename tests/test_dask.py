@@ -370,6 +370,21 @@ def test_worker_tasks_use_the_worker_threads(client):
     assert set(got.tolist()) == {1}
 
 
+def _pool_after_a_task(_):
+    from racecpu._memory import POOL
+    rd._set_threads(None)  # what every racecpu task runs first
+    return POOL.age_by_calls, POOL.limit
+
+
+def test_worker_tasks_keep_the_pool_across_kinds_of_calls(client):
+    """After a racecpu task, a worker's result pool no longer ages by calls and keeps at most
+    half the worker's memory limit idle."""
+    limits = client.run(lambda dask_worker: dask_worker.memory_manager.memory_limit)
+    for addr in limits:
+        ageing, limit = _gather(client, [client.submit(_pool_after_a_task, addr, workers=[addr], pure=False)])[0]
+        assert ageing is False and limit <= limits[addr] // 2
+
+
 def _key_name(key):
     return key if isinstance(key, str) else key[0]
 

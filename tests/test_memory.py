@@ -82,6 +82,22 @@ def test_idle_blocks_age_out_and_respect_the_limit():
     assert pool.stats()["idle_bytes"] == 3 << 20
 
 
+def test_without_ageing_by_calls_only_the_limit_releases():
+    pool = BufferPool(3 << 20)
+    pool.age_by_calls = False
+    a, b = pool.empty((1 << 20,), np.uint8), pool.empty((2 << 20,), np.uint8)
+    del a, b
+    for _ in range(10 * BufferPool.MAX_IDLE_CALLS):
+        pool.tick()
+    assert pool.stats()["idle_bytes"] == 3 << 20
+    c = pool.empty((1 << 20,), np.uint8)  # reuses the 1 MiB block, however old
+    assert pool.stats()["hits"] == 1
+    del c
+    pool.limit = 2 << 20
+    pool.tick()  # the limit still applies: the oldest idle blocks go first
+    assert pool.stats()["idle_bytes"] <= 2 << 20
+
+
 def test_results_kept_by_the_caller_are_never_overwritten(rng):
     # One call's outputs and gradients, and views of them, stay as they were
     # while later calls of the same shapes reuse what was dropped.

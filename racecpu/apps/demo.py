@@ -162,7 +162,7 @@ def _run_dask(args, heads_given):
              num_tables=args.num_tables, beta=args.beta, block=args.block, progress=args.progress)
     th = m["tokens"] * m["heads"]
     print(f"heads {m['heads']}, workers {m['workers']}, {m['blocks']} blocks")
-    for label, key in (("forward states", "seconds_states"), ("forward outputs", "seconds_forward"),
+    for label, key in (("forward states", "seconds_states"), ("outputs, dstates", "seconds_forward"),
                        ("reverse carries", "seconds_reverse"), ("gradients", "seconds_backward")):
         print(f"{label:18}{m[key]:8.1f} s")
     print(f"{'total':18}{m['seconds_total']:8.1f} s   {m['ns_per_token_head']:8.1f} ns per token-head "
