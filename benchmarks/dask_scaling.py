@@ -13,10 +13,12 @@ What it measures (ns per token-head, float32, P = L = 3, medians over rounds):
   token-head is flat in N from ~2^17 up;
 * ``racecpu.dask`` at ``2**log2n`` tokens x heads on a ``distributed.LocalCluster``
   of 1 and of 2 single-threaded worker processes, in blocks of ``2**log2-block``
-  tokens x 1 head.  Inputs are one cached random block per worker process
-  (no generation cost; every block reads the same numbers) and results are
-  discarded by a store that keeps nothing, so the time is racecpu's tasks plus
-  Dask's scheduling and the transfers of sketches;
+  tokens x 1 head.  Inputs are one cached random block per worker process,
+  made before the clock starts (every block reads the same numbers), and
+  results are discarded by a store that keeps nothing, so the time is
+  racecpu's tasks plus Dask's scheduling and the transfers of sketches.  Each
+  mode's first run on a cluster (the workers' result pools fault their pages
+  in) is not counted, as the in-memory call's first is not;
 * the latency of one link of the causal scans' chain of carries (a sketch
   addition whose carry crosses between worker processes);
 * the scheduler's overhead at several block sizes (causal forward+backward, 2
