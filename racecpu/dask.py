@@ -167,6 +167,16 @@ def _mark(x):
     return None
 
 
+#: Prefixes of racecpu's keys whose values hold a block's rows (forward outputs, gradients);
+#: every other ``race-`` key holds a sketch, a marker or a scalar.
+ROW_KEYS = ("race-causal-", "race-readout-", "race-sketch-bwd-", "race-out-", "race-dq-", "race-dk-", "race-dv-")
+
+
+def _holds_rows(name):
+    """Whether the key named ``name`` (a str key, or a tuple key's first item) holds a block's rows."""
+    return name.startswith(ROW_KEYS)
+
+
 # ---------------------------------------------------------------------------
 # graph building
 # ---------------------------------------------------------------------------

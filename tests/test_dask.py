@@ -283,18 +283,12 @@ def test_dask_cluster_bytes_moved_per_block(client, causal):
             for key, nbytes in e["keys"].items():
                 name = key if isinstance(key, str) else key[0]
                 moved[name] = moved.get(name, 0) + nbytes
-    ours = sum(b for name, b in moved.items() if name.startswith("race-") and not _holds_rows(name))
-    rows = sum(b for name, b in moved.items() if not name.startswith("race-") or _holds_rows(name))
+    ours = sum(b for name, b in moved.items() if name.startswith("race-") and not rd._holds_rows(name))
+    rows = sum(b for name, b in moved.items() if not name.startswith("race-") or rd._holds_rows(name))
     state = int(np.prod(lead)) * 24 * (d + 1) * 8
     print(f"causal={causal}: {ours / nb:.0f} B of sketches per block moved (forward + backward) (state {state} B), "
           f"{rows / nb:.0f} B of rows per block (the scheduler's load balancing of tiny blocks)")
     assert ours / (2 * nb) <= 2 * state  # per block and pass (forward, backward)
-
-
-def _holds_rows(name):
-    """Whether a racecpu key holds a block's rows (a forward output or gradients), not a sketch."""
-    return name.startswith(("race-causal-", "race-readout-", "race-sketch-bwd-", "race-out-", "race-dq-", "race-dk-",
-                            "race-dv-"))
 
 
 def test_causal_backward_tasks_read_only_their_block():
@@ -324,13 +318,6 @@ def test_causal_backward_tasks_read_only_their_block():
     assert counts == {"race-dstate-": 2 * 2, "race-causal-bwd-": 2 * 3}  # 2 heads x 3 blocks (no dstate for the first)
 
 
-class _Discard:
-    """A ``da.store`` target that keeps nothing."""
-
-    def __setitem__(self, key, value):
-        pass
-
-
 @pytest.mark.parametrize("causal", [False, True])
 def test_every_task_runs_once_when_stores_and_dbeta_compute_together(rng, client, causal):
     """``client.compute([da.store(..., compute=False), dbeta])`` optimizes the store (a Delayed) and
@@ -342,7 +329,9 @@ def test_every_task_runs_once_when_stores_and_dbeta_compute_together(rng, client
     _, (Q, K, V, G, _) = dask_inputs(rng, causal, False, np.float32)
     out, res = rd.race_attention_fwd(Q, K, V, W, causal=causal)
     dq, dk, dv, dbeta = rd.race_attention_bwd(res, G)
-    work = [da.store([dq, dk, dv], [_Discard()] * 3, lock=False, compute=False), dbeta]
+    # NumPy targets (the workers write into copies): a Delayed store, with nothing the workers cannot import
+    work = [da.store([dq, dk, dv], [np.empty(x.shape, x.dtype) for x in (dq, dk, dv)], lock=False, compute=False),
+            dbeta]
     with distributed.get_task_stream(client) as ts:
         _gather(client, client.compute(work))
     counts = {}
