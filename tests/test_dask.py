@@ -6,6 +6,7 @@ The Dask tests run under the threaded scheduler and on a real
 kills a worker process mid-compute starts a cluster of its own.
 """
 
+import importlib
 import sys
 
 import numpy as np
@@ -359,18 +360,14 @@ def test_worker_tasks_use_the_worker_threads(client):
     assert set(got.tolist()) == {1}
 
 
-def _pool_after_a_task(_):
-    from racecpu._memory import POOL
-    rd._set_threads(None)  # what every racecpu task runs first
-    return POOL.age_by_calls, POOL.limit
-
-
 def test_worker_tasks_keep_the_pool_across_kinds_of_calls(client):
     """After a racecpu task, a worker's result pool no longer ages by calls and keeps at most
     half the worker's memory limit idle."""
     limits = client.run(lambda dask_worker: dask_worker.memory_manager.memory_limit)
-    for addr in limits:
-        ageing, limit = _gather(client, [client.submit(_pool_after_a_task, addr, workers=[addr], pure=False)])[0]
+    for addr in limits:  # what every racecpu task runs first, on each worker (a racecpu function: importable there)
+        _gather(client, [client.submit(rd._set_threads, None, workers=[addr], pure=False)])
+    pools = client.run(lambda: (lambda p: (p.age_by_calls, p.limit))(importlib.import_module("racecpu._memory").POOL))
+    for addr, (ageing, limit) in pools.items():
         assert ageing is False and limit <= limits[addr] // 2
 
 
