@@ -89,9 +89,6 @@ def _set_threads(threads):
     numba.set_num_threads(max(1, min(int(threads), numba.config.NUMBA_NUM_THREADS)))
 
 
-_POOL_SET = False
-
-
 def _worker_pool(worker):
     """Configure racecpu's result pool for a Dask worker (once per process).
 
@@ -102,16 +99,13 @@ def _worker_pool(worker):
     in afresh: the pool keeps its idle blocks instead, up to its limit,
     lowered to half the worker's memory limit where it has one (idle blocks
     are ``MADV_FREE``: the kernel takes them back when memory runs short)."""
-    global _POOL_SET
-    if _POOL_SET:
-        return
     from ._memory import POOL
+    if not POOL.age_by_calls:  # done already
+        return
     POOL.age_by_calls = False
-    limit = getattr(worker, "memory_limit", None) or getattr(getattr(worker, "memory_manager", None),
-                                                              "memory_limit", None)
+    limit = getattr(getattr(worker, "memory_manager", None), "memory_limit", None)
     if limit:
         POOL.set_limit(min(POOL.limit, int(limit) // 2))
-    _POOL_SET = True
 
 
 def _t_sketch(threads, k, v, mask, planes, beta, cdt, cf):
@@ -294,7 +288,7 @@ class DaskResiduals:
     check_finite: bool
     threads: object
     states: dict
-    outputs: dict = None
+    outputs: dict
 
 
 def _prepare(q, k, v, planes, beta, causal, key_mask):

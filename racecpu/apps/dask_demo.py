@@ -247,12 +247,13 @@ def demo(tokens=2 ** 24, heads=None, dim=128, directory="racecpu-dask", schedule
         # With the outputs, each block's cotangent to its state (the dstate tasks read the block's output,
         # which is then computed once); both are submitted at once so that they share the forward's tasks.
         f_out = client.compute(da_store(out, stores[0]))
-        graph, dkeys = _keys(dq, ("race-dstate-",))
+        graph, keys = _keys(dq, ("race-dstate-", "race-rcarry-"))
+        dkeys = [k for k in keys if k.startswith("race-dstate-")]
         dfut = client.get(graph, dkeys, sync=False) if dkeys else []
         _wait([f_out] + list(dfut), progress, "2/4 forward: outputs, and what they send back to the states")
         t["forward"] = time.perf_counter() - t1
         t2 = time.perf_counter()
-        graph, rkeys = _keys(dq, ("race-rcarry-",))
+        rkeys = [k for k in keys if k.startswith("race-rcarry-")]
         rfut = client.get(graph, rkeys, sync=False) if rkeys else []
         _wait(list(rfut), progress, "3/4 backward: reverse carries")
         t["reverse"] = time.perf_counter() - t2
