@@ -65,8 +65,9 @@ class PlanesGrad(NamedTuple):
     shares ``dWq (G, ncq, LP, d)``, ``dWk (G, nck, LP, d)`` (float64, each
     chunk's ``du^T x`` over its query or key rows, summed by the caller).
 
-    ``dWq`` and ``dWk`` with no rows per chunk (``(G, nc, 0, d)``, see
-    :func:`no_planes_grad`): not computed, and q and k are not read.
+    ``dWq`` and ``dWk`` with no rows per chunk (``(G, nc, 0, d)``, as the
+    engine passes them when no planes' gradient is asked for): not
+    computed, and q and k are not read.
     """
 
     q: np.ndarray
@@ -102,18 +103,33 @@ class Chunks(NamedTuple):
     seq: np.ndarray
 
 
+class Forward(NamedTuple):
+    """What every task of a causal scan reads or writes: queries ``q (G, N, d)``,
+    values ``v (Gk, N, dv)``, the :class:`Hash`, the :class:`Rows` (``phik``
+    read; ``phiq``, ``tq``, ``den`` written where kept), ``out (G, N, dv)`` and
+    the :class:`Chunks` (each chunk's rows and packed sequence: the scan
+    restarts at each)."""
+
+    q: np.ndarray
+    v: np.ndarray
+    hsh: Hash
+    rows: Rows
+    out: np.ndarray
+    chunks: Chunks
+
+
 class Backward(NamedTuple):
-    """The arrays every task of a backward reads or writes: ``grad (G, Nq, dv)``
-    (the output's cotangent), ``v (G, Nk, dv)``, the forward's :class:`Rows`,
-    the :class:`Hash`, the ``chunk`` length, the :class:`Grads` to write and
-    the :class:`Chunks` (each chunk's rows and packed sequence: the sketch
-    it reads, where the scans restart)."""
+    """What every task of a backward reads or writes: ``grad (G, Nq, dv)``
+    (the output's cotangent), ``v (Gk, Nk, dv)``, the forward's :class:`Rows`,
+    the :class:`Hash`, the :class:`Grads` to write and the :class:`Chunks`
+    (each chunk's rows and packed sequence: the sketch it reads, where the
+    scans restart).  Made once per call by the engine and handed to every
+    backward kernel of it."""
 
     grad: np.ndarray
     v: np.ndarray
     rows: Rows
     hsh: Hash
-    chunk: int
     grads: Grads
     chunks: Chunks
 
@@ -138,16 +154,3 @@ class Spread(NamedTuple):
     order: np.ndarray
     t0: int
     t1: int
-
-
-def no_rows(like, G, width, dtype=None):
-    """An array ``(G, 0, width)`` (``(G, 0)`` for width None): a residual that is not kept."""
-    shape = (G, 0) if width is None else (G, 0, width)
-    return np.empty(shape, like.dtype if dtype is None else dtype)
-
-
-def no_planes_grad(like, G, ncq, nck, d):
-    """A :class:`PlanesGrad` that computes nothing: shares ``(G, nc, 0, d)``
-    (no memory) and rows ``(G, 0, d)`` in the dtype of ``like``, never read."""
-    rows = np.empty((G, 0, d), like.dtype)
-    return PlanesGrad(rows, rows, np.empty((G, ncq, 0, d)), np.empty((G, nck, 0, d)))

@@ -1,9 +1,9 @@
-"""Causal RACE attention: the prefix scan, its backward, and the choice of backward route.
+"""Causal RACE attention: the prefix scan and its backward (three routes, the same bits).
 
 Query ``i`` reads the sketch of keys ``j <= i`` (Algorithm 2 of the paper;
 ``docs/design.md`` sections 1 and 4).  The scan runs in *segments* of
-consecutive chunks (:func:`racecpu._kernels.scan.scan_segments`): the chunk
-totals of the keys before the last segment (:func:`racecpu._kernels.noncausal.sketch_chunks`),
+consecutive chunks (:func:`racecpu.plan.scan_segments`): the chunk
+totals of the keys before the last segment (:func:`racecpu._kernels.sketch.sketch_chunks`),
 a float64 exclusive scan of them (:func:`racecpu._kernels.scan.exclusive_scan`),
 then every segment scanned from its carried-in state (:func:`causal_fwd`),
 SCAN_BLOCK tokens per step, each step a few small matrix products.  The
@@ -12,11 +12,12 @@ carries are the same, bit for bit, however many segments.
 The backward is exact (``docs/design.md`` section 3): prefix states are rebuilt
 by rescanning from the stored carries (:func:`causal_queries_bwd`) and the
 suffix sums of ``(dA, dB)`` come from a reverse scan (:func:`causal_keys_bwd`);
-nothing is obtained by subtracting from a total.  :func:`causal_backward`
-picks one of three routes that give the same bits: the two passes in
-segments, both in one pass chunk by chunk (:func:`causal_bwd`), or a third of
-the chunks in one pass beside the queries' pass over the rest
-(:func:`causal_bwd_split`).
+nothing is obtained by subtracting from a total.  Three routes give the
+same bits (the plan picks one, :mod:`racecpu.plan`; the engine calls it): the
+two passes in segments, both in one pass chunk by chunk (:func:`causal_bwd`),
+or a third of the chunks in one pass beside the queries' pass over the rest
+(:func:`causal_bwd_split`).  How a query reads the state (the ratio and its
+floor, and their backward) is the estimator's, in :mod:`.readout`.
 
 Every scan runs per key/value head ``gk`` (``Gk`` of them): the state
 depends on the keys alone, so under grouped-query attention (``G = group *
@@ -34,21 +35,15 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import config
-from ..config import DEN_FLOOR, SCAN_BLOCK
+from ..config import SCAN_BLOCK
 from ._jit import kernel
-from .bundles import Backward, Chunks, Spread, Sums
+from .bundles import Chunks, Spread, Sums
 from .hash import hash_bwd_rows_dw, hash_range, head_rows, head_scratch
-from .noncausal import dphi_from_y
 from .products import (add_product, add_rows, combine_rows, dot_rows, group_span_totals, step_scores, zero_above,
                        zero_below)
-from .runtime import blas_tasks, run_tasks
-from .scan import (carry_on, even_chunks, exclusive_scan, exclusive_step, restarts, scan_segments, segment_chunks,
-                   segment_start, spread_order, task_bounds)
-
-
-def _backward(grad, v, rows, hsh, chunk, grads, chunks):
-    """The :class:`Backward` bundle, ``chunks`` defaulting to the queries' in chunks of ``chunk``."""
-    return Backward(grad, v, rows, hsh, chunk, grads, even_chunks(grad.shape[1], chunk) if chunks is None else chunks)
+from .readout import den_share, dphi_from_y, ratio_inverse, step_readout
+from .runtime import run_tasks
+from .scan import carry_on, exclusive_step, restarts, segment_chunks, segment_start, spread_order, task_bounds
 
 
 class StepScratch(NamedTuple):
@@ -74,26 +69,10 @@ def step_buffers(like, F, m):
                        np.zeros((m, F), dt), np.zeros((m, dv), dt), np.zeros((F, dv), dt))
 
 
-class Forward(NamedTuple):
-    """What every task of :func:`causal_fwd` reads or writes: queries ``q (G, N, d)``,
-    values ``v (Gk, N, dv)``, the :class:`Hash`, the ``chunk`` length, the
-    :class:`Rows` (``phik`` read; ``phiq``, ``tq``, ``den`` written where kept),
-    ``out (G, N, dv)`` and the :class:`Chunks` (each chunk's rows and packed
-    sequence: the scan restarts at each)."""
-
-    q: np.ndarray
-    v: np.ndarray
-    hsh: object
-    chunk: int
-    rows: object
-    out: np.ndarray
-    chunks: Chunks
-
-
 @kernel
 def _causal_fwd_task(task, segments, keep, fwd, carry, final, nan):
     """One segment of one key/value head of :func:`causal_fwd` (run by :func:`run_tasks`)."""
-    q, v, hsh, chunk, rows, out, chunks = fwd
+    q, v, hsh, rows, out, chunks = fwd
     phik = rows.phik
     carryA, carryB = carry
     G, n, _ = q.shape
@@ -132,25 +111,14 @@ def _causal_fwd_task(task, segments, keep, fwd, carry, final, nan):
                 if dv > 0:
                     combine_rows(Pq, S, O)
                     combine_rows(H, V, X)
-                for i in range(m):
-                    dn = 0.0
-                    for f in range(F):
-                        dn += Pq[i, f] * A[f]
-                    for j in range(i + 1):
-                        dn += H[i, j]
-                    dn /= L
-                    dnc[i0 - lo + i] = dn
-                    inv = 1.0 / (L * dn) if dn > DEN_FLOOR else 0.0  # the floor: zeros
-                    for cc in range(dv):
-                        O[i, cc] = (O[i, cc] + X[i, cc]) * inv
+                step_readout(Pq, A, H, X, L, dnc[i0 - lo:i1 - lo], O)
             add_rows(A, Pk)
             add_product(Pk, V, S, dS, total, track)
         if c + 1 < c1 or last:
             carry_on(carryB, gk, c, c + 1, total, final, restarts(chunks.seq, c + 1))
 
 
-@blas_tasks
-def causal_fwd(q, v, hsh, chunk, rows, carry, out, final=None, segments=None, chunks=None):
+def causal_fwd(fwd, carry, final=None, segments=None):
     """Scan every segment of chunks from its carried-in state; query i sees keys j <= i.
 
     Per step of SCAN_BLOCK tokens with state B before it:
@@ -158,29 +126,24 @@ def causal_fwd(q, v, hsh, chunk, rows, carry, out, final=None, segments=None, ch
 
     Parameters
     ----------
-    q : (G, N, d), v : (Gk, N, dv)
-        Queries and values (compute dtype); ``Gk`` divides ``G``.
-    hsh : Hash
-    chunk : int
-    rows : Rows
-        ``phik (Gk, N, F)`` read (every row); ``phiq``, ``tq``, ``den`` (G
-        heads) written (each may have no rows: not kept).
+    fwd : Forward
+        Queries ``q (G, N, d)`` and values ``v (Gk, N, dv)`` (compute dtype;
+        ``Gk`` divides ``G``), the hash, the rows (``phik (Gk, N, F)`` read,
+        every row; ``phiq``, ``tq``, ``den`` (G heads) written, each may have
+        no rows: not kept), ``out (G, N, dv)`` (compute dtype, every row
+        written) and the chunks (each chunk's rows and packed sequence: the
+        scan restarts at the first chunk of each sequence, whose carries
+        must be zero).
     carry : Sums
         ``A (Gk, nc, F)``, ``B (Gk, nc, F, dv)`` float64: the state summed over
         all keys before each chunk.  Of B only the carry at the first chunk of
         each of the ``segments`` per key/value head is read; the scan writes
         the others, bit for bit those of the chunk totals
         (:func:`racecpu._kernels.products.span_totals`).
-    out : (G, N, dv)
-        Out (compute dtype), every row written.
     final : (Gk, F, dv) float64, optional
         Out: the total B.
     segments : int, optional
         Segments per key/value head (default: one per chunk).
-    chunks : Chunks, optional
-        Each chunk's rows and packed sequence (default: one sequence in
-        chunks of ``chunk``): the scan restarts at the first chunk of each
-        sequence, whose carries must be zero.
 
     Returns
     -------
@@ -188,10 +151,9 @@ def causal_fwd(q, v, hsh, chunk, rows, carry, out, final=None, segments=None, ch
         The number of NaNs in the queries' t (see :func:`racecpu._kernels.hash.hash_block`).
     """
     Gk, nc = carry.A.shape[:2]
-    keep = np.ones(q.shape[1], np.bool_)  # queries are never masked
+    keep = np.ones(fwd.q.shape[1], np.bool_)  # queries are never masked
     segments = nc if segments is None else segments
     nan = np.zeros(Gk * segments, np.int64)
-    fwd = Forward(q, v, hsh, chunk, rows, out, even_chunks(q.shape[1], chunk) if chunks is None else chunks)
     run_tasks(_causal_fwd_task, Gk * segments, segments, keep, fwd, carry,
               np.zeros((0, 0, 0)) if final is None else final, nan)
     return int(nan.sum())
@@ -202,7 +164,7 @@ def _causal_queries_bwd_chunk(bwd, carry, partd, gk, c, t0, t1):
     """Chunk ``c`` of key/value head ``gk`` of :func:`causal_queries_bwd`, for
     every query head of its group; the chunk's dB total is summed for
     ``t0 <= c < t1`` only."""
-    grad, v, rows, hsh, chunk, grads, chunks = bwd
+    grad, v, rows, hsh, grads, chunks = bwd
     phik, phiq, den = rows.phik, rows.phiq, rows.den
     G, n, dv = grad.shape
     group = G // v.shape[0]
@@ -263,8 +225,7 @@ def _causal_queries_bwd_task(task, spread, bwd, carry, partd):
     _causal_queries_bwd_chunk(bwd, carry, partd, g, c, spread.t0, spread.t1)
 
 
-@blas_tasks
-def causal_queries_bwd(grad, v, rows, carry, hsh, chunk, grads, partd, totals=None, chunks=None):
+def causal_queries_bwd(bwd, carry, partd, totals=None):
     """Backward pass 1: rebuild the prefix states by rescanning; cotangents of the queries.
 
     Per step with state B before it: Y = G B^T + tril(G V^T) Phik, whose rows
@@ -272,31 +233,24 @@ def causal_queries_bwd(grad, v, rows, carry, hsh, chunk, grads, partd, totals=No
 
     Parameters
     ----------
-    grad : (G, N, dv)
-        The output's cotangent (compute dtype).
-    v : (Gk, N, dv)
-    rows : Rows
-        The forward's rows (all kept).
+    bwd : Backward
+        ``grad (G, N, dv)`` (the output's cotangent, compute dtype), ``v (Gk,
+        N, dv)``, the forward's rows (all kept), the hash and the chunks
+        (each chunk's rows and packed sequence: the carries restart at each
+        sequence); out ``grads.dq``, ``grads.dden``, ``grads.dbq`` (G heads)
+        and, where computed, ``grads.planes.dWq``.
     carry : Sums
         The forward's carries ``A (Gk, nc, F)``, ``B (Gk, nc, F, dv)`` float64.
-    hsh : Hash
-    chunk : int
-    grads : Grads
-        Out: ``dq``, ``dden``, ``dbq`` (G heads) and, where computed, ``planes.dWq``.
     partd : Sums
         Out: the chunk totals of ``(dA, dB)``, ``(Gk, nc, F)`` and ``(Gk, nc,
         F, dv)`` float64 summed over each key/value head's query heads
         (written, not added), those of dB for the chunks ``totals = (c0,
         c1)`` only (default all; :func:`causal_keys_bwd` needs those after
         its first segment).
-    chunks : Chunks, optional
-        Each chunk's rows and packed sequence (default: one sequence in
-        chunks of ``chunk``; the carries restart at each sequence).
     """
     Gk, nc = carry.A.shape[:2]
     t0, t1 = (0, nc) if totals is None else totals
-    run_tasks(_causal_queries_bwd_task, Gk * nc, Spread(spread_order(Gk, nc, t0, t1), t0, t1),
-              _backward(grad, v, rows, hsh, chunk, grads, chunks), carry, partd)
+    run_tasks(_causal_queries_bwd_task, Gk * nc, Spread(spread_order(Gk, nc, t0, t1), t0, t1), bwd, carry, partd)
 
 
 @kernel
@@ -305,7 +259,7 @@ def _causal_keys_bwd_chunk(bwd, dcarry, gk, c, c0, track, last, final, total):
     segment from chunk ``c0``: the suffix sums run over every query head of
     the group; its dB total is summed in ``total`` when ``track``, and
     carried on to chunk c - 1 (``final`` for the first chunk if ``last``)."""
-    grad, v, rows, hsh, chunk, grads, chunks = bwd
+    grad, v, rows, hsh, grads, chunks = bwd
     phik, phiq, den = rows.phik, rows.phiq, rows.den
     G, n, dv = grad.shape
     group = G // v.shape[0]
@@ -333,8 +287,8 @@ def _causal_keys_bwd_chunk(bwd, dcarry, gk, c, c0, track, last, final, total):
             h = h0 + hl
             for i in range(m):
                 dn = den[h, i0 + i]
-                inv = 1.0 / (L * dn) if dn > DEN_FLOOR else 0.0
-                ddv[hl, i] = grads.dden[h, i0 + i] / L if dn > DEN_FLOOR else 0.0
+                inv = ratio_inverse(dn, L)
+                ddv[hl, i] = den_share(grads.dden[h, i0 + i], dn, L)
                 for f in range(F):
                     wq[hl, i, f] = phiq[h, i0 + i, f] * inv
         if dv > 0:
@@ -386,8 +340,7 @@ def _causal_keys_bwd_task(task, segments, bwd, dcarry, final):
         _causal_keys_bwd_chunk(bwd, dcarry, g, c1 - 1 - ci, c0, last or c1 - c0 > 1, last, final, total)
 
 
-@blas_tasks
-def causal_keys_bwd(grad, v, rows, dcarry, hsh, chunk, grads, final=None, segments=None, chunks=None):
+def causal_keys_bwd(bwd, dcarry, final=None, segments=None):
     """Backward pass 2: suffix sums over queries i >= j by a reverse rescan; cotangents of the keys.
 
     Per step with dB from after it (queries past the step):
@@ -396,29 +349,24 @@ def causal_keys_bwd(grad, v, rows, dcarry, hsh, chunk, grads, final=None, segmen
 
     Parameters
     ----------
-    grad, v, rows, hsh, chunk
-        As :func:`causal_queries_bwd`.
+    bwd : Backward
+        As :func:`causal_queries_bwd` (the reverse scan restarts at the last
+        chunk of each packed sequence); ``grads.dden`` read (from pass 1);
+        out ``grads.dk``, ``grads.dv``, ``grads.dbk`` and, where computed,
+        ``grads.planes.dWk`` (Gk heads).
     dcarry : Sums
         ``dA (Gk, nc, F)``, ``dB (Gk, nc, F, dv)`` float64: the reverse
         (exclusive suffix) carries at every chunk, summed over each key/value
         head's query heads; of dB only the carry at the last chunk of each
         segment is read, the scan writes the others.
-    grads : Grads
-        ``dden`` read (from pass 1); out: ``dk``, ``dv``, ``dbk`` and, where
-        computed, ``planes.dWk`` (Gk heads).
     final : (Gk, F, dv) float64, optional
         Out: the total dB.
     segments : int, optional
         Segments per key/value head (default: one per chunk).
-    chunks : Chunks, optional
-        Each chunk's rows and packed sequence (default: one sequence in
-        chunks of ``chunk``): the reverse scan restarts at the last chunk
-        of each sequence.
     """
     Gk, nc = dcarry.A.shape[:2]
     segments = nc if segments is None else segments
-    run_tasks(_causal_keys_bwd_task, Gk * segments, segments, _backward(grad, v, rows, hsh, chunk, grads, chunks),
-              dcarry,
+    run_tasks(_causal_keys_bwd_task, Gk * segments, segments, bwd, dcarry,
               np.zeros((0, 0, 0)) if final is None else final)
 
 
@@ -448,8 +396,7 @@ def _causal_bwd_task(g, bwd, carry, partd, final):
                        final.shape[0] > 0, final)
 
 
-@blas_tasks
-def causal_bwd(grad, v, rows, carry, hsh, chunk, grads, partd, final=None, chunks=None):
+def causal_bwd(bwd, carry, partd, final=None):
     """:func:`causal_queries_bwd`, :func:`exclusive_scan` of the carries and
     :func:`causal_keys_bwd` in one pass, for one segment per key/value head.
 
@@ -457,11 +404,10 @@ def causal_bwd(grad, v, rows, carry, hsh, chunk, grads, partd, final=None, chunk
     chunk's rows of ``v`` and ``grad`` are still in cache, instead of
     reading them again in a second pass (docs/performance.md, "one-pass
     causal backward").  The same bits as the three calls; ``partd`` ends as
-    the reverse carries.  Arguments as :func:`causal_queries_bwd`; ``grads``
+    the reverse carries.  Arguments as :func:`causal_queries_bwd`; ``bwd.grads``
     gets every output and ``final (Gk, F, dv)`` (optional) the total dB.
     """
-    run_tasks(_causal_bwd_task, v.shape[0], _backward(grad, v, rows, hsh, chunk, grads, chunks), carry, partd,
-              np.zeros((0, 0, 0)) if final is None else final)
+    run_tasks(_causal_bwd_task, bwd.v.shape[0], bwd, carry, partd, np.zeros((0, 0, 0)) if final is None else final)
 
 
 @kernel
@@ -503,8 +449,7 @@ def _split_carries(partdA, partdB, tailA, tailB, cs, seq):
         partdB[g, m - 1] = acc
 
 
-@blas_tasks
-def causal_bwd_split(grad, v, rows, carry, hsh, chunk, grads, partd, final=None, chunks=None):
+def causal_bwd_split(bwd, carry, partd, final=None):
     """:func:`causal_bwd` on two tasks per key/value head, for two segments each; the same bits.
 
     The last chunks, ``[cs, nc)`` with nc - cs ~ SPLIT_TAIL * nc, need no
@@ -520,74 +465,7 @@ def causal_bwd_split(grad, v, rows, carry, hsh, chunk, grads, partd, final=None,
     cs = nc - min(nc - 2, max(1, round(config.SPLIT_TAIL * nc)))
     F, dv = partd.B.shape[2:]
     tail = Sums(np.zeros((G, F)), np.zeros((G, F, dv)))
-    bwd = _backward(grad, v, rows, hsh, chunk, grads, chunks)
     run_tasks(_causal_bwd_split_task, 2 * G, cs, bwd, carry, partd, tail)
     _split_carries(partd.A, partd.B.reshape(G, nc, F * dv), tail.A, tail.B.reshape(G, F * dv), cs, bwd.chunks.seq)
-    causal_keys_bwd(grad, v, rows, Sums(partd.A[:, :cs], partd.B[:, :cs]), hsh, chunk, grads,
-                    final=final, segments=2, chunks=Chunks(bwd.chunks.cuts[:cs + 1], bwd.chunks.seq[:cs]))
-
-
-def causal_backward(grad, v, rows, carry, hsh, chunk, grads, partd, final=None, chunks=None):
-    """The causal backward by the route that suits the thread count; every route gives the same bits.
-
-    One segment per group (:func:`racecpu._kernels.scan.scan_segments`): one
-    pass, chunk by chunk (:func:`causal_bwd`).  Two, with three chunks or
-    more: a third of the chunks in one pass beside the queries' backward of
-    the rest (:func:`causal_bwd_split`).  Otherwise the queries' backward,
-    the reverse exclusive scan of the chunk totals (in place in ``partd``)
-    and the keys' backward in segments.  Arguments as :func:`causal_bwd`
-    (``chunks``: each chunk's rows and packed sequence, as :func:`causal_fwd`).
-    """
-    Gk, nk = v.shape[:2]
-    nck = carry.A.shape[1]
-    seg = scan_segments(Gk, nck, nk)
-    if seg == 1:
-        causal_bwd(grad, v, rows, carry, hsh, chunk, grads, partd, final=final, chunks=chunks)
-    elif seg == 2 and nck >= 3:
-        causal_bwd_split(grad, v, rows, carry, hsh, chunk, grads, partd, final=final, chunks=chunks)
-    else:
-        # the dB totals of the chunks after the first segment give the reverse segments' carries
-        causal_queries_bwd(grad, v, rows, carry, hsh, chunk, grads, partd, totals=(segment_start(1, seg, nck), nck),
-                           chunks=chunks)
-        seq = None if chunks is None else chunks.seq
-        dcarry = Sums(exclusive_scan(partd.A, True, partd.A, seq=seq),  # in place
-                      exclusive_scan(partd.B, True, partd.B, segments=seg, seq=seq))  # the segments' last chunks
-        causal_keys_bwd(grad, v, rows, dcarry, hsh, chunk, grads, final=final, segments=seg, chunks=chunks)
-
-
-@kernel
-def state_cotangent_rows(phiq, phik, A0, out, grad, L, dA, w):
-    """The cotangent that causal outputs send back to the state before them,
-    from the outputs themselves (no rescan), but for the product dB = w^T grad.
-
-    For query i with A_i = A0 + sum_{j <= i} phik_j (float64) and
-    den_i = phiq_i . A_i / L: ``phiq_i B_i = L den_i out_i``, so dden_i =
-    -(out_i . g_i) / den_i, and query i adds phiq_i dden_i / L to ``dA (G, F)``
-    (float64, added to) and has weight ``w_i = phiq_i / (L den_i)`` in dB
-    (``w (G, n, F)``, compute dtype, written); rows at the DEN_FLOOR send
-    nothing.  ``phiq``, ``phik (G, n, F)`` (masked keys' rows zero), ``A0 (G, F)``
-    float64, ``out``, ``grad (G, n, dv)`` in the compute dtype.
-    """
-    G, n, F = phiq.shape
-    dv = out.shape[2]
-    A = np.empty(F)
-    for g in range(G):
-        A[:] = A0[g]
-        for i in range(n):
-            den = 0.0
-            for f in range(F):
-                A[f] += phik[g, i, f]
-                den += phiq[g, i, f] * A[f]
-            den /= L
-            if den <= DEN_FLOOR:
-                for f in range(F):
-                    w[g, i, f] = 0.0
-                continue
-            og = 0.0
-            for c in range(dv):
-                og += out[g, i, c] * grad[g, i, c]
-            dden = -og / den
-            inv = 1.0 / (L * den)
-            for f in range(F):
-                dA[g, f] += phiq[g, i, f] * dden / L
-                w[g, i, f] = phiq[g, i, f] * inv
+    causal_keys_bwd(bwd._replace(chunks=Chunks(bwd.chunks.cuts[:cs + 1], bwd.chunks.seq[:cs])),
+                    Sums(partd.A[:, :cs], partd.B[:, :cs]), final=final, segments=2)

@@ -16,7 +16,7 @@ import numpy as np
 from numba import prange
 
 from ._jit import kernel
-from .runtime import _parallel_region, start_threads
+from .runtime import parallel_region, start_threads
 
 #: Formats, the ``fmt`` argument of :func:`widen` and :func:`narrow`.
 BFLOAT16, FLOAT16 = 0, 1
@@ -132,7 +132,7 @@ def widen(src, dst, fmt):
         :data:`BFLOAT16` or :data:`FLOAT16`.
     """
     start_threads()
-    with _parallel_region():
+    with parallel_region():
         _widen_all(src, dst, fmt)
 
 
@@ -150,5 +150,5 @@ def narrow(src, dst, fmt):
         :data:`BFLOAT16` or :data:`FLOAT16`.
     """
     start_threads()
-    with _parallel_region():
+    with parallel_region():
         _narrow_all(src, dst, fmt)

@@ -105,8 +105,8 @@ def exp_neg(x):
 
 # Not cached: the cached callers hold this code, and Numba makes these lambdas at
 # typing time, caching them under whatever module name and cache directory are
-# current then (benchmarks/ab.py's other checkout wrote one here as
-# racecpu_ab_other, which broke the next 'import racecpu').
+# current then: a checkout imported under another name (benchmarks/ab.py's B)
+# would leave entries here that the next 'import racecpu' cannot load.
 @overload(exp_neg, jit_options=dict(OPTIONS))
 def _exp_neg_typed(x):
     if x == types.float32:

@@ -12,7 +12,7 @@ import numpy as np
 from numba import prange
 
 from ._jit import kernel
-from .runtime import _parallel_region, start_threads
+from .runtime import parallel_region, start_threads
 
 _RUN = 1 << 14  # values per task
 
@@ -43,7 +43,7 @@ def fold_groups(x, out, group):
     group : int
     """
     start_threads()
-    with _parallel_region():
+    with parallel_region():
         _fold(x, out, group)
 
 

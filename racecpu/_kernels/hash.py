@@ -220,9 +220,9 @@ def hash_bwd_rows_dw(dphi, phi, t, hsh, dx, x, dW):
     dW : (L*P, d) float64, or (0, d)
         Out: ``du^T x``, row ``l*P + p`` the gradient of plane p of table l
         from these rows (``docs/design.md`` section 3.3), overwritten; one
-        product summed in the compute dtype (:func:`tn_product`, where an
-        sgemm of LP = 9 rows was 20x slower, docs/performance.md "planes'
-        gradient"), stored as float64 for the caller's sum over chunks.  With
+        product summed in the compute dtype (:func:`tn_product`, not an sgemm
+        of LP rows: docs/performance.md, "planes' gradient"), stored as
+        float64 for the caller's sum over chunks.  With
         no rows: nothing is computed (the backward without the planes'
         gradient).
 
@@ -364,6 +364,6 @@ def hash_chunk(x, g, lo, hi, hsh, keep, t_res, phi_res):
     their rows of the residuals ``t_res``, ``phi_res`` (phi: or scratch, see
     :func:`residual_rows`; t: not written where ``t_res`` has no rows).
     Returns ``(phi, t, nan)``, ``nan`` the NaNs in t: the hash leaves one per
-    projection of a row with a NaN/Inf (attention._check_derived)."""
+    projection of a row with a NaN/Inf (racecpu._checks.check_derived)."""
     phi, t = residual_rows(phi_res, g, lo, hi), t_res[g, lo:hi]  # t: no rows where none is kept
     return phi, t, hash_range(x[g, lo:hi], 0, hi - lo, hsh, keep, t, phi)

@@ -24,7 +24,7 @@ from .tiles import (COMB_ROWS, COMB_VECTORS, TILE_ROWS, TN_ACC, VECTOR_BYTES, co
 
 @kernel
 def prefetch_to(addr, done, target):
-    """:func:`racecpu._simd.prefetch_lines` of lines done..target of ``addr``; returns the new count."""
+    """:func:`racecpu._kernels.tiles.prefetch_lines` of lines done..target of ``addr``; returns the new count."""
     if target > done:
         prefetch_lines(addr, done, target - done)
         return target
@@ -43,7 +43,7 @@ def add_rows(A, rows):
 def combine_rows(X, S, out, stream=False, ahead=0, lines=0):
     """out[j] = sum_f X[j, f] S[f, :] for every row j, overwriting ``out``.
 
-    Register tiles (:func:`racecpu._simd.comb_tile`: COMB_ROWS rows of X by
+    Register tiles (:func:`racecpu._kernels.tiles.comb_tile`: COMB_ROWS rows of X by
     COMB_VECTORS vectors of S's columns) where S's and out's rows are
     contiguous (X's elements are read one at a time), and
     :func:`_combine_rows_loop` at the edges.  ``stream``: a result that
@@ -51,7 +51,7 @@ def combine_rows(X, S, out, stream=False, ahead=0, lines=0):
     the caches) is written with non-temporal stores, whole vectors where
     out's rows start on one (racecpu's own results: page-aligned), else in
     16-byte pieces where they start on 16 bytes (2-row tiles, see
-    :func:`racecpu._simd._comb_tile`; :func:`_run_tasks` fences them
+    :func:`racecpu._kernels.tiles.comb_tile`; the task runner fences them
     after each task).  Streamed in one call over many rows:
     an atomic, such as Numba's reference counts in a call with arrays,
     waits for the streamed stores in flight (batches of 16 rows between
@@ -198,7 +198,7 @@ def dot_rows(S, X, Y):
 
     ``Y (n, F)`` may be float64 or strided (the projection writes its
     transpose); the sums run in X's dtype.  Register tiles
-    (:func:`racecpu._simd.dot_tile_rows` / ``dot_tile_cols``: TILE_ROWS rows
+    (:func:`racecpu._kernels.tiles.dot_tile_rows` / ``dot_tile_cols``: TILE_ROWS rows
     of X by a few rows of S) where rows are contiguous, dv is a whole number
     of vectors and Y is contiguous along either axis; :func:`_dot_rows_loop`
     for the edges (last rows of X or of S) and everything else.

@@ -2,17 +2,15 @@
 
 :func:`run_tasks` runs ``task(t, *args)`` for every task ``t`` in one
 ``prange`` loop, with subnormal floats flushed to zero while a task runs
-(:data:`FLUSH_SUBNORMALS`); :func:`blas_tasks` wraps a kernel whose tasks call
-BLAS so that BLAS stays on one thread inside them, and runs calls on fewer
-than ``config.SERIAL_TOKENS`` tokens on the calling thread alone.  Also the
+(:data:`FLUSH_SUBNORMALS`); :func:`task_threads` is where a kernel call runs:
+with BLAS on one thread inside its tasks, and calls on fewer than
+``config.SERIAL_TOKENS`` tokens on the calling thread alone.  Also the
 parallel NaN/Inf count of the input check (:func:`count_nonfinite`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 import numbers
 import os
 import platform
@@ -42,7 +40,7 @@ def start_threads():
     GNU OpenMP reads ``OMP_WAIT_POLICY`` when it is loaded, which Numba does
     the first time it starts its threads.  Its default spins idle workers
     for a while after every parallel region, which on a shared or busy
-    machine made small calls tens of times slower (docs/performance.md, "OMP
+    machine makes small calls tens of times slower (docs/performance.md, "OMP
     wait policy").  So the variable is set, unless the user set it, only
     while this call loads the runtime, and removed again: nothing else in
     the process, and no child process, sees it.  Where Numba's threads were
@@ -138,7 +136,7 @@ _launch_lock = threading.Lock()
 _serialize = None
 
 
-def _parallel_region():
+def parallel_region():
     """A lock around a parallel launch where the threading layer cannot run two at once.
 
     Numba's ``workqueue`` layer (used where neither OpenMP nor TBB is
@@ -151,37 +149,32 @@ def _parallel_region():
     return _serialize
 
 
-def blas_tasks(kernel):
-    """Run a parallel kernel whose tasks call BLAS (``np.dot``) with BLAS on one thread.
+@contextlib.contextmanager
+def task_threads(tokens, chunk):
+    """Where a kernel call of ``tokens`` tokens (all groups) in chunks of ``chunk`` runs.
 
     Every core already runs its own prange task; a multi-threaded sgemm
     inside each would oversubscribe the cores (docs/performance.md, "BLAS on
-    one thread").  The limit (threadpoolctl) is skipped when the
-    kernel's ``chunk`` is too short to reach BLAS, so decode steps stay cheap,
-    and calls on fewer than SERIAL_TOKENS tokens (the kernel's first argument
-    is ``(G, n, ...)``) do not wake the other threads at all.
+    one thread"), so BLAS runs on one thread while the call runs.  The limit
+    (threadpoolctl) is skipped when a chunk is too short to reach BLAS
+    (``chunk < BLAS_ROWS``), so decode steps stay cheap, and calls on fewer
+    than SERIAL_TOKENS tokens do not wake the other threads at all.  The
+    thread counts are given back however the call ends.
     """
-    chunk_at = list(inspect.signature(kernel).parameters).index("chunk")
-
-    def call(args, kw):
-        if args[chunk_at] < BLAS_ROWS:
-            return kernel(*args, **kw)
-        with _blas_on_one_thread():
-            return kernel(*args, **kw)
-
-    @functools.wraps(kernel)
-    def run(*args, **kw):
-        start_threads()
-        if args[0].shape[0] * args[0].shape[1] >= config.SERIAL_TOKENS:
-            return call(args, kw)
+    start_threads()
+    serial = tokens < config.SERIAL_TOKENS
+    if serial:
         threads = numba.get_num_threads()
         numba.set_num_threads(1)
-        try:
-            return call(args, kw)
-        finally:
+    try:
+        if chunk < BLAS_ROWS:
+            yield
+        else:
+            with _blas_on_one_thread():
+                yield
+    finally:
+        if serial:
             numba.set_num_threads(threads)
-
-    return run
 
 
 #: Tasks run with subnormal floats flushed to zero (x86-64: the FTZ and DAZ
@@ -304,7 +297,7 @@ def run_tasks(task, ntasks, *args):
         _run_tasks.compile(sig)
         runner = _task_runners[key] = addr, _run_tasks.overloads[sig].entry_point
     addr, entry = runner
-    with _parallel_region():
+    with parallel_region():
         entry(addr, ntasks, flat)
 
 
@@ -337,5 +330,5 @@ def count_nonfinite(bits, exp_mask):
     """:func:`_count_nonfinite` (the number of NaN/Inf values of a float array viewed as
     unsigned ints ``bits``, ``exp_mask`` the exponent bits) on Numba's threads."""
     start_threads()
-    with _parallel_region():
+    with parallel_region():
         return _count_nonfinite(bits, exp_mask)

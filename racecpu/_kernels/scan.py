@@ -1,22 +1,19 @@
 """How tokens are split into chunks, tasks and segments, and the scans that carry sums between them.
 
-A *chunk* (``chunk_length``: config.CHUNK tokens unless the float64 partials
-would outgrow config.PARTIAL_BUDGET) is the unit of parallel work and the
-longest run summed in the compute dtype; sums across chunks are float64.  A
-*segment* is a run of consecutive chunks that one task of the causal scan
-scans in order, carrying the state itself (:func:`scan_segments`); its first
-carry comes from a float64 exclusive scan of the chunk totals before it
-(:func:`exclusive_scan`).  ``docs/design.md`` (glossary) defines the words.
+A *chunk* is the unit of parallel work and the longest run summed in the
+compute dtype; sums across chunks are float64.  A *segment* is a run of
+consecutive chunks that one task of the causal scan scans in order, carrying
+the state itself; its first carry comes from a float64 exclusive scan of the
+chunk totals before it (:func:`exclusive_scan`).  How long the chunks are and
+how many segments a scan has is the plan's decision (:mod:`racecpu.plan`);
+the helpers here turn it into task bounds.  ``docs/design.md`` (glossary)
+defines the words.
 """
 
 from __future__ import annotations
 
-import math
-
-import numba
 import numpy as np
 
-from .. import config
 from ._jit import kernel
 from .bundles import Chunks
 
@@ -127,23 +124,6 @@ def exclusive_scan(part, reverse=False, out=None, segments=None, seq=None):
     return out
 
 
-def scan_segments(G, nc, n):
-    """Segments per group of the causal scans of ``G`` groups of ``n`` tokens in ``nc`` chunks.
-
-    A segment is a run of consecutive chunks that one task scans in order,
-    carrying the state itself (:func:`causal_fwd`, :func:`causal_keys_bwd`);
-    only its first carry comes from the chunk totals of the segments before
-    it (after it: the reverse scan), and every total costs a sgemm per token.
-    So: one segment per group (no totals at all) where the groups alone share
-    the threads evenly, else the fewest that do, ``threads / gcd(G, threads)``
-    (one head on 2 threads: 2, the totals of half the chunks; the backward's,
-    of a third: :func:`causal_bwd_split`), at most one per chunk.  Results do
-    not depend on it, bit for bit (:func:`span_totals`).
-    """
-    threads = numba.get_num_threads() if G * n >= config.SERIAL_TOKENS else 1
-    return max(1, min(nc, threads // math.gcd(G, threads)))
-
-
 @kernel
 def segment_chunks(task, segments, nc):
     """Group and chunk range ``[c0, c1)`` of causal scan task ``task`` (:func:`segment_start`)."""
@@ -169,29 +149,3 @@ def carry_on(carry, g, c, dst, total, final, reset):
                 to[f, cc] = carry[g, c, f, cc] + total[f, cc]
         for cc in range(dv):
             total[f, cc] = 0.0
-
-
-def chunk_length(n, G, F, dv):
-    """Chunk length: CHUNK tokens unless the float64 partials would outgrow their budget."""
-    return max(config.CHUNK, budget_chunk(n, G, F, dv))
-
-
-def budget_chunk(n, G, F, dv):
-    """The shortest chunk of ``n`` tokens whose float64 partials, ``G * F * (dv + 1)`` per chunk,
-    stay within config.PARTIAL_BUDGET (at least 1)."""
-    per_chunk = G * F * (dv + 1) * 8
-    max_chunks = max(1, config.PARTIAL_BUDGET // max(per_chunk, 1))
-    return max(-(-n // max_chunks), 1)
-
-
-def sketch_task_length(chunk, n, G):
-    """Task length of the non-causal forward: up to SKETCH_CHUNKS chunks, while
-    each of config.TASK_THREADS threads would keep at least 8 tasks.
-
-    The tasks' float64 partials are summed in task order, so the task length
-    sets the bits of the result: it is sized for a fixed thread count, not
-    for ``numba.get_num_threads()``, so that results do not depend on the
-    thread count or the machine (docs/performance.md, "sketch tasks").
-    """
-    tokens = G * n // (8 * config.TASK_THREADS)
-    return max(chunk, min(config.SKETCH_CHUNKS * chunk, tokens // chunk * chunk))
