@@ -57,7 +57,8 @@ from tqdm import tqdm
 
 import racecpu
 from racecpu import _kernels as K
-from racecpu._kernels.bundles import Grads, Hash, Rows, Sums, no_planes_grad
+from racecpu import plan as racecpu_plan
+from racecpu._kernels.bundles import Backward, Forward, Grads, Hash, PlanesGrad, Rows, Sums
 from racecpu.apps.bench import best_time as best
 
 
@@ -184,13 +185,14 @@ def _zero(*arrays):
 
 def _kernel_calls(causal, q, k, v, g, W, beta):
     """The four kernels of one forward+backward on outputs they overwrite (the forward's own
-    arrays, rewritten with the same values: memory already touched); causal scans in the
-    segments the public calls pick for the current thread count (:func:`racecpu._kernels.scan_segments`)."""
+    arrays, rewritten with the same values: memory already touched), each run where the engine
+    runs it (:func:`racecpu._kernels.task_threads`); causal scans in the segments the public calls
+    pick for the current thread count (:func:`racecpu.plan.scan_segments`)."""
     G, N, d = q.shape
     out, r = racecpu.race_attention_fwd(q, k, v, W, beta, causal=causal)
     F, chunk = r.phik.shape[2], r.chunk
     nc = -(-N // chunk)
-    seg = K.scan_segments(G, nc, N)
+    seg = racecpu_plan.scan_segments(G, nc, N)
     mask = np.ones((G, N), np.bool_)
     partA, partB = np.zeros((G, nc, F)), np.zeros((G, nc, F, d))
     phik, tk, phiq, tq, den, o = r.phik, r.tk, r.phiq, r.tq, r.den, out.reshape(G, N, d)
@@ -198,33 +200,41 @@ def _kernel_calls(causal, q, k, v, g, W, beta):
     pdA, pdB, dbq, dbk = np.zeros((G, nc, F)), np.zeros((G, nc, F, d)), np.zeros((G, nc)), np.zeros((G, nc))
     hsh, rows = Hash(W, beta), Rows(phiq, tq, phik, tk, den)
     dden = np.zeros((G, N)) if causal else np.zeros((G, 0))
-    grads = Grads(dq, dk, dv, dden, dbq, dbk, no_planes_grad(dq, G, nc, nc, d))
+    none = np.empty((G, 0, d), np.float32)
+    grads = Grads(dq, dk, dv, dden, dbq, dbk, PlanesGrad(none, none, np.empty((G, nc, 0, d)), np.empty((G, nc, 0, d))))
+    chunks = K.even_chunks(N, chunk)
+    bwd = Backward(g, v, rows, hsh, grads, chunks)
+
+    def run(kernel, *args, **kw):
+        def call():
+            with K.task_threads(G * N, chunk):
+                return kernel(*args, **kw)
+        return call
     if not causal:
-        A, B = r.A, r.B.astype(np.float32)
+        A, B = r.A[:, None], r.B.astype(np.float32)[:, None]
         rng = np.random.default_rng(1)
-        dA, dB = rng.random((G, F)), rng.standard_normal((G, F, d)).astype(np.float32)
+        dA, dB = rng.random((G, 1, F)), rng.standard_normal((G, 1, F, d)).astype(np.float32)
         return {
-            "sketch_chunks (hash k, sketch)": lambda: K.sketch_chunks(k, v, mask, hsh, chunk, rows,
-                                                                      Sums(partA, partB), span=K.SKETCH_FUSED),
-            "queries_fwd (hash q, readout)": lambda: K.queries_fwd(q, hsh, chunk, Sums(A, B), rows, o),
-            "queries_bwd (y, dB, dq)": lambda: K.queries_bwd(g, v, rows, Sums(A, B), hsh, chunk, grads,
-                                                             Sums(pdA, pdB)),
-            "keys_bwd (dphik, dv, dk)": lambda: K.keys_bwd(v, rows, Sums(dA, dB), hsh, chunk, grads),
+            "sketch_chunks (hash k, sketch)": run(K.sketch_chunks, k, v, mask, hsh, chunks, rows, Sums(partA, partB),
+                                                  span=K.SKETCH_FUSED),
+            "queries_fwd (hash q, readout)": run(K.queries_fwd, q, hsh, chunks, Sums(A, B), rows, o),
+            "queries_bwd (y, dB, dq)": run(K.queries_bwd, bwd, Sums(A, B), Sums(pdA, pdB)),
+            "keys_bwd (dphik, dv, dk)": run(K.keys_bwd, v, rows, Sums(dA, dB), hsh, chunks, grads),
         }
     # totals of B (dB) before the last (after the first) segment: none with one segment per group
     tB, tdB = (0, K.segment_start(seg - 1, seg, nc)), (K.segment_start(1, seg, nc), nc)
-    K.causal_queries_bwd(g, v, rows, Sums(r.A, r.B), hsh, chunk, grads, Sums(pdA, pdB), totals=tdB)
+    run(K.causal_queries_bwd, bwd, Sums(r.A, r.B), Sums(pdA, pdB), totals=tdB)()
     cdA, cdB = K.exclusive_scan(pdA, True), K.exclusive_scan(pdB, True, segments=seg)
     B, final = r.B.copy(), np.zeros((G, F, d))  # the scans rewrite the carries within segments
+    sketch, fwd_scan = run(K.sketch_chunks, k, v, mask, hsh, chunks, rows, Sums(partA, partB), totals=tB), \
+        run(K.causal_fwd, Forward(q, v, hsh, rows, o, chunks), Sums(r.A, B), final=final, segments=seg)
+    queries = run(K.causal_queries_bwd, bwd, Sums(r.A, r.B), Sums(pdA, pdB), totals=tdB)
     return {  # each call first zeroes the sums it adds to
-        "causal sketch_chunks (hash k)": lambda: (_zero(partA), K.sketch_chunks(
-            k, v, mask, hsh, chunk, rows, Sums(partA, partB), totals=tB)),
-        "causal_fwd (hash q, scan)": lambda: K.causal_fwd(
-            q, v, hsh, chunk, rows, Sums(r.A, B), o, final=final, segments=seg),
-        "causal_queries_bwd (rescan, dq)": lambda: (_zero(pdA), K.causal_queries_bwd(
-            g, v, rows, Sums(r.A, r.B), hsh, chunk, grads, Sums(pdA, pdB), totals=tdB)),
-        "causal_keys_bwd (reverse scan, dk, dv)": lambda: K.causal_keys_bwd(
-            g, v, rows, Sums(cdA, cdB), hsh, chunk, grads, final=final, segments=seg),
+        "causal sketch_chunks (hash k)": lambda: (_zero(partA), sketch()),
+        "causal_fwd (hash q, scan)": fwd_scan,
+        "causal_queries_bwd (rescan, dq)": lambda: (_zero(pdA), queries()),
+        "causal_keys_bwd (reverse scan, dk, dv)": run(K.causal_keys_bwd, bwd, Sums(cdA, cdB), final=final,
+                                                      segments=seg),
     }
 
 

@@ -17,8 +17,8 @@ import numpy as np
 
 import racecpu
 from alternating import alternate, rounds_text  # benchmarks/alternating.py
-from racecpu import _kernels as K
 from racecpu.packing import packed_chunks
+from racecpu.plan import cpu_chunk_model
 
 
 def _fwd_bwd(q, k, v, g, W, causal, cu):
@@ -49,7 +49,7 @@ def main():
     W = racecpu.hyperplanes(a.dim, 3, 3, seed=0, dtype=np.float32)
     equal = np.linspace(0, a.tokens, a.sequences + 1).round().astype(np.int32)
     ragged = random_offsets(rng, a.tokens, a.sequences)
-    chunk = K.chunk_length(a.tokens, a.heads, 24, a.dim)
+    chunk = cpu_chunk_model().length(a.tokens, a.heads, 24, a.dim)
     pe, pr = packed_chunks(equal, a.tokens, chunk), packed_chunks(ragged, a.tokens, chunk)
     th = a.tokens * a.heads
     print(f"forward+backward, {a.tokens} tokens x {a.heads} heads, d = {a.dim}, P = L = 3, float32, "

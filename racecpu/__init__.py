@@ -12,10 +12,10 @@ call (see :func:`racecpu.set_threads` and ``racecpu.config.WAIT_POLICY``).
 from importlib.metadata import PackageNotFoundError, version as _version
 
 from . import config, reference
-from ._kernels.runtime import set_threads, threads
 from ._memory import pool_stats, release_memory, set_pool_limit
 from .attention import RaceAttention, Residuals, race_attention, race_attention_bwd, race_attention_fwd
 from .config import DEFAULT_BETA, DEN_FLOOR
+from .engine import set_threads, threads
 from .hashing import corners, hyperplanes, soft_buckets
 from .streaming import RaceState
 from .sketches import Sketch, readout, sketch

@@ -6,12 +6,17 @@ JAX CPU array shares its memory.  Results go back into the caller's array
 type through its array-API namespace (``array-api-compat``): a torch CPU
 tensor wraps racecpu's result without a copy (``torch.from_numpy``), other
 libraries get ``xp.asarray(result)``.  bfloat16 crosses as ml_dtypes'
-bfloat16 (a view of the same memory), where ml_dtypes is installed.  CuPy input never reaches here (the
-public functions send it to :mod:`racecpu.cuda`).  A leaf module: NumPy and,
-only when a foreign array arrives, array-api-compat.
+bfloat16 (a view of the same memory), where ml_dtypes is installed.  Arrays in GPU
+memory never reach here (:func:`on_device`: the public functions send them to
+:mod:`racecpu.cuda`).  A leaf module: NumPy and, only when a foreign array
+arrives, array-api-compat.  A library's array type is recognised by ``isinstance``
+against the library's own class, looked up only where the library is already
+imported (an array of it cannot exist otherwise).
 """
 
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 
@@ -20,8 +25,31 @@ class ForeignArrayError(TypeError):
     """An input that the NumPy API cannot take as it is (the message says what to do instead)."""
 
 
-def _library(x):
-    return type(x).__module__.split(".")[0]
+def _instance_of(x, module, cls):
+    """Whether ``x`` is an instance of ``module.cls``, without importing ``module``."""
+    mod = sys.modules.get(module)
+    t = getattr(mod, cls, None) if mod is not None else None
+    return isinstance(t, type) and isinstance(x, t)
+
+
+def is_torch(x):
+    """Whether ``x`` is a torch tensor."""
+    return _instance_of(x, "torch", "Tensor")
+
+
+def is_cupy(x):
+    """Whether ``x`` is a CuPy array."""
+    return _instance_of(x, "cupy", "ndarray")
+
+
+def on_device(x):
+    """Whether ``x`` lives in GPU memory: it exports ``__cuda_array_interface__`` (CuPy
+    arrays, numba device arrays, torch CUDA tensors).  A torch CUDA tensor that requires
+    grad refuses to export (RuntimeError) and counts too."""
+    try:
+        return hasattr(x, "__cuda_array_interface__")
+    except RuntimeError:
+        return is_torch(x)
 
 
 def bfloat16():
@@ -63,7 +91,7 @@ def as_numpy(name, x):
     """
     if isinstance(x, np.ndarray):
         return x
-    if _library(x) == "torch":
+    if is_torch(x):
         if getattr(x, "requires_grad", False):
             raise ForeignArrayError(
                 f"{name} is a torch tensor that requires grad, and the NumPy API cannot carry its gradient: use "
@@ -88,7 +116,7 @@ def namespace_of(x):
     None also for lists, scalars and anything array-api-compat does not know
     (or when it is not installed): those get NumPy arrays back, as before.
     """
-    if isinstance(x, np.ndarray) or not hasattr(x, "shape") or _library(x) == "numpy":
+    if isinstance(x, (np.ndarray, np.generic)) or not hasattr(x, "shape"):
         return None
     try:
         import array_api_compat

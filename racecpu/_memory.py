@@ -53,7 +53,8 @@ def reset_peak_rss():
 # the pool of racecpu's large results
 # ---------------------------------------------------------------------------
 
-def _physical_memory():
+def physical_memory():
+    """Bytes of physical memory (8 GiB where the platform does not say)."""
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, ValueError, OSError):
@@ -226,7 +227,7 @@ def _default_limit():
         except ValueError:
             warnings.warn(f"RACECPU_POOL_BYTES must be a finite number of bytes >= 0, got {env!r}; "
                           f"using the default (half the physical memory)", RuntimeWarning, stacklevel=2)
-    return _physical_memory() // 2
+    return physical_memory() // 2
 
 
 #: The pool of racecpu's results.  Its limit is resolved at first use (see
@@ -268,3 +269,33 @@ def release_memory() -> int:
 def pool_stats() -> dict:
     """What racecpu's result pool holds: ``live_bytes``, ``idle_bytes``, ``limit``, ``hits``, ``misses``."""
     return POOL.stats()
+
+
+# ---------------------------------------------------------------------------
+# workspaces
+# ---------------------------------------------------------------------------
+
+class Buffers:
+    """A workspace: reusable flat buffers by name, viewed as C-contiguous arrays of the shape asked for.
+
+    ``buffers(name, shape, dtype, zero=False)`` returns an array of ``shape``
+    and ``dtype`` on the buffer kept under ``name`` (grown when too small;
+    zero-filled with ``zero``), valid until that name is asked for again.  A
+    loop over blocks (an out-of-core pass, a decode loop) keeps one
+    allocation per name: its last, shorter block reuses the first one's
+    memory (the engine's functions take one, :mod:`racecpu.engine`).
+    """
+
+    def __init__(self):
+        self._store = {}
+
+    def __call__(self, name, shape, dtype, zero=False):
+        size = int(np.prod(shape, dtype=np.int64))
+        dtype = np.dtype(dtype)
+        buf = self._store.get(name)
+        if buf is None or buf.size < size or buf.dtype != dtype:
+            buf = self._store[name] = np.empty(size, dtype)
+        a = buf[:size].reshape(shape)
+        if zero:
+            a.fill(0)
+        return a

@@ -1,113 +1,24 @@
-"""RACE attention: the public NumPy API (argument checking, layout, residuals).
+"""RACE attention: the public NumPy API.
 
-The numerical work is in :mod:`racecpu._kernels`; this module turns user
-arrays into the kernels' layout, checks everything a user can get wrong, and
-packs the residuals the backward needs.
+Each function here says what it computes and sends the call to the backend
+of its inputs (:func:`racecpu.backend.backend_for`): the CPU engine
+(:mod:`racecpu.engine`: argument checks, the plan, the kernels, the
+residuals) for NumPy and what converts to it, racecpu.cuda for arrays in GPU
+memory.  A backward runs where its forward ran (:func:`racecpu.backend.backend_of`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
-from . import _kernels as K
-from ._kernels.bundles import Grads, Hash, PlanesGrad, Rows, Sums, no_planes_grad
-from ._arrays import namespace_of, to_namespace
-from ._checks import (SUMS_OVERFLOW, all_finite, check_array, check_beta, check_derived, check_out, half_format,
-                      narrowed, prepare, widened)
-from ._memory import POOL
+from ._checks import check_beta
+from .backend import backend_for, backend_of
 from .config import DEFAULT_BETA
+from .engine import Residuals
 from .hashing import hyperplanes
-from .packing import Packing, packed_chunks, sequence_sums
 
 __all__ = ["race_attention", "race_attention_fwd", "race_attention_bwd", "RaceAttention", "Residuals"]
-
-
-def _target(out, shape, cdt):
-    """Where a kernel writes a result of ``shape`` in the compute dtype: the
-    caller's buffer ``out`` when it is C-contiguous in that dtype, else an
-    array from the pool (README, "Memory")."""
-    if out is not None and out.dtype == cdt and out.flags.c_contiguous:
-        return out.reshape(shape)
-    return POOL.empty(shape, cdt)
-
-
-def _deliver(result, out, shape, dtype):
-    """``result`` as the caller's ``out`` (copied in unless it already is it) or as a new
-    array, in ``dtype`` (16-bit dtypes narrowed from float32 on every core)."""
-    if half_format(dtype) is not None and result.dtype == np.float32:
-        if out is not None and out.flags.c_contiguous:
-            narrowed(result.reshape(shape), dtype, out)
-            return out
-        y = narrowed(result.reshape(shape), dtype)
-        if out is None:
-            return y
-        out[...] = y
-        return out
-    if out is None:
-        return result.reshape(shape).astype(dtype, copy=False)
-    if not np.may_share_memory(result, out):
-        out[...] = result.reshape(shape)
-    return out
-
-
-@dataclass(frozen=True)
-class Residuals:
-    """What :func:`race_attention_bwd` needs from the forward (treat as opaque).
-
-    Holds O(N * L * R) numbers per head (soft buckets, tanh projections, the
-    denominators) plus the O(L * R * dv) sketch or, for causal attention, the
-    carried state at every chunk start.  ``v``, ``q`` and ``k`` are kept by
-    reference (flattened to ``(G, N, d)``: the caller's own arrays where
-    those are C-contiguous in the compute dtype or are 16-bit, which the
-    backward widens again): do not modify them between forward and backward.
-    Only the planes' gradient (``race_attention_bwd(..., dplanes=True)``)
-    reads ``q`` and ``k``.
-    """
-    planes: np.ndarray
-    beta: float
-    causal: bool
-    chunk: int
-    v: np.ndarray        # (Gk, Nk, dv), compute dtype or 16-bit; Gk = G // group
-    phiq: np.ndarray     # (G, Nq, F)
-    tq: np.ndarray       # (G, Nq, L*P)
-    phik: np.ndarray     # (Gk, Nk, F)
-    tk: np.ndarray       # (Gk, Nk, L*P)
-    den: np.ndarray      # (G, Nq) float64
-    A: np.ndarray        # (Gk, F) total ((Gk, S, F) per packed sequence), or (Gk, nc, F) carries
-                         # when causal; float64
-    B: np.ndarray        # (Gk, F, dv) total ((Gk, S, F, dv) packed), or (Gk, nc, F, dv) carries when causal
-    lead: tuple
-    in_dtypes: tuple
-    out_dtype: np.dtype
-    check_finite: bool
-    q: np.ndarray        # (G, Nq, d), compute dtype or 16-bit, for the planes' gradient only
-    k: np.ndarray        # (Gk, Nk, d), compute dtype or 16-bit, for the planes' gradient only
-    planes_dtype: np.dtype  # the dtype the planes were given in (their gradient's)
-    namespace: object = None  # the array-API namespace of the forward's q (None: NumPy), for the gradients
-    group: int = 1  # query heads per key/value head (grouped-query attention)
-    packing: Packing | None = None  # packed sequences (cu_seqlens): their chunks
-
-    @property
-    def out_shape(self):
-        return self.lead + (self.phiq.shape[1], self.v.shape[2])
-
-    @property
-    def kv_lead(self):
-        """The leading dims of k and v (fewer heads than q's under grouped-query attention)."""
-        return self.lead[:-1] + (self.lead[-1] // self.group,) if self.group > 1 else self.lead
-
-
-def _repeat(x, group):
-    """``x (Gk, ...)`` with each group repeated ``group`` times along axis 0 (``x`` itself for 1),
-    into memory from the pool (a training loop does not fault fresh pages in for it every step)."""
-    if group == 1:
-        return x
-    y = POOL.empty((x.shape[0] * group,) + x.shape[1:], x.dtype)
-    y.reshape((x.shape[0], group) + x.shape[1:])[...] = x[:, None]
-    return y
 
 
 def race_attention_fwd(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, beta: float = DEFAULT_BETA, *,
@@ -117,106 +28,12 @@ def race_attention_fwd(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLi
     """RACE attention forward; returns ``(out, residuals)`` for :func:`race_attention_bwd`.
 
     Arguments are those of :func:`race_attention`, which computes the same
-    ``out`` (bit for bit) without keeping residuals.  CuPy ``q`` runs on the
-    GPU (:func:`racecpu.cuda.race_attention_fwd`: device arrays out, and
-    residuals that :func:`race_attention_bwd` sends back to the GPU).
+    ``out`` (bit for bit) without keeping residuals.  ``q`` in GPU memory
+    (CuPy, ...) runs on the GPU (:func:`racecpu.cuda.race_attention_fwd`:
+    device arrays out, and residuals whose backward runs there too).
     """
-    if _is_cupy(q):
-        return _gpu("race_attention_fwd", out)(q, k, v, planes, beta, causal=causal, key_mask=key_mask,
-                                               check_finite=check_finite, cu_seqlens=cu_seqlens)
-    xp = namespace_of(q)
-    y, res = _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residuals=True,
-                      cu_seqlens=cu_seqlens)
-    if xp is None:
-        return y, res
-    return (y if out is not None else to_namespace(xp, y)), replace(res, namespace=xp)
-
-
-def _packed(a, cu_seqlens, F):
-    """The :class:`racecpu.packing.Packing` of ``cu_seqlens`` for the prepared
-    arguments ``a`` (None for None): every sequence in the usual chunks."""
-    if cu_seqlens is None:
-        return None
-    G, nq, _ = a.q.shape
-    Gk, nk, dv = a.v.shape
-    if nq != nk:
-        raise ValueError(f"cu_seqlens packs q, k and v alike: they need the same sequence length, got {nq} and {nk}")
-    return packed_chunks(cu_seqlens, nq, K.chunk_length(nq, G, F, dv))
-
-
-def _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residuals, cu_seqlens=None):
-    """The forward; ``residuals=False``: the soft buckets, projections and
-    denominators that only the backward reads stay in per-chunk scratch (the
-    kernels get arrays with no rows, see ``_kernels.residual_rows``) and
-    ``(out, None)`` is returned.  The causal scan still keeps the keys' phi
-    (it reads them after the keys' pass)."""
-    POOL.tick()
-    a = prepare(q, k, v, planes, beta, causal, key_mask, check_finite, defer=True, grouped=True)
-    if out is not None:
-        out = check_out("out", out, a.lead + (a.q.shape[1], a.v.shape[2]), a.out_dtype,
-                         [("q", q), ("k", k), ("v", v), ("planes", planes), ("key_mask", key_mask)])
-    L, P, _ = a.planes.shape
-    F = L * 2 ** P
-    pk = _packed(a, cu_seqlens, F)
-    chunks = None if pk is None else pk.chunks
-    group = a.group
-    G, nq, _ = a.q.shape
-    Gk, nk, dv = a.v.shape
-    cdt = a.q.dtype
-    if pk is None:
-        base = K.chunk_length(max(nq, nk), G, F, dv)  # the backward's chunks (and the causal forward's carries)
-        chunk = base if causal else K.sketch_task_length(base, max(nq, nk), G)
-    else:
-        base = chunk = pk.chunk  # every packed sequence starts a chunk (its last one shorter)
-    nck = -(-nk // chunk) if pk is None else pk.chunks.seq.size
-    rq, rk = (nq, nk) if residuals else (0, 0)  # rows kept of the queries' and keys' residuals
-    phik = POOL.empty((Gk, nk if causal else rk, F), cdt)
-    tk = POOL.empty((Gk, rk, L * P), cdt)
-    seg = K.scan_segments(Gk, nck, nk) if causal else 1
-    partA = POOL.zeros((Gk, nck, F))
-    partB = POOL.empty((Gk, nck, F, dv), np.float64)  # the kernels write every value read (causal: the carries)
-    phiq = POOL.empty((G, rq, F), cdt)
-    tq = POOL.empty((G, rq, L * P), cdt)
-    den = POOL.zeros((G, rq))
-    o = _target(out, (G, nq, dv), cdt)  # the kernels write every row
-    hsh, rows = Hash(a.planes, a.beta), Rows(phiq, tq, phik, tk, den)
-    nan_q = nan_k = 0  # NaNs in the hashes' t: a NaN/Inf in q or k, or an overflow
-    if Gk and nk:
-        # causal: the B totals of the chunks before the last segment give the segments' carries
-        nan_k = K.sketch_chunks(a.k, a.v, a.mask, hsh, chunk, rows, Sums(partA, partB),
-                                span=K.SCAN_BLOCK if causal else K.SKETCH_FUSED,
-                                totals=(0, K.segment_start(seg - 1, seg, nck)) if causal else None, chunks=chunks)
-    if causal:
-        seq = None if pk is None else pk.chunks.seq
-        A = K.exclusive_scan(partA, out=partA, seq=seq)
-        B = K.exclusive_scan(partB, out=partB, segments=seg, seq=seq)  # the segments' first carries; the scan the rest
-        # grouped-query attention: one scan per key/value head, read by its whole group of query heads
-        sums_v = POOL.zeros((Gk, F, dv))  # the scan's total of B, for the check of v
-        if G and nq:
-            nan_q = K.causal_fwd(a.q, a.v, hsh, chunk, rows, Sums(A, B), o, final=sums_v,
-                                 segments=seg, chunks=chunks)
-    else:
-        # packed: a sketch per sequence, (Gk, S, F) and (Gk, S, F, dv)
-        A, B = (partA.sum(1), partB.sum(1)) if pk is None else (sequence_sums(partA, pk), sequence_sums(partB, pk))
-        sums_v = B
-        if G and nq:  # grouped-query attention: each query head reads its key/value head's sketch
-            nan_q = K.queries_fwd(a.q, hsh, chunk, Sums(_repeat(A, group), _repeat(B.astype(cdt), group)), rows, o,
-                                  chunks=chunks)
-    overflow = f"its projections onto the planes overflow {cdt}"
-    # packed and causal: the scan restarts, its total is the last sequence's; the output shows the others'
-    finite_v = all_finite(sums_v) and not (causal and pk is not None and not all_finite(o))
-    check_derived(a.check_finite, ("q", a.q, nan_q == 0, overflow), ("k", a.k, nan_k == 0, overflow),
-                   ("v", a.v, finite_v, SUMS_OVERFLOW))
-    y = _deliver(o, out, a.lead + (nq, dv), a.out_dtype)
-    if not residuals:
-        return y, None
-    pdt = np.asarray(planes).dtype
-    # 16-bit inputs: the caller's arrays, not the widened copies (half the memory held until the backward)
-    kq, kk, kv = (given if half_format(given.dtype) is not None else x
-                  for given, x in zip(a.given, (a.q, a.k, a.v)))
-    return y, Residuals(a.planes, a.beta, a.causal, base, kv, phiq, tq, phik, tk, den, A, B,
-                        a.lead, a.in_dtypes, a.out_dtype, a.check_finite, kq, kk,
-                        pdt if pdt.kind == "f" else np.dtype(cdt), group=group, packing=pk)
+    return backend_for(q).forward(q, k, v, planes, beta, causal=causal, key_mask=key_mask, check_finite=check_finite,
+                                  cu_seqlens=cu_seqlens, out=out, residuals=True)
 
 
 def race_attention_bwd(residuals: Residuals, grad_out: ArrayLike, *,
@@ -227,9 +44,9 @@ def race_attention_bwd(residuals: Residuals, grad_out: ArrayLike, *,
     Parameters
     ----------
     residuals : Residuals
-        From :func:`race_attention_fwd`.  Those of a forward on CuPy arrays
-        run the backward on the GPU (:func:`racecpu.cuda.race_attention_bwd`:
-        device arrays out; ``out`` and ``dplanes`` are not available there).
+        From :func:`race_attention_fwd`.  Those of a forward on the GPU run
+        the backward there (:func:`racecpu.cuda.race_attention_bwd`: device
+        arrays out; ``out`` and ``dplanes`` are not available there).
     grad_out : array_like, shape like the forward's output
         Cotangent of the output.
     out : tuple of three ndarrays, optional
@@ -255,96 +72,7 @@ def race_attention_bwd(residuals: Residuals, grad_out: ArrayLike, *,
         the compute dtype, the shares are summed in float64 in a fixed
         order, so the bits do not depend on the thread count.
     """
-    if type(residuals).__module__ == "racecpu.cuda":  # from a CuPy forward: the backward runs there too
-        if dplanes:
-            raise NotImplementedError("dplanes=True is not implemented on the GPU (racecpu.cuda) yet; "
-                                      "run the forward and backward on NumPy arrays for the planes' gradient")
-        return _gpu("race_attention_bwd", out)(residuals, grad_out)
-    POOL.tick()
-    r = residuals
-    if not isinstance(r, Residuals):
-        raise TypeError(f"residuals must come from race_attention_fwd, got {type(r).__name__}")
-    g, _, _ = check_array("grad_out", grad_out, False)  # NaN/Inf: from what the kernels sum (below)
-    G, nq, F = r.phiq.shape
-    Gk, nk, dv = r.v.shape
-    d = r.planes.shape[2]
-    cdt = r.phiq.dtype
-    qdt, kdt, vdt = r.in_dtypes
-    lead, klead = r.lead, r.kv_lead
-    pk = r.packing
-    shapes = (lead + (nq, d), klead + (nk, d), klead + (nk, dv))
-    try:
-        if g.shape != r.out_shape:
-            raise ValueError(f"grad_out must have the output's shape {r.out_shape}, got {g.shape}")
-        if out is not None:
-            if not isinstance(out, (tuple, list)) or len(out) != 3:
-                raise TypeError(f"out must be a tuple of three arrays (dq, dk, dv), got {type(out).__name__}")
-            reads = [("grad_out", grad_out), ("the forward's v", r.v), ("planes", r.planes)]
-            checked = []
-            for name, buf, shape, dt in zip(("dq", "dk", "dv"), out, shapes, (qdt, kdt, vdt)):
-                checked.append(check_out(f"out {name}", buf, shape, dt, reads))
-                reads.append((f"out {name}", buf))
-            out = checked
-        else:
-            out = (None, None, None)
-    except (TypeError, ValueError):
-        check_array("grad_out", g, r.check_finite)  # errors in the eager order: grad_out's NaN first
-        raise
-    g = widened(g.reshape(G, nq, dv), cdt)
-    v = widened(r.v, cdt)
-    chunks = None if pk is None else pk.chunks
-    chunk = r.chunk
-    ncq, nck = (-(-nq // chunk), -(-nk // chunk)) if pk is None else (pk.chunks.seq.size,) * 2
-    hsh, rows = Hash(r.planes, r.beta), Rows(r.phiq, r.tq, r.phik, r.tk, r.den)
-    # The kernels write every row; without queries or keys they do not run.
-    dq = _target(out[0], (G, nq, d), cdt)
-    dk, dv_ = (_target(buf, (Gk,) + shape[-2:], cdt) for buf, shape in zip(out[1:], shapes[1:]))
-    dbeta = 0.0
-    LP = r.planes.shape[0] * r.planes.shape[1]
-    dW = np.zeros((LP, d))
-    if not (G and nq and nk):
-        check_array("grad_out", g, r.check_finite)  # no kernel sums it
-        for x in (dq, dk, dv_):
-            x[...] = 0
-    else:
-        if dplanes:  # per-chunk shares, summed below in a fixed order
-            pg = PlanesGrad(widened(r.q, cdt), widened(r.k, cdt), POOL.empty((G, ncq, LP, d), np.float64),
-                            POOL.empty((Gk, nck, LP, d), np.float64))
-        else:
-            pg = no_planes_grad(g, G, ncq, nck, d)
-        # the chunk totals of (dA, dB): per query head, or per key/value head (summed over
-        # its group) from the causal scan, which runs the group's query heads together
-        Gd = Gk if r.causal else G
-        partdA = POOL.zeros((Gd, ncq, F))
-        partdB = POOL.empty((Gd, ncq, F, dv), np.float64)  # the kernels write every value read
-        dbq = POOL.zeros((G, ncq))
-        dbk = POOL.zeros((Gk, nck))
-        if r.causal:
-            dB = POOL.zeros((Gk, F, dv))  # the scan's total of dB, for the check of grad_out
-            grads = Grads(dq, dk, dv_, POOL.zeros((G, nq)), dbq, dbk, pg)
-            K.causal_backward(g, v, rows, Sums(r.A, r.B), hsh, chunk, grads, Sums(partdA, partdB), final=dB, chunks=chunks)
-            # packed: the reverse scan restarts, its total is the first sequence's; dv shows the others'
-            finite = all_finite(dB) and (pk is None or all_finite(dv_))
-            check_derived(r.check_finite, ("grad_out", g, finite, SUMS_OVERFLOW))
-        else:
-            grads = Grads(dq, dk, dv_, POOL.zeros((G, 0)), dbq, dbk, pg)
-            sketch = Sums(_repeat(r.A, r.group), _repeat(r.B.astype(cdt), r.group))
-            K.queries_bwd(g, v, rows, sketch, hsh, chunk, grads, Sums(partdA, partdB), chunks=chunks)
-            # a key/value head's sketch was read by its whole group (packed: one sketch per sequence)
-            per_seq = (lambda x: x.sum(1)) if pk is None else (lambda x: sequence_sums(x, pk))
-            dB = K.group_sum(per_seq(partdB), r.group)
-            check_derived(r.check_finite, ("grad_out", g, all_finite(dB), SUMS_OVERFLOW))  # before the keys' backward
-            K.keys_bwd(v, rows, Sums(K.group_sum(per_seq(partdA), r.group), dB.astype(cdt)), hsh, chunk, grads,
-                       chunks=chunks)
-        dbeta = float(dbq.sum() + dbk.sum())
-        if dplanes:
-            dW = pg.dWq.sum((0, 1)) + pg.dWk.sum((0, 1))
-    xp = r.namespace
-    grads = tuple(to_namespace(xp if buf is None else None, _deliver(x, buf, shape, dt))
-                  for x, buf, shape, dt in zip((dq, dk, dv_), out, shapes, (qdt, kdt, vdt))) + (dbeta,)
-    if not dplanes:
-        return grads
-    return grads + (to_namespace(xp, dW.reshape(r.planes.shape).astype(r.planes_dtype)),)
+    return backend_of(residuals).backward(residuals, grad_out, out=out, dplanes=dplanes)
 
 
 def race_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, beta: float = DEFAULT_BETA, *,
@@ -371,7 +99,8 @@ def race_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, 
         it; equal to repeating k and v ``group`` times.
         NumPy arrays, or any array with ``__array__`` or DLPack (torch CPU
         tensors without grad, JAX CPU arrays, ...), read without a copy where
-        the library allows; CuPy ``q`` runs on the GPU (:mod:`racecpu.cuda`).
+        the library allows; ``q`` in GPU memory (CuPy, ...) runs on the GPU
+        (:mod:`racecpu.cuda`).
     planes : array_like, shape (L, P, d)
         Hyperplanes from :func:`racecpu.hyperplanes` (cast to the compute dtype).
     beta : float, default ``DEFAULT_BETA``
@@ -412,25 +141,8 @@ def race_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, 
         returns float16.  A query whose buckets hold no key mass
         (``den <= DEN_FLOOR``, e.g. every key masked) gets zeros.
     """
-    if _is_cupy(q):
-        return _gpu("race_attention", out)(q, k, v, planes, beta, causal=causal, key_mask=key_mask,
-                                           check_finite=check_finite, cu_seqlens=cu_seqlens)
-    y = _forward(q, k, v, planes, beta, causal, key_mask, check_finite, out, residuals=False,
-                 cu_seqlens=cu_seqlens)[0]
-    return y if out is not None else to_namespace(namespace_of(q), y)
-
-
-def _is_cupy(x):
-    return type(x).__module__.split(".")[0] == "cupy"
-
-
-def _gpu(name, out):
-    """``racecpu.cuda``'s function ``name``, for CuPy arrays given to the NumPy API (imported
-    only then: the CPU path never loads numba.cuda)."""
-    if out is not None:
-        raise TypeError("out is for NumPy arrays; CuPy's memory pool already reuses device memory")
-    from . import cuda
-    return getattr(cuda, name)
+    return backend_for(q).forward(q, k, v, planes, beta, causal=causal, key_mask=key_mask, check_finite=check_finite,
+                                  cu_seqlens=cu_seqlens, out=out, residuals=False)[0]
 
 
 class RaceAttention:

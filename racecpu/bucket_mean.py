@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .reference import _dtype, _soft_buckets_dense_bwd, soft_buckets_dense
+from .reference import float_dtype, soft_buckets_dense_bwd, soft_buckets_dense
 
 __all__ = ["race_attention_bucket_mean", "race_attention_bucket_mean_fwd", "race_attention_bucket_mean_bwd"]
 
@@ -48,7 +48,7 @@ def race_attention_bucket_mean_fwd(q, k, v, planes, beta, *, causal=False, key_m
     (for :func:`race_attention_bucket_mean_bwd`); it holds the inputs' soft
     hashes, the per-bucket sums and, when causal, each block's weights.
     """
-    dt = _dtype(q, k, v)
+    dt = float_dtype(q, k, v)
     q, k, v = (np.asarray(a, dtype=dt) for a in (q, k, v))
     if q.ndim < 2 or k.ndim < 2 or v.ndim < 2:
         raise ValueError(f"q, k, v need shape (..., N, d); got {q.shape}, {k.shape}, {v.shape}")
@@ -136,8 +136,8 @@ def race_attention_bucket_mean_bwd(residuals, grad_out):
         dpkm = np.einsum("...jc,...lrc->...jlr", v, dB) + dA[..., None, :, :]
         dv = np.einsum("...jlr,...lrc->...jc", pkm, dB)
     dpk = dpkm if mask is None else dpkm * mask
-    dq, db_q = _soft_buckets_dense_bwd(dpq, pq, tq, planes, beta)
-    dk, db_k = _soft_buckets_dense_bwd(dpk, pk, tk, planes, beta)
+    dq, db_q = soft_buckets_dense_bwd(dpq, pq, tq, planes, beta)
+    dk, db_k = soft_buckets_dense_bwd(dpk, pk, tk, planes, beta)
     return dq.astype(dt), dk.astype(dt), np.broadcast_to(dv, lead + dv.shape[-2:]).astype(dt), db_q + db_k
 
 

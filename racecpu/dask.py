@@ -117,10 +117,6 @@ def _t_add(*sketches):
     return sum(sketches)
 
 
-def _t_sum(*xs):
-    return float(sum(xs))
-
-
 def _t_readout(threads, q, sk, cf):
     _set_threads(threads)
     return S.readout(q, sk, check_finite=cf)
@@ -166,7 +162,7 @@ def _mark(x):
 ROW_KEYS = ("race-causal-", "race-readout-", "race-sketch-bwd-", "race-out-", "race-dq-", "race-dk-", "race-dv-")
 
 
-def _holds_rows(name):
+def holds_rows(name):
     """Whether the key named ``name`` (a str key, or a tuple key's first item) holds a block's rows."""
     return name.startswith(ROW_KEYS)
 
@@ -220,7 +216,7 @@ def _stand_in(x):
     return np.broadcast_to(np.zeros((), x.dtype), x.shape)
 
 
-def _as_dask(name, x):
+def _as_dask(x):
     if x is None or isinstance(x, da.Array):
         return x
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
@@ -292,7 +288,7 @@ class DaskResiduals:
 
 
 def _prepare(q, k, v, planes, beta, causal, key_mask):
-    q, k, v, key_mask = (_as_dask(n, x) for n, x in (("q", q), ("k", k), ("v", v), ("key_mask", key_mask)))
+    q, k, v, key_mask = (_as_dask(x) for x in (q, k, v, key_mask))
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dtype.kind != "f" or x.dtype.itemsize > 8:
             raise TypeError(f"{name} must be a float16, float32 or float64 array, got dtype {x.dtype}")
@@ -407,7 +403,7 @@ def race_attention_bwd(residuals, grad_out):
     r = residuals
     if not isinstance(r, DaskResiduals):
         raise TypeError(f"residuals must come from racecpu.dask.race_attention_fwd, got {type(r).__name__}")
-    g = _as_dask("grad_out", grad_out)
+    g = _as_dask(grad_out)
     want = r.q.shape[:-1] + (r.v.shape[-1],)
     if g.shape != want:
         raise ValueError(f"grad_out must have the output's shape {want}, got {g.shape}")

@@ -18,9 +18,8 @@ import numbers
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
+from . import engine
 from ._checks import check_array, check_beta, check_planes
-from ._kernels import soft_hash_rows
-from ._kernels.bundles import Hash
 from .config import DEFAULT_BETA, DEN_FLOOR, MAX_PLANES
 
 __all__ = ["hyperplanes", "corners", "soft_buckets", "DEFAULT_BETA", "DEN_FLOOR", "MAX_PLANES"]
@@ -100,5 +99,5 @@ def soft_buckets(x: ArrayLike, planes: ArrayLike, beta: float = DEFAULT_BETA) ->
     phi = np.empty((flat.shape[0], L * R), dtype=cdt)
     t = np.empty((flat.shape[0], L * P), dtype=cdt)
     if flat.shape[0]:
-        soft_hash_rows(flat, Hash(planes, beta), t, phi)
+        engine.soft_hash(flat, planes, beta, t, phi)
     return phi.reshape(lead + (L, R)).astype(out_dtype, copy=False)

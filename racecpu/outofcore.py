@@ -19,7 +19,8 @@ memory-mapped arguments are dropped from this process
 (``madvise(MADV_DONTNEED)``; written data stays in the file), so mapped files
 do not pile up in the resident set.
 
-Passes (each a scan of :mod:`racecpu._blocks` that carries a small float64 state):
+Passes (each a scan of :mod:`racecpu._blocks` that carries a small float64 state,
+each block computed by the CPU engine's block operations, :mod:`racecpu.engine`):
 
 * non-causal forward: a sketch pass over keys (running sums ``A, B``), then an
   output pass over queries;
@@ -59,13 +60,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _blocks as engine
-from . import _kernels as K
-from ._kernels.bundles import Grads, Hash, Rows, Sums, no_planes_grad
+from . import _blocks as blocks
+from . import engine
 from ._checks import check_beta, check_planes
+from ._memory import Buffers
 from .config import CHUNK
 from .hashing import DEFAULT_BETA, soft_buckets
-from .streaming import advance
 
 __all__ = ["race_attention_fwd_ooc", "race_attention_bwd_ooc", "OocResiduals", "BLOCK"]
 
@@ -157,7 +157,7 @@ def race_attention_fwd_ooc(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, 
     OocResiduals
         For :func:`race_attention_bwd_ooc`; the output is in ``out``.
     """
-    cdt = np.result_type(*(engine.check_store_input(n, x) for n, x in (("q", q), ("k", k), ("v", v))))
+    cdt = np.result_type(*(blocks.check_store_input(n, x) for n, x in (("q", q), ("k", k), ("v", v))))
     lead = tuple(q.shape[:-2])
     group = _group_of(q, k, v)
     klead = kv_lead(lead, group)
@@ -170,75 +170,59 @@ def race_attention_fwd_ooc(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, 
         raise ValueError(f"causal attention needs as many queries as keys, got shapes q {q.shape} and k {k.shape}")
     planes = check_planes(planes, d, cdt)
     beta = check_beta(beta)
-    block = engine.check_block(block)
-    engine.check_store_out("out", out, lead + (nq, dv), readback=checkpoint is not None)
+    block = blocks.check_block(block)
+    blocks.check_store_out("out", out, lead + (nq, dv), readback=checkpoint is not None)
     G = int(np.prod(lead, dtype=np.int64))
     Gk = G // group
     L, P, _ = planes.shape
     F = L * 2 ** P
     ck = checkpoint is not None
-    key = dict(q=engine.identity(q, digest=ck), k=engine.identity(k, digest=ck), v=engine.identity(v, digest=ck),
-               out=engine.identity(out, written=True),
+    key = dict(q=blocks.identity(q, digest=ck), k=blocks.identity(k, digest=ck), v=blocks.identity(v, digest=ck),
+               out=blocks.identity(out, written=True),
                planes=hashlib.sha256(planes.tobytes()).hexdigest(), beta=beta, causal=bool(causal),
                block=block, cdt=np.dtype(cdt).name)
-    bufs = engine.Buffers()
+    bufs = Buffers()
     ckdir = None if checkpoint is None else os.fspath(checkpoint)
     shapes = [(Gk, F), (Gk, F, dv)]  # the keys' sketch or state, per key/value head
     ones = np.ones(Gk * block, np.bool_)  # key mask: every key counts
-    hsh = Hash(planes, beta)
-    none, none2 = np.empty((G, 0, F), cdt), np.empty((G, 0))  # residual rows that are not kept
 
     if causal:
         def body(lo, hi, state):
             n = hi - lo
-            qb = engine.load_block(q, "q", lead, lo, hi, bufs, cdt, check_finite)
-            kb = engine.load_block(k, "k", klead, lo, hi, bufs, cdt, check_finite)
-            vb = engine.load_block(v, "v", klead, lo, hi, bufs, cdt, check_finite)
+            qb = blocks.load_block(q, "q", lead, lo, hi, bufs, cdt, check_finite)
+            kb = blocks.load_block(k, "k", klead, lo, hi, bufs, cdt, check_finite)
+            vb = blocks.load_block(v, "v", klead, lo, hi, bufs, cdt, check_finite)
             ob = bufs("out", (G, n, dv), cdt)
-            step = advance(qb, kb, vb, planes, beta, state[0], state[1], ob,
-                           rows=Rows(bufs("phiq", (G, n, F), cdt), bufs("tq", (G, n, L * P), cdt),
-                                     bufs("phik", (Gk, n, F), cdt), bufs("tk", (Gk, n, L * P), cdt),
-                                     bufs("den", (G, n), np.float64)))
-            engine.store_block(out, lead, lo, hi, ob)
+            step = engine.advance(qb, kb, vb, planes, beta, state[0], state[1], ob, keep=(), work=bufs)
+            blocks.store_block(out, lead, lo, hi, ob)
             return (step.A, step.B), 0.0
 
-        scan = engine.Scan(ckdir, "fwd_causal", key, -(-nk // block), shapes, commit_every)
-        engine.run(scan, engine.block_ranges(nk, block), body, progress, "forward (causal)", [out], [q, k, v])
+        scan = blocks.Scan(ckdir, "fwd_causal", key, -(-nk // block), shapes, commit_every)
+        blocks.run(scan, blocks.block_ranges(nk, block), body, progress, "forward (causal)", [out], [q, k, v])
         A, B = scan.states
         key = dict(key, fwd_sum=scan.digest())  # the backward resumes only onto these very states
     else:
         def sketch(lo, hi, state):
             n = hi - lo
-            kb = engine.load_block(k, "k", klead, lo, hi, bufs, cdt, check_finite)
-            vb = engine.load_block(v, "v", klead, lo, hi, bufs, cdt, check_finite)
-            chunk = K.chunk_length(n, Gk, F, dv)
-            nc = -(-n // chunk)
-            partA = bufs("partA", (Gk, nc, F), np.float64, zero=True)
-            partB = bufs("partB", (Gk, nc, F, dv), np.float64, zero=True)
-            rows = Rows(none, none, bufs("phik", (Gk, n, F), cdt), bufs("tk", (Gk, n, L * P), cdt), none2)
-            K.sketch_chunks(kb, vb, ones[:Gk * n].reshape(Gk, n), hsh, chunk, rows, Sums(partA, partB),
-                            span=K.SKETCH_FUSED)
-            return (state[0] + partA.sum(1), state[1] + partB.sum(1)), 0.0
+            kb = blocks.load_block(k, "k", klead, lo, hi, bufs, cdt, check_finite)
+            vb = blocks.load_block(v, "v", klead, lo, hi, bufs, cdt, check_finite)
+            A, B = engine.sketch_keys(kb, vb, ones[:Gk * n].reshape(Gk, n), planes, beta)
+            return (state[0] + A, state[1] + B), 0.0
 
-        scan = engine.Scan(ckdir, "fwd_sketch", key, -(-nk // block), shapes, commit_every)
-        (A, B), _ = engine.run(scan, engine.block_ranges(nk, block), sketch, progress, "forward: key sketch", [],
+        scan = blocks.Scan(ckdir, "fwd_sketch", key, -(-nk // block), shapes, commit_every)
+        (A, B), _ = blocks.run(scan, blocks.block_ranges(nk, block), sketch, progress, "forward: key sketch", [],
                                [k, v])
         # grouped-query attention: every query head reads its key/value head's sketch
-        A_q, Bc = np.repeat(A, group, axis=0), np.repeat(B.astype(cdt), group, axis=0)
+        A_q, B_q = np.repeat(A, group, axis=0), np.repeat(B, group, axis=0)
         key = dict(key, sketch_sum=scan.digest())  # what reads the sketch resumes only onto this very one
 
         def readout(lo, hi, state):
-            n = hi - lo
-            qb = engine.load_block(q, "q", lead, lo, hi, bufs, cdt, check_finite)
-            ob = bufs("out", (G, n, dv), cdt)
-            rows = Rows(bufs("phiq", (G, n, F), cdt), bufs("tq", (G, n, L * P), cdt), none, none,
-                        bufs("den", (G, n), np.float64))
-            K.queries_fwd(qb, hsh, K.chunk_length(n, G, F, dv), Sums(A_q, Bc), rows, ob)
-            engine.store_block(out, lead, lo, hi, ob)
+            qb = blocks.load_block(q, "q", lead, lo, hi, bufs, cdt, check_finite)
+            blocks.store_block(out, lead, lo, hi, engine.readout(qb, A_q, B_q, planes, beta, work=bufs))
             return (), 0.0
 
-        scan2 = engine.Scan(ckdir, "fwd_readout", dict(key, sketch=scan.key), -(-nq // block), [], commit_every)
-        engine.run(scan2, engine.block_ranges(nq, block), readout, progress, "forward: queries", [out], [q])
+        scan2 = blocks.Scan(ckdir, "fwd_readout", dict(key, sketch=scan.key), -(-nq // block), [], commit_every)
+        blocks.run(scan2, blocks.block_ranges(nq, block), readout, progress, "forward: queries", [out], [q])
     return OocResiduals(q, k, v, planes, beta, bool(causal), block, lead, nq, nk, np.dtype(cdt), check_finite,
                         np.asarray(A), np.asarray(B), key, group)
 
@@ -267,24 +251,23 @@ def race_attention_bwd_ooc(res, grad_out, *, dq, dk, dv, checkpoint=None, commit
     if not isinstance(res, OocResiduals):
         raise TypeError(f"res must come from race_attention_fwd_ooc, got {type(res).__name__}")
     r = res
-    engine.check_store_input("grad_out", grad_out)
+    blocks.check_store_input("grad_out", grad_out)
     lead, nq, nk, cdt, block = r.lead, r.nq, r.nk, r.cdt, r.block
     d, dvdim = r.q.shape[-1], r.v.shape[-1]
     if tuple(grad_out.shape) != lead + (nq, dvdim):
         raise ValueError(f"grad_out must have the output's shape {lead + (nq, dvdim)}, got {tuple(grad_out.shape)}")
     for name, x, shape in (("dq", dq, r.q.shape), ("dk", dk, r.k.shape), ("dv", dv, r.v.shape)):
-        engine.check_store_out(name, x, shape, readback=checkpoint is not None)
+        blocks.check_store_out(name, x, shape, readback=checkpoint is not None)
     G = int(np.prod(lead, dtype=np.int64))
     group, klead = r.group, r.kv_lead
     Gk = G // group
     L, P, _ = r.planes.shape
     F = L * 2 ** P
     planes, beta, cf = r.planes, r.beta, r.check_finite
-    hsh = Hash(planes, beta)
-    key = dict(fwd=r.key, g=engine.identity(grad_out, digest=checkpoint is not None), dq=engine.identity(dq, True),
-               dk=engine.identity(dk, True),
-               dv=engine.identity(dv, True))
-    bufs = engine.Buffers()
+    key = dict(fwd=r.key, g=blocks.identity(grad_out, digest=checkpoint is not None), dq=blocks.identity(dq, True),
+               dk=blocks.identity(dk, True),
+               dv=blocks.identity(dv, True))
+    bufs = Buffers()
     ckdir = None if checkpoint is None else os.fspath(checkpoint)
     shapes = [(G, F), (G, F, dvdim)]
     if G == 0 or nq == 0 or nk == 0:
@@ -293,108 +276,61 @@ def race_attention_bwd_ooc(res, grad_out, *, dq, dk, dv, checkpoint=None, commit
         return 0.0
 
     if r.causal:
-        blocks = engine.block_ranges(nk, block, reverse=True)
-        nb = len(blocks)
+        ranges = blocks.block_ranges(nk, block, reverse=True)
 
         def body(lo, hi, state):
-            n = hi - lo
             b = lo // block
-            qb = engine.load_block(r.q, "q", lead, lo, hi, bufs, cdt, cf)
-            kb = engine.load_block(r.k, "k", klead, lo, hi, bufs, cdt, cf)
-            vb = engine.load_block(r.v, "v", klead, lo, hi, bufs, cdt, cf)
-            gb = engine.load_block(grad_out, "grad_out", lead, lo, hi, bufs, cdt, cf)
-            phik, tk = bufs("phik", (Gk, n, F), cdt), bufs("tk", (Gk, n, L * P), cdt)
-            phiq, tq = bufs("phiq", (G, n, F), cdt), bufs("tq", (G, n, L * P), cdt)
-            den = bufs("den", (G, n), np.float64)
-            ob = bufs("out", (G, n, dvdim), cdt)
-            rows = Rows(phiq, tq, phik, tk, den)
-            step = advance(qb, kb, vb, planes, beta, np.array(r.A[b]), np.array(r.B[b]), ob, rows=rows)
-            chunk, cA, cB = step.chunk, step.carryA, step.carryB
-            nc = cA.shape[1]
-            dqb = bufs("dq", (G, n, d), cdt, zero=True)
+            qb = blocks.load_block(r.q, "q", lead, lo, hi, bufs, cdt, cf)
+            kb = blocks.load_block(r.k, "k", klead, lo, hi, bufs, cdt, cf)
+            vb = blocks.load_block(r.v, "v", klead, lo, hi, bufs, cdt, cf)
+            gb = blocks.load_block(grad_out, "grad_out", lead, lo, hi, bufs, cdt, cf)
             # grouped-query attention: the scans run per key/value head, over its group of query heads
-            dkb = bufs("dk", (Gk, n, d), cdt, zero=True)
-            dvb = bufs("dv", (Gk, n, dvdim), cdt, zero=True)
-            dden = bufs("dden", (G, n), np.float64, zero=True)
-            pdA = bufs("pdA", (Gk, nc, F), np.float64, zero=True)
-            pdB = bufs("pdB", (Gk, nc, F, dvdim), np.float64, zero=True)
-            dbq = bufs("dbq", (G, nc), np.float64, zero=True)
-            dbk = bufs("dbk", (Gk, nc), np.float64, zero=True)
-            grads = Grads(dqb, dkb, dvb, dden, dbq, dbk, no_planes_grad(dqb, G, nc, nc, d))
-            K.causal_queries_bwd(gb, vb, rows, Sums(cA, cB), hsh, chunk, grads, Sums(pdA, pdB))
-            sA = K.exclusive_scan(pdA, reverse=True)
-            sB = K.exclusive_scan(pdB, reverse=True)
-            sA += state[0][:, None]
-            sB += state[1][:, None]
-            K.causal_keys_bwd(gb, vb, rows, Sums(sA, sB), hsh, chunk, grads)
-            engine.store_block(dq, lead, lo, hi, dqb)
+            dqb, dkb, dvb, dbeta, dA, dB = engine.advance_bwd(qb, kb, vb, gb, planes, beta, np.array(r.A[b]),
+                                                              np.array(r.B[b]), state[0], state[1], work=bufs)
+            blocks.store_block(dq, lead, lo, hi, dqb)
             for x, a in ((dk, dkb), (dv, dvb)):
-                engine.store_block(x, klead, lo, hi, a)
-            return (state[0] + pdA.sum(1), state[1] + pdB.sum(1)), float(dbq.sum() + dbk.sum())
+                blocks.store_block(x, klead, lo, hi, a)
+            return (dA, dB), dbeta
 
         # the reverse state (dA, dB) per key/value head, summed over its group of query heads
-        scan = engine.Scan(ckdir, "bwd_causal", key, nb, [(Gk, F), (Gk, F, dvdim)], commit_every)
-        _, dbeta = engine.run(scan, blocks, body, progress, "backward (causal, reverse)", [dq, dk, dv],
-                        [r.q, r.k, r.v, grad_out])
+        scan = blocks.Scan(ckdir, "bwd_causal", key, len(ranges), [(Gk, F), (Gk, F, dvdim)], commit_every)
+        _, dbeta = blocks.run(scan, ranges, body, progress, "backward (causal, reverse)", [dq, dk, dv],
+                              [r.q, r.k, r.v, grad_out])
         return dbeta
 
     # grouped-query attention: every query head reads its key/value head's sketch
-    A, Bc = np.repeat(r.A, group, axis=0), np.repeat(r.B.astype(cdt), group, axis=0)
-    none, none2 = np.empty((G, 0, F), cdt), np.empty((G, 0))  # residual rows that are not kept
-    knone, knone2 = np.empty((Gk, 0, F), cdt), np.empty((Gk, 0))
+    A, B = np.repeat(r.A, group, axis=0), np.repeat(r.B, group, axis=0)
+    ones = np.ones(Gk * block, np.bool_)  # key mask: every key counts
 
     def queries(lo, hi, state):
-        n = hi - lo
-        chunk = K.chunk_length(n, G, F, dvdim)
-        nc = -(-n // chunk)
-        qb = engine.load_block(r.q, "q", lead, lo, hi, bufs, cdt, cf)
-        gb = engine.load_block(grad_out, "grad_out", lead, lo, hi, bufs, cdt, cf)
-        phiq, tq = bufs("phiq", (G, n, F), cdt), bufs("tq", (G, n, L * P), cdt)
-        den = bufs("den", (G, n), np.float64)
-        rows = Rows(phiq, tq, none, none, den)
-        K.queries_fwd(qb, hsh, chunk, Sums(A, Bc), rows, bufs("out", (G, n, dvdim), cdt))
-        dqb = bufs("dq", (G, n, d), cdt, zero=True)
-        pdA = bufs("pdA", (G, nc, F), np.float64, zero=True)
-        pdB = bufs("pdB", (G, nc, F, dvdim), np.float64, zero=True)
-        dbq = bufs("dbq", (G, nc), np.float64, zero=True)
-        # the queries' pass writes dq and dbq only
-        grads = Grads(dqb, dqb, dqb, none2, dbq, dbq, no_planes_grad(dqb, G, nc, nc, d))
-        K.queries_bwd(gb, gb, rows, Sums(A, Bc), hsh, chunk, grads, Sums(pdA, pdB))
-        engine.store_block(dq, lead, lo, hi, dqb)
-        return (state[0] + pdA.sum(1), state[1] + pdB.sum(1)), float(dbq.sum())
+        qb = blocks.load_block(r.q, "q", lead, lo, hi, bufs, cdt, cf)
+        gb = blocks.load_block(grad_out, "grad_out", lead, lo, hi, bufs, cdt, cf)
+        dqb, dA, dB, dbeta = engine.readout_bwd(qb, A, B, gb, planes, beta, work=bufs)
+        blocks.store_block(dq, lead, lo, hi, dqb)
+        return (state[0] + dA, state[1] + dB), dbeta
 
-    scan = engine.Scan(ckdir, "bwd_queries", key, -(-nq // block), shapes, commit_every)
-    (dA, dB), dbeta_q = engine.run(scan, engine.block_ranges(nq, block), queries, progress, "backward: queries", [dq],
-                             [r.q, grad_out])
-    dA, dBc = K.group_sum(dA, group), K.group_sum(dB, group).astype(cdt)  # a sketch read by its whole group
+    scan = blocks.Scan(ckdir, "bwd_queries", key, -(-nq // block), shapes, commit_every)
+    (dA, dB), dbeta_q = blocks.run(scan, blocks.block_ranges(nq, block), queries, progress, "backward: queries", [dq],
+                                   [r.q, grad_out])
+    dA, dB = engine.group_sum(dA, group), engine.group_sum(dB, group)  # a sketch read by its whole group
 
     def keys(lo, hi, state):
         n = hi - lo
-        chunk = K.chunk_length(n, Gk, F, dvdim)
-        nc = -(-n // chunk)
-        kb = engine.load_block(r.k, "k", klead, lo, hi, bufs, cdt, cf)
-        vb = engine.load_block(r.v, "v", klead, lo, hi, bufs, cdt, cf)
-        phik, tk = bufs("phik", (Gk, n, F), cdt), bufs("tk", (Gk, n, L * P), cdt)
-        for g in range(Gk):
-            K.soft_hash_rows(kb[g], hsh, tk[g], phik[g])
-        dkb = bufs("dk", (Gk, n, d), cdt, zero=True)
-        dvb = bufs("dv", (Gk, n, dvdim), cdt, zero=True)
-        dbk = bufs("dbk", (Gk, nc), np.float64, zero=True)
-        # the keys' pass writes dk, dv and dbk only
-        grads = Grads(dkb, dkb, dvb, knone2, dbk, dbk, no_planes_grad(dkb, Gk, nc, nc, d))
-        K.keys_bwd(vb, Rows(knone, knone, phik, tk, knone2), Sums(dA, dBc), hsh, chunk, grads)
+        kb = blocks.load_block(r.k, "k", klead, lo, hi, bufs, cdt, cf)
+        vb = blocks.load_block(r.v, "v", klead, lo, hi, bufs, cdt, cf)
+        dkb, dvb, dbeta = engine.keys_bwd(kb, vb, ones[:Gk * n].reshape(Gk, n), dA, dB, planes, beta, work=bufs)
         for x, a in ((dk, dkb), (dv, dvb)):
-            engine.store_block(x, klead, lo, hi, a)
-        return (), float(dbk.sum())
+            blocks.store_block(x, klead, lo, hi, a)
+        return (), dbeta
 
-    scan2 = engine.Scan(ckdir, "bwd_keys", dict(key, queries=scan.key, queries_sum=scan.digest()), -(-nk // block), [],
+    scan2 = blocks.Scan(ckdir, "bwd_keys", dict(key, queries=scan.key, queries_sum=scan.digest()), -(-nk // block), [],
                         commit_every)
-    _, dbeta_k = engine.run(scan2, engine.block_ranges(nk, block), keys, progress, "backward: keys", [dk, dv],
+    _, dbeta_k = blocks.run(scan2, blocks.block_ranges(nk, block), keys, progress, "backward: keys", [dk, dv],
                             [r.k, r.v])
     return dbeta_q + dbeta_k
 
 
-def _noncausal_rows(q, A, B, planes, beta):
+def noncausal_rows(q, A, B, planes, beta):
     """Rows ``q (n, d)`` read out of the summed key sketch ``A (F,), B (F, dv)`` (float64).
 
     Built from :func:`racecpu.soft_buckets` rather than the kernels, so it

@@ -15,11 +15,11 @@ padded to whole chunks instead (:func:`padded_layout`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from . import config
-from ._kernels.bundles import Chunks
 
 #: The shortest chunk :func:`padded_layout` picks.
 MIN_CHUNK = 64
@@ -50,20 +50,29 @@ def check_cu_seqlens(cu_seqlens, n):
     return cu
 
 
+class Cuts(NamedTuple):
+    """How a sequence axis is cut into chunks: chunk ``c`` is rows ``cuts[c] <= i <
+    cuts[c + 1]`` (``cuts (nc + 1,)`` int64) of packed sequence ``seq[c]`` (``(nc,)``
+    int64).  The engine hands them to the kernels as their ``Chunks`` bundle."""
+
+    cuts: np.ndarray
+    seq: np.ndarray
+
+
 @dataclass(frozen=True)
 class Packing:
     """Packed sequences as the CPU kernels take them (treat as opaque).
 
-    ``chunks``: the :class:`racecpu._kernels.bundles.Chunks` of the ``n``
-    tokens (chunk c is rows ``cuts[c] .. cuts[c + 1]`` of sequence
-    ``seq[c]``, counting the non-empty sequences only); ``first (S,)`` int64
-    each sequence's first chunk.
+    ``chunks``: the :class:`Cuts` of the ``n`` tokens (chunk c is rows
+    ``cuts[c] .. cuts[c + 1]`` of sequence ``seq[c]``, counting the
+    non-empty sequences only); ``first (S,)`` int64 each sequence's first
+    chunk.
     """
 
     cu_seqlens: np.ndarray
     n: int
     chunk: int
-    chunks: Chunks
+    chunks: Cuts
     first: np.ndarray
 
     @property
@@ -88,7 +97,7 @@ def packed_chunks(cu_seqlens, n, chunk):
     k = np.arange(seq.size, dtype=np.int64) - first[seq]  # chunk within its sequence
     starts = np.cumsum(lengths) - lengths
     cuts = np.append(starts[seq] + k * chunk, n).astype(np.int64)
-    return Packing(cu, n, chunk, Chunks(cuts, seq), first.astype(np.int64))
+    return Packing(cu, n, chunk, Cuts(cuts, seq), first.astype(np.int64))
 
 
 def sequence_sums(part, pk):

@@ -32,7 +32,7 @@ __all__ = [
     "softmax_attention", "softmax_attention_fwd", "softmax_attention_bwd",
     "angular_attention", "angular_attention_fwd", "angular_attention_bwd",
     "race_attention_dense", "race_attention_dense_fwd", "race_attention_dense_bwd",
-    "race_kernel_dense", "soft_buckets_dense",
+    "race_kernel_dense", "soft_buckets_dense", "soft_buckets_dense_bwd", "float_dtype",
     "race_attention_bucket_mean", "race_attention_bucket_mean_fwd", "race_attention_bucket_mean_bwd",
 ]
 
@@ -40,7 +40,8 @@ __all__ = [
 _ACOS_EPS = 1e-12
 
 
-def _dtype(*arrays):
+def float_dtype(*arrays):
+    """The dtype the references compute in: float32 for float16/float32, float64 otherwise."""
     dt = np.result_type(*arrays)
     if dt.kind != "f":
         raise TypeError(f"reference attention needs float arrays, got {dt}")
@@ -87,7 +88,7 @@ def _normalized_bwd(res, g):
 
 def softmax_attention_fwd(q, k, v, *, causal=False, scale=None, key_mask=None):
     """Softmax attention ``softmax(scale * q k^T) v``; returns ``(out, residuals)``."""
-    dt = _dtype(q, k, v)
+    dt = float_dtype(q, k, v)
     q, k, v = (np.asarray(a, dtype=dt) for a in (q, k, v))
     scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else float(scale)
     vis = _visibility(q.shape[-2], k.shape[-2], causal, key_mask, np.broadcast_shapes(q.shape[:-2], k.shape[:-2]), dt)
@@ -132,7 +133,7 @@ def angular_attention_fwd(q, k, v, gamma, *, causal=False, key_mask=None):
 
     Zero vectors have cosine 0 with everything.  Returns ``(out, residuals)``.
     """
-    dt = _dtype(q, k, v)
+    dt = float_dtype(q, k, v)
     q, k, v = (np.asarray(a, dtype=dt) for a in (q, k, v))
     gamma = float(gamma)
     qh, qn, _ = _unit(q)
@@ -181,7 +182,7 @@ def soft_buckets_dense(x, planes, beta):
 
 def race_kernel_dense(q, k, planes, beta):
     """The RACE kernel matrix ``(1/L) sum_l phi_l(q_i) . phi_l(k_j)``, shape (..., Nq, Nk)."""
-    dt = _dtype(q, k)
+    dt = float_dtype(q, k)
     q, k = np.asarray(q, dtype=dt), np.asarray(k, dtype=dt)
     pq, _ = soft_buckets_dense(q, planes, beta)
     pk, _ = soft_buckets_dense(k, planes, beta)
@@ -190,7 +191,7 @@ def race_kernel_dense(q, k, planes, beta):
 
 def race_attention_dense_fwd(q, k, v, planes, beta, *, causal=False, key_mask=None):
     """Dense RACE attention; returns ``(out, residuals)``."""
-    dt = _dtype(q, k, v)
+    dt = float_dtype(q, k, v)
     q, k, v = (np.asarray(a, dtype=dt) for a in (q, k, v))
     beta = float(beta)
     planes = np.asarray(planes, dtype=dt)
@@ -203,7 +204,7 @@ def race_attention_dense_fwd(q, k, v, planes, beta, *, causal=False, key_mask=No
     return out, (planes, beta, pq, tq, pk, tk, vis, nres, q, k)
 
 
-def _soft_buckets_dense_bwd(dphi, phi, t, planes, beta, x=None):
+def soft_buckets_dense_bwd(dphi, phi, t, planes, beta, x=None):
     """Back through softmax over corners, tanh and the projection: ``(dx, dbeta)``,
     and with the rows ``x (..., N, d)`` also the planes' gradient
     ``dW_l = sum_n du_{n,l} x_n^T`` (shape of ``planes``, summed over every
@@ -230,8 +231,8 @@ def race_attention_dense_bwd(residuals, grad_out, *, dplanes=False):
     dS = dS * vis / L
     dpq = np.einsum("...ij,...jlr->...ilr", dS, pk)
     dpk = np.einsum("...ij,...ilr->...jlr", dS, pq)
-    dq, db_q, *dw_q = _soft_buckets_dense_bwd(dpq, pq, tq, planes, beta, q if dplanes else None)
-    dk, db_k, *dw_k = _soft_buckets_dense_bwd(dpk, pk, tk, planes, beta, k if dplanes else None)
+    dq, db_q, *dw_q = soft_buckets_dense_bwd(dpq, pq, tq, planes, beta, q if dplanes else None)
+    dk, db_k, *dw_k = soft_buckets_dense_bwd(dpk, pk, tk, planes, beta, k if dplanes else None)
     dt = pq.dtype
     grads = dq.astype(dt), dk.astype(dt), dv.astype(dt), db_q + db_k
     return grads + ((dw_q[0] + dw_k[0]).astype(dt),) if dplanes else grads
@@ -253,7 +254,7 @@ def race_attention_bucket_mean_fwd(q, k, v, planes, beta, *, causal=False, key_m
     matrix ``S_ij = vis_ij sum_{l,r} phi_l(q_i)_r phi_l(k_j)_r / (A_ilr + eps)``,
     so that ``out = S @ v``; ``A_ilr = sum_j vis_ij phi_l(k_j)_r``.
     """
-    dt = _dtype(q, k, v)
+    dt = float_dtype(q, k, v)
     q, k, v = (np.asarray(a, dtype=dt) for a in (q, k, v))
     beta, eps = float(beta), float(eps)
     planes = np.asarray(planes, dtype=dt)
@@ -278,8 +279,8 @@ def race_attention_bucket_mean_bwd(residuals, grad_out):
     dpq = dW / den
     dA = -dW * W / den                                   # W = pq / (A + eps)
     dpk = dpk + np.einsum("...ij,...ilr->...jlr", vis, dA)  # A_ilr = sum_j vis_ij pk_jlr
-    dq, db_q = _soft_buckets_dense_bwd(dpq, pq, tq, planes, beta)
-    dk, db_k = _soft_buckets_dense_bwd(dpk, pk, tk, planes, beta)
+    dq, db_q = soft_buckets_dense_bwd(dpq, pq, tq, planes, beta)
+    dk, db_k = soft_buckets_dense_bwd(dpk, pk, tk, planes, beta)
     dt = pq.dtype
     return dq.astype(dt), dk.astype(dt), dv.astype(dt), db_q + db_k
 

@@ -28,9 +28,10 @@ public:
 * :func:`state_from_sketch` / :func:`sketch_from_state` -- conversions to
   and from :class:`racecpu.RaceState` for streaming decode.
 
-Every function calls the same Numba kernels as :func:`racecpu.race_attention`,
-with the same float64 sketches; :mod:`racecpu.dask` builds its task graphs
-from them.  A cotangent of a sketch (``dA, dB``) is also a :class:`Sketch`:
+Every function checks its arguments and calls the CPU engine's block
+operations (:mod:`racecpu.engine`), the same kernels as
+:func:`racecpu.race_attention` with the same float64 sketches;
+:mod:`racecpu.dask` builds its task graphs from them.  A cotangent of a sketch (``dA, dB``) is also a :class:`Sketch`:
 cotangents from several query blocks add the same way.
 
 ``racecpu.sketch`` is :func:`sketch`; the module is ``racecpu.sketches``.
@@ -45,12 +46,11 @@ from dataclasses import dataclass, field
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
-from . import _kernels as K
-from ._checks import SUMS_OVERFLOW, all_finite, check_array, check_beta, check_derived, check_planes, dtypes, prepare
-from ._kernels.bundles import Grads, Hash, Rows, Sums, no_planes_grad
+from . import engine
+from ._checks import check_array, check_beta, check_planes, dtypes, prepare
 from ._memory import POOL
 from .config import DEFAULT_BETA
-from .streaming import advance, causal_rows
+from .streaming import RaceState
 
 __all__ = ["Sketch", "sketch", "readout", "readout_bwd", "sketch_bwd", "causal_block", "causal_block_bwd",
            "causal_block_dstate", "state_from_sketch", "sketch_from_state", "planes_digest"]
@@ -207,14 +207,6 @@ class Sketch:
 # internals
 # ---------------------------------------------------------------------------
 
-_OVERFLOW = "its projections onto the planes overflow {}"
-
-
-def _none(G, cdt, width=None):
-    """A residual with no rows (the kernels keep those rows in per-chunk scratch)."""
-    return np.empty((G, 0) if width is None else (G, 0, width), cdt)
-
-
 def _keys(k, v, planes, beta, key_mask, check_finite, dtype):
     """Checked keys and values ``(G, n, d)``, ``(G, n, dv)``, mask, planes, beta, lead, cdt, in dtype."""
     k, _, _ = check_array("k", k, False)
@@ -239,19 +231,9 @@ def _flat_state(state, G, F, dv):
     return state._flat()
 
 
-def _hash_only(x, v, mask, hsh, chunk, rows):
-    """Soft-hash every row of ``x (G, n, d)`` into ``rows.phik`` (and ``rows.tk``
-    where it has rows), rows where ``mask`` is False zero, with no sketch summed
-    (``sketch_chunks`` with ``totals=(0, 0)``: no B totals; A's are summed and
-    dropped); returns the NaN count of the projections."""
-    G, n, _ = x.shape
-    F = rows.phik.shape[2]
-    nc = -(-n // chunk)
-    return K.sketch_chunks(x, v, mask, hsh, chunk, rows, Sums(np.zeros((G, nc, F)), np.empty((G, nc, F, 0))),
-                           totals=(0, 0))
-
-
-def _grad(name, g, shape, cdt, check_finite):
+def _grad(name, g, shape):
+    """``grad_out`` checked: a float array of the output's ``shape`` (its NaN/Inf are found
+    later, from what the kernels sum)."""
     g, _, _ = check_array(name, g, False)
     if g.shape != shape:
         raise ValueError(f"{name} must have the output's shape {shape}, got {g.shape}")
@@ -290,25 +272,15 @@ def sketch(k: ArrayLike, v: ArrayLike, planes: ArrayLike, beta: float = DEFAULT_
     """
     POOL.tick()  # a public call: the pool ages its idle blocks, as racecpu.race_attention's calls do
     k, v, mask, W, beta, lead, cdt, in_dt = _keys(k, v, planes, beta, key_mask, check_finite, dtype)
-    G, nk, d = k.shape
     dv = v.shape[2]
     L, P, _ = W.shape
-    F = L * 2 ** P
-    A, B = np.zeros((G, F)), np.zeros((G, F, dv))
-    if G and nk:
-        chunk = K.sketch_task_length(K.chunk_length(nk, G, F, dv), nk, G)
-        nc = -(-nk // chunk)
-        partA, partB = np.zeros((G, nc, F)), np.empty((G, nc, F, dv))
-        rows = Rows(_none(G, cdt, F), _none(G, cdt, L * P), _none(G, cdt, F), _none(G, cdt, L * P),
-                    _none(G, np.float64))
-        nan = K.sketch_chunks(k, v, mask, Hash(W, beta), chunk, rows, Sums(partA, partB), span=K.SKETCH_FUSED)
-        A, B = partA.sum(1), partB.sum(1)
-        check_derived(check_finite, ("k", k, nan == 0, _OVERFLOW.format(cdt)), ("v", v, all_finite(B), SUMS_OVERFLOW))
+    A, B = engine.sketch_keys(k, v, mask, W, beta, check_finite=check_finite)
     R = 2 ** P
     return Sketch(A.reshape(lead + (L, R)), B.reshape(lead + (L, R, dv)), np.asarray(planes), beta, cdt, in_dt)
 
 
-def _queries(q, sk, check_finite):
+def _queries(q, sk):
+    """q checked against the sketch: ``(q (G, n, d), planes, compute dtype, output dtype)``."""
     POOL.tick()  # readout and readout_bwd: a public call
     if not isinstance(sk, Sketch):
         raise TypeError(f"sketch must be a racecpu.Sketch, got {type(sk).__name__}")
@@ -344,16 +316,10 @@ def readout(q: ArrayLike, sketch: Sketch, *, check_finite: bool = True) -> np.nd
         rounding (the same kernels; the keys' chunk totals summed in another
         order).  A query whose buckets hold no key mass gets zeros.
     """
-    qf, W, cdt, odt = _queries(q, sketch, check_finite)
-    G, nq, _ = qf.shape
+    qf, W, cdt, odt = _queries(q, sketch)
+    nq, dv = qf.shape[1], sketch.dv
     A, B = sketch._flat()
-    F, dv = B.shape[1:]
-    LP = W.shape[0] * W.shape[1]
-    o = POOL.empty((G, nq, dv), cdt)
-    if G and nq:
-        rows = Rows(_none(G, cdt, F), _none(G, cdt, LP), _none(G, cdt, F), _none(G, cdt, LP), _none(G, np.float64))
-        nan = K.queries_fwd(qf, Hash(W, sketch.beta), K.chunk_length(nq, G, F, dv), Sums(A, B.astype(cdt)), rows, o)
-        check_derived(check_finite, ("q", qf, nan == 0, _OVERFLOW.format(cdt)))
+    o = engine.readout(qf, A, B, W, sketch.beta, check_finite=check_finite)
     return o.reshape(sketch.lead + (nq, dv)).astype(odt, copy=False)
 
 
@@ -381,36 +347,15 @@ def readout_bwd(q: ArrayLike, sketch: Sketch, grad_out: ArrayLike, *,
         from :func:`sketch_bwd`).
     """
     qdt = np.asarray(q).dtype
-    qf, W, cdt, odt = _queries(q, sketch, check_finite)
+    qf, W, cdt, odt = _queries(q, sketch)
     G, nq, d = qf.shape
-    A, B = sketch._flat()
-    F, dv = B.shape[1:]
     L, P, _ = W.shape
-    g = _grad("grad_out", grad_out, sketch.lead + (nq, dv), cdt, check_finite)
-    g = np.ascontiguousarray(g.reshape(G, nq, dv), dtype=cdt)
-    dq = POOL.empty((G, nq, d), cdt)
-    dA, dB = np.zeros((G, F)), np.zeros((G, F, dv))
-    dbeta = 0.0
-    if G and nq:
-        chunk = K.chunk_length(nq, G, F, dv)
-        nc = -(-nq // chunk)
-        hsh, Bc = Hash(W, sketch.beta), B.astype(cdt)
-        none = _none(G, cdt, F)
-        rows = Rows(POOL.empty((G, nq, F), cdt), POOL.empty((G, nq, L * P), cdt), none, none, POOL.zeros((G, nq)))
-        nan = K.queries_fwd(qf, hsh, chunk, Sums(A, Bc), rows, POOL.empty((G, nq, dv), cdt))
-        check_derived(check_finite, ("q", qf, nan == 0, _OVERFLOW.format(cdt)))
-        pdA, pdB = np.zeros((G, nc, F)), np.empty((G, nc, F, dv))
-        dbq = np.zeros((G, nc))
-        K.queries_bwd(g, g, rows, Sums(A, Bc), hsh, chunk, Grads(dq, dq, dq, _none(G, np.float64), dbq, dbq, no_planes_grad(dq, G, nc, nc, d)),
-                      Sums(pdA, pdB))
-        dA, dB = pdA.sum(1), pdB.sum(1)
-        check_derived(check_finite, ("grad_out", g, all_finite(dB), SUMS_OVERFLOW))
-        dbeta = float(dbq.sum())
-    else:
-        check_array("grad_out", g, check_finite)
-        dq[...] = 0
+    g = _grad("grad_out", grad_out, sketch.lead + (nq, sketch.dv))
+    g = np.ascontiguousarray(g.reshape(G, nq, sketch.dv), dtype=cdt)
+    A, B = sketch._flat()
+    dq, dA, dB, dbeta = engine.readout_bwd(qf, A, B, g, W, sketch.beta, check_finite=check_finite)
     R = 2 ** P
-    ds = sketch._like(dA.reshape(sketch.lead + (L, R)), dB.reshape(sketch.lead + (L, R, dv)), cdt)
+    ds = sketch._like(dA.reshape(sketch.lead + (L, R)), dB.reshape(sketch.lead + (L, R, sketch.dv)), cdt)
     return dq.reshape(np.shape(q)).astype(qdt if qdt.kind == "f" else cdt, copy=False), ds, dbeta
 
 
@@ -438,28 +383,11 @@ def sketch_bwd(k: ArrayLike, v: ArrayLike, dsketch: Sketch, *, key_mask: ArrayLi
     kdt, vdt = np.asarray(k).dtype, np.asarray(v).dtype
     POOL.tick()
     k, v, mask, W, beta, lead, cdt, _ = _keys(k, v, dsketch.planes, dsketch.beta, key_mask, check_finite, dtype)
-    G, nk, d = k.shape
+    nk, d = k.shape[1:]
     dv = v.shape[2]
-    L, P, _ = W.shape
-    F = L * 2 ** P
     _check_state(dsketch, "dsketch", W, beta, lead, dv)
-    dk, dv_ = POOL.empty((G, nk, d), cdt), POOL.empty((G, nk, dv), cdt)
-    dbeta = 0.0
-    if G and nk:
-        chunk = K.chunk_length(nk, G, F, dv)
-        nc = -(-nk // chunk)
-        none, none2 = _none(G, cdt, F), _none(G, np.float64)
-        rows = Rows(none, none, POOL.empty((G, nk, F), cdt), POOL.empty((G, nk, L * P), cdt), none2)
-        hsh = Hash(W, beta)
-        nan = _hash_only(k, v, mask, hsh, chunk, rows)
-        check_derived(check_finite, ("k", k, nan == 0, _OVERFLOW.format(cdt)))
-        dA, dB = dsketch._flat()
-        dbk = np.zeros((G, nc))
-        K.keys_bwd(v, rows, Sums(dA, dB.astype(cdt)), hsh, chunk, Grads(dk, dk, dv_, none2, dbk, dbk, no_planes_grad(dk, G, nc, nc, d)))
-        dbeta = float(dbk.sum())
-    else:
-        dk[...] = 0
-        dv_[...] = 0
+    dA, dB = dsketch._flat()
+    dk, dv_, dbeta = engine.keys_bwd(k, v, mask, dA, dB, W, beta, check_finite=check_finite)
     return (dk.reshape(lead + (nk, d)).astype(kdt if kdt.kind == "f" else cdt, copy=False),
             dv_.reshape(lead + (nk, dv)).astype(vdt if vdt.kind == "f" else cdt, copy=False), dbeta)
 
@@ -517,13 +445,9 @@ def causal_block(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, be
     o = POOL.empty((G, n, dv), cdt)
     A1, B1 = A0.copy(), B0.copy()
     if G and n:
-        rows = Rows(_none(G, cdt, F), _none(G, cdt, L * P), POOL.empty((G, n, F), cdt), _none(G, cdt, L * P),
-                    _none(G, np.float64))
-        step = advance(a.q, a.k, a.v, a.planes, a.beta, A0, B0, o, rows=rows, mask=a.mask)
-        A1, B1, nan_q, nan_k = step.A, step.B, step.nan_q, step.nan_k
-        ov = _OVERFLOW.format(cdt)
-        check_derived(a.check_finite, ("q", a.q, nan_q == 0, ov), ("k", a.k, nan_k == 0, ov),
-                      ("v", a.v, all_finite(B1), SUMS_OVERFLOW))
+        step = engine.advance(a.q, a.k, a.v, a.planes, a.beta, A0, B0, o, mask=a.mask, keep=(),
+                              check_finite=a.check_finite)
+        A1, B1 = step.A, step.B
     R = 2 ** P
     st = Sketch(A1.reshape(a.lead + (L, R)), B1.reshape(a.lead + (L, R, dv)), np.asarray(planes), a.beta, cdt,
                 dtypes(*a.in_dtypes)[1])
@@ -538,42 +462,19 @@ def _causal_backward(q, k, v, planes, beta, grad_out, initial_state, dfinal_stat
         _check_state(dfinal_state, "dfinal_state", a.planes, a.beta, a.lead, dv)
     cdt = a.q.dtype
     d = a.q.shape[2]
-    g = _grad("grad_out", grad_out, a.lead + (n, dv), cdt, check_finite)
+    g = _grad("grad_out", grad_out, a.lead + (n, dv))
     g = np.ascontiguousarray(g.reshape(G, n, dv), dtype=cdt)
     A0, B0 = _flat_state(initial_state, G, F, dv)
     sA, sB = _flat_state(dfinal_state, G, F, dv)
-    dq, dk, dv_ = (POOL.zeros((G, n, x), cdt) for x in (d, d, dv))
-    dA0, dB0 = sA.copy(), sB.copy()
-    dbeta = 0.0
-    if G and n:
-        rows = causal_rows(G, n, F, L * P, cdt)
-        hsh = Hash(a.planes, a.beta)
-        step = advance(a.q, a.k, a.v, a.planes, a.beta, A0, B0, POOL.empty((G, n, dv), cdt), rows=rows, mask=a.mask)
-        B1, chunk, cA, cB, nan_q, nan_k = step.B, step.chunk, step.carryA, step.carryB, step.nan_q, step.nan_k
-        ov = _OVERFLOW.format(cdt)
-        check_derived(a.check_finite, ("q", a.q, nan_q == 0, ov), ("k", a.k, nan_k == 0, ov),
-                      ("v", a.v, all_finite(B1), SUMS_OVERFLOW))
-        nc = cA.shape[1]
-        pdA, pdB = np.zeros((G, nc, F)), np.zeros((G, nc, F, dv))
-        dbq, dbk = np.zeros((G, nc)), np.zeros((G, nc))
-        grads = Grads(dq, dk, dv_, POOL.zeros((G, n)), dbq, dbk, no_planes_grad(dq, G, nc, nc, d))
-        K.causal_queries_bwd(g, a.v, rows, Sums(cA, cB), hsh, chunk, grads, Sums(pdA, pdB))
-        dA0, dB0 = sA + pdA.sum(1), sB + pdB.sum(1)
-        check_derived(a.check_finite, ("grad_out", g, all_finite(dB0), SUMS_OVERFLOW))
-        if not queries_only:
-            cdA = K.exclusive_scan(pdA, reverse=True)
-            cdB = K.exclusive_scan(pdB, reverse=True)
-            cdA += sA[:, None]
-            cdB += sB[:, None]
-            K.causal_keys_bwd(g, a.v, rows, Sums(cdA, cdB), hsh, chunk, grads)
-            dbeta = float(dbq.sum() + dbk.sum())
-    else:
-        check_array("grad_out", g, check_finite)
+    got = engine.advance_bwd(a.q, a.k, a.v, g, a.planes, a.beta, A0, B0, sA, sB, mask=a.mask,
+                             queries_only=queries_only, check_finite=a.check_finite)
+    dA0, dB0 = got[-2:]
     R = 2 ** P
     dstate = Sketch(dA0.reshape(a.lead + (L, R)), dB0.reshape(a.lead + (L, R, dv)), np.asarray(planes), a.beta,
                     cdt, dtypes(*a.in_dtypes)[1])
     if queries_only:
         return dstate
+    dq, dk, dv_, dbeta = got[:4]
     qdt, kdt, vdt = a.in_dtypes
     return (dq.reshape(a.lead + (n, d)).astype(qdt, copy=False), dk.reshape(a.lead + (n, d)).astype(kdt, copy=False),
             dv_.reshape(a.lead + (n, dv)).astype(vdt, copy=False), dbeta, dstate)
@@ -642,7 +543,7 @@ def causal_block_dstate(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayL
     POOL.tick()
     a, G, n, dv, L, P, F = _causal_args(q, k, v, planes, beta, key_mask, check_finite, initial_state)
     cdt = a.q.dtype
-    g = _grad("grad_out", grad_out, a.lead + (n, dv), cdt, check_finite)
+    g = _grad("grad_out", grad_out, a.lead + (n, dv))
     o, _, _ = check_array("out", out, False)
     if o.shape != g.shape:
         raise ValueError(f"out must have the block's output shape {g.shape}, got {o.shape}")
@@ -651,22 +552,7 @@ def causal_block_dstate(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayL
     g = np.ascontiguousarray(g.reshape(G, n, dv), dtype=cdt)
     o = np.ascontiguousarray(o.reshape(G, n, dv), dtype=cdt)
     A0, _ = _flat_state(initial_state, G, F, dv)
-    dA, dB = np.zeros((G, F)), np.zeros((G, F, dv))
-    if G and n:
-        chunk = K.chunk_length(n, G, F, dv)
-        hsh = Hash(a.planes, a.beta)
-        phi = {}
-        for name, x, mask in (("k", a.k, a.mask), ("q", a.q, np.ones((G, n), np.bool_))):  # masked keys: phi = 0
-            phi[name] = POOL.empty((G, n, F), cdt)
-            rows = Rows(_none(G, cdt, F), _none(G, cdt, L * P), phi[name], _none(G, cdt, L * P), _none(G, np.float64))
-            nan = _hash_only(x, a.v, mask, hsh, chunk, rows)
-            check_derived(a.check_finite, (name, x, nan == 0, _OVERFLOW.format(cdt)))
-        check_array("grad_out", g, a.check_finite)
-        w = POOL.empty((G, n, F), cdt)
-        K.state_cotangent_rows(phi["q"], phi["k"], A0, o, g, L, dA, w)
-        for h in range(G):
-            dB[h] = np.dot(w[h].T, g[h])  # one product over the block in the compute dtype (BLAS)
-        check_derived(a.check_finite, ("grad_out", g, all_finite(dB), SUMS_OVERFLOW))
+    dA, dB = engine.state_cotangent(a.q, a.k, a.mask, o, g, a.planes, a.beta, A0, check_finite=a.check_finite)
     R = 2 ** P
     return Sketch(dA.reshape(a.lead + (L, R)), dB.reshape(a.lead + (L, R, dv)), np.asarray(planes), a.beta, cdt,
                   dtypes(*a.in_dtypes)[1])
@@ -682,12 +568,12 @@ def state_from_sketch(sketch, count=0):
     ``count`` is the number of tokens the sketch summarises (recorded only).
     The state's arrays are copies.
     """
-    from .streaming import RaceState
     if not isinstance(sketch, Sketch):
         raise TypeError(f"sketch must be a racecpu.Sketch, got {type(sketch).__name__}")
     st = RaceState(sketch.planes, sketch.beta, batch_shape=sketch.lead, dv=sketch.dv, dtype=sketch.dtype)
-    A, B = sketch._flat()
-    st._A, st._B, st._count = A.copy(), B.copy(), int(count)
+    L, R = sketch.A.shape[-2:]
+    st.set_state(sketch.A.reshape(sketch.lead + (L * R,)), sketch.B.reshape(sketch.lead + (L * R, sketch.dv)),
+                 int(count))
     return st
 
 

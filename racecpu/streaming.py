@@ -9,9 +9,10 @@ the context length -- and each new token costs ``O(L * R * dv + L * P * d)``.
 Precision.  The state ``(A, B)`` is always float64, whatever the compute
 dtype, so it does not drift over millions of tokens.  Within one call the new
 tokens are hashed and summed in the compute dtype in chunks of at most
-:data:`racecpu.attention.CHUNK` tokens, each chunk starting from the float64
+``racecpu.config.CHUNK`` tokens, each chunk starting from the float64
 state cast to the compute dtype -- exactly as :func:`racecpu.race_attention`
-does -- and chunk totals are added to the state in float64.  Any split of a
+does -- and chunk totals are added to the state in float64 (both are the
+engine's causal block, :func:`racecpu.engine.advance`).  Any split of a
 sequence into ``extend``/``step`` calls therefore equals one causal
 ``race_attention`` over the whole sequence up to rounding (float64: ~1e-15;
 float32: ~1e-6 relative), and saving then resuming a stream is bit for bit the
@@ -27,17 +28,15 @@ import secrets
 import stat
 import threading
 import zipfile
-from typing import NamedTuple
 
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 from numpy.lib import format as npformat
 
 from . import _fork
-from . import _kernels as K
-from ._memory import POOL
-from ._kernels.bundles import Hash, Rows, Sums
+from . import engine
 from ._checks import check_beta, check_planes, prepare
+from ._memory import Buffers, physical_memory
 
 __all__ = ["RaceState", "FORMAT", "FORMAT_VERSION"]
 
@@ -169,7 +168,7 @@ class RaceState:
         """An independent copy (same planes, beta, state and count)."""
         new = object.__new__(RaceState)
         new.__dict__.update(self.__dict__)
-        new.__dict__.pop("_scratch", None)
+        new.__dict__.pop("_work", None)
         new._A, new._B = self._A.copy(), self._B.copy()
         return new
 
@@ -202,7 +201,7 @@ class RaceState:
         G, n, _ = a.q.shape
         out = np.zeros((G, n, self.dv), self._dtype)
         if G and n:
-            step = advance(a.q, a.k, a.v, self._planes, self._beta, self._A, self._B, out)
+            step = engine.advance(a.q, a.k, a.v, self._planes, self._beta, self._A, self._B, out, keep=())
             self._A, self._B = step.A, step.B
         self._count += n
         return out.reshape(self._batch_shape + (n, self.dv))
@@ -237,29 +236,31 @@ class RaceState:
         return out.reshape(self._batch_shape + (self.dv,))
 
     def _step(self, q, k, v):
-        """:func:`advance` for one token, with reused scratch (the same arithmetic:
-        one chunk whose carried-in state is the float64 state itself)."""
-        s = self.__dict__.get("_scratch")
-        Gk, F = self._A.shape
-        G = Gk * self._group
-        L, P, _ = self._planes.shape
-        dt = self._dtype
-        if s is None:
-            s = self._scratch = dict(
-                phik=np.empty((Gk, 1, F), dt), tk=np.empty((Gk, 1, L * P), dt), phiq=np.empty((G, 1, F), dt),
-                tq=np.empty((G, 1, L * P), dt), den=np.empty((G, 1)), mask=np.ones((Gk, 1), np.bool_),
-                partA=np.empty((Gk, 1, F)), partB=np.empty((Gk, 1, F, self.dv)))
-        s["partA"].fill(0.0)
-        s["partB"].fill(0.0)
-        out = np.empty((G, 1, self.dv), dt)
-        hsh, rows = Hash(self._planes, self._beta), Rows(s["phiq"], s["tq"], s["phik"], s["tk"], s["den"])
-        K.sketch_chunks(k, v, s["mask"], hsh, 1, rows, Sums(s["partA"], s["partB"]))
-        # the state itself, one per key/value head: the scan runs each head's group of query heads
-        carry = Sums(self._A.reshape(Gk, 1, F), self._B.reshape(Gk, 1, F, self.dv))
-        K.causal_fwd(q, v, hsh, 1, rows, carry, out)
-        self._A += s["partA"][:, 0]
-        self._B += s["partB"][:, 0]
+        """:func:`racecpu.engine.advance` of one token, its buffers reused from step to step."""
+        work = self.__dict__.get("_work")
+        if work is None:
+            work = self._work = Buffers()
+        out = np.empty((q.shape[0], 1, self.dv), self._dtype)
+        step = engine.advance(q, k, v, self._planes, self._beta, self._A, self._B, out, keep=(), work=work)
+        self._A, self._B = step.A, step.B
         return out
+
+    def set_state(self, A: ArrayLike, B: ArrayLike, count: int = 0) -> None:
+        """Continue the stream from the state ``(A, B)`` of ``count`` tokens (stored as float64 copies).
+
+        ``A`` of shape ``kv_batch_shape + (F,)``, ``B`` of ``kv_batch_shape + (F,
+        dv)``, as the properties :attr:`A` and :attr:`B` give them (e.g. another
+        state's, or a :class:`racecpu.Sketch`'s flattened over its tables).
+        """
+        G, F = self._A.shape
+        A, B = np.asarray(A, dtype=np.float64), np.asarray(B, dtype=np.float64)
+        if A.shape != self._kv_shape + (F,) or B.shape != self._kv_shape + (F, self.dv):
+            raise ValueError(f"the state needs A of shape {self._kv_shape + (F,)} and B of shape "
+                             f"{self._kv_shape + (F, self.dv)}, got {A.shape} and {B.shape}")
+        if isinstance(count, (bool, np.bool_)) or not isinstance(count, (int, np.integer)) or count < 0:
+            raise ValueError(f"count must be an int >= 0, got {count!r}")
+        self._A, self._B = A.reshape(G, F).copy(), B.reshape(G, F, self.dv).copy()
+        self._count = int(count)
 
     def _cast(self, name, x):
         x = np.asarray(x)
@@ -399,8 +400,7 @@ _MAX_INFLATED = 64 << 20
 
 def _max_state_bytes():
     """The largest state :class:`RaceState` builds or loads: the machine's physical memory."""
-    from ._memory import _physical_memory
-    return _physical_memory()
+    return physical_memory()
 
 
 def _open_regular(path):
@@ -515,71 +515,3 @@ def _check_shape(name, shape):
     if any(s < 0 for s in shape):
         raise ValueError(f"{name} must have non-negative entries, got {shape}")
     return shape
-
-
-def causal_rows(G, n, F, LP, cdt, Gk=None):
-    """Every residual row of a causal block of ``n`` tokens in ``G`` groups:
-    :class:`racecpu._kernels.bundles.Rows` of ``phiq, phik (G, n, F)``, ``tq, tk
-    (G, n, LP)`` in the compute dtype ``cdt`` and ``den (G, n)`` float64; the
-    keys' ``phik``, ``tk`` in ``Gk`` groups where given (grouped-query attention)."""
-    Gk = G if Gk is None else Gk
-    return Rows(POOL.empty((G, n, F), cdt), POOL.empty((G, n, LP), cdt), POOL.empty((Gk, n, F), cdt),
-                POOL.empty((Gk, n, LP), cdt), POOL.zeros((G, n)))
-
-
-class Advanced(NamedTuple):
-    """What :func:`advance` returns: the state after the block ``A (G, F)``,
-    ``B (G, F, dv)`` float64 (new arrays); the ``chunk`` length and the
-    carried-in state of every chunk ``carryA (G, nc, F)``, ``carryB (G, nc,
-    F, dv)`` that a backward needs; the NaN counts of the queries' and the
-    keys' tanh projections (:func:`racecpu._kernels.hash.hash_block`)."""
-
-    A: np.ndarray
-    B: np.ndarray
-    chunk: int
-    carryA: np.ndarray
-    carryB: np.ndarray
-    nan_q: int
-    nan_k: int
-
-
-def advance(q, k, v, planes, beta, A0, B0, out, *, rows=None, mask=None):
-    """Causal RACE over a block of tokens from a carried state; the kernel-level step.
-
-    ``q (G, n, d)``, ``k (Gk, n, d)``, ``v (Gk, n, dv)`` C-contiguous in the
-    compute dtype (checked by the caller; ``Gk`` divides ``G``: grouped-query
-    attention, query group g reads key group ``g // (G // Gk)``), ``A0 (Gk,
-    F)``, ``B0 (Gk, F, dv)`` float64: the state before the block.  Writes the outputs to ``out (G, n, dv)`` and returns
-    :class:`Advanced`.  ``rows`` (:class:`racecpu._kernels.bundles.Rows`)
-    receives the soft buckets, tanh projections and denominators (the
-    residuals a backward needs; ``phik`` must have every row, the others may
-    have none: not kept); allocated when not given.  ``mask (G, n)`` bool
-    leaves keys out (default: every key counts).  The returned state and
-    carries are per key group (each read by its group of query groups).
-
-    The chunk grid and float64 carries are those of
-    :func:`racecpu.race_attention_fwd`, with ``(A0, B0)`` added to every
-    chunk's carried-in state.  Used by :class:`RaceState`,
-    :mod:`racecpu.outofcore` and :func:`racecpu.sketches.causal_block`.
-    """
-    _fork.check()
-    G, n, _ = q.shape
-    Gk, _, dv = v.shape
-    L, P, _ = planes.shape
-    F = L * 2 ** P
-    cdt = q.dtype
-    chunk = K.chunk_length(n, G, F, dv)
-    nc = -(-n // chunk)
-    if rows is None:
-        rows = causal_rows(G, n, F, L * P, cdt, Gk)
-    mask = np.ones((Gk, n), np.bool_) if mask is None else mask
-    partA = np.zeros((Gk, nc, F))
-    partB = np.zeros((Gk, nc, F, dv))
-    hsh = Hash(planes, beta)
-    nan_k = K.sketch_chunks(k, v, mask, hsh, chunk, rows, Sums(partA, partB))
-    carryA = K.exclusive_scan(partA)
-    carryB = K.exclusive_scan(partB)
-    carryA += A0[:, None]
-    carryB += B0[:, None]
-    nan_q = K.causal_fwd(q, v, hsh, chunk, rows, Sums(carryA, carryB), out)
-    return Advanced(A0 + partA.sum(1), B0 + partB.sum(1), chunk, carryA, carryB, nan_q, nan_k)

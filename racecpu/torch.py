@@ -31,8 +31,9 @@ instead would cost one more forward per step; the table costs nothing.
 When no input needs a gradient (inference, ``torch.no_grad()``), the forward
 keeps no residuals (:func:`racecpu.race_attention`) and the handle is -1.
 
-CUDA tensors go to :mod:`racecpu.cuda` (``__cuda_array_interface__``) and
-come back through ``torch.as_tensor``; this path has not been run on a GPU.
+Each call runs on the backend of its tensors (:func:`racecpu.backend.backend_for`):
+CPU tensors on the CPU engine, CUDA tensors on :mod:`racecpu.cuda`
+(``__cuda_array_interface__``, results back through ``torch.as_tensor``).
 """
 
 import contextlib
@@ -45,14 +46,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import attention as _api
 from ._arrays import numpy_to_torch, torch_to_numpy
 from ._memory import POOL
+from .backend import backend_for, backend_of
 from .hashing import DEFAULT_BETA, hyperplanes
 
 __all__ = ["race_attention", "RaceAttention"]
 
-_RESIDUALS = {}          # handle -> Residuals (CPU) or racecpu.cuda.Residuals
+_RESIDUALS = {}          # handle -> the residuals of the forward's backend (CPU or racecpu.cuda)
 _KEYS = itertools.count()
 _LOCK = threading.Lock()
 _NUMPY_DTYPES = (torch.float16, torch.float32, torch.float64)
@@ -93,24 +94,23 @@ def _from_numpy(a, dtype, device):
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def _backend(device):
-    """(fwd, bwd, forward-only, to-array) for tensors on ``device``."""
-    if device.type == "cpu":
-        return _api.race_attention_fwd, _api.race_attention_bwd, _api.race_attention, _to_numpy
-    if device.type == "cuda":
-        try:
-            from . import cuda as rc
-        except ImportError as exc:
-            raise NotImplementedError(f"racecpu.torch on CUDA tensors needs racecpu.cuda: {exc}") from exc
+def _to_device_array(t):
+    """CUDA tensor ``t`` as racecpu.cuda takes it (``__cuda_array_interface__``): detached,
+    bfloat16 as float32 (CuPy and numba.cuda have no bfloat16)."""
+    t = t.detach()
+    return t.to(torch.float32) if t.dtype == torch.bfloat16 else t
 
-        def to_array(t):
-            t = t.detach()
-            return t.to(torch.float32) if t.dtype == torch.bfloat16 else t
 
-        def fwd_only(*args, **kw):
-            return rc.race_attention_fwd(*args, **kw)[0]
-        return rc.race_attention_fwd, rc.race_attention_bwd, fwd_only, to_array
-    raise NotImplementedError(f"racecpu.torch supports CPU and CUDA tensors, got device {device}")
+def _backend(t):
+    """(backend, to_array): the backend that runs tensors like ``t``
+    (:func:`racecpu.backend.backend_for`) and how a tensor crosses to it."""
+    if t.device.type not in ("cpu", "cuda"):
+        raise NotImplementedError(f"racecpu.torch supports CPU and CUDA tensors, got device {t.device}")
+    try:
+        backend = backend_for(t.detach())
+    except ImportError as exc:
+        raise NotImplementedError(f"racecpu.torch on CUDA tensors needs racecpu.cuda: {exc}") from exc
+    return backend, (_to_numpy if t.device.type == "cpu" else _to_device_array)
 
 
 @contextlib.contextmanager
@@ -143,22 +143,20 @@ def _race_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, planes
                        beta: torch.Tensor, causal: bool, key_mask: Optional[torch.Tensor],
                        keep_residuals: bool, cu_seqlens: Optional[torch.Tensor] = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    fwd, _, fwd_only, to_array = _backend(q.device)
+    backend, to_array = _backend(q)
     args = (to_array(q), to_array(k), to_array(v), to_array(planes), float(beta))
     kw = {"causal": causal, "key_mask": None if key_mask is None else to_array(key_mask)}
     if cu_seqlens is not None:  # offsets: read on the host on either device
         kw["cu_seqlens"] = cu_seqlens.detach().cpu().numpy()
+    with _torch_threads_kept():
+        out, res = backend.forward(*args, residuals=keep_residuals, **kw)
     if keep_residuals:
-        with _torch_threads_kept():
-            out, res = fwd(*args, **kw)
         with _LOCK:
             key = next(_KEYS)
             _RESIDUALS[key] = res
         handle = torch.tensor(key, dtype=torch.int64)
         weakref.finalize(handle, _drop, key)
     else:
-        with _torch_threads_kept():
-            out = fwd_only(*args, **kw)
         handle = torch.tensor(-1, dtype=torch.int64)
     return _from_numpy(out, v.dtype, q.device), handle
 
@@ -179,14 +177,14 @@ def _race_attention_bwd_op(handle: torch.Tensor, grad_out: torch.Tensor, q: torc
     if res is None:
         raise RuntimeError("racecpu::race_attention_bwd: the forward's residuals are gone (the forward ran "
                            "without any input requiring grad, or its graph was freed)")
-    _, bwd, _, to_array = _backend(grad_out.device)
+    _, to_array = _backend(grad_out)
     dev = grad_out.device
     with _torch_threads_kept():
         if dplanes:
-            dq, dk, dv, dbeta, dW = bwd(res, to_array(grad_out), dplanes=True)
+            dq, dk, dv, dbeta, dW = backend_of(res).backward(res, to_array(grad_out), dplanes=True)
             dW = _from_numpy(np.ascontiguousarray(dW), planes.dtype, dev)
         else:
-            dq, dk, dv, dbeta = bwd(res, to_array(grad_out))
+            dq, dk, dv, dbeta = backend_of(res).backward(res, to_array(grad_out))
             dW = planes.new_zeros(())  # a placeholder: autograd is given None
     return (_from_numpy(dq, q.dtype, dev), _from_numpy(dk, k.dtype, dev), _from_numpy(dv, v.dtype, dev),
             torch.tensor(dbeta, dtype=torch.float64, device=dev), dW)

@@ -176,9 +176,10 @@ def test_top_level_keeps_numpy_on_the_cpu(rng):
 
 
 def test_numpy_api_sends_cupy_input_and_gpu_residuals_to_the_gpu(rng, monkeypatch):
-    """racecpu.race_attention_fwd with CuPy ``q`` calls racecpu.cuda's forward (CuPy is not here:
-    a stand-in whose type lives in ``cupy``, and a recording forward); race_attention_bwd with
-    the GPU forward's residuals runs racecpu.cuda's backward (for real, on the simulator)."""
+    """racecpu.race_attention_fwd with ``q`` in GPU memory calls racecpu.cuda's forward (CuPy is not
+    here: a stand-in that exports ``__cuda_array_interface__``, and a recording forward);
+    race_attention_bwd with the GPU forward's residuals runs racecpu.cuda's backward (for real, on
+    the simulator)."""
     q, k, v, _ = problem(rng, (2,), 10, 10, 4, 3, np.float64)
     planes = racecpu.hyperplanes(4, 2, 2, seed=8)
     g = rng.standard_normal(q.shape[:-1] + (3,))
@@ -194,7 +195,7 @@ def test_numpy_api_sends_cupy_input_and_gpu_residuals_to_the_gpu(rng, monkeypatc
     with pytest.raises(TypeError, match="out is for NumPy"):
         racecpu.race_attention_bwd(res, cuda.to_device(g), out=(q, k, v))
 
-    stand_in = type("ndarray", (), {"__module__": "cupy._core.core"})()
+    stand_in = type("ndarray", (), {"__cuda_array_interface__": {}})()
     calls = []
     monkeypatch.setattr(rc, "race_attention_fwd", lambda *a, **kw: calls.append((a, kw)) or ("out", "res"))
     assert racecpu.race_attention_fwd(stand_in, k, v, planes, 2.0, causal=True) == ("out", "res")

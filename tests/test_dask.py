@@ -284,8 +284,8 @@ def test_dask_cluster_bytes_moved_per_block(client, causal):
             for key, nbytes in e["keys"].items():
                 name = key if isinstance(key, str) else key[0]
                 moved[name] = moved.get(name, 0) + nbytes
-    ours = sum(b for name, b in moved.items() if name.startswith("race-") and not rd._holds_rows(name))
-    rows = sum(b for name, b in moved.items() if not name.startswith("race-") or rd._holds_rows(name))
+    ours = sum(b for name, b in moved.items() if name.startswith("race-") and not rd.holds_rows(name))
+    rows = sum(b for name, b in moved.items() if not name.startswith("race-") or rd.holds_rows(name))
     state = int(np.prod(lead)) * 24 * (d + 1) * 8
     print(f"causal={causal}: {ours / nb:.0f} B of sketches per block moved (forward + backward) (state {state} B), "
           f"{rows / nb:.0f} B of rows per block (the scheduler's load balancing of tiny blocks)")

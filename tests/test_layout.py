@@ -106,10 +106,77 @@ def test_the_leaf_layer_imports_nothing_above_it():
     graph = import_graph()
     assert graph["racecpu.config"] == set()
     above = {"racecpu.attention", "racecpu.hashing", "racecpu.streaming", "racecpu.outofcore", "racecpu._blocks",
-             "racecpu.cuda", "racecpu.apps", "racecpu.autograd"}
+             "racecpu.cuda", "racecpu.apps", "racecpu.autograd", "racecpu.engine", "racecpu.backend",
+             "racecpu.plan", "racecpu.sketches", "racecpu.dask"}
     for leaf in ("racecpu._checks", "racecpu._kernels", "racecpu._memory"):
         deps = set().union(*(graph[m] for m in graph if m == leaf or m.startswith(leaf + ".")))
         assert not {d for d in deps if d.startswith(tuple(above))}, leaf
+
+
+#: The modules outside racecpu/_kernels/ and racecpu/apps/ that import racecpu._kernels, and why
+#: (docs/design.md, "Map of the engine"): the engine calls the kernels; the argument checks run the
+#: parallel NaN/Inf count and the 16-bit conversions, and sit below the engine, which reports through them.
+KERNEL_IMPORTERS = {"racecpu.engine": "calls the kernels",
+                    "racecpu._checks": "the parallel NaN/Inf count and the 16-bit conversions of the checks"}
+
+
+def _kernel_importers(graph):
+    """The modules outside racecpu/_kernels/ and racecpu/apps/ that import any of racecpu._kernels."""
+    def under(m, package):
+        return m.split(".")[:2] == ["racecpu", package]
+    return {m for m, deps in graph.items()
+            if not (under(m, "_kernels") or under(m, "apps")) and any(under(d, "_kernels") for d in deps)}
+
+
+def test_only_the_engine_and_the_checks_import_the_kernels():
+    graph = import_graph()
+    assert len(KERNEL_IMPORTERS) <= 2
+    assert _kernel_importers(graph) <= set(KERNEL_IMPORTERS)
+    assert "racecpu.engine" in _kernel_importers(graph)
+    # the check sees an import where there is one
+    graph["racecpu.sketches"] = graph["racecpu.sketches"] | {"racecpu._kernels.causal"}
+    assert "racecpu.sketches" in _kernel_importers(graph)
+
+
+def _private_imports():
+    """``(module, line, imported from, name)`` of every ``from X import _name`` of a racecpu
+    module X where ``_name`` is not a module (dunder names aside)."""
+    files = {_module_name(p): p for p in (ROOT / "racecpu").rglob("*.py")}
+    found = []
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = package.split(".")
+                mod = ".".join(base[:len(base) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if not mod.startswith("racecpu"):
+                continue
+            for a in node.names:
+                private = a.name.startswith("_") and not a.name.startswith("__")
+                if private and f"{mod}.{a.name}" not in files:
+                    found.append((name, node.lineno, mod, a.name))
+    return found
+
+
+def test_no_module_imports_another_modules_private_names():
+    # a name with a leading underscore is its module's own business; a private *module*
+    # (racecpu._kernels, racecpu._checks) is the package's, and may be imported within it
+    assert _private_imports() == []
+
+
+def test_no_backend_is_picked_by_a_module_name():
+    # dispatch goes by what an array is (racecpu.backend.backend_for), never by the name of the
+    # module its type lives in
+    hits = []
+    for path in (ROOT / "racecpu").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "__module__":
+                hits.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert hits == []
 
 
 # ---------------------------------------------------------------------------

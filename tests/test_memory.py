@@ -152,7 +152,7 @@ def test_the_environment_sets_the_default_limit(monkeypatch):
     assert _memory._default_limit() == 2_000_000_000
     monkeypatch.setenv("RACECPU_POOL_BYTES", "lots")
     with pytest.warns(RuntimeWarning, match="RACECPU_POOL_BYTES"):
-        assert _memory._default_limit() == _memory._physical_memory() // 2
+        assert _memory._default_limit() == _memory.physical_memory() // 2
     monkeypatch.delenv("RACECPU_POOL_BYTES")
     assert 0 < _memory._default_limit()
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import racecpu
-from racecpu import _blocks as engine
+from racecpu import _blocks as blocks
 from racecpu._blocks import CheckpointWarning
 from racecpu.outofcore import race_attention_bwd_ooc, race_attention_fwd_ooc
 
@@ -153,21 +153,21 @@ def test_identity(tmp_path, rng):
     """What a checkpoint key holds for zarr and array-like arguments."""
     x = arrays(rng, np.float32)
     z = zarr_inputs(tmp_path, {"q": x["q"]})["q"]
-    ident = engine.identity(z)
+    ident = blocks.identity(z)
     assert ident[:5] == ["zarr", "file://" + str((tmp_path / "q.zarr").resolve()), list(SHAPES["q"]), "float32",
                          [1, 3, 64, D]]
-    assert engine.identity(z, digest=False) == ident[:5]
-    content = engine.identity(Sliceable(x["q"]))[-1]
+    assert blocks.identity(z, digest=False) == ident[:5]
+    content = blocks.identity(Sliceable(x["q"]))[-1]
     assert ident[-1] == content  # small: both read in one go
     x["q"][1, 2, 199, 15] += 1.0
-    assert engine.identity(Sliceable(x["q"]))[-1] != content
+    assert blocks.identity(Sliceable(x["q"]))[-1] != content
 
 
 def test_digest_reads_bounded_blocks(tmp_path, rng, monkeypatch):
     """The content digest reads DIGEST_BYTES at a time along the tokens (whole chunks for zarr)."""
     x = arrays(rng, np.float32)
     row = int(np.prod(LEAD)) * D * 4
-    monkeypatch.setattr(engine, "DIGEST_BYTES", 50 * row)
+    monkeypatch.setattr(blocks, "DIGEST_BYTES", 50 * row)
     seen = []
 
     class Recording(Sliceable):
@@ -175,12 +175,12 @@ def test_digest_reads_bounded_blocks(tmp_path, rng, monkeypatch):
             seen.append(index[-2])
             return super().__getitem__(index)
 
-    engine.content_digest(Recording(x["q"]))
+    blocks.content_digest(Recording(x["q"]))
     assert seen == [slice(lo, min(lo + 50, N)) for lo in range(0, N, 50)]
     z = zarr_inputs(tmp_path, {"q": x["q"]})["q"]  # 64 tokens a chunk: one chunk a read
-    assert engine._digest_rows(z) == 64
-    monkeypatch.setattr(engine, "DIGEST_BYTES", 130 * row)
-    assert engine._digest_rows(z) == 128
+    assert blocks._digest_rows(z) == 64
+    monkeypatch.setattr(blocks, "DIGEST_BYTES", 130 * row)
+    assert blocks._digest_rows(z) == 128
 
 
 def test_identity_without_digest_and_of_outputs(tmp_path, rng):
@@ -188,12 +188,12 @@ def test_identity_without_digest_and_of_outputs(tmp_path, rng):
     array its location, shape and dtype (the same when reopened by path)."""
     x = arrays(rng, np.float32)
     a, w = Sliceable(x["q"]), Writable(x["q"])
-    assert engine.identity(a, digest=False) == ["arraylike", "Sliceable", list(SHAPES["q"]), "float32", id(a)]
-    assert engine.identity(w, written=True) == ["arraylike", "Writable", list(SHAPES["q"]), "float32", id(w)]
+    assert blocks.identity(a, digest=False) == ["arraylike", "Sliceable", list(SHAPES["q"]), "float32", id(a)]
+    assert blocks.identity(w, written=True) == ["arraylike", "Writable", list(SHAPES["q"]), "float32", id(w)]
     out = zarr_outputs(tmp_path, np.float32)["out"]
-    assert engine.identity(out, written=True) == ["zarr", "file://" + str((tmp_path / "out.zarr").resolve()),
+    assert blocks.identity(out, written=True) == ["zarr", "file://" + str((tmp_path / "out.zarr").resolve()),
                                                   list(SHAPES["out"]), "float32"]
-    assert engine.identity(reopen(tmp_path)["out"], written=True) == engine.identity(out, written=True)
+    assert blocks.identity(reopen(tmp_path)["out"], written=True) == blocks.identity(out, written=True)
 
 
 def test_bad_outputs(tmp_path, rng):
@@ -249,11 +249,11 @@ def test_interrupted_zarr_runs_resume_bit_for_bit(tmp_path, rng, monkeypatch, ca
         store(x, lead, lo, lo + half, data[:, :half])
         raise Interrupt
 
-    store = engine.store_block
-    monkeypatch.setattr(engine, "store_block", failing_store)
+    store = blocks.store_block
+    monkeypatch.setattr(blocks, "store_block", failing_store)
     with pytest.raises(Interrupt):
         run_ooc(zx, reopen(tmp_path), W, causal, BLOCK, checkpoint=ck)
-    monkeypatch.setattr(engine, "store_block", store)
+    monkeypatch.setattr(blocks, "store_block", store)
     assert sum(json.loads(p.read_text())["done"] for p in ck.glob("*.json")) == done
     with warnings.catch_warnings():
         warnings.simplefilter("error", CheckpointWarning)  # same stores, same contents: a clean resume

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import racecpu
-from racecpu import _blocks as engine
+from racecpu import _blocks as blocks
 from racecpu.apps.ooc_demo import SeededArray
 from racecpu.outofcore import race_attention_bwd_ooc, race_attention_fwd_ooc
 
@@ -138,11 +138,11 @@ def test_interrupted_runs_resume_bit_for_bit(tmp_path, rng, monkeypatch, causal)
         store(x, lead, lo, hi, data[:1])  # the first head only, then the process dies
         raise Interrupt
 
-    store = engine.store_block
-    monkeypatch.setattr(engine, "store_block", failing_store)
+    store = blocks.store_block
+    monkeypatch.setattr(blocks, "store_block", failing_store)
     with pytest.raises(Interrupt):
         run_ooc(x, o, W, causal, block, checkpoint=ck)
-    monkeypatch.setattr(engine, "store_block", store)
+    monkeypatch.setattr(blocks, "store_block", store)
     states = [json.loads(p.read_text()) for p in ck.glob("*.json")]
     assert sum(s["done"] for s in states) == done
     # with rare commits (the default) an interrupt loses the uncommitted blocks, which are recomputed
@@ -204,7 +204,7 @@ def test_release_drops_mapped_pages_but_keeps_writes(tmp_path):
     a = np.lib.format.open_memmap(tmp_path / "a.npy", mode="w+", dtype=np.float32, shape=(n,))
     a[:] = 1.5  # dirty every page of the shared mapping
     before = _rss_file()
-    engine.release_pages(a)
+    blocks.release_pages(a)
     after = _rss_file()
     assert before - after > 48 * 2 ** 20
     assert float(a[::4096].sum()) == 1.5 * len(a[::4096])  # re-read from the page cache / file

@@ -90,38 +90,37 @@ def test_packed_scans_agree_over_segments_and_backward_routes(rng, monkeypatch, 
     # and by every backward route (one pass; split, with few and many chunks
     # in its pass; queries' and keys' passes): the same bits, equal to a call
     # per sequence, with no value read that the kernels did not write.
-    from racecpu import _kernels, attention
-    from racecpu._kernels import causal as kcausal
+    from racecpu import _kernels, plan
+    from racecpu._memory import POOL
     monkeypatch.setattr(config, "CHUNK", 16)  # chunks of 16: sequences start on every few
-    empty = attention.POOL.empty
+    empty = POOL.empty
 
     def nan_empty(shape, dt):
         x = empty(shape, dt)
         if x.dtype.kind == "f":
             x.fill(np.nan)
         return x
-    monkeypatch.setattr(attention.POOL, "empty", nan_empty)
+    monkeypatch.setattr(POOL, "empty", nan_empty)
     cu = _offsets([20, 16, 3, 50, 0, 31])
     n = int(cu[-1])
     q, k, v, g = (x.astype(dtype) for x in _inputs(rng, (1,), (1,), n, 6, 3))
     W = racecpu.hyperplanes(6, 3, 2, seed=0, dtype=dtype)
     want = _separate(*(x.astype(np.float64) for x in (q, k, v)), W.astype(np.float64), 2.0,
                      g.astype(np.float64), cu, True)
-    split = kcausal.causal_bwd_split
+    split = _kernels.causal_bwd_split  # the engine calls the route the plan picks
     tails = []
 
     def spy(*args, **kw):
         tails.append(config.SPLIT_TAIL)
         return split(*args, **kw)
-    monkeypatch.setattr(kcausal, "causal_bwd_split", spy)
+    monkeypatch.setattr(_kernels, "causal_bwd_split", spy)
     runs = []
     nc = packed_chunks(cu, n, 16).chunks.seq.size
     assert nc == 10  # 2 + 1 + 1 + 4 + 2 chunks of at most 16
     for seg, tail in [(1, None), (2, 0.01), (2, 0.32), (2, 0.99), (3, None), (nc, None)]:
         if tail is not None:
             monkeypatch.setattr(config, "SPLIT_TAIL", tail)
-        for where in (_kernels, kcausal):
-            monkeypatch.setattr(where, "scan_segments", lambda G, nc, n, seg=seg: seg)
+        monkeypatch.setattr(plan, "scan_segments", lambda G, nc, n, seg=seg: seg)
         y, res = racecpu.race_attention_fwd(q, k, v, W, 2.0, causal=True, cu_seqlens=cu)
         got = (y,) + racecpu.race_attention_bwd(res, g, dplanes=True)
         _check(got, want, 1e-4 if dtype == np.float32 else 1e-10)

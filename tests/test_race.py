@@ -102,7 +102,7 @@ def test_blas_and_loop_paths_match_reference(rng, monkeypatch, causal, dtype, to
     # Chunks of 24 tokens reach the sgemm path (>= BLAS_ROWS rows; causal: in
     # steps of SCAN_BLOCK), the last chunk of 5 the loop path: both in one
     # call, with masked keys.
-    from racecpu import _kernels, attention
+    from racecpu import _kernels
     monkeypatch.setattr(config, "CHUNK", 24)
     assert 5 < _kernels.BLAS_ROWS <= min(24, _kernels.SCAN_BLOCK)
     nk = 53 if causal else 29
@@ -131,17 +131,18 @@ def test_causal_scans_agree_bit_for_bit_over_segment_counts(rng, monkeypatch, ch
     # of 28 reach the sgemm steps and end on a shorter step (28 = 3 * 8 + 4);
     # 7, the loop path.  group 3: grouped-query attention, three query heads
     # per key/value head scanned together (the reference: k, v repeated).
-    from racecpu import _kernels, attention
+    from racecpu import _kernels, plan
+    from racecpu._memory import POOL
     assert chunk < _kernels.BLAS_ROWS or (chunk % _kernels.SCAN_BLOCK and _kernels.SCAN_BLOCK >= _kernels.BLAS_ROWS)
     monkeypatch.setattr(config, "CHUNK", chunk)
-    empty = attention.POOL.empty
+    empty = POOL.empty
 
     def nan_empty(shape, dtype):  # uninitialised memory is NaN: a value read before written shows
         x = empty(shape, dtype)
         if x.dtype.kind == "f":
             x.fill(np.nan)
         return x
-    monkeypatch.setattr(attention.POOL, "empty", nan_empty)
+    monkeypatch.setattr(POOL, "empty", nan_empty)
     q, k, v, W = make(rng, (3,), 124, 124, 6, 5, 3, 2, dtype)
     q = np.concatenate([q] + [make(rng, (3,), 124, 124, 6, 5, 3, 2, dtype)[0] for _ in range(group - 1)])
     mask = rng.random((3, 124)) > 0.2
@@ -151,21 +152,20 @@ def test_causal_scans_agree_bit_for_bit_over_segment_counts(rng, monkeypatch, ch
     wgrads = list(ref.race_attention_dense_bwd(wres, f64(g)[0]))
     wgrads[1:3] = [x.reshape((3, group) + x.shape[1:]).sum(1) for x in wgrads[1:3]]  # dk, dv summed per group
     nc = -(-124 // chunk)
-    from racecpu._kernels import causal as kcausal  # where the backward's route is chosen
-    split = kcausal.causal_bwd_split
+    split = _kernels.causal_bwd_split  # the engine calls the route the plan picks
     tails = []  # SPLIT_TAIL of each causal_bwd_split call
 
     def spy(*args, **kw):
         tails.append(config.SPLIT_TAIL)
         return split(*args, **kw)
-    monkeypatch.setattr(kcausal, "causal_bwd_split", spy)
+    monkeypatch.setattr(_kernels, "causal_bwd_split", spy)
     runs = []
     setups = [(1, None), (2, 0.01), (2, 0.32), (2, 0.99), (3, None), (nc, None)]
     for seg, tail in setups:
         if tail is not None:
             monkeypatch.setattr(config, "SPLIT_TAIL", tail)
-        for where in (_kernels, kcausal):  # the forward's segments and the backward's route
-            monkeypatch.setattr(where, "scan_segments", lambda G, nc, n, seg=seg: seg)
+        # the forward's segments and the backward's route, both the plan's
+        monkeypatch.setattr(plan, "scan_segments", lambda G, nc, n, seg=seg: seg)
         out, res = racecpu.race_attention_fwd(q, k, v, W, 2.0, causal=True, key_mask=mask)
         grads = racecpu.race_attention_bwd(res, g)
         tol = 1e-5 if dtype == np.float32 else 1e-10
@@ -187,7 +187,7 @@ def test_forward_alone_keeps_no_residuals(rng, monkeypatch, causal, dtype):
     # race_attention is race_attention_fwd's output, bit for bit, without the per-token
     # residuals (soft buckets, projections, denominators) in memory; the causal scan
     # alone keeps the keys' buckets, which it reads after the keys' pass.
-    from racecpu import attention
+    from racecpu._memory import POOL
     monkeypatch.setattr(config, "CHUNK", 16)
     G, n, F, LP = 6, 100, 2 ** 3 * 2, 3 * 2
     q, k, v, W = make(rng, (2, 3), n, n, 5, 4, 3, 2, dtype)
@@ -195,10 +195,10 @@ def test_forward_alone_keeps_no_residuals(rng, monkeypatch, causal, dtype):
     want = racecpu.race_attention_fwd(q, k, v, W, 2.0, causal=causal, key_mask=mask)[0]
     shapes = []
     for kind in ("empty", "zeros"):
-        def record(shape, dtype=np.float64, f=getattr(attention.POOL, kind)):
+        def record(shape, dtype=np.float64, f=getattr(POOL, kind)):
             shapes.append(tuple(shape))
             return f(shape, dtype)
-        monkeypatch.setattr(attention.POOL, kind, record)
+        monkeypatch.setattr(POOL, kind, record)
     out = racecpu.race_attention(q, k, v, W, 2.0, causal=causal, key_mask=mask)
     np.testing.assert_array_equal(out, want)
     per_token = [s for s in shapes if len(s) >= 2 and s[:2] == (G, n) and s[2:] != (4,)]  # all but out
@@ -211,13 +211,13 @@ def test_scan_segments_share_threads_evenly(monkeypatch, G, threads, want):
     # G * segments tasks are a multiple of the threads, with the fewest
     # segments (chunk totals) that make them so; never more than the chunks.
     import numba
-    from racecpu import _kernels
+    from racecpu import plan
     monkeypatch.setattr(numba, "get_num_threads", lambda: threads)
     monkeypatch.setattr(config, "SERIAL_TOKENS", 512)  # conftest sets 0
-    assert _kernels.scan_segments(G, 64, 2 ** 16) == want
+    assert plan.scan_segments(G, 64, 2 ** 16) == want
     assert (G * want) % threads == 0
-    assert _kernels.scan_segments(G, 1, 2 ** 16) == 1
-    assert _kernels.scan_segments(G, 64, 8) == 1  # below SERIAL_TOKENS: one thread
+    assert plan.scan_segments(G, 1, 2 ** 16) == 1
+    assert plan.scan_segments(G, 64, 8) == 1  # below SERIAL_TOKENS: one thread
 
 
 @pytest.mark.parametrize("G, nc, t0, t1", [(1, 10, 0, 5), (1, 9, 4, 9), (3, 7, 0, 4), (2, 8, 0, 0), (2, 8, 0, 8),
@@ -239,7 +239,7 @@ def test_small_calls_run_on_one_thread(rng, monkeypatch, causal):
     # Below SERIAL_TOKENS tokens the kernels run on the calling thread; partial
     # sums are per chunk, not per thread, so results are bit-identical.
     import numba
-    from racecpu import _kernels, attention
+    from racecpu import _kernels
     monkeypatch.setattr(config, "CHUNK", 16)  # several chunks: carries and BLAS steps
     q, k, v, W = make(rng, (2,), 50, 50, 8, 8, 3, 2, np.float32)
     g = rng.standard_normal((2, 50, 8)).astype(np.float32)
@@ -256,7 +256,8 @@ def test_small_calls_run_on_one_thread(rng, monkeypatch, causal):
         np.testing.assert_array_equal(a, b)
     # The thread count comes back when the kernel raises.
     with pytest.raises(Exception):
-        _kernels.causal_fwd(q[:, :1], None, None, None, None, None, None, 1, None, None, None, None)
+        with _kernels.task_threads(1, 1):  # as the engine runs a kernel: the call fails inside
+            _kernels.causal_fwd(None, None)
     assert numba.get_num_threads() == threads
 
 
@@ -532,7 +533,7 @@ def test_exp_neg_matches_numpy_in_its_dtype(dtype, lo, tol):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_block_products_match_numpy(rng, n, F, d, dtype):
     # The kernels' small products: dot_rows (Y = X S^T) and combine_rows (X S, plain
-    # or streamed stores), through their register tiles (racecpu._simd) and the loops
+    # or streamed stores), through their register tiles (racecpu._kernels.tiles) and the loops
     # at the edges: rows of X past the last tile (n = 7, 40 not a multiple of 4), rows
     # of S past it (F = 9); rows not a whole number of vectors (d = 33) and too few
     # rows for any tile (n = 1, F = 1) go to the loops; into outputs strided both ways,
@@ -956,7 +957,7 @@ def _forward_with_residuals(*args, **kw):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_nonfinite_inputs_found_from_what_the_kernels_derive(rng, forward, causal, dtype):
     # q and k are checked from the NaNs the kernels count in t, v from the sketch's sums
-    # and grad_out from dB, after the kernels (attention._check_derived): the same
+    # and grad_out from dB, after the kernels (racecpu._checks.check_derived): the same
     # errors, in the same order, as checking first; with residuals kept or not.
     q, k, v, W = make(rng, (2, 3), 700, 700, 16, 8, 3, 3, dtype)
     mask = rng.random((2, 3, 700)) > 0.5

@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import racecpu  # noqa: E402
-import racecpu.attention as api  # noqa: E402
+import racecpu.engine as engine  # noqa: E402  (what the op calls on CPU tensors)
 import racecpu.torch as rt  # noqa: E402
 
 
@@ -73,14 +73,14 @@ def test_non_causal_cross_lengths_and_strides():
 
 def test_zero_copy_both_ways(monkeypatch):
     seen = {}
-    real = api.race_attention_fwd
+    real = engine.forward
 
     def spy(q, k, v, planes, beta, **kw):
         out, res = real(q, k, v, planes, beta, **kw)
         seen.update(q=q, k=k, v=v, out=out)
         return out, res
 
-    monkeypatch.setattr(api, "race_attention_fwd", spy)
+    monkeypatch.setattr(engine, "forward", spy)
     for dtype in (torch.float32, torch.float64, torch.float16):
         q, k, v, planes = _inputs(dtype=dtype)
         k = k.transpose(-1, -2).contiguous().transpose(-1, -2)  # strided: still a view

@@ -260,7 +260,7 @@ def test_bad_pool_bytes_warn_and_use_the_default(monkeypatch, value):
     from racecpu import _memory
     monkeypatch.setenv("RACECPU_POOL_BYTES", value)
     with pytest.warns(RuntimeWarning, match="RACECPU_POOL_BYTES"):
-        assert _memory._default_limit() == _memory._physical_memory() // 2
+        assert _memory._default_limit() == _memory.physical_memory() // 2
 
 
 def test_pool_bytes_is_read_at_first_use_not_at_import():

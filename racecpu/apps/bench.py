@@ -251,7 +251,7 @@ def numpy_race_bwd(residuals, g):
 
     Causal: suffix sums over queries as reversed cumulative sums.
     """
-    from racecpu.reference import _soft_buckets_dense_bwd
+    from racecpu.reference import soft_buckets_dense_bwd
 
     planes, beta, causal, v, pq, tq, pk, tk, A, B, safe, out = residuals
     L = planes.shape[0]
@@ -273,8 +273,8 @@ def numpy_race_bwd(residuals, g):
         dA = np.einsum("gnf,gn->gf", Pq, dden) / L
         dPk = v @ np.swapaxes(dB, 1, 2) + dA[:, None, :]
         dv = Pk @ dB
-    dq, _ = _soft_buckets_dense_bwd(dPq.reshape(pq.shape), pq, tq, planes, beta)
-    dk, _ = _soft_buckets_dense_bwd(dPk.reshape(pk.shape), pk, tk, planes, beta)
+    dq, _ = soft_buckets_dense_bwd(dPq.reshape(pq.shape), pq, tq, planes, beta)
+    dk, _ = soft_buckets_dense_bwd(dPk.reshape(pk.shape), pk, tk, planes, beta)
     return dq.astype(v.dtype), dk.astype(v.dtype), dv.astype(v.dtype)
 
 

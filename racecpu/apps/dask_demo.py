@@ -113,12 +113,12 @@ def local_cluster(n_workers=None):
 def _incoming(dask_worker):
     """Bytes this worker received from others, split into racecpu's sketches and the rest (rows: inputs,
     and racecpu's outputs and gradients where the scheduler placed a task away from the block's worker)."""
-    from ..dask import _holds_rows
+    from ..dask import holds_rows
     ours = other = 0
     for e in dask_worker.transfer_incoming_log:
         for key, nbytes in e["keys"].items():
             name = key if isinstance(key, str) else key[0]
-            if name.startswith("race-") and not _holds_rows(name):
+            if name.startswith("race-") and not holds_rows(name):
                 ours += nbytes
             else:
                 other += nbytes

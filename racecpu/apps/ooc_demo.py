@@ -15,12 +15,12 @@ import time
 
 import numpy as np
 
-from .. import _blocks as engine
+from .. import _blocks as blocks
 from .._memory import peak_rss as _peak_rss
 from .._memory import reset_peak_rss as _reset_peak_rss
 from ..attention import race_attention_bwd, race_attention_fwd
 from ..hashing import DEFAULT_BETA, hyperplanes
-from ..outofcore import BLOCK, _noncausal_rows, race_attention_bwd_ooc, race_attention_fwd_ooc
+from ..outofcore import BLOCK, noncausal_rows, race_attention_bwd_ooc, race_attention_fwd_ooc
 
 __all__ = ["SeededArray", "demo"]
 
@@ -164,11 +164,11 @@ def demo(tokens=8388608, heads=4, dim=128, directory="racecpu-ooc", causal=True,
     for name, val in (("tokens", tokens), ("heads", heads), ("dim", dim)):
         if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
             raise ValueError(f"{name} must be an int >= 1, got {val!r}")
-    block = engine.check_block(block)
+    block = blocks.check_block(block)
     store_dtype = np.dtype(store_dtype)
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
-    config = dict(version=engine.FORMAT_VERSION, tokens=int(tokens), heads=int(heads), dim=int(dim),
+    config = dict(version=blocks.FORMAT_VERSION, tokens=int(tokens), heads=int(heads), dim=int(dim),
                   causal=bool(causal), seed=int(seed), num_planes=int(num_planes), num_tables=int(num_tables),
                   beta=float(beta), block=block, store_dtype=store_dtype.name)
     cfg_path = os.path.join(directory, "demo.json")
@@ -257,8 +257,8 @@ def demo(tokens=8388608, heads=4, dim=128, directory="racecpu-ooc", causal=True,
                       float(np.abs(outs["dq"][0, :n0] - dq_ref[0]).max()))
         else:  # every query sees every key: check the first queries against the full key sketch
             err = float(np.abs(outs["out"][0, :n0].astype(np.float64)
-                               - _noncausal_rows(qs[0], res.A[0], res.B[0], planes, beta)).max())
-        engine.release_pages(*outs.values())
+                               - noncausal_rows(qs[0], res.A[0], res.B[0], planes, beta)).max())
+        blocks.release_pages(*outs.values())
 
     for x in outs.values():
         x.flush()

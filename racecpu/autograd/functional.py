@@ -16,7 +16,7 @@ from .. import bucket_mean as _bm
 from .. import reference as _ref
 from ..attention import race_attention_bwd, race_attention_fwd
 from ..hashing import DEFAULT_BETA, DEN_FLOOR
-from .tensor import Tensor, _op, as_tensor, no_grad
+from .tensor import Tensor, as_tensor, no_grad, op
 
 __all__ = [
     "softmax", "log_softmax", "layer_norm", "embedding", "cross_entropy", "dropout", "causal_conv1d",
@@ -34,7 +34,7 @@ def softmax(x, axis=-1):
     x = as_tensor(x)
     e = np.exp(x.data - x.data.max(axis=axis, keepdims=True))
     y = e / e.sum(axis=axis, keepdims=True)
-    return _op(y, (x,), lambda g: (y * (g - (g * y).sum(axis=axis, keepdims=True)),))
+    return op(y, (x,), lambda g: (y * (g - (g * y).sum(axis=axis, keepdims=True)),))
 
 
 def log_softmax(x, axis=-1):
@@ -42,7 +42,7 @@ def log_softmax(x, axis=-1):
     x = as_tensor(x)
     m = x.data.max(axis=axis, keepdims=True)
     y = x.data - (m + np.log(np.exp(x.data - m).sum(axis=axis, keepdims=True)))
-    return _op(y, (x,), lambda g: (g - np.exp(y) * g.sum(axis=axis, keepdims=True),))
+    return op(y, (x,), lambda g: (g - np.exp(y) * g.sum(axis=axis, keepdims=True),))
 
 
 def layer_norm(x, weight=None, bias=None, eps=1e-5):
@@ -63,7 +63,7 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5):
         dx = rstd * (gx - gx.mean(-1, keepdims=True) - xhat * (gx * xhat).mean(-1, keepdims=True))
         return dx, (None if w is None else g * xhat), g
     parents = (x, weight if weight is not None else Tensor(0.0), bias if bias is not None else Tensor(0.0))
-    return _op(y, parents, vjp)
+    return op(y, parents, vjp)
 
 
 def _int_index(name, idx, size=None):
@@ -84,7 +84,7 @@ def embedding(weight, indices):
         z = np.zeros(shape, dtype)
         np.add.at(z, idx.ravel(), g.reshape(-1, shape[1]))
         return (z,)
-    return _op(weight.data[idx], (weight,), vjp)
+    return op(weight.data[idx], (weight,), vjp)
 
 
 def cross_entropy(logits, targets, ignore_index=-100):
@@ -118,7 +118,7 @@ def cross_entropy(logits, targets, ignore_index=-100):
         p[np.arange(len(t)), tt] -= 1
         p *= (valid * (g / n))[:, None]
         return (p.reshape(logits.shape),)
-    return _op(loss, (logits,), vjp)
+    return op(loss, (logits,), vjp)
 
 
 def dropout(x, p, rng, training=True):
@@ -132,7 +132,7 @@ def dropout(x, p, rng, training=True):
     if not training or p == 0:
         return x
     keep = (rng.random(x.shape) >= p).astype(x.dtype) * (1.0 / (1 - p))
-    return _op(x.data * keep, (x,), lambda g: (g * keep,))
+    return op(x.data * keep, (x,), lambda g: (g * keep,))
 
 
 def causal_conv1d(x, weight):
@@ -167,7 +167,7 @@ def causal_conv1d(x, weight):
             dx[..., :-i, :] += g[..., i:, :] * W[i]
             dw[i] = (g[..., i:, :] * X[..., :-i, :]).reshape(-1, X.shape[-1]).sum(0)
         return dx, dw
-    return _op(y, (x, weight), vjp)
+    return op(y, (x, weight), vjp)
 
 
 # ---------------------------------------------------------------------------
@@ -206,7 +206,7 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
         dq, dk, dv, dbeta, *dW = race_attention_bwd(res, g, dplanes=learn)
         dbeta = () if beta_t is None else (np.full(beta_t.shape, dbeta, dtype=beta_t.dtype),)
         return (dq, dk, dv) + dbeta + tuple(dW)
-    return _op(out, (q, k, v) + ((beta_t,) if beta_t is not None else ()) + extra, vjp)
+    return op(out, (q, k, v) + ((beta_t,) if beta_t is not None else ()) + extra, vjp)
 
 
 def _race_per_head(q, k, v, planes, beta_t, causal, key_mask, extra=(), cu_seqlens=None):
@@ -233,7 +233,7 @@ def _race_per_head(q, k, v, planes, beta_t, causal, key_mask, extra=(), cu_seqle
                   for i in (1, 2))
         dW = (sum(gr[4] for gr in grads),) if extra else ()
         return (dq, dk, dv, np.array([gr[3] for gr in grads], dtype=beta_t.dtype)) + dW
-    return _op(np.stack(outs, axis=1), (q, k, v, beta_t) + extra, vjp)
+    return op(np.stack(outs, axis=1), (q, k, v, beta_t) + extra, vjp)
 
 
 def race_attention_bucket_mean(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None, eps=1e-6):
@@ -283,7 +283,7 @@ def race_attention_bucket_mean(q, k, v, planes, beta=DEFAULT_BETA, *, causal=Fal
             grads = [_bm.race_attention_bucket_mean_bwd(r, g[:, h]) for h, (_, r) in enumerate(fr)]
             dq, dk, dv = (np.stack([gr[i] for gr in grads], axis=1) for i in range(3))
             return dq, dk, dv, np.array([gr[3] for gr in grads], dtype=beta_t.dtype)
-        return _op(np.stack([o for o, _ in fr], axis=1), (q, k, v, beta_t), vjp)
+        return op(np.stack([o for o, _ in fr], axis=1), (q, k, v, beta_t), vjp)
     b = float(beta_t.data) if beta_t is not None else beta
     out, res = _bm.race_attention_bucket_mean_fwd(q.data, k.data, v.data, planes, b, causal=causal,
                                                    key_mask=key_mask, eps=eps)
@@ -293,21 +293,21 @@ def race_attention_bucket_mean(q, k, v, planes, beta=DEFAULT_BETA, *, causal=Fal
         if beta_t is None:
             return dq, dk, dv
         return dq, dk, dv, np.full(beta_t.shape, dbeta, dtype=beta_t.dtype)
-    return _op(out, (q, k, v) + ((beta_t,) if beta_t is not None else ()), vjp)
+    return op(out, (q, k, v) + ((beta_t,) if beta_t is not None else ()), vjp)
 
 
 def softmax_attention(q, k, v, *, causal=False, scale=None, key_mask=None):
     """Exact softmax attention (:func:`racecpu.reference.softmax_attention`) as an op."""
     q, k, v = as_tensor(q), as_tensor(k), as_tensor(v)
     out, res = _ref.softmax_attention_fwd(q.data, k.data, v.data, causal=causal, scale=scale, key_mask=key_mask)
-    return _op(out, (q, k, v), lambda g: _ref.softmax_attention_bwd(res, g))
+    return op(out, (q, k, v), lambda g: _ref.softmax_attention_bwd(res, g))
 
 
 def angular_attention(q, k, v, gamma, *, causal=False, key_mask=None):
     """Sharpened angular attention (:func:`racecpu.reference.angular_attention`) as an op."""
     q, k, v = as_tensor(q), as_tensor(k), as_tensor(v)
     out, res = _ref.angular_attention_fwd(q.data, k.data, v.data, gamma, causal=causal, key_mask=key_mask)
-    return _op(out, (q, k, v), lambda g: _ref.angular_attention_bwd(res, g))
+    return op(out, (q, k, v), lambda g: _ref.angular_attention_bwd(res, g))
 
 
 def linear_attention(q, k, v, *, causal=False, key_mask=None, chunk=64):
@@ -355,7 +355,7 @@ def _linear_full(fq, fk, v, _chunk):
         dS = np.swapaxes(Q, -1, -2) @ dnum
         dz = (Q * dden[..., None]).sum(-2)
         return dQ, V @ np.swapaxes(dS, -1, -2) + dz[..., None, :], K @ dS
-    return _op(out, (fq, fk, v), vjp)
+    return op(out, (fq, fk, v), vjp)
 
 
 def _exclusive_cumsum(x, axis, reverse=False):
@@ -404,7 +404,7 @@ def _linear_causal(fq, fk, v, C):
         dK = dK + V @ np.swapaxes(dKV, -1, -2) + dZ[..., None, :]
         dV = dV + K @ dKV
         return unblock(dQ), unblock(dK), unblock(dV)
-    return _op(unblock(out), (fq, fk, v), vjp)
+    return op(unblock(out), (fq, fk, v), vjp)
 
 
 # ---------------------------------------------------------------------------

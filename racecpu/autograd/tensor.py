@@ -16,7 +16,7 @@ import numbers
 
 import numpy as np
 
-__all__ = ["Tensor", "no_grad", "is_grad_enabled", "as_tensor"]
+__all__ = ["Tensor", "no_grad", "is_grad_enabled", "as_tensor", "op"]
 
 _GRAD_ENABLED = True
 
@@ -61,8 +61,9 @@ def as_tensor(x, like=None):
     return Tensor(arr)
 
 
-def _op(data, parents, vjp):
-    """Make the output Tensor of an op; record the graph if any parent needs a gradient."""
+def op(data, parents, vjp):
+    """The output Tensor of an op: ``data``, and (where a parent needs a gradient) its
+    ``parents`` and ``vjp(g) -> one cotangent per parent`` recorded for :meth:`Tensor.backward`."""
     out = Tensor(data)
     if _GRAD_ENABLED and any(p.requires_grad for p in parents):
         out.requires_grad = True
@@ -141,7 +142,7 @@ class Tensor:
 
     def astype(self, dtype):
         src = self.dtype
-        return _op(self.data.astype(dtype), (self,), lambda g: (g.astype(src),))
+        return op(self.data.astype(dtype), (self,), lambda g: (g.astype(src),))
 
     # -- backward -------------------------------------------------------------
     def backward(self, grad=None):
@@ -192,21 +193,21 @@ class Tensor:
     # -- arithmetic -----------------------------------------------------------
     def __add__(self, other):
         other = as_tensor(other, self)
-        return _op(self.data + other.data, (self, other), lambda g: (g, g))
+        return op(self.data + other.data, (self, other), lambda g: (g, g))
 
     def __sub__(self, other):
         other = as_tensor(other, self)
-        return _op(self.data - other.data, (self, other), lambda g: (g, -g))
+        return op(self.data - other.data, (self, other), lambda g: (g, -g))
 
     def __mul__(self, other):
         other = as_tensor(other, self)
         a, b = self.data, other.data
-        return _op(a * b, (self, other), lambda g: (g * b, g * a))
+        return op(a * b, (self, other), lambda g: (g * b, g * a))
 
     def __truediv__(self, other):
         other = as_tensor(other, self)
         a, b = self.data, other.data
-        return _op(a / b, (self, other), lambda g: (g / b, -g * a / (b * b)))
+        return op(a / b, (self, other), lambda g: (g / b, -g * a / (b * b)))
 
     def __radd__(self, other):
         return as_tensor(other, self) + self
@@ -221,14 +222,14 @@ class Tensor:
         return as_tensor(other, self) / self
 
     def __neg__(self):
-        return _op(-self.data, (self,), lambda g: (-g,))
+        return op(-self.data, (self,), lambda g: (-g,))
 
     def __pow__(self, exponent):
         """Power with a constant real exponent."""
         if isinstance(exponent, Tensor) or not isinstance(exponent, numbers.Real):
             raise TypeError(f"exponent must be a real number, got {type(exponent).__name__}")
         a, p = self.data, exponent
-        return _op(_power(a, p), (self,), lambda g: (g * p * _power(a, p - 1),))
+        return op(_power(a, p), (self,), lambda g: (g * p * _power(a, p - 1),))
 
     def __matmul__(self, other):
         """Matrix product of the last two dims (both operands need ndim >= 2)."""
@@ -242,7 +243,7 @@ class Tensor:
             if b.ndim == 2:  # (..., m, k) @ (k, n): one 2-D product instead of a batched one summed
                 return ga, a.reshape(-1, a.shape[-1]).T @ g.reshape(-1, g.shape[-1])
             return ga, np.swapaxes(a, -1, -2) @ g
-        return _op(a @ b, (self, other), vjp)
+        return op(a @ b, (self, other), vjp)
 
     def __rmatmul__(self, other):
         return as_tensor(other, self) @ self
@@ -256,7 +257,7 @@ class Tensor:
             if axis is not None and not keepdims:
                 g = np.expand_dims(g, axis)
             return (np.broadcast_to(g, shape),)
-        return _op(out, (self,), vjp)
+        return op(out, (self,), vjp)
 
     def mean(self, axis=None, keepdims=False):
         axes = range(self.ndim) if axis is None else np.atleast_1d(axis)
@@ -267,13 +268,13 @@ class Tensor:
     def reshape(self, *shape):
         shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
         src = self.shape
-        return _op(self.data.reshape(shape), (self,), lambda g: (g.reshape(src),))
+        return op(self.data.reshape(shape), (self,), lambda g: (g.reshape(src),))
 
     def transpose(self, *axes):
         axes = axes[0] if len(axes) == 1 and isinstance(axes[0], (tuple, list)) else axes
         axes = tuple(axes) if axes else tuple(range(self.ndim))[::-1]
         inv = tuple(np.argsort(axes))
-        return _op(self.data.transpose(axes), (self,), lambda g: (g.transpose(inv),))
+        return op(self.data.transpose(axes), (self,), lambda g: (g.transpose(inv),))
 
     @property
     def T(self):
@@ -296,41 +297,41 @@ class Tensor:
             else:
                 np.add.at(z, idx, g)  # repeated indices accumulate
             return (z,)
-        return _op(self.data[idx], (self,), vjp)
+        return op(self.data[idx], (self,), vjp)
 
     # -- elementwise ----------------------------------------------------------
     def exp(self):
         y = np.exp(self.data)
-        return _op(y, (self,), lambda g: (g * y,))
+        return op(y, (self,), lambda g: (g * y,))
 
     def log(self):
         x = self.data
-        return _op(np.log(x), (self,), lambda g: (g / x,))
+        return op(np.log(x), (self,), lambda g: (g / x,))
 
     def tanh(self):
         y = np.tanh(self.data)
-        return _op(y, (self,), lambda g: (g * (1 - y * y),))
+        return op(y, (self,), lambda g: (g * (1 - y * y),))
 
     def sigmoid(self):
         x = self.data
         y = np.exp(-np.logaddexp(0, -x)).astype(x.dtype, copy=False)  # stable for any x
-        return _op(y, (self,), lambda g: (g * y * (1 - y),))
+        return op(y, (self,), lambda g: (g * y * (1 - y),))
 
     def silu(self):
         """SiLU (swish): ``x * sigmoid(x)``, with ``sigmoid(x) = (1 + tanh(x / 2)) / 2`` (stable, fast)."""
         x = self.data
         sg = 0.5 * (1 + np.tanh(0.5 * x))
-        return _op(x * sg, (self,), lambda g: (g * (sg * (1 + x * (1 - sg))),))
+        return op(x * sg, (self,), lambda g: (g * (sg * (1 + x * (1 - sg))),))
 
     def relu(self):
         x = self.data
-        return _op(np.maximum(x, 0), (self,), lambda g: (g * (x > 0),))
+        return op(np.maximum(x, 0), (self,), lambda g: (g * (x > 0),))
 
     def elu(self):
         """``x`` for x > 0, ``exp(x) - 1`` otherwise."""
         x = self.data
         e = np.exp(np.minimum(x, 0))
-        return _op(np.where(x > 0, x, e - 1), (self,), lambda g: (g * np.where(x > 0, 1, e),))
+        return op(np.where(x > 0, x, e - 1), (self,), lambda g: (g * np.where(x > 0, 1, e),))
 
     def gelu(self):
         """GELU, tanh approximation: ``0.5 x (1 + tanh(c (x + 0.044715 x^3)))``."""
@@ -343,4 +344,4 @@ class Tensor:
         def vjp(g):
             x2 = x * x
             return (g * (0.5 * (1 + t) + (0.5 * c) * x * (1 - t * t) * (1 + 3 * 0.044715 * x2)),)
-        return _op(y.astype(x.dtype, copy=False), (self,), vjp)
+        return op(y.astype(x.dtype, copy=False), (self,), vjp)

@@ -18,7 +18,8 @@ kernels run under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1`` set
 before ``numba.cuda`` is imported): slow, for tests only.
 
 Tuning knobs (module attributes, read at each call): ``THREADS`` threads per
-block (= tokens per tile), ``CHUNK`` tokens per block task.  The backward
+block (= tokens per tile), ``CHUNK`` tokens per block task (the chunk model
+of :data:`BACKEND`, from which :func:`racecpu.plan.make_plan` cuts a call).  The backward
 keeps ``L * 2**P`` float64 per thread in local memory, comfortable for the
 usual ``P <= 8``; very large ``P`` is for the CPU path.
 
@@ -41,20 +42,22 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError('racecpu.cuda needs numba-cuda: pip install "racecpu[cuda]" '
                       f"(import of numba.cuda failed: {exc})") from exc
 
-from .. import _checks as _cpu
+from .. import _checks as cpu_checks
+from .._arrays import is_cupy as _is_cupy
+from .._arrays import on_device
 from ..hashing import DEFAULT_BETA
-from ..packing import padded_layout as _padded_layout
-from . import _kernels as K
+from ..plan import ChunkModel, make_plan
+from . import _kernels as cuda_kernels
 
 __all__ = ["soft_buckets", "race_attention", "race_attention_fwd", "race_attention_bwd", "Residuals",
-           "is_available", "THREADS", "CHUNK"]
+           "is_available", "BACKEND", "THREADS", "CHUNK"]
 
 #: Threads per block, which is also the tile length in tokens (a multiple of 32 on a GPU).
 THREADS = 64
 #: Tokens per block task (rounded up to whole tiles); more chunks = more blocks.
 CHUNK = 1024
-# Cap on the float64 chunk partials / carries (bytes); above it chunks grow.
-_PARTIAL_BUDGET = 2 ** 30
+#: Cap on the float64 chunk partials / carries (bytes); above it chunks grow.
+PARTIAL_BUDGET = 2 ** 30
 # Blocks of the grid-stride helper kernels.
 _MAX_BLOCKS = 4096
 
@@ -63,12 +66,8 @@ _MAX_BLOCKS = 4096
 # arrays: kind, validation through the CPU checks, moves to and from the device
 # ---------------------------------------------------------------------------
 
-def _is_cupy(x):
-    return type(x).__module__.split(".")[0] == "cupy"
-
-
 def _on_device(x):
-    return _is_cupy(x) or hasattr(x, "__cuda_array_interface__") or _devicearray.is_cuda_ndarray(x)
+    return on_device(x) or _devicearray.is_cuda_ndarray(x)
 
 
 def _as_numba(x):
@@ -88,10 +87,10 @@ def _proxy(x):
 
 
 def _check_array(name, x, check_finite, dev, min_ndim=2):
-    """:func:`racecpu.attention._check_array` for host or device arrays (same errors, same order)."""
+    """:func:`racecpu._checks.check_array` for host or device arrays (same errors, same order)."""
     if not _on_device(x):
-        return _cpu.check_array(name, x, check_finite, min_ndim)
-    _, dt, cdt = _cpu.check_array(name, _proxy(x), False, min_ndim)
+        return cpu_checks.check_array(name, x, check_finite, min_ndim)
+    _, dt, cdt = cpu_checks.check_array(name, _proxy(x), False, min_ndim)
     if check_finite and not _all_finite(x, dev):
         raise ValueError(f"{name} contains NaN or Inf (pass check_finite=False to skip this check)")
     return x, dt, cdt
@@ -128,7 +127,7 @@ class _Device:
     def full(self, shape, dtype, value):
         a = self.empty(shape, dtype)
         if a.size:
-            self.grid(K.fill, a.size)(a.reshape(a.size), value)
+            self.grid(cuda_kernels.fill, a.size)(a.reshape(a.size), value)
         return a
 
     def to_device(self, host):
@@ -149,7 +148,7 @@ class _Device:
         """``a`` (contiguous device array) as a new contiguous array of ``dtype`` and ``shape``."""
         out = self.empty(shape, dtype)
         if a.size:
-            self.grid(K.cast_copy, a.size)(a.reshape(a.size), out.reshape(a.size))
+            self.grid(cuda_kernels.cast_copy, a.size)(a.reshape(a.size), out.reshape(a.size))
         return out
 
     def to_host(self, a):
@@ -166,7 +165,7 @@ def _all_finite(x, dev):
     if not (a.is_c_contiguous() and a.dtype in (np.float32, np.float64)):
         a = _to_device(a, np.float64 if a.dtype == np.float64 else np.float32, (a.size,), dev)
     flag = dev.to_device(np.zeros(1, np.int32))
-    dev.grid(K.flag_nonfinite, a.size)(a.reshape(a.size), flag)
+    dev.grid(cuda_kernels.flag_nonfinite, a.size)(a.reshape(a.size), flag)
     return not dev.to_host(flag)[0]
 
 
@@ -220,7 +219,7 @@ class _Args:
 
 
 def _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, dev):
-    """:func:`racecpu.attention._prepare` for host or device arrays.
+    """:func:`racecpu._checks.prepare` for host or device arrays.
 
     Runs the CPU checks (the per-array ones directly, on zero-stride stand-ins
     of device arrays) and the same cross-shape checks in the same order, then
@@ -232,7 +231,7 @@ def _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, dev):
     pq, pk, pv = (_proxy(x) if _on_device(x) else x for x in (q, k, v))
     pm = None if key_mask is None else (_proxy(key_mask) if _on_device(key_mask) else key_mask)
     # the CPU's checks and messages (grouped-query shapes included)
-    cdt, odt, lead, G, planes, beta, group = _cpu.check_args(pq, pk, pv, _host(planes), beta, causal, pm, True)
+    cdt, odt, lead, G, planes, beta, group = cpu_checks.check_args(pq, pk, pv, _host(planes), beta, causal, pm, True)
     Gk = G // group
     nq, d = pq.shape[-2:]
     nk = pk.shape[-2]
@@ -247,18 +246,10 @@ def _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, dev):
                  np.dtype(cdt), np.dtype(odt), (qdt, kdt, vdt), group)
 
 
-def _budget_chunk(n, G, F, dv):
-    """The shortest chunk (whole tiles) whose float64 partials stay within their budget."""
-    t = int(THREADS)
-    per_chunk = G * F * (dv + 1) * 8
-    max_chunks = max(1, _PARTIAL_BUDGET // max(per_chunk, 1))
-    return -(-max(-(-n // max_chunks), 1) // t) * t
-
-
-def _chunk(n, G, F, dv):
-    """Tokens per block task: CHUNK (whole tiles) unless the float64 partials outgrow their budget."""
-    t = int(THREADS)
-    return max(-(-int(CHUNK) // t) * t, _budget_chunk(n, G, F, dv))
+def chunk_model():
+    """How racecpu.cuda cuts sequences: CHUNK tokens in whole tiles of THREADS, PARTIAL_BUDGET
+    bytes of float64 partials, packed sequences padded to whole chunks (read per call)."""
+    return ChunkModel(int(CHUNK), int(PARTIAL_BUDGET), int(THREADS), padded=True)
 
 
 def _sum_chunks(part, dev, bounds):
@@ -267,7 +258,7 @@ def _sum_chunks(part, dev, bounds):
     G, nc, F, dv1 = part.shape
     S = dev.empty((G, bounds.shape[0] - 1, F, dv1), np.float64)
     if S.size:
-        dev.grid(K.sum_chunks, S.size)(part.reshape(G, nc, F * dv1), bounds, S.reshape(G, S.shape[1], F * dv1))
+        dev.grid(cuda_kernels.sum_chunks, S.size)(part.reshape(G, nc, F * dv1), bounds, S.reshape(G, S.shape[1], F * dv1))
     return S
 
 
@@ -278,7 +269,7 @@ def _scan_chunks(part, dev, reverse, seq):
     out = dev.empty(part.shape, np.float64)
     if out.size:
         E = F * dv1
-        dev.grid(K.scan_chunks, G * E)(part.reshape(G, nc, E), seq, out.reshape(G, nc, E), reverse)
+        dev.grid(cuda_kernels.scan_chunks, G * E)(part.reshape(G, nc, E), seq, out.reshape(G, nc, E), reverse)
     return out
 
 
@@ -295,15 +286,15 @@ class _Layout:
     rows: object
 
     @classmethod
-    def make(cls, cu_seqlens, n, G, F, dv, dev, causal):
-        if cu_seqlens is None:
-            chunk = _chunk(n, G, F, dv)
+    def make(cls, plan, n, dev):
+        """The layout of a call of ``n`` tokens cut by ``plan`` (:func:`racecpu.plan.make_plan`
+        with this backend's chunk model)."""
+        if plan.packing is None:
+            chunk = plan.chunk
             nc = -(-n // chunk)
             return cls(None, chunk, dev.to_device(np.zeros(nc, np.int64)),
                        dev.to_device(np.array([0, nc], np.int64)), None)
-        t = int(THREADS)
-        pk = _padded_layout(_host(cu_seqlens), n, min_chunk=max(t, _budget_chunk(n, G, F, dv)),
-                      max_chunk=int(CHUNK), multiple=t, causal=causal)
+        pk = plan.packing
         bounds = np.append(pk.first, pk.seq.size).astype(np.int64)
         return cls(pk, pk.chunk, dev.to_device(pk.seq), dev.to_device(bounds),
                    None if pk.rows is None else dev.to_device(pk.rows))
@@ -316,7 +307,7 @@ class _Layout:
         E = x.size // max(G * n, 1)
         y = dev.full((G, self.packing.padded) + tuple(x.shape[2:]), x.dtype, fill)
         if x.size:
-            dev.grid(K.scatter_rows, x.size)(x.reshape(G, n, E), self.rows, y.reshape(G, self.packing.padded, E))
+            dev.grid(cuda_kernels.scatter_rows, x.size)(x.reshape(G, n, E), self.rows, y.reshape(G, self.packing.padded, E))
         return y
 
     def unpack(self, y, dev):
@@ -328,7 +319,7 @@ class _Layout:
         E = y.size // max(G * m, 1)
         x = dev.empty((G, n) + tuple(y.shape[2:]), y.dtype)
         if x.size:
-            dev.grid(K.gather_rows, x.size)(y.reshape(G, m, E), self.rows, x.reshape(G, n, E))
+            dev.grid(cuda_kernels.gather_rows, x.size)(y.reshape(G, m, E), self.rows, x.reshape(G, n, E))
         return x
 
 
@@ -340,7 +331,7 @@ def _fold(x, group, dev):
     y = dev.empty((Gk,) + tuple(x.shape[1:]), x.dtype)
     if y.size:
         M = y.size // Gk
-        dev.grid(K.fold_groups, y.size)(x.reshape(Gk * group, M), y.reshape(Gk, M), group)
+        dev.grid(cuda_kernels.fold_groups, y.size)(x.reshape(Gk * group, M), y.reshape(Gk, M), group)
     return y
 
 
@@ -361,8 +352,8 @@ def soft_buckets(x, planes, beta=DEFAULT_BETA):
     dev = _Device(_is_cupy(x))
     x, out_dtype, cdt = _check_array("x", x, True, dev)
     px = _proxy(x) if _on_device(x) else x
-    planes = _cpu.check_planes(_host(planes), px.shape[-1], cdt)
-    beta = _cpu.check_beta(beta)
+    planes = cpu_checks.check_planes(_host(planes), px.shape[-1], cdt)
+    beta = cpu_checks.check_beta(beta)
     L, P, d = planes.shape
     R = 2 ** P
     lead = px.shape[:-1]
@@ -371,7 +362,7 @@ def soft_buckets(x, planes, beta=DEFAULT_BETA):
     t = dev.empty((M, L * P), cdt)
     if M:
         T = int(THREADS)
-        kern = K.make_kernels(L, P, T, np.dtype(cdt))["soft_hash_rows"]
+        kern = cuda_kernels.make_kernels(L, P, T, np.dtype(cdt))["soft_hash_rows"]
         dev.launch(kern, -(-M // T), T)(_to_device(x, cdt, (M, d), dev), dev.to_device(planes), beta, t, phi)
     return _output(phi, out_dtype, lead + (L, R), dev)
 
@@ -413,6 +404,11 @@ class Residuals:
         return self.lead + (self.tokens, self.v.shape[2])
 
     @property
+    def backend(self):
+        """The backend that made these residuals and runs their backward (:data:`BACKEND`)."""
+        return BACKEND
+
+    @property
     def kv_lead(self):
         return self.lead[:-1] + (self.lead[-1] // self.group,) if self.group > 1 else self.lead
 
@@ -430,17 +426,16 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
     """
     dev = _Device(_is_cupy(q))
     a = _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, dev)
-    G, n_given, _ = a.q.shape
+    G, n_given, d = a.q.shape
     nk, dv = a.v.shape[1:]
     L, P, _ = a.planes.shape
     F = L * 2 ** P
     cdt = a.cdt
     T = int(THREADS)
-    kern = K.make_kernels(L, P, T, cdt)
-    if cu_seqlens is not None and n_given != nk:
-        raise ValueError(f"cu_seqlens packs q, k and v alike: they need the same sequence length, "
-                         f"got {n_given} and {nk}")
-    lay = _Layout.make(cu_seqlens, max(n_given, nk), G, F, dv, dev, causal)
+    kern = cuda_kernels.make_kernels(L, P, T, cdt)
+    plan = make_plan(G=G, group=a.group, nq=n_given, nk=nk, d=d, dv=dv, L=L, P=P, causal=causal, model=chunk_model(),
+                     cu_seqlens=None if cu_seqlens is None else _host(cu_seqlens))
+    lay = _Layout.make(plan, max(n_given, nk), dev)
     # packed sequences in the padded layout; grouped-query k, v: sketched once per key/value head
     Gk = G // a.group
     kk, vv, mask = (lay.pack(x, dev, fill) for x, fill in ((a.k, 0), (a.v, 0), (a.mask, False)))
@@ -496,7 +491,7 @@ def race_attention_bwd(residuals, grad_out):
     L, P, d = r.planes.shape
     cdt = np.dtype(r.phiq.dtype)
     T = r.threads  # the kernels must run with the forward's tile length
-    kern = K.make_kernels(L, P, T, cdt)
+    kern = cuda_kernels.make_kernels(L, P, T, cdt)
     lay = r.layout
     g = lay.pack(_to_device(g, cdt, (G, r.tokens, dv), dev), dev)
     chunk = r.chunk
@@ -538,7 +533,7 @@ def race_attention_bwd(residuals, grad_out):
     else:  # no queries or no keys: nothing flows back
         for x in (dq, dk, dv_):
             if x.size:
-                dev.grid(K.fill, x.size)(x.reshape(x.size), 0)
+                dev.grid(cuda_kernels.fill, x.size)(x.reshape(x.size), 0)
     qdt, kdt, vdt = r.in_dtypes
     dq, dk, dv_ = (lay.unpack(x, dev) for x in (dq, dk, dv_))
     lead, klead = r.lead, r.kv_lead
@@ -556,3 +551,39 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
     """
     return race_attention_fwd(q, k, v, planes, beta, causal=causal, key_mask=key_mask,
                               check_finite=check_finite, cu_seqlens=cu_seqlens)[0]
+
+
+class CudaBackend:
+    """racecpu.cuda as a backend (the :class:`racecpu.backend.Backend` protocol): the NumPy
+    API's calls on arrays in GPU memory come here (:func:`racecpu.backend.backend_for`)."""
+
+    name = "cuda"
+
+    def chunk_model(self) -> ChunkModel:
+        return chunk_model()
+
+    def forward(self, q, k, v, planes, beta, *, causal=False, key_mask=None, check_finite=True, cu_seqlens=None,
+                out=None, residuals=True):
+        """:func:`race_attention_fwd` (``residuals=False``: :func:`race_attention`, ``(out, None)``)."""
+        if out is not None:
+            raise TypeError("out is for NumPy arrays; CuPy's memory pool already reuses device memory")
+        kw = dict(causal=causal, key_mask=key_mask, check_finite=check_finite, cu_seqlens=cu_seqlens)
+        if residuals:
+            return race_attention_fwd(q, k, v, planes, beta, **kw)
+        return race_attention(q, k, v, planes, beta, **kw), None
+
+    def backward(self, residuals, grad_out, *, out=None, dplanes=False):
+        """:func:`race_attention_bwd`; ``out`` buffers and the planes' gradient are the CPU's alone."""
+        if dplanes:
+            raise NotImplementedError("dplanes=True is not implemented on the GPU (racecpu.cuda) yet; "
+                                      "run the forward and backward on NumPy arrays for the planes' gradient")
+        if out is not None:
+            raise TypeError("out is for NumPy arrays; CuPy's memory pool already reuses device memory")
+        return race_attention_bwd(residuals, grad_out)
+
+    def __repr__(self):
+        return "racecpu.cuda.BACKEND"
+
+
+#: racecpu.cuda's backend.
+BACKEND = CudaBackend()
