@@ -13,7 +13,7 @@ import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
 from ._checks import check_beta
-from .backend import backend_for, backend_of
+from .backend import backend_for, backend_of, check_estimator
 from .config import DEFAULT_BETA
 from .engine import Residuals
 from .hashing import hyperplanes
@@ -23,8 +23,8 @@ __all__ = ["race_attention", "race_attention_fwd", "race_attention_bwd", "RaceAt
 
 def race_attention_fwd(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, beta: float = DEFAULT_BETA, *,
                        causal: bool = False, key_mask: ArrayLike | None = None, check_finite: bool = True,
-                       out: np.ndarray | None = None,
-                       cu_seqlens: ArrayLike | None = None) -> tuple[np.ndarray, Residuals]:
+                       out: np.ndarray | None = None, cu_seqlens: ArrayLike | None = None,
+                       estimator: str = "ratio") -> tuple[np.ndarray, Residuals]:
     """RACE attention forward; returns ``(out, residuals)`` for :func:`race_attention_bwd`.
 
     Arguments are those of :func:`race_attention`, which computes the same
@@ -33,7 +33,7 @@ def race_attention_fwd(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLi
     device arrays out, and residuals whose backward runs there too).
     """
     return backend_for(q).forward(q, k, v, planes, beta, causal=causal, key_mask=key_mask, check_finite=check_finite,
-                                  cu_seqlens=cu_seqlens, out=out, residuals=True)
+                                  cu_seqlens=cu_seqlens, out=out, residuals=True, estimator=estimator)
 
 
 def race_attention_bwd(residuals: Residuals, grad_out: ArrayLike, *,
@@ -77,7 +77,8 @@ def race_attention_bwd(residuals: Residuals, grad_out: ArrayLike, *,
 
 def race_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, beta: float = DEFAULT_BETA, *,
                    causal: bool = False, key_mask: ArrayLike | None = None, check_finite: bool = True,
-                   out: np.ndarray | None = None, cu_seqlens: ArrayLike | None = None) -> np.ndarray:
+                   out: np.ndarray | None = None, cu_seqlens: ArrayLike | None = None,
+                   estimator: str = "ratio") -> np.ndarray:
     """RACE attention: linear-time soft-LSH estimate of sharpened angular attention.
 
     The forward alone: it keeps none of the residuals that
@@ -130,6 +131,14 @@ def race_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, 
         itself: the causal scan restarts at each, the non-causal sketch is
         per sequence; equal to a call per sequence.  The same for every
         leading index.
+    estimator : {"ratio", "bucket_mean"}, default "ratio"
+        How a query reads the keys' bucket sums (``docs/design.md`` sections
+        1.2 and 1.5): ``ratio``, the paper's (Algorithms 1 and 2), on the
+        kernels; ``bucket_mean``, the per-bucket mean of the authors'
+        released code (:func:`racecpu.bucket_mean.race_attention_bucket_mean`,
+        computed in NumPy: slower, more memory, and on the CPU only; no
+        ``cu_seqlens``, no planes' gradient).  The backward follows the
+        forward's.
 
     Returns
     -------
@@ -142,7 +151,7 @@ def race_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, 
         (``den <= DEN_FLOOR``, e.g. every key masked) gets zeros.
     """
     return backend_for(q).forward(q, k, v, planes, beta, causal=causal, key_mask=key_mask, check_finite=check_finite,
-                                  cu_seqlens=cu_seqlens, out=out, residuals=False)[0]
+                                  cu_seqlens=cu_seqlens, out=out, residuals=False, estimator=estimator)[0]
 
 
 class RaceAttention:
@@ -157,6 +166,8 @@ class RaceAttention:
     seed : int, default 0
     dtype : dtype, default float32
         dtype of the stored planes (cast to the inputs' compute dtype on use).
+    estimator : {"ratio", "bucket_mean"}, default "ratio"
+        See :func:`race_attention`.
 
     Examples
     --------
@@ -168,9 +179,10 @@ class RaceAttention:
     """
 
     def __init__(self, head_dim: int, num_planes: int = 3, num_tables: int = 3, beta: float = DEFAULT_BETA,
-                 seed: int | None = 0, dtype: DTypeLike = np.float32):
+                 seed: int | None = 0, dtype: DTypeLike = np.float32, estimator: str = "ratio"):
         self.planes = hyperplanes(head_dim, num_planes, num_tables, seed=seed, dtype=dtype)
         self.beta = check_beta(beta)
+        self.estimator = check_estimator(estimator)
 
     @property
     def head_dim(self):
@@ -186,19 +198,20 @@ class RaceAttention:
 
     def __repr__(self):
         return (f"RaceAttention(head_dim={self.head_dim}, num_planes={self.num_planes}, "
-                f"num_tables={self.num_tables}, beta={self.beta})")
+                f"num_tables={self.num_tables}, beta={self.beta}"
+                + (f", estimator={self.estimator!r})" if self.estimator != "ratio" else ")"))
 
     def __call__(self, q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
                  key_mask: ArrayLike | None = None, check_finite: bool = True,
                  out: np.ndarray | None = None, cu_seqlens: ArrayLike | None = None) -> np.ndarray:
         return race_attention(q, k, v, self.planes, self.beta, causal=causal, key_mask=key_mask,
-                              check_finite=check_finite, out=out, cu_seqlens=cu_seqlens)
+                              check_finite=check_finite, out=out, cu_seqlens=cu_seqlens, estimator=self.estimator)
 
     def fwd(self, q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
             key_mask: ArrayLike | None = None, check_finite: bool = True,
             out: np.ndarray | None = None, cu_seqlens: ArrayLike | None = None) -> tuple[np.ndarray, Residuals]:
         return race_attention_fwd(q, k, v, self.planes, self.beta, causal=causal, key_mask=key_mask,
-                                  check_finite=check_finite, out=out, cu_seqlens=cu_seqlens)
+                                  check_finite=check_finite, out=out, cu_seqlens=cu_seqlens, estimator=self.estimator)
 
     def bwd(self, residuals: Residuals, grad_out: ArrayLike, *,
             out: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None, dplanes: bool = False) -> tuple:

@@ -23,15 +23,29 @@ U_lr``.  The backward, for ``g_i = d out_i``::
     dphi(k_j)_lr = v_j . dB_lr + dA_lr,     dv_j = sum_lr phi_l(k_j)_r dB_lr
 
 and the soft hash's backward gives dq, dk and dbeta.
+
+:func:`forward` and :func:`backward` are this estimator behind the NumPy API
+(``racecpu.race_attention(..., estimator="bucket_mean")``, chosen by the CPU
+backend, :mod:`racecpu.backend`): the ratio's checks, layout, grouped-query
+heads, 16-bit inputs and ``out`` buffers (:mod:`racecpu.engine`), this
+module's NumPy sums; a kernel of its own is not written yet.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import numpy as np
 
-from .reference import float_dtype, soft_buckets_dense_bwd, soft_buckets_dense
+from ._arrays import namespace_of, to_namespace
+from ._checks import check_array, check_out, prepare, widened
+from ._memory import POOL
+from .engine import deliver, grad_buffers, group_sum
+from .reference import float_dtype, soft_buckets_dense, soft_buckets_dense_bwd
 
-__all__ = ["race_attention_bucket_mean", "race_attention_bucket_mean_fwd", "race_attention_bucket_mean_bwd"]
+__all__ = ["race_attention_bucket_mean", "race_attention_bucket_mean_fwd", "race_attention_bucket_mean_bwd",
+           "forward", "backward", "Residuals"]
 
 #: Tokens per block of the causal form (``docs/design.md`` section 1.5).
 BLOCK = 64
@@ -175,3 +189,93 @@ def race_attention_bucket_mean(q, k, v, planes, beta, *, causal=False, key_mask=
     memory (the blocks' sums when causal, one per bucket otherwise).
     """
     return race_attention_bucket_mean_fwd(q, k, v, planes, beta, causal=causal, key_mask=key_mask, eps=eps)[0]
+
+
+# ---------------------------------------------------------------------------
+# whole calls of the NumPy API (racecpu.race_attention(..., estimator="bucket_mean"))
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Residuals:
+    """What :func:`backward` needs from :func:`forward` (treat as opaque): the residuals of
+    :func:`race_attention_bucket_mean_fwd` over the flattened groups, and how to give the
+    gradients back the inputs' layout and dtypes."""
+
+    backend: ClassVar[str] = "cpu"
+    estimator: ClassVar[str] = "bucket_mean"
+
+    inner: tuple
+    lead: tuple
+    kv_lead: tuple
+    group: int
+    nq: int
+    nk: int
+    d: int
+    dv: int
+    in_dtypes: tuple
+    check_finite: bool
+    namespace: object = None
+
+    @property
+    def out_shape(self):
+        return self.lead + (self.nq, self.dv)
+
+
+def _repeated(x, group):
+    """``x (Gk, ...)`` with each key/value group repeated for its ``group`` query groups."""
+    return x if group == 1 else np.repeat(x, group, axis=0)
+
+
+def forward(q, k, v, planes, beta, *, causal=False, key_mask=None, check_finite=True, out=None, cu_seqlens=None,
+            residuals=True):
+    """The NumPy API's forward with the per-bucket mean (``racecpu.race_attention(...,
+    estimator="bucket_mean")``): the same arguments, checks, grouped-query heads, 16-bit
+    inputs, ``out`` buffer and array types as the ratio's (:func:`racecpu.engine.forward`),
+    the estimator of :func:`race_attention_bucket_mean` (its ``eps``: 1e-6).  Packed
+    sequences raise NotImplementedError."""
+    if cu_seqlens is not None:
+        raise NotImplementedError("the per-bucket mean does not take packed sequences (cu_seqlens) yet; "
+                                  "use estimator='ratio', or a call per sequence")
+    POOL.tick()
+    a = prepare(q, k, v, planes, beta, causal, key_mask, check_finite, grouped=True)
+    G, nq, d = a.q.shape
+    Gk, nk, dv = a.v.shape
+    if out is not None:
+        out = check_out("out", out, a.lead + (nq, dv), a.out_dtype,
+                        [("q", q), ("k", k), ("v", v), ("planes", planes), ("key_mask", key_mask)])
+    mask = None if key_mask is None else _repeated(a.mask, a.group)
+    y, inner = race_attention_bucket_mean_fwd(a.q, _repeated(a.k, a.group), _repeated(a.v, a.group), a.planes, a.beta,
+                                              causal=a.causal, key_mask=mask)
+    y = deliver(np.ascontiguousarray(y), out, a.lead + (nq, dv), a.out_dtype)
+    xp = namespace_of(q)
+    if out is None:
+        y = to_namespace(xp, y)
+    if not residuals:
+        return y, None
+    klead = a.lead[:-1] + (a.lead[-1] // a.group,) if a.group > 1 else a.lead
+    return y, Residuals(inner=inner, lead=a.lead, kv_lead=klead, group=a.group, nq=nq, nk=nk, d=d, dv=dv,
+                        in_dtypes=a.in_dtypes, check_finite=a.check_finite, namespace=xp)
+
+
+def backward(residuals, grad_out, *, out=None, dplanes=False):
+    """The NumPy API's backward of :func:`forward`: ``(dq, dk, dv, dbeta)`` as the ratio's
+    (:func:`racecpu.engine.backward`); the planes' gradient raises NotImplementedError."""
+    r = residuals
+    if not isinstance(r, Residuals):
+        raise TypeError(f"residuals must come from race_attention_fwd, got {type(r).__name__}")
+    if dplanes:
+        raise NotImplementedError("the per-bucket mean has no gradient for the planes; learnable planes need "
+                                  "estimator='ratio'")
+    POOL.tick()
+    g, _, _ = check_array("grad_out", grad_out, False)
+    shapes = (r.lead + (r.nq, r.d), r.kv_lead + (r.nk, r.d), r.kv_lead + (r.nk, r.dv))
+    out = grad_buffers(g, out, r.out_shape, shapes, r.in_dtypes, [], r.check_finite)
+    check_array("grad_out", g, r.check_finite)
+    cdt = r.inner[5].dtype  # the forward's soft buckets: the compute dtype
+    G = int(np.prod(r.lead, dtype=np.int64))
+    dq, dk, dv, dbeta = race_attention_bucket_mean_bwd(r.inner, widened(g.reshape(G, r.nq, r.dv), cdt))
+    # a key/value head's rows were read by its whole group of query heads
+    dk, dv = (np.ascontiguousarray(group_sum(np.ascontiguousarray(x), r.group)) for x in (dk, dv))
+    xp = r.namespace
+    return tuple(to_namespace(xp if buf is None else None, deliver(x, buf, shape, dt))
+                 for x, buf, shape, dt in zip((dq, dk, dv), out, shapes, r.in_dtypes)) + (float(dbeta),)

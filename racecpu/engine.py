@@ -1,11 +1,11 @@
 """The CPU engine: the one caller of racecpu's Numba kernels.
 
-Every CPU computation of racecpu goes through here (``docs/design.md``, "Map
-of the engine"):
+Every CPU computation of racecpu's kernels goes through here (``docs/design.md``,
+"Map of the engine"):
 
-* **whole calls** -- :data:`CPU`, the CPU backend (:class:`CpuBackend`), whose
-  ``forward`` and ``backward`` are those of the NumPy API
-  (:mod:`racecpu.attention`, and through it :mod:`racecpu.torch`,
+* **whole calls** -- :func:`forward` and :func:`backward` of the paper's ratio
+  estimator, which the CPU backend (:data:`racecpu.backend.CPU`) runs for the
+  NumPy API (:mod:`racecpu.attention`, and through it :mod:`racecpu.torch`,
   :mod:`racecpu.jax`, :mod:`racecpu.autograd`): checks, a :class:`racecpu.plan.Plan`,
   the kernels in the plan's order, the outputs in the caller's dtype, and
   the :class:`Residuals` the backward reads;
@@ -30,15 +30,16 @@ ValueError, as the NumPy API does, on NaN/Inf in what they read (found from
 what the kernels derived: ``racecpu._checks.check_derived``).
 
 The estimator -- how a query reads the keys' sums -- is a seam: the kernels'
-:mod:`racecpu._kernels.readout` computes the paper's ratio; the engine's
-:data:`ESTIMATORS` name the others, which the whole-call forward and backward
-dispatch to (the per-bucket mean: :mod:`racecpu.bucket_mean`, in NumPy).
+:mod:`racecpu._kernels.readout` computes the paper's ratio, which every
+function here computes; another estimator is another whole-call forward and
+backward beside these (the per-bucket mean: :mod:`racecpu.bucket_mean`, in
+NumPy), chosen by the CPU backend (:data:`racecpu.backend.ESTIMATORS`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 
@@ -50,14 +51,11 @@ from ._checks import (SUMS_OVERFLOW, all_finite, check_array, check_derived, che
 from ._kernels import set_threads, threads
 from ._memory import POOL
 from .packing import Packing, sequence_sums
-from .plan import ChunkModel, Plan, cpu_chunk_model, make_plan
+from .plan import Plan, cpu_chunk_model, make_plan
 
-__all__ = ["CPU", "CpuBackend", "Residuals", "Advanced", "ESTIMATORS", "soft_hash", "group_sum", "sketch_keys", "readout",
-           "readout_bwd", "keys_bwd", "advance", "advance_bwd", "state_cotangent", "pool_work", "set_threads",
-           "threads"]
-
-#: The estimators the engine computes (``docs/design.md`` sections 1.2 and 1.5).
-ESTIMATORS = ("ratio", "bucket_mean")
+__all__ = ["forward", "backward", "Residuals", "Advanced", "soft_hash", "group_sum", "sketch_keys", "readout",
+           "readout_bwd", "keys_bwd", "advance", "advance_bwd", "state_cotangent", "pool_work", "deliver",
+           "grad_buffers", "set_threads", "threads"]
 
 #: Why a finite q or k whose tanh projections are NaN is an error.
 PROJECTIONS_OVERFLOW = "its projections onto the planes overflow {}"
@@ -428,7 +426,7 @@ def state_cotangent(q, k, mask, out, grad, planes, beta, A0, *, check_finite=Fal
 
 
 # ---------------------------------------------------------------------------
-# whole calls: the CPU backend
+# whole calls of the ratio estimator (the CPU backend runs them)
 # ---------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -442,9 +440,13 @@ class Residuals:
     those are C-contiguous in the compute dtype or are 16-bit, which the
     backward widens again): do not modify them between forward and backward.
     Only the planes' gradient (``race_attention_bwd(..., dplanes=True)``)
-    reads ``q`` and ``k``.  Made by the CPU backend (:data:`CPU`), which
-    :attr:`backend` names.
+    reads ``q`` and ``k``.  They record the backend that made them and runs
+    their backward (:attr:`backend`, :func:`racecpu.backend.backend_of`) and
+    their estimator (:attr:`estimator`).
     """
+
+    backend: ClassVar[str] = "cpu"
+    estimator: ClassVar[str] = "ratio"
 
     plan: Plan           # the forward's plan: shapes, chunks, packed sequences
     planes: np.ndarray
@@ -471,7 +473,6 @@ class Residuals:
     chunk = property(lambda self: self.plan.chunk, doc="Tokens per chunk of the backward (the carries').")
     group = property(lambda self: self.plan.group, doc="Query heads per key/value head.")
     packing = property(lambda self: self.plan.packing, doc="Packed sequences (cu_seqlens), or None.")
-    backend = property(lambda self: CPU, doc="The backend that made these residuals and runs their backward.")
 
     @property
     def out_shape(self):
@@ -483,7 +484,7 @@ class Residuals:
         return self.lead[:-1] + (self.lead[-1] // self.group,) if self.group > 1 else self.lead
 
 
-def _target(out, shape, cdt):
+def target(out, shape, cdt):
     """Where a kernel writes a result of ``shape`` in the compute dtype: the
     caller's buffer ``out`` when it is C-contiguous in that dtype, else an
     array from the pool (README, "Memory")."""
@@ -492,7 +493,7 @@ def _target(out, shape, cdt):
     return POOL.empty(shape, cdt)
 
 
-def _deliver(result, out, shape, dtype):
+def deliver(result, out, shape, dtype):
     """``result`` as the caller's ``out`` (copied in unless it already is it) or as a new
     array, in ``dtype`` (16-bit dtypes narrowed from float32 on every core)."""
     if half_format(dtype) is not None and result.dtype == np.float32:
@@ -540,7 +541,7 @@ def forward(q, k, v, planes, beta, *, causal=False, key_mask=None, check_finite=
     phiq = POOL.empty((G, rq, F), cdt)
     tq = POOL.empty((G, rq, LP), cdt)
     den = POOL.zeros((G, rq))
-    o = _target(out, (G, nq, dv), cdt)  # the kernels write every row
+    o = target(out, (G, nq, dv), cdt)  # the kernels write every row
     hsh, rows = K.Hash(a.planes, a.beta), K.Rows(phiq, tq, phik, tk, den)
     kchunks, qchunks = _cuts(pk, nk, length), _cuts(pk, nq, length)
     nan_q = nan_k = 0  # NaNs in the hashes' t: a NaN/Inf in q or k, or an overflow
@@ -575,7 +576,7 @@ def forward(q, k, v, planes, beta, *, causal=False, key_mask=None, check_finite=
     finite_v = all_finite(sums_v) and not (causal and pk is not None and not all_finite(o))
     check_derived(a.check_finite, ("q", a.q, nan_q == 0, overflow), ("k", a.k, nan_k == 0, overflow),
                   ("v", a.v, finite_v, SUMS_OVERFLOW))
-    y = _deliver(o, out, a.lead + (nq, dv), a.out_dtype)
+    y = deliver(o, out, a.lead + (nq, dv), a.out_dtype)
     xp = namespace_of(q)  # results in q's array type (torch, JAX, ...), unless written into out
     if out is None:
         y = to_namespace(xp, y)
@@ -590,28 +591,26 @@ def forward(q, k, v, planes, beta, *, causal=False, key_mask=None, check_finite=
                         namespace=xp)
 
 
-def _grad_buffers(r, g, out):
-    """``grad_out`` checked against the residuals and the ``out`` buffers ``(dq, dk, dv)``
-    (each checked, or None)."""
-    G, nq, _ = r.phiq.shape
-    Gk, nk, dv = r.v.shape
-    d = r.planes.shape[2]
-    shapes = (r.lead + (nq, d), r.kv_lead + (nk, d), r.kv_lead + (nk, dv))
+def grad_buffers(g, out, out_shape, shapes, in_dtypes, reads, check_finite):
+    """A backward's ``grad_out`` checked against the output's shape ``out_shape`` and its
+    ``out`` buffers ``(dq, dk, dv)`` (each checked against ``shapes``, ``in_dtypes`` and the
+    ``(name, array)`` pairs ``reads`` it reads, or None); raises in the eager order (with
+    ``check_finite``, grad_out's NaN first)."""
     try:
-        if g.shape != r.out_shape:
-            raise ValueError(f"grad_out must have the output's shape {r.out_shape}, got {g.shape}")
+        if g.shape != out_shape:
+            raise ValueError(f"grad_out must have the output's shape {out_shape}, got {g.shape}")
         if out is None:
-            return shapes, (None, None, None)
+            return (None, None, None)
         if not isinstance(out, (tuple, list)) or len(out) != 3:
             raise TypeError(f"out must be a tuple of three arrays (dq, dk, dv), got {type(out).__name__}")
-        reads = [("grad_out", g), ("the forward's v", r.v), ("planes", r.planes)]
+        reads = [("grad_out", g)] + list(reads)
         checked = []
-        for name, buf, shape, dt in zip(("dq", "dk", "dv"), out, shapes, r.in_dtypes):
+        for name, buf, shape, dt in zip(("dq", "dk", "dv"), out, shapes, in_dtypes):
             checked.append(check_out(f"out {name}", buf, shape, dt, reads))
             reads.append((f"out {name}", buf))
-        return shapes, tuple(checked)
+        return tuple(checked)
     except (TypeError, ValueError):
-        check_array("grad_out", g, r.check_finite)  # errors in the eager order: grad_out's NaN first
+        check_array("grad_out", g, check_finite)
         raise
 
 
@@ -624,11 +623,13 @@ def backward(residuals, grad_out, *, out=None, dplanes=False):
     if not isinstance(r, Residuals):
         raise TypeError(f"residuals must come from race_attention_fwd, got {type(r).__name__}")
     g, _, _ = check_array("grad_out", grad_out, False)  # NaN/Inf: from what the kernels sum (below)
-    shapes, out = _grad_buffers(r, g, out)
     plan = r.plan.rescheduled()  # the forward's chunks; the route for the threads this call has
     G, nq, F = r.phiq.shape
     Gk, nk, dv = r.v.shape
     d, LP = plan.d, plan.LP
+    shapes = (r.lead + (nq, d), r.kv_lead + (nk, d), r.kv_lead + (nk, dv))
+    out = grad_buffers(g, out, r.out_shape, shapes, r.in_dtypes, [("the forward's v", r.v), ("planes", r.planes)],
+                       r.check_finite)
     cdt = r.phiq.dtype
     g = widened(g.reshape(G, nq, dv), cdt)
     v = widened(r.v, cdt)
@@ -636,8 +637,8 @@ def backward(residuals, grad_out, *, out=None, dplanes=False):
     ncq, nck = plan.ncq, plan.nck
     hsh, rows = K.Hash(r.planes, r.beta), K.Rows(r.phiq, r.tq, r.phik, r.tk, r.den)
     # The kernels write every row; without queries or keys they do not run.
-    dq = _target(out[0], (G, nq, d), cdt)
-    dk, dv_ = (_target(buf, (Gk,) + shape[-2:], cdt) for buf, shape in zip(out[1:], shapes[1:]))
+    dq = target(out[0], (G, nq, d), cdt)
+    dk, dv_ = (target(buf, (Gk,) + shape[-2:], cdt) for buf, shape in zip(out[1:], shapes[1:]))
     dbeta = 0.0
     dW = np.zeros((LP, d))
     if not (G and nq and nk):
@@ -686,7 +687,7 @@ def backward(residuals, grad_out, *, out=None, dplanes=False):
         if dplanes:
             dW = pg.dWq.sum((0, 1)) + pg.dWk.sum((0, 1))
     xp = r.namespace  # in the forward's array type, unless written into out buffers
-    grads = tuple(to_namespace(xp if buf is None else None, _deliver(x, buf, shape, dt))
+    grads = tuple(to_namespace(xp if buf is None else None, deliver(x, buf, shape, dt))
                   for x, buf, shape, dt in zip((dq, dk, dv_), out, shapes, r.in_dtypes)) + (dbeta,)
     if not dplanes:
         return grads
@@ -711,33 +712,3 @@ def _causal_backward(plan, bwd, carry, partd, final):
             dcarry = K.Sums(K.exclusive_scan(partd.A, True, partd.A, seq=seq),  # in place
                             K.exclusive_scan(partd.B, True, partd.B, segments=seg, seq=seq))  # the segments' last
             K.causal_keys_bwd(bwd, dcarry, final=final, segments=seg)
-
-
-class CpuBackend:
-    """The CPU backend (the :class:`racecpu.backend.Backend` protocol): racecpu's Numba kernels,
-    for NumPy arrays and everything that converts to them without a copy (torch CPU
-    tensors, JAX CPU arrays, anything with ``__array__`` or DLPack)."""
-
-    name = "cpu"
-
-    def chunk_model(self) -> ChunkModel:
-        """How this backend cuts sequences into chunks (config.CHUNK, config.PARTIAL_BUDGET)."""
-        return cpu_chunk_model()
-
-    def forward(self, q, k, v, planes, beta, *, causal=False, key_mask=None, check_finite=True, cu_seqlens=None,
-                out=None, residuals=True):
-        """:func:`racecpu.race_attention_fwd` (``residuals=False``: :func:`racecpu.race_attention`)."""
-        return forward(q, k, v, planes, beta, causal=causal, key_mask=key_mask, check_finite=check_finite, out=out,
-                       cu_seqlens=cu_seqlens, residuals=residuals)
-
-    def backward(self, residuals, grad_out, *, out=None, dplanes=False):
-        """:func:`racecpu.race_attention_bwd` of residuals this backend made."""
-        return backward(residuals, grad_out, out=out, dplanes=dplanes)
-
-    def __repr__(self):
-        return "racecpu.engine.CPU"
-
-
-#: The CPU backend.
-CPU = CpuBackend()
-

@@ -48,7 +48,7 @@ from torch import nn
 
 from ._arrays import numpy_to_torch, torch_to_numpy
 from ._memory import POOL
-from .backend import backend_for, backend_of
+from .backend import backend_for, backend_of, check_estimator
 from .hashing import DEFAULT_BETA, hyperplanes
 
 __all__ = ["race_attention", "RaceAttention"]
@@ -141,11 +141,11 @@ def _drop(key):
 @torch.library.custom_op("racecpu::race_attention", mutates_args=())
 def _race_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, planes: torch.Tensor,
                        beta: torch.Tensor, causal: bool, key_mask: Optional[torch.Tensor],
-                       keep_residuals: bool, cu_seqlens: Optional[torch.Tensor] = None
+                       keep_residuals: bool, cu_seqlens: Optional[torch.Tensor] = None, estimator: str = "ratio"
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     backend, to_array = _backend(q)
     args = (to_array(q), to_array(k), to_array(v), to_array(planes), float(beta))
-    kw = {"causal": causal, "key_mask": None if key_mask is None else to_array(key_mask)}
+    kw = {"causal": causal, "key_mask": None if key_mask is None else to_array(key_mask), "estimator": estimator}
     if cu_seqlens is not None:  # offsets: read on the host on either device
         kw["cu_seqlens"] = cu_seqlens.detach().cpu().numpy()
     with _torch_threads_kept():
@@ -162,7 +162,7 @@ def _race_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, planes
 
 
 @_race_attention_op.register_fake
-def _(q, k, v, planes, beta, causal, key_mask, keep_residuals, cu_seqlens=None):
+def _(q, k, v, planes, beta, causal, key_mask, keep_residuals, cu_seqlens=None, estimator="ratio"):
     out = q.new_empty(q.shape[:-1] + v.shape[-1:], dtype=v.dtype)  # C-contiguous, as the real one
     return out, torch.empty((), dtype=torch.int64)
 
@@ -214,7 +214,7 @@ def _backward(ctx, grad_out, _grad_handle):
     shape, dtype = ctx.beta_meta
     dbeta = dbeta.reshape(shape).to(dtype) if need[4] else None
     return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
-            dW if need[3] else None, dbeta, None, None, None, None)
+            dW if need[3] else None, dbeta, None, None, None, None, None)
 
 
 _race_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -224,7 +224,8 @@ _race_attention_op.register_autograd(_backward, setup_context=_setup_context)
 # the public function and module
 # ---------------------------------------------------------------------------
 
-def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None, cu_seqlens=None):
+def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None, cu_seqlens=None,
+                   estimator="ratio"):
     """RACE attention on torch tensors, differentiable (see :func:`racecpu.race_attention`).
 
     Parameters
@@ -251,6 +252,8 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
     cu_seqlens : int Tensor or array_like, shape (S + 1,), optional
         Packed sequences (flash-attn's offsets ``0, n1, n1 + n2, ..., N``),
         each attending only within itself.
+    estimator : {"ratio", "bucket_mean"}
+        As :func:`racecpu.race_attention`'s (``bucket_mean``: CPU tensors only).
 
     Returns
     -------
@@ -281,7 +284,8 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
     keep = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, planes, beta))
     if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
         cu_seqlens = torch.as_tensor(np.asarray(cu_seqlens))
-    out, _ = _race_attention_op(q, k, v, planes, beta, bool(causal), key_mask, keep, cu_seqlens)
+    out, _ = _race_attention_op(q, k, v, planes, beta, bool(causal), key_mask, keep, cu_seqlens,
+                                check_estimator(estimator))
     return out
 
 
@@ -309,6 +313,8 @@ class RaceAttention(nn.Module):
         CPU only) instead of a buffer.
     dtype : torch.dtype
         dtype of the planes and of ``beta``.
+    estimator : {"ratio", "bucket_mean"}
+        As :func:`racecpu.race_attention`'s.
 
     Examples
     --------
@@ -320,8 +326,9 @@ class RaceAttention(nn.Module):
     """
 
     def __init__(self, head_dim, num_planes=3, num_tables=3, beta=DEFAULT_BETA, seed=0, learn_beta=True,
-                 dtype=torch.float32, learn_planes=False):
+                 dtype=torch.float32, learn_planes=False, estimator="ratio"):
         super().__init__()
+        self.estimator = check_estimator(estimator)
         planes = torch.from_numpy(hyperplanes(head_dim, num_planes, num_tables, seed=seed, dtype=np.float64)).to(dtype)
         if learn_planes:
             self.planes = nn.Parameter(planes)
@@ -331,7 +338,8 @@ class RaceAttention(nn.Module):
 
     def extra_repr(self):
         L, P, d = self.planes.shape
-        return f"head_dim={d}, num_planes={P}, num_tables={L}"
+        return f"head_dim={d}, num_planes={P}, num_tables={L}" + (
+            f", estimator={self.estimator!r}" if self.estimator != "ratio" else "")
 
     def forward(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
                 key_mask=None, cu_seqlens=None):
@@ -349,4 +357,4 @@ class RaceAttention(nn.Module):
         if scale is not None:
             raise NotImplementedError("RaceAttention has no scale (beta plays the temperature's part)")
         return race_attention(query, key, value, self.planes, self.beta, causal=is_causal, key_mask=key_mask,
-                              cu_seqlens=cu_seqlens)
+                              cu_seqlens=cu_seqlens, estimator=self.estimator)

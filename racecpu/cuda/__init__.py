@@ -32,6 +32,7 @@ simulator and compiled to PTX by the tests.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -376,8 +377,13 @@ class Residuals:
     or, for causal attention, the float64 carried state at every chunk start
     ``(G, nc, F, dv + 1)``.  ``v`` is kept by reference when it already is a
     contiguous device array of the compute dtype: do not modify it between
-    forward and backward.
+    forward and backward.  They record the backend that runs their backward
+    (``backend``, :func:`racecpu.backend.backend_of`: :data:`BACKEND`).
     """
+
+    backend: ClassVar[str] = "cuda"
+    estimator: ClassVar[str] = "ratio"
+
     planes: object
     beta: float
     causal: bool
@@ -403,10 +409,6 @@ class Residuals:
     def out_shape(self):
         return self.lead + (self.tokens, self.v.shape[2])
 
-    @property
-    def backend(self):
-        """The backend that made these residuals and runs their backward (:data:`BACKEND`)."""
-        return BACKEND
 
     @property
     def kv_lead(self):
@@ -563,8 +565,11 @@ class CudaBackend:
         return chunk_model()
 
     def forward(self, q, k, v, planes, beta, *, causal=False, key_mask=None, check_finite=True, cu_seqlens=None,
-                out=None, residuals=True):
+                out=None, residuals=True, estimator="ratio"):
         """:func:`race_attention_fwd` (``residuals=False``: :func:`race_attention`, ``(out, None)``)."""
+        if estimator != "ratio":
+            raise NotImplementedError(f"racecpu.cuda computes the ratio estimator only, not {estimator!r}; run it "
+                                      f"on NumPy arrays")
         if out is not None:
             raise TypeError("out is for NumPy arrays; CuPy's memory pool already reuses device memory")
         kw = dict(causal=causal, key_mask=key_mask, check_finite=check_finite, cu_seqlens=cu_seqlens)
