@@ -2,8 +2,12 @@
 
 Each check takes what a user passed and either returns it in the layout and
 dtype the kernels need or raises ``TypeError`` (wrong kind of thing) or
-``ValueError`` (right kind, wrong value) naming the argument.  Nothing here
-computes attention; :mod:`racecpu.attention` and its siblings call these first.
+``ValueError`` (right kind, wrong value) naming the argument; and the way back,
+results in the caller's dtype (:func:`deliver`).  Nothing here computes
+attention: the engine (:mod:`racecpu.engine`) and the frontends call these
+before and after it.  The parallel NaN/Inf count and the 16-bit conversions
+are kernels (:mod:`racecpu._kernels`): this module and the engine are the two
+that import them (``docs/design.md``, "Map of the engine").
 """
 
 from __future__ import annotations
@@ -16,8 +20,7 @@ import numpy as np
 from . import _fork
 from . import config
 from ._arrays import ForeignArrayError, as_numpy
-from ._kernels import count_nonfinite
-from ._kernels.convert import BFLOAT16, FLOAT16, narrow, widen
+from ._kernels import BFLOAT16, FLOAT16, count_nonfinite, narrow, widen
 from ._memory import POOL
 
 
@@ -171,6 +174,14 @@ class Args:
     given: tuple  # q, k, v flattened to (G, N, d) in their own dtypes: q, k, v themselves unless 16-bit
     group: int = 1  # query heads per key/value head (grouped-query attention): k and v have G // group groups
 
+    @property
+    def kept(self):
+        """q, k, v as a backward keeps them: the caller's 16-bit arrays rather than their widened
+        copies (half the memory held until the backward, which widens them again), else the
+        compute-dtype arrays."""
+        return tuple(given if half_format(given.dtype) is not None else x
+                     for given, x in zip(self.given, (self.q, self.k, self.v)))
+
 
 def check_args(q, k, v, planes, beta, causal, key_mask, grouped=False):
     """Cross-argument checks on already-checked q, k, v (anything with shape and dtype).
@@ -291,4 +302,46 @@ def check_out(name, out, shape, dtype, reads):
     for rname, x in reads:
         if isinstance(x, np.ndarray) and np.may_share_memory(out, x):
             raise ValueError(f"{name} must not share memory with {rname}")
+    return out
+
+
+def check_grad_buffers(g, out, out_shape, shapes, in_dtypes, reads, check_finite):
+    """A backward's ``grad_out`` checked against the output's shape ``out_shape`` and its
+    ``out`` buffers ``(dq, dk, dv)`` (each checked against ``shapes``, ``in_dtypes`` and the
+    ``(name, array)`` pairs ``reads`` it reads, or None); raises in the eager order (with
+    ``check_finite``, grad_out's NaN first)."""
+    try:
+        if g.shape != out_shape:
+            raise ValueError(f"grad_out must have the output's shape {out_shape}, got {g.shape}")
+        if out is None:
+            return (None, None, None)
+        if not isinstance(out, (tuple, list)) or len(out) != 3:
+            raise TypeError(f"out must be a tuple of three arrays (dq, dk, dv), got {type(out).__name__}")
+        reads = [("grad_out", g)] + list(reads)
+        checked = []
+        for name, buf, shape, dt in zip(("dq", "dk", "dv"), out, shapes, in_dtypes):
+            checked.append(check_out(f"out {name}", buf, shape, dt, reads))
+            reads.append((f"out {name}", buf))
+        return tuple(checked)
+    except (TypeError, ValueError):
+        check_array("grad_out", g, check_finite)
+        raise
+
+
+def deliver(result, out, shape, dtype):
+    """``result`` as the caller's ``out`` (copied in unless it already is it) or as a new
+    array, in ``dtype`` (16-bit dtypes narrowed from float32 on every core)."""
+    if half_format(dtype) is not None and result.dtype == np.float32:
+        if out is not None and out.flags.c_contiguous:
+            narrowed(result.reshape(shape), dtype, out)
+            return out
+        y = narrowed(result.reshape(shape), dtype)
+        if out is None:
+            return y
+        out[...] = y
+        return out
+    if out is None:
+        return result.reshape(shape).astype(dtype, copy=False)
+    if not np.may_share_memory(result, out):
+        out[...] = result.reshape(shape)
     return out

@@ -39,9 +39,9 @@ from typing import ClassVar
 import numpy as np
 
 from ._arrays import namespace_of, to_namespace
-from ._checks import check_array, check_out, prepare, widened
+from ._checks import check_array, check_grad_buffers, check_out, deliver, prepare, widened
 from ._memory import POOL
-from .engine import deliver, grad_buffers, group_sum
+from .engine import group_sum
 from .reference import float_dtype, soft_buckets_dense, soft_buckets_dense_bwd
 
 __all__ = ["race_attention_bucket_mean", "race_attention_bucket_mean_fwd", "race_attention_bucket_mean_bwd",
@@ -269,7 +269,7 @@ def backward(residuals, grad_out, *, out=None, dplanes=False):
     POOL.tick()
     g, _, _ = check_array("grad_out", grad_out, False)
     shapes = (r.lead + (r.nq, r.d), r.kv_lead + (r.nk, r.d), r.kv_lead + (r.nk, r.dv))
-    out = grad_buffers(g, out, r.out_shape, shapes, r.in_dtypes, [], r.check_finite)
+    out = check_grad_buffers(g, out, r.out_shape, shapes, r.in_dtypes, [], r.check_finite)
     check_array("grad_out", g, r.check_finite)
     cdt = r.inner[5].dtype  # the forward's soft buckets: the compute dtype
     G = int(np.prod(r.lead, dtype=np.int64))

@@ -46,16 +46,15 @@ import numpy as np
 from . import _fork
 from . import _kernels as K
 from ._arrays import namespace_of, to_namespace
-from ._checks import (SUMS_OVERFLOW, all_finite, check_array, check_derived, check_out, half_format, narrowed,
-                      prepare, widened)
-from ._kernels import set_threads, threads
+from ._checks import (SUMS_OVERFLOW, all_finite, check_array, check_derived, check_grad_buffers, check_out,
+                      deliver, prepare, widened)
+from ._kernels import set_threads, threads  # noqa: F401  (racecpu's: the kernels' thread count)
 from ._memory import POOL
-from .packing import Packing, sequence_sums
+from .packing import sequence_sums
 from .plan import Plan, cpu_chunk_model, make_plan
 
 __all__ = ["forward", "backward", "Residuals", "Advanced", "soft_hash", "group_sum", "sketch_keys", "readout",
-           "readout_bwd", "keys_bwd", "advance", "advance_bwd", "state_cotangent", "pool_work", "deliver",
-           "grad_buffers", "set_threads", "threads"]
+           "readout_bwd", "keys_bwd", "advance", "advance_bwd", "state_cotangent", "pool_work"]
 
 #: Why a finite q or k whose tanh projections are NaN is an error.
 PROJECTIONS_OVERFLOW = "its projections onto the planes overflow {}"
@@ -493,25 +492,6 @@ def target(out, shape, cdt):
     return POOL.empty(shape, cdt)
 
 
-def deliver(result, out, shape, dtype):
-    """``result`` as the caller's ``out`` (copied in unless it already is it) or as a new
-    array, in ``dtype`` (16-bit dtypes narrowed from float32 on every core)."""
-    if half_format(dtype) is not None and result.dtype == np.float32:
-        if out is not None and out.flags.c_contiguous:
-            narrowed(result.reshape(shape), dtype, out)
-            return out
-        y = narrowed(result.reshape(shape), dtype)
-        if out is None:
-            return y
-        out[...] = y
-        return out
-    if out is None:
-        return result.reshape(shape).astype(dtype, copy=False)
-    if not np.may_share_memory(result, out):
-        out[...] = result.reshape(shape)
-    return out
-
-
 def forward(q, k, v, planes, beta, *, causal=False, key_mask=None, check_finite=True, out=None, cu_seqlens=None,
             residuals=True):
     """The NumPy API's forward on the CPU (:func:`racecpu.race_attention_fwd`): ``(out, Residuals)``,
@@ -583,35 +563,11 @@ def forward(q, k, v, planes, beta, *, causal=False, key_mask=None, check_finite=
     if not residuals:
         return y, None
     pdt = np.asarray(planes).dtype
-    # 16-bit inputs: the caller's arrays, not the widened copies (half the memory held until the backward)
-    kq, kk, kv = (given if half_format(given.dtype) is not None else x for given, x in zip(a.given, (a.q, a.k, a.v)))
+    kq, kk, kv = a.kept
     return y, Residuals(plan=plan, planes=a.planes, beta=a.beta, v=kv, phiq=phiq, tq=tq, phik=phik, tk=tk, den=den,
                         A=A, B=B, q=kq, k=kk, lead=a.lead, in_dtypes=a.in_dtypes, out_dtype=a.out_dtype,
                         planes_dtype=pdt if pdt.kind == "f" else np.dtype(cdt), check_finite=a.check_finite,
                         namespace=xp)
-
-
-def grad_buffers(g, out, out_shape, shapes, in_dtypes, reads, check_finite):
-    """A backward's ``grad_out`` checked against the output's shape ``out_shape`` and its
-    ``out`` buffers ``(dq, dk, dv)`` (each checked against ``shapes``, ``in_dtypes`` and the
-    ``(name, array)`` pairs ``reads`` it reads, or None); raises in the eager order (with
-    ``check_finite``, grad_out's NaN first)."""
-    try:
-        if g.shape != out_shape:
-            raise ValueError(f"grad_out must have the output's shape {out_shape}, got {g.shape}")
-        if out is None:
-            return (None, None, None)
-        if not isinstance(out, (tuple, list)) or len(out) != 3:
-            raise TypeError(f"out must be a tuple of three arrays (dq, dk, dv), got {type(out).__name__}")
-        reads = [("grad_out", g)] + list(reads)
-        checked = []
-        for name, buf, shape, dt in zip(("dq", "dk", "dv"), out, shapes, in_dtypes):
-            checked.append(check_out(f"out {name}", buf, shape, dt, reads))
-            reads.append((f"out {name}", buf))
-        return tuple(checked)
-    except (TypeError, ValueError):
-        check_array("grad_out", g, check_finite)
-        raise
 
 
 def backward(residuals, grad_out, *, out=None, dplanes=False):
@@ -628,8 +584,8 @@ def backward(residuals, grad_out, *, out=None, dplanes=False):
     Gk, nk, dv = r.v.shape
     d, LP = plan.d, plan.LP
     shapes = (r.lead + (nq, d), r.kv_lead + (nk, d), r.kv_lead + (nk, dv))
-    out = grad_buffers(g, out, r.out_shape, shapes, r.in_dtypes, [("the forward's v", r.v), ("planes", r.planes)],
-                       r.check_finite)
+    out = check_grad_buffers(g, out, r.out_shape, shapes, r.in_dtypes,
+                             [("the forward's v", r.v), ("planes", r.planes)], r.check_finite)
     cdt = r.phiq.dtype
     g = widened(g.reshape(G, nq, dv), cdt)
     v = widened(r.v, cdt)

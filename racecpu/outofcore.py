@@ -253,7 +253,7 @@ def race_attention_bwd_ooc(res, grad_out, *, dq, dk, dv, checkpoint=None, commit
     r = res
     blocks.check_store_input("grad_out", grad_out)
     lead, nq, nk, cdt, block = r.lead, r.nq, r.nk, r.cdt, r.block
-    d, dvdim = r.q.shape[-1], r.v.shape[-1]
+    dvdim = r.v.shape[-1]
     if tuple(grad_out.shape) != lead + (nq, dvdim):
         raise ValueError(f"grad_out must have the output's shape {lead + (nq, dvdim)}, got {tuple(grad_out.shape)}")
     for name, x, shape in (("dq", dq, r.q.shape), ("dk", dk, r.k.shape), ("dv", dv, r.v.shape)):

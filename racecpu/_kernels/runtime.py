@@ -64,14 +64,14 @@ def start_threads():
 def set_threads(n: int) -> int:
     """Set how many threads racecpu's kernels use in the calling thread; returns the previous count.
 
+    Numba keeps the count per calling thread, so other threads of the
+    program keep theirs.  Results are the same bits at any count.
+
     Parameters
     ----------
     n : int
         1 to ``numba.config.NUMBA_NUM_THREADS`` (the most Numba started,
         set by the environment variable ``NUMBA_NUM_THREADS``).
-
-    Numba keeps the count per calling thread, so other threads of the
-    program keep theirs.  Results are the same bits at any count.
     """
     start_threads()
     most = numba.config.NUMBA_NUM_THREADS
