@@ -16,7 +16,6 @@ if any differs.  A refactoring that claims "the same bits" passes it.
 from __future__ import annotations
 
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np

@@ -284,13 +284,25 @@ class Buffers:
     loop over blocks (an out-of-core pass, a decode loop) keeps one
     allocation per name: its last, shorter block reuses the first one's
     memory (the engine's functions take one, :mod:`racecpu.engine`).
+    :meth:`memo` keeps what a loop would otherwise rebuild every call from
+    the same shapes.
     """
 
     def __init__(self):
         self._store = {}
+        self._memo = {}
+
+    def memo(self, key, make):
+        """``make()``, made once per ``key`` (hashable: the shapes, dtypes and settings it
+        depends on) and kept with the buffers."""
+        try:
+            return self._memo[key]
+        except KeyError:
+            value = self._memo[key] = make()
+            return value
 
     def __call__(self, name, shape, dtype, zero=False):
-        size = int(np.prod(shape, dtype=np.int64))
+        size = math.prod(shape)  # Python ints: no overflow, and cheap for the few dims of a shape
         dtype = np.dtype(dtype)
         buf = self._store.get(name)
         if buf is None or buf.size < size or buf.dtype != dtype:

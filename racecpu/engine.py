@@ -79,15 +79,12 @@ def _rows(G, Gk, nq, nk, F, LP, cdt, work, keep=("phiq", "tq", "phik", "tk", "de
     """The kernels' :class:`Rows`: ``phiq``, ``tq``, ``den`` of ``nq`` rows in ``G`` groups and
     ``phik``, ``tk`` of ``nk`` rows in ``Gk`` groups, those named in ``keep`` from ``work``
     (``den`` zeroed), the others with no rows."""
-    spec = dict(phiq=(G, nq, F, cdt), tq=(G, nq, LP, cdt), phik=(Gk, nk, F, cdt), tk=(Gk, nk, LP, cdt),
-                den=(G, nq, None, np.float64))
-    made = {}
-    for name, (g, n, width, dt) in spec.items():
-        if name in keep:
-            made[name] = work(name, (g, n) if width is None else (g, n, width), dt, zero=name == "den")
-        else:
-            made[name] = _none(g, dt, width)
-    return K.Rows(**made)
+    def rows(name, g, n, width, dt):
+        if name not in keep:
+            return _none(g, dt, width)
+        return work(name, (g, n) if width is None else (g, n, width), dt, zero=name == "den")
+    return K.Rows(rows("phiq", G, nq, F, cdt), rows("tq", G, nq, LP, cdt), rows("phik", Gk, nk, F, cdt),
+                  rows("tk", Gk, nk, LP, cdt), rows("den", G, nq, None, np.float64))
 
 
 def _no_planes_grad(cdt, G, Gk, ncq, nck, d):
@@ -103,10 +100,10 @@ def _grads(cdt, G, Gk, d, dv, ncq, nck, *, dq=None, dk=None, dv_=None, dden=None
                    _no_planes_grad(cdt, G, Gk, ncq, nck, d) if planes is None else planes)
 
 
-def _cuts(plan_packing, n, length):
+def _cuts(packing, n, length):
     """The kernels' :class:`Chunks` of ``n`` tokens: the packed sequences' chunks, or chunks of ``length``."""
-    if plan_packing is not None:
-        return K.Chunks(*plan_packing.chunks)
+    if packing is not None:
+        return K.Chunks(*packing.chunks)
     return K.even_chunks(n, length)
 
 
@@ -130,6 +127,13 @@ def _repeat(x, group):
     y = POOL.empty((x.shape[0] * group,) + x.shape[1:], x.dtype)
     y.reshape((x.shape[0], group) + x.shape[1:])[...] = x[:, None]
     return y
+
+
+def _once(work, key, make):
+    """``make()``, once per ``key`` where the workspace keeps what it made
+    (:meth:`racecpu._memory.Buffers.memo`: a decode loop), else every call."""
+    memo = getattr(work, "memo", None)
+    return make() if memo is None else memo(key, make)
 
 
 def _check_hash(check_finite, name, x, nan):
@@ -318,14 +322,17 @@ def advance(q, k, v, planes, beta, A0, B0, out, *, mask=None, keep=("phiq", "tq"
     L, P, _ = planes.shape
     F = L * 2 ** P
     cdt = q.dtype
-    chunk = cpu_chunk_model().length(n, G, F, dv)
-    nc = -(-n // chunk)
-    rows = _causal_rows(G, Gk, n, F, L * P, cdt, work, keep)
-    mask = np.ones((Gk, n), np.bool_) if mask is None else mask
+    model = cpu_chunk_model()
+
+    def setup():  # what depends on the shapes alone: made once per shape in a decode loop's workspace
+        chunk = model.length(n, G, F, dv)
+        return (chunk, -(-n // chunk), _cuts(None, n, chunk), _causal_rows(G, Gk, n, F, L * P, cdt, work, keep),
+                np.ones((Gk, n), np.bool_))
+    chunk, nc, chunks, rows, ones = _once(work, ("advance", model, G, Gk, n, F, L * P, dv, cdt, keep), setup)
+    mask = ones if mask is None else mask
     partA = work("partA", (Gk, nc, F), np.float64, zero=True)
     partB = work("partB", (Gk, nc, F, dv), np.float64, zero=True)
     hsh = K.Hash(planes, beta)
-    chunks = _cuts(None, n, chunk)
     with _on_threads(Gk * n, chunk, n):
         nan_k = K.sketch_chunks(k, v, mask, hsh, chunks, rows, K.Sums(partA, partB))
     if nc == 1:  # one chunk: its carried-in state is the state itself (0 + A0 would be the same number)
@@ -336,7 +343,8 @@ def advance(q, k, v, planes, beta, A0, B0, out, *, mask=None, keep=("phiq", "tq"
         carryB += B0[:, None]
     with _on_threads(G * n, chunk, n):
         nan_q = K.causal_fwd(K.Forward(q, v, hsh, rows, out, chunks), K.Sums(carryA, carryB))
-    A1, B1 = A0 + partA.sum(1), B0 + partB.sum(1)
+    # the state after the block: the chunk totals' float64 sum (one chunk: its total itself)
+    A1, B1 = (A0 + partA[:, 0], B0 + partB[:, 0]) if nc == 1 else (A0 + partA.sum(1), B0 + partB.sum(1))
     if check_finite:
         ov = PROJECTIONS_OVERFLOW.format(cdt)
         check_derived(True, ("q", q, nan_q == 0, ov), ("k", k, nan_k == 0, ov), ("v", v, all_finite(B1), SUMS_OVERFLOW))

@@ -149,9 +149,9 @@ def parallel_region():
     return _serialize
 
 
-@contextlib.contextmanager
-def task_threads(tokens, chunk):
-    """Where a kernel call of ``tokens`` tokens (all groups) in chunks of ``chunk`` runs.
+class task_threads:
+    """Where a kernel call of ``tokens`` tokens (all groups) in chunks of ``chunk`` runs: a
+    context manager (``with task_threads(tokens, chunk): kernel(...)``).
 
     Every core already runs its own prange task; a multi-threaded sgemm
     inside each would oversubscribe the cores (docs/performance.md, "BLAS on
@@ -159,22 +159,44 @@ def task_threads(tokens, chunk):
     (threadpoolctl) is skipped when a chunk is too short to reach BLAS
     (``chunk < BLAS_ROWS``), so decode steps stay cheap, and calls on fewer
     than SERIAL_TOKENS tokens do not wake the other threads at all.  The
-    thread counts are given back however the call ends.
+    thread counts are given back however the call ends.  A class rather than
+    a generator: a decode step enters two of these, and a generator's
+    context costs several microseconds more.
     """
-    start_threads()
-    serial = tokens < config.SERIAL_TOKENS
-    if serial:
-        threads = numba.get_num_threads()
-        numba.set_num_threads(1)
-    try:
-        if chunk < BLAS_ROWS:
-            yield
-        else:
-            with _blas_on_one_thread():
-                yield
-    finally:
-        if serial:
-            numba.set_num_threads(threads)
+
+    __slots__ = ("tokens", "chunk", "_threads", "_blas")
+
+    def __init__(self, tokens, chunk):
+        self.tokens, self.chunk = tokens, chunk
+        self._threads = self._blas = None
+
+    def __enter__(self):
+        start_threads()
+        if self.tokens < config.SERIAL_TOKENS:
+            self._threads = numba.get_num_threads()
+            numba.set_num_threads(1)
+        if self.chunk >= BLAS_ROWS:
+            blas = _blas_on_one_thread()
+            try:
+                blas.__enter__()
+            except BaseException:
+                self._restore()
+                raise
+            self._blas = blas
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            if self._blas is not None:
+                self._blas.__exit__(*exc)
+        finally:
+            self._restore()
+        return False
+
+    def _restore(self):
+        if self._threads is not None:
+            numba.set_num_threads(self._threads)
+            self._threads = None
 
 
 #: Tasks run with subnormal floats flushed to zero (x86-64: the FTZ and DAZ
