@@ -284,7 +284,8 @@ def release_pages(*arrays):
 
 def load_block(x, name, lead, lo, hi, bufs, cdt, check_finite):
     """Rows ``lo:hi`` of every group of ``x (*lead, N, d)`` as ``(G, hi - lo, d)`` in
-    ``cdt``, in the buffer ``bufs(name)`` (valid until that name is asked for again).
+    ``cdt``, in the buffer ``bufs(name)`` (a :class:`racecpu._memory.Buffers`; valid until that
+    name is asked for again).
 
     An ndarray or row source is read one group at a time, an array-like in one
     ``__getitem__`` call for every group (:func:`read_rows`).
@@ -315,28 +316,6 @@ def store_block(x, lead, lo, hi, data):
             x[np.unravel_index(g, lead) + (slice(lo, hi),)] = data[g]
     else:
         x[_rows_of(x, lo, hi)] = np.array(data.reshape(tuple(lead) + data.shape[1:]), dtype=np.dtype(x.dtype))
-
-
-class Buffers:
-    """Reusable flat buffers by name, viewed as C-contiguous arrays of the block's shape.
-
-    The last block of a pass is shorter; reusing the first block's memory
-    keeps a pass at one allocation per name.
-    """
-
-    def __init__(self):
-        self._store = {}
-
-    def __call__(self, name, shape, dtype, zero=False):
-        size = int(np.prod(shape, dtype=np.int64))
-        dtype = np.dtype(dtype)
-        buf = self._store.get(name)
-        if buf is None or buf.size < size or buf.dtype != dtype:
-            buf = self._store[name] = np.empty(size, dtype)
-        a = buf[:size].reshape(shape)
-        if zero:
-            a.fill(0)
-        return a
 
 
 def block_ranges(n, block, reverse=False):
