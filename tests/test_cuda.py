@@ -46,11 +46,17 @@ import racecpu.cuda as rc  # noqa: E402
 TOL = {np.float32: 1e-5, np.float64: 1e-10}
 
 
-@pytest.fixture(autouse=True)
-def small_tiles(monkeypatch):
-    """4 threads per block and 8-token chunks: several tiles per chunk, several chunks per head."""
+@pytest.fixture(autouse=True, params=["tiles", "chunkwise"])
+def small_tiles(request, monkeypatch):
+    """Each test on both formulations (:data:`racecpu.cuda.PATH`; the chunkwise one runs on
+    NumPy under the simulator, on CuPy on a GPU), with 4 threads per block and 8-token chunks:
+    several tiles per chunk, several chunks per head, and 4-token scan chunks and partials."""
+    monkeypatch.setattr(rc, "PATH", request.param)
     monkeypatch.setattr(rc, "THREADS", 4)
     monkeypatch.setattr(rc, "CHUNK", 8)
+    monkeypatch.setattr(rc, "SCAN_CHUNK", 4)
+    monkeypatch.setattr(rc, "SUM_CHUNK", 4)
+    return request.param
 
 
 def host(x):

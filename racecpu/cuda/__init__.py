@@ -47,11 +47,13 @@ from .. import _checks as cpu_checks
 from .._arrays import is_cupy as _is_cupy
 from .._arrays import on_device
 from ..hashing import DEFAULT_BETA
+from .. import chunkwise
 from ..plan import ChunkModel, make_plan
 from . import _kernels as cuda_kernels
 
 __all__ = ["soft_buckets", "race_attention", "race_attention_fwd", "race_attention_bwd", "Residuals",
-           "is_available", "BACKEND", "THREADS", "CHUNK"]
+           "ChunkwiseResiduals", "is_available", "BACKEND", "THREADS", "CHUNK", "PATH", "SCAN_CHUNK",
+           "SUM_CHUNK", "WORKSPACE"]
 
 #: Threads per block, which is also the tile length in tokens (a multiple of 32 on a GPU).
 THREADS = 64
@@ -61,6 +63,18 @@ CHUNK = 1024
 PARTIAL_BUDGET = 2 ** 30
 # Blocks of the grid-stride helper kernels.
 _MAX_BLOCKS = 4096
+#: Which formulation runs a call: "chunkwise" (:mod:`racecpu.chunkwise`: batched
+#: products through CuPy and cuBLAS), "tiles" (the numba.cuda kernels of
+#: ``racecpu.cuda._kernels``, one thread per token), or "auto": chunkwise where
+#: CuPy is installed and the GPU is real, tiles otherwise and for packed sequences
+#: (``cu_seqlens``), which the chunkwise form does not take yet.  Read at each forward.
+PATH = "auto"
+#: Tokens per chunk of the chunkwise causal scan (the C x C products inside a chunk).
+SCAN_CHUNK = 64
+#: Rows per float32 partial of the chunkwise non-causal sketch (partials summed in float64).
+SUM_CHUNK = 1024
+#: Bytes of temporaries one slab of key/value heads of the chunkwise form may use.
+WORKSPACE = 2 ** 31
 
 
 # ---------------------------------------------------------------------------
@@ -171,7 +185,10 @@ def _all_finite(x, dev):
 
 
 def _to_device(x, dtype, shape, dev):
-    """C-contiguous numba device array of ``dtype`` and ``shape`` holding ``x`` (a copy unless it fits)."""
+    """C-contiguous numba device array of ``dtype`` (None: ``x``'s own) and ``shape`` holding ``x``
+    (a copy unless it fits)."""
+    if dtype is None:
+        dtype = _proxy(x).dtype if _on_device(x) else np.asarray(x).dtype
     dtype = np.dtype(dtype)
     if not _on_device(x):
         return dev.to_device(np.asarray(x).reshape(shape).astype(dtype, copy=False))
@@ -219,12 +236,14 @@ class _Args:
     group: int = 1  # query heads per key/value head: k, v and mask have G // group groups
 
 
-def _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, dev):
+def _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, dev, widen=True):
     """:func:`racecpu._checks.prepare` for host or device arrays.
 
     Runs the CPU checks (the per-array ones directly, on zero-stride stand-ins
     of device arrays) and the same cross-shape checks in the same order, then
-    moves q, k, v, the mask and the planes to the device in the kernel layout.
+    moves q, k, v, the mask and the planes to the device in the kernel layout:
+    q, k, v in the compute dtype, or (``widen=False``) in their own dtype, and
+    no mask array where ``key_mask`` is None and nothing is widened.
     """
     q, qdt, _ = _check_array("q", q, check_finite, dev)
     k, kdt, _ = _check_array("k", k, check_finite, dev)
@@ -238,12 +257,13 @@ def _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, dev):
     nk = pk.shape[-2]
     # --- to the device, kernel layout ---
     if key_mask is None:
-        mask = dev.full((Gk, nk), np.bool_, True)
+        mask = dev.full((Gk, nk), np.bool_, True) if widen else None
     else:
         mask = _to_device(key_mask, np.bool_, (Gk, nk), dev)
     dv = pv.shape[-1]
-    return _Args(_to_device(q, cdt, (G, nq, d), dev), _to_device(k, cdt, (Gk, nk, d), dev),
-                 _to_device(v, cdt, (Gk, nk, dv), dev), mask, dev.to_device(planes), beta, lead,
+    wdt = cdt if widen else None
+    return _Args(_to_device(q, wdt, (G, nq, d), dev), _to_device(k, wdt, (Gk, nk, d), dev),
+                 _to_device(v, wdt, (Gk, nk, dv), dev), mask, dev.to_device(planes), beta, lead,
                  np.dtype(cdt), np.dtype(odt), (qdt, kdt, vdt), group)
 
 
@@ -427,6 +447,8 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
     are padded to whole chunks (:func:`racecpu.packing.padded_layout`).
     """
     dev = _Device(_is_cupy(q))
+    if _use_chunkwise(cu_seqlens):
+        return _chunkwise_fwd(q, k, v, planes, beta, causal, key_mask, check_finite, dev)
     a = _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, dev)
     G, n_given, d = a.q.shape
     nk, dv = a.v.shape[1:]
@@ -481,6 +503,8 @@ def race_attention_bwd(residuals, grad_out):
     dbeta : float
     """
     r = residuals
+    if isinstance(r, ChunkwiseResiduals):
+        return _chunkwise_bwd(r, grad_out)
     if not isinstance(r, Residuals):
         raise TypeError(f"residuals must come from racecpu.cuda.race_attention_fwd, got {type(r).__name__}")
     dev = _Device(r.cupy_out)
@@ -543,6 +567,109 @@ def race_attention_bwd(residuals, grad_out):
             _output(dk, kdt, klead + (dk.shape[1], d), dev),
             _output(dv_, vdt, klead + (dv_.shape[1], dv), dev),
             dbeta)
+
+
+# ---------------------------------------------------------------------------
+# the chunkwise form (racecpu.chunkwise on CuPy)
+# ---------------------------------------------------------------------------
+
+def _simulated():
+    from numba.core import config
+    return bool(config.ENABLE_CUDASIM)
+
+
+def _use_chunkwise(cu_seqlens):
+    """Whether this forward runs the chunkwise form (:data:`PATH`)."""
+    if PATH not in ("auto", "chunkwise", "tiles"):
+        raise ValueError(f"racecpu.cuda.PATH must be 'auto', 'chunkwise' or 'tiles', got {PATH!r}")
+    if PATH == "tiles" or cu_seqlens is not None:
+        return False
+    if PATH == "chunkwise" or _simulated():
+        return PATH == "chunkwise"
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _xp():
+    """The array module of the chunkwise form: CuPy on a GPU; NumPy under the simulator (tests)."""
+    if _simulated():
+        return np
+    import cupy
+    return cupy
+
+
+def _as_xp(xp, x):
+    """The numba device array (or CuPy array) ``x`` as an array of ``xp`` (no copy on a GPU)."""
+    if xp is np:
+        return x.copy_to_host() if _devicearray.is_cuda_ndarray(x) else np.asarray(x)
+    return xp.asarray(x)
+
+
+def _from_xp(xp, a, dev):
+    """A result of ``xp`` as the caller's kind: CuPy for CuPy callers, numba device arrays otherwise."""
+    if xp is np:
+        return dev.to_device(a)
+    return a if dev.cupy else cuda.as_cuda_array(a)
+
+
+@dataclass(frozen=True)
+class ChunkwiseResiduals:
+    """What :func:`race_attention_bwd` needs from a chunkwise forward (treat as opaque).
+
+    ``state``: the residuals of :func:`racecpu.chunkwise.forward` (soft buckets, tanh
+    projections and denominators, O(N * L * R) per head; ``v`` by reference: do not
+    modify it between forward and backward).
+    """
+
+    backend: ClassVar[str] = "cuda"
+    estimator: ClassVar[str] = "ratio"
+
+    state: dict
+    lead: tuple
+    kv_lead: tuple
+    tokens: int
+    in_dtypes: tuple
+    out_dtype: np.dtype
+    check_finite: bool
+    cupy_out: bool
+
+    @property
+    def out_shape(self):
+        return self.lead + (self.tokens, self.state["v"].shape[2])
+
+
+def _chunkwise_fwd(q, k, v, planes, beta, causal, key_mask, check_finite, dev):
+    a = _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, dev, widen=False)
+    xp = _xp()
+    n = a.q.shape[1]
+    q_, k_, v_ = (_as_xp(xp, x) for x in (a.q, a.k, a.v))
+    mask = None if a.mask is None else _as_xp(xp, a.mask)
+    out, state = chunkwise.forward(xp, q_, k_, v_, _as_xp(xp, a.planes), a.beta, causal=bool(causal),
+                                   key_mask=mask, group=a.group, chunk=int(SCAN_CHUNK), sum_chunk=int(SUM_CHUNK),
+                                   workspace=int(WORKSPACE), out_dtype=a.out_dtype)
+    kv_lead = a.lead[:-1] + (a.lead[-1] // a.group,) if a.group > 1 else a.lead
+    res = ChunkwiseResiduals(state, a.lead, kv_lead, n, a.in_dtypes, a.out_dtype, bool(check_finite), dev.cupy)
+    return _from_xp(xp, out.reshape(a.lead + (n, v_.shape[2])), dev), res
+
+
+def _chunkwise_bwd(r, grad_out):
+    dev = _Device(r.cupy_out)
+    g, _, _ = _check_array("grad_out", grad_out, r.check_finite, dev)
+    gshape = tuple(int(s) for s in g.shape)
+    if gshape != r.out_shape:
+        raise ValueError(f"grad_out must have the output's shape {r.out_shape}, got {gshape}")
+    xp = _xp()
+    G, n, _ = r.state["phiq"].shape
+    g = _as_xp(xp, _to_device(g, None, (G, n, gshape[-1]), dev))
+    dq, dk, dv, dbeta = chunkwise.backward(xp, r.state, g)
+    qdt, kdt, vdt = r.in_dtypes
+    return (_from_xp(xp, dq.astype(qdt, copy=False).reshape(r.lead + dq.shape[1:]), dev),
+            _from_xp(xp, dk.astype(kdt, copy=False).reshape(r.kv_lead + dk.shape[1:]), dev),
+            _from_xp(xp, dv.astype(vdt, copy=False).reshape(r.kv_lead + dv.shape[1:]), dev),
+            float(dbeta))
 
 
 def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None, check_finite=True,

@@ -1,0 +1,340 @@
+"""The ratio estimator in chunkwise matrix form, for any NumPy-like array module.
+
+This is the GPU backend's fast path (:mod:`racecpu.cuda` runs it with CuPy,
+where each product below is one cuBLAS call), written against an array
+module ``xp`` so that the same lines run on NumPy in the tests.  The math is
+the one of :mod:`racecpu._kernels` (and :func:`racecpu.reference.race_attention_dense`):
+with ``phi (N, F)`` the soft buckets of every table side by side
+(``F = L * 2**P``; masked keys have ``phi = 0``) and, for query ``i``,
+
+    D_i = sum_{j visible} phi_q_i . phi_k_j        (= L * den_i)
+    out_i = sum_{j visible} (phi_q_i . phi_k_j) v_j / D_i      (0 where den_i <= DEN_FLOOR)
+
+Non-causal, the sums are one sketch ``B = phi_k^T v``, ``A = phi_k^T 1``.
+Causal, the tokens are cut into chunks of ``C``: each chunk's state
+``(B_c, A_c)`` is one batched product, an exclusive scan over chunks (in
+float64) gives the state every chunk starts from, and inside a chunk the
+visible pairs are the lower triangle of ``phi_q phi_k^T`` (C x C, never
+N x N).  The backward has the same shape: the gradients of the queries read
+the prefix states, those of the keys and values the suffix sums of
+``(dB, dA)`` by a reverse scan, and both share the masked ``C x C`` matrix
+
+    Dmat_ij = [j <= i] ((g_i . v_j) / D_i + dD_i),   dD_i = -(g_i . out_i) / D_i,
+
+so ``dphi_q = (g/D) B_prev^T + dD A_prev^T + Dmat phi_k`` and
+``dphi_k = v dB_next^T + dA_next + Dmat^T phi_q``.  Nothing is obtained by
+subtracting from a total.
+
+Arrays are group-major as in the kernels: ``q (G, Nq, d)``, ``k (Gk, Nk, d)``,
+``v (Gk, Nk, dv)`` with ``G = Gk * group`` (query head ``h`` reads key/value
+head ``h // group``); every function takes and returns arrays of ``xp``.
+Work runs in slabs of key/value heads (:func:`slab_heads`) so that the
+temporaries stay within a workspace budget at any length; 16-bit inputs are
+widened one slab at a time, never whole.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .config import DEN_FLOOR
+
+__all__ = ["soft_hash", "soft_hash_bwd", "forward", "backward", "slab_heads"]
+
+
+# ---------------------------------------------------------------------------
+# the soft hash (as racecpu._kernels.hash: the logistic factorisation of the softmax over corners)
+# ---------------------------------------------------------------------------
+
+def soft_hash(xp, x, planes, beta):
+    """Soft buckets of the rows of ``x (..., d)``: ``phi (..., L * R)`` and ``t (..., L * P)``.
+
+    ``phi`` of table ``l`` is the softmax over the corners ``r`` of
+    ``beta * t_l . corner_r`` (``racecpu.hashing.corners`` order), written as a
+    product of logistic factors, one per plane: bit ``P - 1 - p`` of ``r``
+    set takes ``sigmoid(2 beta t_p)``, else ``sigmoid(-2 beta t_p)``.
+    """
+    L, P, d = planes.shape
+    t = xp.tanh(x.reshape(-1, d) @ planes.reshape(L * P, d).T).reshape(x.shape[:-1] + (L * P,))  # one 2-d GEMM
+    z = (2.0 * beta) * t.reshape(t.shape[:-1] + (L, P))
+    e = xp.exp(-xp.abs(z))  # never overflows
+    hi = 1.0 / (1.0 + e)
+    lo = e * hi
+    pos = z >= 0
+    a = xp.where(pos, hi, lo)  # sigmoid(z)
+    b = xp.where(pos, lo, hi)  # sigmoid(-z)
+    phi = a[..., :1] * 0 + 1
+    for p in range(P):  # corner 2r takes the plane's minus side, 2r + 1 its plus side
+        n = phi.shape[-1]
+        phi = xp.stack([phi * b[..., p:p + 1], phi * a[..., p:p + 1]], axis=-1).reshape(phi.shape[:-1] + (2 * n,))
+    return phi.reshape(x.shape[:-1] + (L * 2 ** P,)), t
+
+
+def _corner_signs(P, dtype):
+    r = np.arange(2 ** P)[:, None]
+    return (2 * ((r >> (P - 1 - np.arange(P))[None, :]) & 1) - 1).astype(dtype)  # (R, P)
+
+
+def soft_hash_bwd(xp, dphi, phi, t, planes, beta, x=None):
+    """Back through :func:`soft_hash`: ``(dx, dbeta)``, and ``dW`` too when the rows ``x`` are given.
+
+    ``dphi``, ``phi (..., L * R)``, ``t (..., L * P)``; ``dbeta`` is a float64
+    scalar of ``xp``; ``dW (L, P, d)`` sums over every row.
+    """
+    L, P, d = planes.shape
+    R = 2 ** P
+    shp = phi.shape[:-1]
+    phi3 = phi.reshape(shp + (L, R))
+    dphi3 = dphi.reshape(shp + (L, R))
+    dz = phi3 * (dphi3 - (phi3 * dphi3).sum(-1, keepdims=True))
+    s = dz @ xp.asarray(_corner_signs(P, phi.dtype))  # (..., L, P)
+    t3 = t.reshape(shp + (L, P))
+    dbeta = (s * t3).sum(dtype=np.float64)
+    du = (beta * s * (1.0 - t3 * t3)).reshape(shp + (L * P,))
+    dx = (du.reshape(-1, L * P) @ planes.reshape(L * P, d)).reshape(shp + (d,))
+    if x is None:
+        return dx, dbeta
+    dW = du.reshape(-1, L * P).T @ x.reshape(-1, d)
+    return dx, dbeta, dW.reshape(L, P, d)
+
+
+# ---------------------------------------------------------------------------
+# chunk sums and scans
+# ---------------------------------------------------------------------------
+
+def _chunks(xp, x, C):
+    """``x (S, N, E)`` as ``(S, nc, C, E)``, zero rows appended to a whole chunk (a copy only then)."""
+    S, N, E = x.shape
+    nc = -(-N // C)
+    if nc * C != N:
+        y = xp.zeros((S, nc * C, E), x.dtype)
+        y[:, :N] = x
+        x = y
+    return x.reshape(S, nc, C, E)
+
+
+def _sum_chunks(xp, phi, w, C, dtype):
+    """``sum_n phi_n w_n^T`` of ``phi (S, N, F)`` and ``w (S, N, E)`` (``w = None``: a column of ones)
+    in chunks of ``C`` rows summed in float64: ``(S, F, E)`` (``(S, F)`` for ones) in ``dtype``."""
+    pc = _chunks(xp, phi, C)
+    part = pc.sum(axis=2) if w is None else xp.swapaxes(pc, -1, -2) @ _chunks(xp, w, C)
+    return part.sum(axis=1, dtype=np.float64).astype(dtype)
+
+
+def _exclusive_scan(xp, part, reverse, dtype):
+    """Exclusive prefix (``reverse``: suffix) sums over axis 1 of ``part (S, nc, ...)``, in float64."""
+    out = xp.zeros(part.shape, np.float64)
+    if part.shape[1] > 1:
+        if reverse:
+            out[:, :-1] = xp.cumsum(part[:, ::-1][:, :-1], axis=1, dtype=np.float64)[:, ::-1]
+        else:
+            out[:, 1:] = xp.cumsum(part[:, :-1], axis=1, dtype=np.float64)
+    return out.astype(dtype)
+
+
+def _tril(xp, C, dtype):
+    return xp.asarray(np.tril(np.ones((C, C), dtype)))
+
+
+def slab_heads(Gk, per_head_bytes, workspace):
+    """Key/value heads per slab: as many as keep ``per_head_bytes`` each within ``workspace`` (at least 1)."""
+    return max(1, min(Gk, int(workspace // max(per_head_bytes, 1))))
+
+
+# ---------------------------------------------------------------------------
+# forward
+# ---------------------------------------------------------------------------
+
+def forward(xp, q, k, v, planes, beta, *, causal, key_mask=None, group=1, chunk=64, sum_chunk=1024,
+            workspace=2 ** 31, out_dtype=None):
+    """RACE attention (ratio estimator): ``(out, residuals)``.
+
+    Parameters
+    ----------
+    xp : array module (numpy or cupy)
+    q : (G, Nq, d); k : (Gk, Nk, d); v : (Gk, Nk, dv), ``G = Gk * group``; any float dtype
+        (16-bit ones are widened to float32 one slab at a time).  Causal needs ``Nq == Nk``.
+    planes : (L, P, d) in the compute dtype (float32, or float64 for float64 inputs)
+    key_mask : (Gk, Nk) bool or None
+    chunk : tokens per chunk of the causal scan; sum_chunk : rows per float32 partial of the
+        non-causal sketch (summed in float64)
+    workspace : bytes of temporaries a slab of key/value heads may use
+    out_dtype : dtype of ``out`` (default: the compute dtype)
+
+    Returns
+    -------
+    out : (G, Nq, dv) of ``out_dtype``; a fresh array, aliasing no input.
+    residuals : dict of ``phiq (G, Nq, F)``, ``tq``, ``phik (Gk, Nk, F)``, ``tk``, ``D (G, Nq)``
+        (compute dtype) and the scalars; ``v`` is kept by reference.
+    """
+    cdt = np.dtype(planes.dtype)
+    G, nq, d = q.shape
+    Gk, nk, dv = v.shape
+    L, P, _ = planes.shape
+    F = L * 2 ** P
+    out = xp.empty((G, nq, dv), out_dtype or cdt)
+    phiq = xp.empty((G, nq, F), cdt)
+    tq = xp.empty((G, nq, L * P), cdt)
+    phik = xp.empty((Gk, nk, F), cdt)
+    tk = xp.empty((Gk, nk, L * P), cdt)
+    D = xp.empty((G, nq), cdt)
+    item = cdt.itemsize
+    n = max(nq, nk)
+    per_head = item * (group * n * (chunk + 2 * dv + 2 * F) + n * (d + dv + F) + 3 * (n // chunk + 1) * F * (dv + 1) * 2)
+    hs = slab_heads(Gk, per_head, workspace)
+    mask_c = _tril(xp, chunk, cdt) if causal else None
+    for g0 in range(0, Gk, hs):
+        g1 = min(Gk, g0 + hs)
+        h0, h1 = g0 * group, g1 * group
+        S = g1 - g0
+        pk, tk[g0:g1] = soft_hash(xp, k[g0:g1].astype(cdt, copy=False), planes, beta)
+        if key_mask is not None:
+            pk = pk * key_mask[g0:g1, :, None]
+        phik[g0:g1] = pk
+        pq, tq[h0:h1] = soft_hash(xp, q[h0:h1].astype(cdt, copy=False), planes, beta)
+        phiq[h0:h1] = pq
+        vs = v[g0:g1].astype(cdt, copy=False)
+        if causal:
+            num, Dn = _causal_fwd_slab(xp, pq.reshape(S, group, nq, F), pk, vs, chunk, mask_c)
+        else:
+            B = _sum_chunks(xp, pk, vs, sum_chunk, cdt)     # (S, F, dv)
+            A = _sum_chunks(xp, pk, None, sum_chunk, cdt)   # (S, F)
+            pq4 = pq.reshape(S, group, nq, F)
+            num = pq4 @ B[:, None]
+            Dn = pq4 @ A[:, None, :, None]
+            Dn = Dn[..., 0]
+        num = num.reshape(S * group, nq, dv)
+        Dn = Dn.reshape(S * group, nq)
+        D[h0:h1] = Dn
+        keep = Dn > L * DEN_FLOOR
+        out[h0:h1] = num * (keep / xp.where(keep, Dn, 1))[..., None]
+    return out, dict(phiq=phiq, tq=tq, phik=phik, tk=tk, D=D, v=v, planes=planes, beta=beta, causal=causal,
+                     group=group, chunk=chunk, sum_chunk=sum_chunk, workspace=workspace)
+
+
+def _causal_fwd_slab(xp, pq, pk, v, C, mask_c):
+    """Causal numerators and ``D`` of one slab: ``pq (S, group, N, F)``, ``pk (S, N, F)``, ``v (S, N, dv)``."""
+    S, group, N, F = pq.shape
+    dv = v.shape[-1]
+    cdt = pk.dtype
+    kc = _chunks(xp, pk, C)                      # (S, nc, C, F)
+    vc = _chunks(xp, v, C)                       # (S, nc, C, dv)
+    nc = kc.shape[1]
+    kT = xp.swapaxes(kc, -1, -2)                 # (S, nc, F, C)
+    Bp = _exclusive_scan(xp, kT @ vc, False, cdt)                  # (S, nc, F, dv)
+    Ap = _exclusive_scan(xp, kc.sum(axis=2), False, cdt)           # (S, nc, F)
+    qc = _chunks(xp, pq.reshape(S * group, N, F), C).reshape(S, group, nc, C, F)
+    M = qc @ kT[:, None]                         # (S, group, nc, C, C): phi_q . phi_k within the chunk
+    M *= mask_c
+    num = qc @ Bp[:, None] + M @ vc[:, None]
+    Dn = (qc @ Ap[:, None, :, :, None])[..., 0] + M.sum(axis=-1)
+    return num.reshape(S, group, nc * C, dv)[:, :, :N], Dn.reshape(S, group, nc * C)[:, :, :N]
+
+
+# ---------------------------------------------------------------------------
+# backward
+# ---------------------------------------------------------------------------
+
+def backward(xp, res, grad, *, q=None, k=None):
+    """Gradients of :func:`forward`: ``(dq, dk, dv, dbeta)``, and ``dplanes`` when ``q`` and ``k`` are given.
+
+    ``grad (G, Nq, dv)`` (any float dtype); ``dq (G, Nq, d)``, ``dk (Gk, Nk, d)``,
+    ``dv (Gk, Nk, dv)`` in the compute dtype (the key/value gradients summed over
+    each key/value head's query heads); ``dbeta`` a Python float; ``dplanes (L, P, d)``.
+    """
+    planes, beta, group, C = res["planes"], res["beta"], res["group"], res["chunk"]
+    phiq, tq, phik, tk, D, v = res["phiq"], res["tq"], res["phik"], res["tk"], res["D"], res["v"]
+    cdt = np.dtype(phiq.dtype)
+    G, nq, F = phiq.shape
+    Gk, nk, dv = v.shape
+    L, P, d = planes.shape
+    dq = xp.empty((G, nq, d), cdt)
+    dk = xp.empty((Gk, nk, d), cdt)
+    dV = xp.empty((Gk, nk, dv), cdt)
+    want_dw = q is not None
+    dW = xp.zeros(planes.shape, cdt) if want_dw else None
+    dbeta = 0.0
+    n = max(nq, nk)
+    per_head = cdt.itemsize * (group * n * (2 * C + 3 * dv + 3 * F) + n * (2 * dv + 2 * F)
+                               + 4 * (n // C + 1) * F * (dv + 1) * 2)
+    hs = slab_heads(Gk, per_head, res["workspace"])
+    mask_c = _tril(xp, C, cdt) if res["causal"] else None
+    for g0 in range(0, Gk, hs):
+        g1 = min(Gk, g0 + hs)
+        h0, h1 = g0 * group, g1 * group
+        S = g1 - g0
+        g = grad[h0:h1].astype(cdt, copy=False)
+        Dn = D[h0:h1]
+        keep = Dn > L * DEN_FLOOR
+        winv = keep / xp.where(keep, Dn, 1)                     # 1 / D, 0 on floored rows
+        pq = phiq[h0:h1]
+        pk = phik[g0:g1]
+        vs = v[g0:g1].astype(cdt, copy=False)
+        gw = g * winv[..., None]
+        if res["causal"]:
+            dpq, dpk, dvs = _causal_bwd_slab(xp, pq.reshape(S, group, nq, F), pk, vs,
+                                             g.reshape(S, group, nq, dv), gw.reshape(S, group, nq, dv),
+                                             winv.reshape(S, group, nq), C, mask_c)
+        else:
+            B = _sum_chunks(xp, pk, vs, res["sum_chunk"], cdt)
+            A = _sum_chunks(xp, pk, None, res["sum_chunk"], cdt)
+            g4 = g.reshape(S, group, nq, dv)
+            Y = g4 @ xp.swapaxes(B, -1, -2)[:, None]            # (S, group, nq, F): B g
+            pq4 = pq.reshape(S, group, nq, F)
+            dD = -(pq4 * Y).sum(axis=-1) * winv.reshape(S, group, nq) ** 2
+            dpq = Y * winv.reshape(S, group, nq, 1) + dD[..., None] * A[:, None, None, :]
+            pqf = pq4.reshape(S, group * nq, F)
+            dB = _sum_chunks(xp, pqf, gw.reshape(S, group * nq, dv), res["sum_chunk"], cdt)   # (S, F, dv)
+            dA = _sum_chunks(xp, pqf, dD.reshape(S, group * nq, 1), res["sum_chunk"], cdt)[..., 0]
+            dpk = vs @ xp.swapaxes(dB, -1, -2) + dA[:, None, :]
+            dvs = pk @ dB
+        xq = q[h0:h1].astype(cdt, copy=False) if want_dw else None
+        xk = k[g0:g1].astype(cdt, copy=False) if want_dw else None
+        rq = soft_hash_bwd(xp, dpq.reshape(S * group, nq, F), pq, tq[h0:h1], planes, beta, xq)
+        rk = soft_hash_bwd(xp, dpk.reshape(S, nk, F), pk, tk[g0:g1], planes, beta, xk)
+        dq[h0:h1] = rq[0]
+        dk[g0:g1] = rk[0]
+        dV[g0:g1] = dvs
+        dbeta += float(rq[1]) + float(rk[1])
+        if want_dw:
+            dW += rq[2] + rk[2]
+    return (dq, dk, dV, dbeta) + ((dW,) if want_dw else ())
+
+
+def _causal_bwd_slab(xp, pq, pk, v, g, gw, winv, C, mask_c):
+    """Causal ``(dphi_q, dphi_k, dv)`` of one slab (shapes as :func:`_causal_fwd_slab`;
+    ``g``, ``gw = g / D`` ``(S, group, N, dv)``, ``winv = 1 / D`` ``(S, group, N)``)."""
+    S, group, N, F = pq.shape
+    dv = v.shape[-1]
+    cdt = pk.dtype
+    kc = _chunks(xp, pk, C)
+    vc = _chunks(xp, v, C)
+    nc = kc.shape[1]
+    kT = xp.swapaxes(kc, -1, -2)
+    vT = xp.swapaxes(vc, -1, -2)
+    Bp = _exclusive_scan(xp, kT @ vc, False, cdt)                # the prefix states, as the forward
+    Ap = _exclusive_scan(xp, kc.sum(axis=2), False, cdt)
+
+    def chunks4(x):
+        return _chunks(xp, x.reshape(S * group, N, x.shape[-1]), C).reshape(S, group, nc, C, x.shape[-1])
+
+    qc, gc, gwc = chunks4(pq), chunks4(g), chunks4(gw)
+    wc = chunks4(winv[..., None])[..., 0]                        # (S, group, nc, C)
+    M = qc @ kT[:, None]                                         # phi_q . phi_k, visible pairs
+    M *= mask_c
+    GV = gc @ vT[:, None]                                        # g_i . v_j
+    GV *= mask_c
+    # g_i . num_i, then dD_i = -(g_i . num_i) / D_i^2
+    gnum = (gc * (qc @ Bp[:, None])).sum(axis=-1) + (M * GV).sum(axis=-1)
+    dD = -gnum * wc * wc
+    Dm = GV * wc[..., None] + dD[..., None]                      # Dmat, then masked
+    Dm *= mask_c
+    dpq = gwc @ xp.swapaxes(Bp, -1, -2)[:, None] + dD[..., None] * Ap[:, None, :, None, :] + Dm @ kc[:, None]
+    # suffix sums of (dB, dA) over later chunks, summed over the query heads of the group
+    qT = xp.swapaxes(qc, -1, -2)                                 # (S, group, nc, F, C)
+    dBn = _exclusive_scan(xp, (qT @ gwc).sum(axis=1), True, cdt)                 # (S, nc, F, dv)
+    dAn = _exclusive_scan(xp, (qT @ dD[..., None])[..., 0].sum(axis=1), True, cdt)   # (S, nc, F)
+    dpk = vc @ xp.swapaxes(dBn, -1, -2) + dAn[:, :, None, :] + (xp.swapaxes(Dm, -1, -2) @ qc).sum(axis=1)
+    dvs = kc @ dBn + (xp.swapaxes(M, -1, -2) @ gwc).sum(axis=1)
+    return (dpq.reshape(S, group, nc * C, F)[:, :, :N], dpk.reshape(S, nc * C, F)[:, :N],
+            dvs.reshape(S, nc * C, dv)[:, :N])
