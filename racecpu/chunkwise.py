@@ -70,6 +70,43 @@ def soft_hash(xp, x, planes, beta):
     return phi.reshape(x.shape[:-1] + (L * 2 ** P,)), t
 
 
+def _hash_du(xp, dphi, phi, t, beta, L, P):
+    """Cotangents of the projections ``u`` (``du (..., L * P)``) and the float64 dbeta of
+    :func:`soft_hash` from ``dphi``: the softmax over corners and tanh, without the planes."""
+    R = 2 ** P
+    shp = phi.shape[:-1]
+    phi3 = phi.reshape(shp + (L, R))
+    dphi3 = dphi.reshape(shp + (L, R))
+    dz = phi3 * (dphi3 - (phi3 * dphi3).sum(-1, keepdims=True))
+    s = dz @ xp.asarray(_corner_signs(P, phi.dtype))  # (..., L, P)
+    t3 = t.reshape(shp + (L, P))
+    dbeta = (s * t3).sum(dtype=np.float64)
+    return (beta * s * (1.0 - t3 * t3)).reshape(shp + (L * P,)), dbeta
+
+
+class ArrayOps:
+    """The steps of the chunkwise form that a backend may hand to fused kernels, written with ``xp``.
+
+    :mod:`racecpu.cuda` subclasses it with numba.cuda kernels (one pass over the rows
+    instead of one per array expression); the products stay with ``xp`` (cuBLAS).
+    """
+
+    def __init__(self, xp):
+        self.xp = xp
+
+    def soft_hash(self, x, planes, beta):
+        """:func:`soft_hash` of ``x (M, d)``."""
+        return soft_hash(self.xp, x, planes, beta)
+
+    def hash_du(self, dphi, phi, t, beta, L, P):
+        """``(du, dbeta)`` of rows ``(M, F)`` (see :func:`_hash_du`)."""
+        return _hash_du(self.xp, dphi, phi, t, beta, L, P)
+
+    def exclusive_scan(self, part, reverse, dtype):
+        """Exclusive prefix (suffix) sums over axis 1 of ``part (S, nc, E)`` in float64, as ``dtype``."""
+        return _exclusive_scan(self.xp, part, reverse, dtype)
+
+
 def _corner_signs(P, dtype):
     r = np.arange(2 ** P)[:, None]
     return (2 * ((r >> (P - 1 - np.arange(P))[None, :]) & 1) - 1).astype(dtype)  # (R, P)
@@ -82,15 +119,8 @@ def soft_hash_bwd(xp, dphi, phi, t, planes, beta, x=None):
     scalar of ``xp``; ``dW (L, P, d)`` sums over every row.
     """
     L, P, d = planes.shape
-    R = 2 ** P
     shp = phi.shape[:-1]
-    phi3 = phi.reshape(shp + (L, R))
-    dphi3 = dphi.reshape(shp + (L, R))
-    dz = phi3 * (dphi3 - (phi3 * dphi3).sum(-1, keepdims=True))
-    s = dz @ xp.asarray(_corner_signs(P, phi.dtype))  # (..., L, P)
-    t3 = t.reshape(shp + (L, P))
-    dbeta = (s * t3).sum(dtype=np.float64)
-    du = (beta * s * (1.0 - t3 * t3)).reshape(shp + (L * P,))
+    du, dbeta = _hash_du(xp, dphi, phi, t, beta, L, P)
     dx = (du.reshape(-1, L * P) @ planes.reshape(L * P, d)).reshape(shp + (d,))
     if x is None:
         return dx, dbeta
@@ -132,6 +162,11 @@ def _exclusive_scan(xp, part, reverse, dtype):
     return out.astype(dtype)
 
 
+def _sum_group(x):
+    """``x (S, group, ...)`` summed over its query heads (axis 1); no copy for one head."""
+    return x[:, 0] if x.shape[1] == 1 else x.sum(axis=1)
+
+
 def _tril(xp, C, dtype):
     return xp.asarray(np.tril(np.ones((C, C), dtype)))
 
@@ -146,20 +181,21 @@ def slab_heads(Gk, per_head_bytes, workspace):
 # ---------------------------------------------------------------------------
 
 def forward(xp, q, k, v, planes, beta, *, causal, key_mask=None, group=1, chunk=64, sum_chunk=1024,
-            workspace=2 ** 31, out_dtype=None):
+            workspace=2 ** 31, out_dtype=None, ops=None):
     """RACE attention (ratio estimator): ``(out, residuals)``.
 
     Parameters
     ----------
     xp : array module (numpy or cupy)
-    q : (G, Nq, d); k : (Gk, Nk, d); v : (Gk, Nk, dv), ``G = Gk * group``; any float dtype
-        (16-bit ones are widened to float32 one slab at a time).  Causal needs ``Nq == Nk``.
+    q : (G, Nq, d); k : (Gk, Nk, d); v : (Gk, Nk, dv), ``G = Gk * group``; C-contiguous, any float
+        dtype (16-bit ones are widened to float32 one slab at a time).  Causal needs ``Nq == Nk``.
     planes : (L, P, d) in the compute dtype (float32, or float64 for float64 inputs)
     key_mask : (Gk, Nk) bool or None
     chunk : tokens per chunk of the causal scan; sum_chunk : rows per float32 partial of the
         non-causal sketch (summed in float64)
     workspace : bytes of temporaries a slab of key/value heads may use
     out_dtype : dtype of ``out`` (default: the compute dtype)
+    ops : :class:`ArrayOps` (default ``ArrayOps(xp)``): the hash and the scans
 
     Returns
     -------
@@ -167,6 +203,7 @@ def forward(xp, q, k, v, planes, beta, *, causal, key_mask=None, group=1, chunk=
     residuals : dict of ``phiq (G, Nq, F)``, ``tq``, ``phik (Gk, Nk, F)``, ``tk``, ``D (G, Nq)``
         (compute dtype) and the scalars; ``v`` is kept by reference.
     """
+    ops = ops or ArrayOps(xp)
     cdt = np.dtype(planes.dtype)
     G, nq, d = q.shape
     Gk, nk, dv = v.shape
@@ -178,163 +215,188 @@ def forward(xp, q, k, v, planes, beta, *, causal, key_mask=None, group=1, chunk=
     phik = xp.empty((Gk, nk, F), cdt)
     tk = xp.empty((Gk, nk, L * P), cdt)
     D = xp.empty((G, nq), cdt)
-    item = cdt.itemsize
     n = max(nq, nk)
-    per_head = item * (group * n * (chunk + 2 * dv + 2 * F) + n * (d + dv + F) + 3 * (n // chunk + 1) * F * (dv + 1) * 2)
+    per_head = cdt.itemsize * (group * n * (chunk + 3 * dv + 2 * F) + n * (d + dv + F)
+                               + 3 * (n // chunk + 1) * F * (dv + 1))
     hs = slab_heads(Gk, per_head, workspace)
     mask_c = _tril(xp, chunk, cdt) if causal else None
     for g0 in range(0, Gk, hs):
         g1 = min(Gk, g0 + hs)
         h0, h1 = g0 * group, g1 * group
         S = g1 - g0
-        pk, tk[g0:g1] = soft_hash(xp, k[g0:g1].astype(cdt, copy=False), planes, beta)
+        pk, tk[g0:g1] = ops.soft_hash(k[g0:g1].astype(cdt, copy=False), planes, beta)
         if key_mask is not None:
-            pk = pk * key_mask[g0:g1, :, None]
+            pk *= key_mask[g0:g1, :, None]
         phik[g0:g1] = pk
-        pq, tq[h0:h1] = soft_hash(xp, q[h0:h1].astype(cdt, copy=False), planes, beta)
+        pq, tq[h0:h1] = ops.soft_hash(q[h0:h1].astype(cdt, copy=False), planes, beta)
         phiq[h0:h1] = pq
         vs = v[g0:g1].astype(cdt, copy=False)
         if causal:
-            num, Dn = _causal_fwd_slab(xp, pq.reshape(S, group, nq, F), pk, vs, chunk, mask_c)
+            num, Dn = _causal_fwd_slab(xp, ops, pq.reshape(S, group, nq, F), pk, vs, chunk, mask_c)
         else:
             B = _sum_chunks(xp, pk, vs, sum_chunk, cdt)     # (S, F, dv)
             A = _sum_chunks(xp, pk, None, sum_chunk, cdt)   # (S, F)
             pq4 = pq.reshape(S, group, nq, F)
             num = pq4 @ B[:, None]
-            Dn = pq4 @ A[:, None, :, None]
-            Dn = Dn[..., 0]
-        num = num.reshape(S * group, nq, dv)
+            Dn = (pq4 @ A[:, None, :, None])[..., 0]
         Dn = Dn.reshape(S * group, nq)
         D[h0:h1] = Dn
-        keep = Dn > L * DEN_FLOOR
-        out[h0:h1] = num * (keep / xp.where(keep, Dn, 1))[..., None]
+        num = num.reshape(S * group, nq, dv)
+        num *= _inverse(xp, Dn, L)[..., None]
+        out[h0:h1] = num
     return out, dict(phiq=phiq, tq=tq, phik=phik, tk=tk, D=D, v=v, planes=planes, beta=beta, causal=causal,
                      group=group, chunk=chunk, sum_chunk=sum_chunk, workspace=workspace)
 
 
-def _causal_fwd_slab(xp, pq, pk, v, C, mask_c):
+def _inverse(xp, Dn, L):
+    """``1 / D``, and 0 where ``den = D / L <= DEN_FLOOR`` (those queries output 0 and pass nothing back)."""
+    keep = Dn > L * DEN_FLOOR
+    return keep / xp.where(keep, Dn, 1)
+
+
+def _causal_fwd_slab(xp, ops, pq, pk, v, C, mask_c):
     """Causal numerators and ``D`` of one slab: ``pq (S, group, N, F)``, ``pk (S, N, F)``, ``v (S, N, dv)``."""
     S, group, N, F = pq.shape
-    dv = v.shape[-1]
     cdt = pk.dtype
+    kc, vc, Bp, Ap = _prefix_states(xp, ops, pk, v, C, cdt)
+    nc = kc.shape[1]
+    qc = _chunks(xp, pq.reshape(S * group, N, F), C).reshape(S, group, nc, C, F)
+    M = qc @ xp.swapaxes(kc, -1, -2)[:, None]    # (S, group, nc, C, C): phi_q . phi_k within the chunk
+    M *= mask_c
+    num = qc @ Bp[:, None]
+    num += M @ vc[:, None]
+    Dn = (qc @ Ap[:, None, :, :, None])[..., 0] + M.sum(axis=-1)
+    dv = v.shape[-1]
+    return num.reshape(S, group, nc * C, dv)[:, :, :N], Dn.reshape(S, group, nc * C)[:, :, :N]
+
+
+def _prefix_states(xp, ops, pk, v, C, cdt):
+    """The chunks of ``pk``, ``v`` and the state ``(B, A)`` every chunk starts from (exclusive, float64 scan)."""
     kc = _chunks(xp, pk, C)                      # (S, nc, C, F)
     vc = _chunks(xp, v, C)                       # (S, nc, C, dv)
-    nc = kc.shape[1]
-    kT = xp.swapaxes(kc, -1, -2)                 # (S, nc, F, C)
-    Bp = _exclusive_scan(xp, kT @ vc, False, cdt)                  # (S, nc, F, dv)
-    Ap = _exclusive_scan(xp, kc.sum(axis=2), False, cdt)           # (S, nc, F)
-    qc = _chunks(xp, pq.reshape(S * group, N, F), C).reshape(S, group, nc, C, F)
-    M = qc @ kT[:, None]                         # (S, group, nc, C, C): phi_q . phi_k within the chunk
-    M *= mask_c
-    num = qc @ Bp[:, None] + M @ vc[:, None]
-    Dn = (qc @ Ap[:, None, :, :, None])[..., 0] + M.sum(axis=-1)
-    return num.reshape(S, group, nc * C, dv)[:, :, :N], Dn.reshape(S, group, nc * C)[:, :, :N]
+    S, nc, _, F = kc.shape
+    dv = vc.shape[-1]
+    Bc = xp.swapaxes(kc, -1, -2) @ vc            # (S, nc, F, dv)
+    Bp = ops.exclusive_scan(Bc.reshape(S, nc, F * dv), False, cdt).reshape(S, nc, F, dv)
+    Ap = ops.exclusive_scan(kc.sum(axis=2), False, cdt)                  # (S, nc, F)
+    return kc, vc, Bp, Ap
 
 
 # ---------------------------------------------------------------------------
 # backward
 # ---------------------------------------------------------------------------
 
-def backward(xp, res, grad, *, q=None, k=None):
+def backward(xp, res, grad, *, q=None, k=None, ops=None):
     """Gradients of :func:`forward`: ``(dq, dk, dv, dbeta)``, and ``dplanes`` when ``q`` and ``k`` are given.
 
     ``grad (G, Nq, dv)`` (any float dtype); ``dq (G, Nq, d)``, ``dk (Gk, Nk, d)``,
     ``dv (Gk, Nk, dv)`` in the compute dtype (the key/value gradients summed over
     each key/value head's query heads); ``dbeta`` a Python float; ``dplanes (L, P, d)``.
     """
+    ops = ops or ArrayOps(xp)
     planes, beta, group, C = res["planes"], res["beta"], res["group"], res["chunk"]
     phiq, tq, phik, tk, D, v = res["phiq"], res["tq"], res["phik"], res["tk"], res["D"], res["v"]
     cdt = np.dtype(phiq.dtype)
     G, nq, F = phiq.shape
     Gk, nk, dv = v.shape
     L, P, d = planes.shape
+    W2 = planes.reshape(L * P, d)
     dq = xp.empty((G, nq, d), cdt)
     dk = xp.empty((Gk, nk, d), cdt)
     dV = xp.empty((Gk, nk, dv), cdt)
     want_dw = q is not None
-    dW = xp.zeros(planes.shape, cdt) if want_dw else None
+    dW = xp.zeros((L * P, d), cdt) if want_dw else None
     dbeta = 0.0
     n = max(nq, nk)
-    per_head = cdt.itemsize * (group * n * (2 * C + 3 * dv + 3 * F) + n * (2 * dv + 2 * F)
-                               + 4 * (n // C + 1) * F * (dv + 1) * 2)
+    per_head = cdt.itemsize * (group * n * (3 * C + 2 * dv + 4 * F) + n * (2 * dv + 2 * F)
+                               + 4 * (n // C + 1) * F * (dv + 1))
     hs = slab_heads(Gk, per_head, res["workspace"])
     mask_c = _tril(xp, C, cdt) if res["causal"] else None
     for g0 in range(0, Gk, hs):
         g1 = min(Gk, g0 + hs)
         h0, h1 = g0 * group, g1 * group
         S = g1 - g0
-        g = grad[h0:h1].astype(cdt, copy=False)
-        Dn = D[h0:h1]
-        keep = Dn > L * DEN_FLOOR
-        winv = keep / xp.where(keep, Dn, 1)                     # 1 / D, 0 on floored rows
-        pq = phiq[h0:h1]
+        g = grad[h0:h1].astype(cdt, copy=False).reshape(S, group, nq, dv)
+        winv = _inverse(xp, D[h0:h1], L).reshape(S, group, nq)   # 1 / D, 0 on floored rows
+        pq = phiq[h0:h1].reshape(S, group, nq, F)
         pk = phik[g0:g1]
         vs = v[g0:g1].astype(cdt, copy=False)
-        gw = g * winv[..., None]
         if res["causal"]:
-            dpq, dpk, dvs = _causal_bwd_slab(xp, pq.reshape(S, group, nq, F), pk, vs,
-                                             g.reshape(S, group, nq, dv), gw.reshape(S, group, nq, dv),
-                                             winv.reshape(S, group, nq), C, mask_c)
+            dpq, dpk, dvs = _causal_bwd_slab(xp, ops, pq, pk, vs, g, winv, C, mask_c)
         else:
-            B = _sum_chunks(xp, pk, vs, res["sum_chunk"], cdt)
-            A = _sum_chunks(xp, pk, None, res["sum_chunk"], cdt)
-            g4 = g.reshape(S, group, nq, dv)
-            Y = g4 @ xp.swapaxes(B, -1, -2)[:, None]            # (S, group, nq, F): B g
-            pq4 = pq.reshape(S, group, nq, F)
-            dD = -(pq4 * Y).sum(axis=-1) * winv.reshape(S, group, nq) ** 2
-            dpq = Y * winv.reshape(S, group, nq, 1) + dD[..., None] * A[:, None, None, :]
-            pqf = pq4.reshape(S, group * nq, F)
-            dB = _sum_chunks(xp, pqf, gw.reshape(S, group * nq, dv), res["sum_chunk"], cdt)   # (S, F, dv)
-            dA = _sum_chunks(xp, pqf, dD.reshape(S, group * nq, 1), res["sum_chunk"], cdt)[..., 0]
-            dpk = vs @ xp.swapaxes(dB, -1, -2) + dA[:, None, :]
-            dvs = pk @ dB
-        xq = q[h0:h1].astype(cdt, copy=False) if want_dw else None
-        xk = k[g0:g1].astype(cdt, copy=False) if want_dw else None
-        rq = soft_hash_bwd(xp, dpq.reshape(S * group, nq, F), pq, tq[h0:h1], planes, beta, xq)
-        rk = soft_hash_bwd(xp, dpk.reshape(S, nk, F), pk, tk[g0:g1], planes, beta, xk)
-        dq[h0:h1] = rq[0]
-        dk[g0:g1] = rk[0]
+            dpq, dpk, dvs = _noncausal_bwd_slab(xp, pq, pk, vs, g, winv, res["sum_chunk"])
+        duq, dbq = ops.hash_du(dpq.reshape(S * group * nq, F), phiq[h0:h1].reshape(-1, F),
+                               tq[h0:h1].reshape(-1, L * P), beta, L, P)
+        duk, dbk = ops.hash_du(dpk.reshape(S * nk, F), pk.reshape(-1, F), tk[g0:g1].reshape(-1, L * P), beta, L, P)
+        dq[h0:h1] = (duq @ W2).reshape(S * group, nq, d)
+        dk[g0:g1] = (duk @ W2).reshape(S, nk, d)
         dV[g0:g1] = dvs
-        dbeta += float(rq[1]) + float(rk[1])
+        dbeta += float(dbq) + float(dbk)
         if want_dw:
-            dW += rq[2] + rk[2]
-    return (dq, dk, dV, dbeta) + ((dW,) if want_dw else ())
+            dW += duq.T @ q[h0:h1].astype(cdt, copy=False).reshape(-1, d)
+            dW += duk.T @ k[g0:g1].astype(cdt, copy=False).reshape(-1, d)
+    return (dq, dk, dV, dbeta) + ((dW.reshape(L, P, d),) if want_dw else ())
 
 
-def _causal_bwd_slab(xp, pq, pk, v, g, gw, winv, C, mask_c):
-    """Causal ``(dphi_q, dphi_k, dv)`` of one slab (shapes as :func:`_causal_fwd_slab`;
-    ``g``, ``gw = g / D`` ``(S, group, N, dv)``, ``winv = 1 / D`` ``(S, group, N)``)."""
+def _noncausal_bwd_slab(xp, pq, pk, v, g, winv, sum_chunk):
+    """Non-causal ``(dphi_q, dphi_k, dv)`` of one slab (``pq (S, group, N, F)``, ``g (S, group, N, dv)``,
+    ``winv = 1 / D`` ``(S, group, N)``)."""
+    S, group, nq, F = pq.shape
+    cdt = pk.dtype
+    B = _sum_chunks(xp, pk, v, sum_chunk, cdt)
+    A = _sum_chunks(xp, pk, None, sum_chunk, cdt)
+    Y = g @ xp.swapaxes(B, -1, -2)[:, None]       # (S, group, nq, F): B g_i
+    dD = -(pq * Y).sum(axis=-1) * winv * winv     # -(g_i . num_i) / D_i^2
+    Y *= winv[..., None]
+    dpq = Y + dD[..., None] * A[:, None, None, :]
+    pw = (pq * winv[..., None]).reshape(S, group * nq, F)   # phi_q / D: scales F columns, not dv
+    dB = _sum_chunks(xp, pw, g.reshape(S, group * nq, -1), sum_chunk, cdt)     # (S, F, dv)
+    dA = _sum_chunks(xp, pq.reshape(S, group * nq, F), dD.reshape(S, group * nq, 1), sum_chunk, cdt)[..., 0]
+    dpk = v @ xp.swapaxes(dB, -1, -2) + dA[:, None, :]
+    return dpq, dpk, pk @ dB
+
+
+def _causal_bwd_slab(xp, ops, pq, pk, v, g, winv, C, mask_c):
+    """Causal ``(dphi_q, dphi_k, dv)`` of one slab (shapes as :func:`_noncausal_bwd_slab`).
+
+    ``1 / D`` scales the F-wide rows of phi_q and the C x C matrices, never the dv-wide
+    rows of ``g``, so no (N, dv) temporary is made beside the gradients themselves.
+    """
     S, group, N, F = pq.shape
     dv = v.shape[-1]
     cdt = pk.dtype
-    kc = _chunks(xp, pk, C)
-    vc = _chunks(xp, v, C)
+    kc, vc, Bp, Ap = _prefix_states(xp, ops, pk, v, C, cdt)    # the prefix states, as the forward
     nc = kc.shape[1]
-    kT = xp.swapaxes(kc, -1, -2)
-    vT = xp.swapaxes(vc, -1, -2)
-    Bp = _exclusive_scan(xp, kT @ vc, False, cdt)                # the prefix states, as the forward
-    Ap = _exclusive_scan(xp, kc.sum(axis=2), False, cdt)
 
     def chunks4(x):
         return _chunks(xp, x.reshape(S * group, N, x.shape[-1]), C).reshape(S, group, nc, C, x.shape[-1])
 
-    qc, gc, gwc = chunks4(pq), chunks4(g), chunks4(gw)
-    wc = chunks4(winv[..., None])[..., 0]                        # (S, group, nc, C)
-    M = qc @ kT[:, None]                                         # phi_q . phi_k, visible pairs
+    qc, gc = chunks4(pq), chunks4(g)
+    wc = chunks4(winv[..., None])                                # (S, group, nc, C, 1)
+    kT = xp.swapaxes(kc, -1, -2)[:, None]
+    M = qc @ kT                                                  # phi_q . phi_k, visible pairs
     M *= mask_c
-    GV = gc @ vT[:, None]                                        # g_i . v_j
+    GV = gc @ xp.swapaxes(vc, -1, -2)[:, None]                   # g_i . v_j
     GV *= mask_c
+    Y = gc @ xp.swapaxes(Bp, -1, -2)[:, None]                    # B_prev g_i: (S, group, nc, C, F)
     # g_i . num_i, then dD_i = -(g_i . num_i) / D_i^2
-    gnum = (gc * (qc @ Bp[:, None])).sum(axis=-1) + (M * GV).sum(axis=-1)
-    dD = -gnum * wc * wc
-    Dm = GV * wc[..., None] + dD[..., None]                      # Dmat, then masked
+    gnum = (qc * Y).sum(axis=-1) + (M * GV).sum(axis=-1)
+    dD = (-gnum * wc[..., 0] * wc[..., 0])[..., None]           # (S, group, nc, C, 1)
+    Dm = GV                                                      # Dmat_ij = [j <= i] ((g_i . v_j) / D_i + dD_i)
+    Dm *= wc
+    Dm += dD
     Dm *= mask_c
-    dpq = gwc @ xp.swapaxes(Bp, -1, -2)[:, None] + dD[..., None] * Ap[:, None, :, None, :] + Dm @ kc[:, None]
+    Y *= wc
+    dpq = Y + dD * Ap[:, None, :, None, :] + Dm @ kc[:, None]
     # suffix sums of (dB, dA) over later chunks, summed over the query heads of the group
-    qT = xp.swapaxes(qc, -1, -2)                                 # (S, group, nc, F, C)
-    dBn = _exclusive_scan(xp, (qT @ gwc).sum(axis=1), True, cdt)                 # (S, nc, F, dv)
-    dAn = _exclusive_scan(xp, (qT @ dD[..., None])[..., 0].sum(axis=1), True, cdt)   # (S, nc, F)
-    dpk = vc @ xp.swapaxes(dBn, -1, -2) + dAn[:, :, None, :] + (xp.swapaxes(Dm, -1, -2) @ qc).sum(axis=1)
-    dvs = kc @ dBn + (xp.swapaxes(M, -1, -2) @ gwc).sum(axis=1)
+    qw = xp.swapaxes(qc * wc, -1, -2)                            # (phi_q / D)^T: (S, group, nc, F, C)
+    dBc = _sum_group(qw @ gc)                                    # (S, nc, F, dv)
+    dAc = _sum_group((xp.swapaxes(qc, -1, -2) @ dD)[..., 0])     # (S, nc, F)
+    dBn = ops.exclusive_scan(dBc.reshape(S, nc, F * dv), True, cdt).reshape(S, nc, F, dv)
+    dAn = ops.exclusive_scan(dAc, True, cdt)
+    dpk = vc @ xp.swapaxes(dBn, -1, -2) + dAn[:, :, None, :] + _sum_group(xp.swapaxes(Dm, -1, -2) @ qc)
+    M *= wc                                                      # M_ij / D_i
+    dvs = kc @ dBn
+    dvs += _sum_group(xp.swapaxes(M, -1, -2) @ gc)
     return (dpq.reshape(S, group, nc * C, F)[:, :, :N], dpk.reshape(S, nc * C, F)[:, :N],
             dvs.reshape(S, nc * C, dv)[:, :N])

@@ -56,6 +56,7 @@ def small_tiles(request, monkeypatch):
     monkeypatch.setattr(rc, "CHUNK", 8)
     monkeypatch.setattr(rc, "SCAN_CHUNK", 4)
     monkeypatch.setattr(rc, "SUM_CHUNK", 4)
+    monkeypatch.setattr(rc.CudaOps, "SCAN_THREADS", 16)  # scans of several chunks per segment
     return request.param
 
 
@@ -416,3 +417,25 @@ def test_packed_sequences_match_cpu(rng, causal):
     assert_close(rc.race_attention(q, k, v, planes, 2.0, causal=causal, cu_seqlens=cu), ref, 1e-10, "forward alone")
     with pytest.raises(ValueError, match="cu_seqlens must run from 0"):
         rc.race_attention(q, k, v, planes, cu_seqlens=np.array([0, 29]))
+
+
+@pytest.mark.parametrize("threads", [1, 7, 2 ** 20])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_chunkwise_kernels_match_array_ops(rng, threads, reverse, monkeypatch):
+    """racecpu.cuda.CudaOps (the fused hash, its backward and the blocked float64 scan, one to
+    every chunk per segment) against racecpu.chunkwise.ArrayOps, the same steps in NumPy."""
+    from racecpu import chunkwise
+    monkeypatch.setattr(rc.CudaOps, "SCAN_THREADS", threads)
+    ops, ref = rc.CudaOps(np, rc._Device(False)), chunkwise.ArrayOps(np)
+    part = rng.standard_normal((2, 11, 5)).astype(np.float32)
+    assert_close(ops.exclusive_scan(part, reverse, np.float32), ref.exclusive_scan(part, reverse, np.float32), 1e-6,
+                 "scan")
+    planes = racecpu.hyperplanes(6, 3, 2, seed=1)
+    x = rng.standard_normal((9, 6)).astype(np.float32)
+    (phi, t), (phi_r, t_r) = ops.soft_hash(x, planes, 3.0), ref.soft_hash(x, planes, 3.0)
+    assert_close(phi, phi_r, 1e-6, "phi")
+    assert_close(t, t_r, 1e-6, "t")
+    dphi = rng.standard_normal(phi.shape).astype(np.float32)
+    (du, db), (du_r, db_r) = ops.hash_du(dphi, phi, t, 3.0, 2, 3), ref.hash_du(dphi, phi, t, 3.0, 2, 3)
+    assert_close(du, du_r, 1e-5, "du")
+    assert abs(float(db) - float(db_r)) <= 1e-5 * abs(float(db_r))

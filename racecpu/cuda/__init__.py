@@ -615,6 +615,56 @@ def _from_xp(xp, a, dev):
     return a if dev.cupy else cuda.as_cuda_array(a)
 
 
+class CudaOps(chunkwise.ArrayOps):
+    """The steps of :mod:`racecpu.chunkwise` that one kernel pass does better than a chain of
+    array expressions: the soft hash and its backward (one thread per row and table, after and
+    before the cuBLAS products with the planes) and the float64 scans over chunks (blocked: segment
+    sums, a scan of the segments, a rescan of each segment from its carry).  Kernels of
+    ``racecpu.cuda._kernels``; arrays of ``xp`` (CuPy, or NumPy under the simulator)."""
+
+    #: Threads of the scans' first and last level: enough (row, segment) pairs to fill a GPU.
+    SCAN_THREADS = 1 << 20
+
+    def __init__(self, xp, dev):
+        super().__init__(xp)
+        self.dev = dev
+
+    def _launch(self, kernel, n):
+        return kernel[max(1, min(-(-n // 256), 1 << 16)), 256, self.dev.stream]
+
+    def soft_hash(self, x, planes, beta):
+        L, P, d = planes.shape
+        shp = x.shape[:-1]
+        u = x.reshape(-1, d) @ planes.reshape(L * P, d).T   # a fresh (M, L*P) array: t in place
+        phi = self.xp.empty((u.shape[0], L * 2 ** P), u.dtype)
+        if u.shape[0]:
+            self._launch(cuda_kernels.hash_from_u, u.shape[0] * L)(u, beta, P, phi)
+        return phi.reshape(shp + (phi.shape[1],)), u.reshape(shp + (L * P,))
+
+    def hash_du(self, dphi, phi, t, beta, L, P):
+        du = self.xp.empty(t.shape, t.dtype)
+        st = self.xp.empty(t.shape, t.dtype)
+        if t.shape[0]:
+            self._launch(cuda_kernels.hash_du_rows, t.shape[0] * L)(dphi, phi, t, beta, P, du, st)
+        return du, st.sum(dtype=np.float64)
+
+    def exclusive_scan(self, part, reverse, dtype):
+        xp = self.xp
+        S, nc, E = part.shape
+        out = xp.empty(part.shape, dtype)
+        if out.size == 0:
+            return out
+        nseg = max(1, min(nc, self.SCAN_THREADS // (S * E)))
+        seg = -(-nc // nseg)
+        nseg = -(-nc // seg)
+        totals = xp.empty((S, nseg, E), np.float64)
+        carry = xp.empty((S, nseg, E), np.float64)
+        self._launch(cuda_kernels.segment_sums, totals.size)(part, seg, totals)
+        self._launch(cuda_kernels.scan_chunks, S * E)(totals, xp.zeros(nseg, np.int64), carry, bool(reverse))
+        self._launch(cuda_kernels.segment_scan, totals.size)(part, carry, seg, bool(reverse), out)
+        return out
+
+
 @dataclass(frozen=True)
 class ChunkwiseResiduals:
     """What :func:`race_attention_bwd` needs from a chunkwise forward (treat as opaque).
@@ -649,7 +699,7 @@ def _chunkwise_fwd(q, k, v, planes, beta, causal, key_mask, check_finite, dev):
     mask = None if a.mask is None else _as_xp(xp, a.mask)
     out, state = chunkwise.forward(xp, q_, k_, v_, _as_xp(xp, a.planes), a.beta, causal=bool(causal),
                                    key_mask=mask, group=a.group, chunk=int(SCAN_CHUNK), sum_chunk=int(SUM_CHUNK),
-                                   workspace=int(WORKSPACE), out_dtype=a.out_dtype)
+                                   workspace=int(WORKSPACE), out_dtype=a.out_dtype, ops=CudaOps(xp, dev))
     kv_lead = a.lead[:-1] + (a.lead[-1] // a.group,) if a.group > 1 else a.lead
     res = ChunkwiseResiduals(state, a.lead, kv_lead, n, a.in_dtypes, a.out_dtype, bool(check_finite), dev.cupy)
     return _from_xp(xp, out.reshape(a.lead + (n, v_.shape[2])), dev), res
@@ -664,7 +714,7 @@ def _chunkwise_bwd(r, grad_out):
     xp = _xp()
     G, n, _ = r.state["phiq"].shape
     g = _as_xp(xp, _to_device(g, None, (G, n, gshape[-1]), dev))
-    dq, dk, dv, dbeta = chunkwise.backward(xp, r.state, g)
+    dq, dk, dv, dbeta = chunkwise.backward(xp, r.state, g, ops=CudaOps(xp, dev))
     qdt, kdt, vdt = r.in_dtypes
     return (_from_xp(xp, dq.astype(qdt, copy=False).reshape(r.lead + dq.shape[1:]), dev),
             _from_xp(xp, dk.astype(kdt, copy=False).reshape(r.kv_lead + dk.shape[1:]), dev),

@@ -721,3 +721,100 @@ def fill(x, val):
     """x[:] = val (1-d)."""
     for i in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
         x[i] = val
+
+
+# ---------------------------------------------------------------------------
+# fused steps of the chunkwise form (racecpu.chunkwise.ArrayOps on the GPU: racecpu.cuda.CudaOps)
+# ---------------------------------------------------------------------------
+
+
+@cuda.jit
+def hash_from_u(u, beta, P, phi):
+    """The soft hash from the projections: ``u (M, L*P)`` becomes ``t = tanh(u)`` in place and
+    ``phi (M, L * 2**P)`` gets the buckets (:func:`hash_row`'s factorisation); one thread per
+    (row, table)."""
+    M, LP = u.shape
+    L = LP // P
+    R = 1 << P
+    for x in range(cuda.grid(1), M * L, cuda.gridsize(1)):
+        i = x // L
+        l = x - i * L
+        base = l * R
+        phi[i, base] = 1.0
+        n = 1
+        for p in range(P):
+            th = math.tanh(u[i, l * P + p])
+            u[i, l * P + p] = th
+            a = _sigmoid(2.0 * beta * th)
+            b = _sigmoid(-2.0 * beta * th)
+            for j in range(n - 1, -1, -1):
+                val = phi[i, base + j]
+                phi[i, base + 2 * j + 1] = val * a
+                phi[i, base + 2 * j] = val * b
+            n *= 2
+
+
+@cuda.jit
+def hash_du_rows(dphi, phi, t, beta, P, du, st):
+    """Back through the softmax over corners and tanh, one thread per (row, table):
+    ``du (M, L*P)`` the projections' cotangents, ``st (M, L*P)`` the dbeta terms (summed by the caller)."""
+    M, LP = t.shape
+    L = LP // P
+    R = 1 << P
+    for x in range(cuda.grid(1), M * L, cuda.gridsize(1)):
+        i = x // L
+        l = x - i * L
+        base = l * R
+        dot = phi[i, base] - phi[i, base]
+        for r in range(R):
+            dot += phi[i, base + r] * dphi[i, base + r]
+        for p in range(P):
+            shift = P - 1 - p
+            s = dot - dot
+            for r in range(R):
+                dz = phi[i, base + r] * (dphi[i, base + r] - dot)
+                if (r >> shift) & 1:
+                    s += dz
+                else:
+                    s -= dz
+            th = t[i, l * P + p]
+            st[i, l * P + p] = s * th
+            du[i, l * P + p] = beta * s * (1.0 - th * th)
+
+
+@cuda.jit
+def segment_sums(part, seg, totals):
+    """``totals[g, s, e]`` = the float64 sum of ``part[g, c, e]`` over the chunks
+    ``s * seg <= c < (s + 1) * seg`` (first level of a blocked scan over axis 1)."""
+    G, nc, E = part.shape
+    nseg = totals.shape[1]
+    for x in range(cuda.grid(1), G * nseg * E, cuda.gridsize(1)):
+        g = x // (nseg * E)
+        r = x - g * (nseg * E)
+        s = r // E
+        e = r - s * E
+        acc = 0.0
+        for c in range(s * seg, min(s * seg + seg, nc)):
+            acc += part[g, c, e]
+        totals[g, s, e] = acc
+
+
+@cuda.jit
+def segment_scan(part, carry, seg, reverse, out):
+    """Second level: ``out[g, c, e]`` = ``carry[g, s, e]`` (float64: the segments before, or after
+    with ``reverse``) plus the chunks of segment ``s`` before ``c`` (after ``c``), summed in float64
+    and stored in ``out``'s dtype: an exclusive scan over axis 1, chunk order fixed by the shape."""
+    G, nc, E = part.shape
+    nseg = carry.shape[1]
+    for x in range(cuda.grid(1), G * nseg * E, cuda.gridsize(1)):
+        g = x // (nseg * E)
+        r = x - g * (nseg * E)
+        s = r // E
+        e = r - s * E
+        lo = s * seg
+        hi = min(lo + seg, nc)
+        acc = carry[g, s, e]
+        for m in range(hi - lo):
+            c = hi - 1 - m if reverse else lo + m
+            out[g, c, e] = acc
+            acc += part[g, c, e]
