@@ -349,7 +349,12 @@ _PTX = textwrap.dedent("""
             (K.fold_groups.py_func, (A(f, 2), A(f, 2), i)),
             (K.cast_copy.py_func, (A(h, 1), A(f, 1))), (K.cast_copy.py_func, (A(f, 1), A(h, 1))),
             (K.cast_copy.py_func, (A(f, 1), A(d, 1))), (K.cast_copy.py_func, (A(d, 1), A(f, 1))),
-            (K.flag_nonfinite.py_func, (A(f, 1), A(nt.int32, 1))), (K.fill.py_func, (A(b, 1), b))]
+            (K.flag_nonfinite.py_func, (A(f, 1), A(nt.int32, 1))), (K.fill.py_func, (A(b, 1), b)),
+            # the chunkwise form's fused steps (racecpu.cuda.CudaOps)
+            (K.hash_from_u.py_func, (A(f, 2), d, i, A(f, 2))),
+            (K.hash_du_rows.py_func, (A(f, 2), A(f, 2), A(f, 2), d, i, A(f, 2), A(f, 2))),
+            (K.segment_sums.py_func, (A(f, 3), i, A(d, 3))),
+            (K.segment_scan.py_func, (A(f, 3), A(d, 3), i, b, A(f, 3)))]
         for fn, sig in fns:
             ptx, _ = cuda.compile_ptx(fn, sig, cc=cc)
             assert ".entry" in ptx and f".target sm_{cc[0]}{cc[1]}" in ptx, (fn.__name__, sig, cc)
@@ -375,7 +380,7 @@ def test_kernels_compile_to_ptx(ptx_run, cc, dtype):
             pytest.fail("NVVM/NVRTC not found although RACECPU_REQUIRE_PTX=1:\n" + p.stderr[-3000:])
         pytest.skip("the CUDA compiler libraries (NVVM/NVRTC) are not installed: pip install "
                     "'cuda-toolkit[nvvm,nvrtc,cudart]==13.*' (or run .ci/cuda-ptx.sh) to run this check")
-    assert f"compiled 20 for {cc[0]}.{cc[1]}:{dtype}" in p.stdout, p.stdout + p.stderr[-3000:]
+    assert f"compiled 24 for {cc[0]}.{cc[1]}:{dtype}" in p.stdout, p.stdout + p.stderr[-3000:]
 
 
 def test_gpu_benchmark_runs_and_checks(capsys):
