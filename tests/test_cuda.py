@@ -390,6 +390,9 @@ def test_gpu_benchmark_runs_and_checks(capsys):
     assert set(errs) == {"out", "dq", "dk", "dv"} and max(errs.values()) < 1e-5
     rows = bench.run_benchmark(log2ns=(4,), heads=1, head_dim=4, causal=(True,), threads=(None, 8), repeats=1,
                                sdpa=False, check=False, progress=False)
+    both = bench.run_benchmark(log2ns=(4,), heads=1, head_dim=4, causal=(False,), repeats=1, sdpa=False, check=False,
+                               progress=False, paths=("chunkwise", "tiles"))
+    assert [r["path"] for r in both] == ["chunkwise", "tiles"] and all(r["GBps"] > 0 for r in both), both
     assert [r["threads"] for r in rows] == [4, 8] and all(r["median_ms"] > 0 for r in rows), rows
     assert "fwd+bwd" in bench.format_rows(rows)
 

@@ -4,9 +4,10 @@ Run on a machine with an NVIDIA GPU and ``pip install "racecpu[cuda,bench]"``::
 
     python -m racecpu.apps.cuda_bench                       # N = 2**20 .. 2**23, 4 heads, d = 128, float32
     python -m racecpu.apps.cuda_bench --log2n 22 --threads 32 64 128   # tile-length sweep at one N
+    python -m racecpu.apps.cuda_bench --log2n 20 22 --path chunkwise tiles   # the two formulations side by side
     python -m racecpu.apps.cuda_bench --out gpu_bench.json
 
-What it does, per configuration (N, causal, threads per block):
+What it does, per configuration (N, causal, formulation ``racecpu.cuda.PATH``, threads per block):
 
 1. a correctness spot check at N = 300 against the CPU path (max-norm relative
    error of out, dq, dk, dv; should be ~1e-6 in float32);
@@ -14,7 +15,9 @@ What it does, per configuration (N, causal, threads per block):
    ``repeats`` timed ones (``cuda.synchronize`` around each), median and best;
 3. peak device memory of one forward+backward: CuPy's memory-pool high-water
    mark (``racecpu.cuda`` allocates from CuPy's pool for CuPy inputs), inputs
-   and grad_out included.
+   and grad_out included;
+4. the effective bandwidth: q, k, v, grad_out, out, dq, dk, dv counted once
+   each, over the median time (``GBps``).
 
 ``torch.nn.functional.scaled_dot_product_attention`` runs on the same GPU in
 bfloat16 (the FlashAttention backend; float32 has no flash kernel) up to
@@ -83,14 +86,18 @@ def check_against_cpu(n=300, heads=2, head_dim=16, causal=True, seed=0):
     return errs
 
 
-def time_race(n, heads=4, head_dim=128, causal=True, num_planes=3, num_tables=3, repeats=3, threads=None):
-    """Forward+backward seconds (list) and peak pool bytes of racecpu.cuda at one size."""
+def time_race(n, heads=4, head_dim=128, causal=True, num_planes=3, num_tables=3, repeats=3, threads=None,
+              path=None):
+    """Forward+backward seconds (list) and peak pool bytes of racecpu.cuda at one size
+    (``path``: :data:`racecpu.cuda.PATH` for these calls; None: as it is)."""
     from ..cuda import race_attention_bwd, race_attention_fwd
     import racecpu.cuda as rc
     cp = _cupy()
-    old = rc.THREADS
+    old, old_path = rc.THREADS, rc.PATH
     if threads:
         rc.THREADS = int(threads)
+    if path:
+        rc.PATH = path
     try:
         pool = cp.get_default_memory_pool() if cp is not None else None
         if pool is not None:
@@ -110,7 +117,7 @@ def time_race(n, heads=4, head_dim=128, causal=True, num_planes=3, num_tables=3,
         peak = int(pool.total_bytes()) if pool is not None else None
         return times, peak
     finally:
-        rc.THREADS = old
+        rc.THREADS, rc.PATH = old, old_path
 
 
 def time_sdpa(n, heads=4, head_dim=128, causal=True, repeats=3):
@@ -153,8 +160,8 @@ def _torch_cuda():
 
 
 def run_benchmark(log2ns=(20, 21, 22, 23), heads=4, head_dim=128, causal=(False, True), threads=(None,),
-                  repeats=3, sdpa=True, sdpa_max_log2n=18, check=True, progress=True):
-    """Benchmark rows (dicts) for every (N, causal, threads); see the module docstring."""
+                  repeats=3, sdpa=True, sdpa_max_log2n=18, check=True, progress=True, paths=(None,)):
+    """Benchmark rows (dicts) for every (N, causal, path, threads); see the module docstring."""
     from tqdm import tqdm
     rows = []
     if check:
@@ -162,20 +169,21 @@ def run_benchmark(log2ns=(20, 21, 22, 23), heads=4, head_dim=128, causal=(False,
             errs = check_against_cpu(causal=c)
             rows.append(dict(impl="check-vs-cpu", causal=c, **errs))
     import racecpu.cuda as rc
-    jobs = [(ln, c, t) for ln in log2ns for c in causal for t in threads]
+    jobs = [(ln, c, pa, t) for ln in log2ns for c in causal for pa in paths for t in threads]
     sdpa_ref = {}
-    for ln, c, t in tqdm(jobs, desc="racecpu.cuda bench", disable=not progress):
+    for ln, c, pa, t in tqdm(jobs, desc="racecpu.cuda bench", disable=not progress):
         n = 2 ** ln
-        row = dict(impl="race-cuda", n=n, heads=heads, head_dim=head_dim, causal=c,
+        row = dict(impl="race-cuda", n=n, heads=heads, head_dim=head_dim, causal=c, path=pa or rc.PATH,
                    threads=int(t or rc.THREADS), dtype="float32")
         try:
-            times, peak = time_race(n, heads, head_dim, c, repeats=repeats, threads=t)
-            row.update(median_ms=1e3 * float(np.median(times)), best_ms=1e3 * min(times), peak_bytes=peak,
-                       ns_per_token_head=1e9 * float(np.median(times)) / (n * heads))
+            times, peak = time_race(n, heads, head_dim, c, repeats=repeats, threads=t, path=pa)
+            med = float(np.median(times))
+            row.update(median_ms=1e3 * med, best_ms=1e3 * min(times), peak_bytes=peak,
+                       ns_per_token_head=1e9 * med / (n * heads), GBps=8 * 4 * n * heads * head_dim / med / 1e9)
         except Exception as exc:  # out of memory and the like: say so and go on
             row.update(error=f"{type(exc).__name__}: {exc}"[:300])
         rows.append(row)
-        if sdpa and t == threads[0] and _torch_cuda():
+        if sdpa and t == threads[0] and pa == paths[0] and _torch_cuda():
             srow = dict(impl="sdpa-flash-bf16", n=n, heads=heads, head_dim=head_dim, causal=c, dtype="bfloat16")
             if ln <= sdpa_max_log2n:
                 try:
@@ -199,6 +207,8 @@ def format_rows(rows):
                          ", ".join(f"{k} {r[k]:.1e}" for k in ("out", "dq", "dk", "dv")))
             continue
         head = f"{r['impl']:<16} N=2^{int(np.log2(r['n'])):<3} causal={str(r['causal']):<5}"
+        if "path" in r:
+            head += f" {r['path']:<9}"
         if "threads" in r:
             head += f" T={r['threads']:<4}"
         if "error" in r:
@@ -206,7 +216,8 @@ def format_rows(rows):
             continue
         extra = f" (extrapolated from N={r['extrapolated_from']})" if "extrapolated_from" in r else ""
         peak = f"  peak {r['peak_bytes'] / 2**30:.1f} GiB" if r.get("peak_bytes") else ""
-        lines.append(f"{head} fwd+bwd {r['median_ms']:.1f} ms{extra}{peak}")
+        bw = f"  {r['GBps']:.0f} GB/s" if "GBps" in r else ""
+        lines.append(f"{head} fwd+bwd {r['median_ms']:.1f} ms{extra}{bw}{peak}")
     return "\n".join(lines)
 
 
@@ -217,6 +228,8 @@ def main(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     p.add_argument("--threads", type=int, nargs="+", default=[None], help="threads per block to sweep")
+    p.add_argument("--path", nargs="+", default=[None], choices=("auto", "chunkwise", "tiles"),
+                   help="racecpu.cuda.PATH: the formulations to run (default: as set)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-sdpa", action="store_true")
     p.add_argument("--sdpa-max-log2n", type=int, default=18)
@@ -224,7 +237,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     causal = {"both": (False, True), "yes": (True,), "no": (False,)}[a.causal]
     rows = run_benchmark(a.log2n, a.heads, a.head_dim, causal, tuple(a.threads), a.repeats, not a.no_sdpa,
-                         a.sdpa_max_log2n)
+                         a.sdpa_max_log2n, paths=tuple(a.path))
     print(format_rows(rows))
     if a.out:
         with open(a.out, "w") as f:

