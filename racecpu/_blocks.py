@@ -67,6 +67,7 @@ import hashlib
 import json
 import mmap
 import os
+import shutil
 import stat
 import sys
 import time
@@ -374,6 +375,16 @@ def _open_state(path, shape):
     return offset, np.memmap(path, mode="r", dtype="<f8", shape=tuple(shape), offset=offset)
 
 
+def _discard(path):
+    """Remove ``path`` if it is anything but a regular file (a link, folder with its
+    contents, FIFO...): the checkpoint's own names are then written afresh, never through it."""
+    if os.path.lexists(path) and (os.path.islink(path) or not os.path.isfile(path)):
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+
+
 class Scan:
     """One pass over ``nb`` blocks carrying float64 arrays of ``shapes`` and a scalar.
 
@@ -389,12 +400,14 @@ class Scan:
     zero-extended), the checksum of every recorded state row and (in
     :func:`run`, which knows the outputs) of every done block's outputs are
     checked, and on any mismatch the pass restarts from the first block with
-    a :class:`CheckpointWarning` that says why.  Checking every done block's
-    outputs costs one read of what the pass has written so far, far less
-    than the pass (which reads the larger inputs and computes), and is the
-    only check that sees a file reopened ``'w+'``, truncated, or partly
-    overwritten: boundary rows or file identity (path, inode, mtime) would
-    not see the last.
+    a :class:`CheckpointWarning` that says why.  A folder, link or special
+    file where the manifest or a state file belongs counts as damaged: the
+    restart removes it (a folder with its contents) and writes the file.
+    Checking every done block's outputs costs one read of what the pass has
+    written so far, far less than the pass (which reads the larger inputs
+    and computes), and is the only check that sees a file reopened ``'w+'``,
+    truncated, or partly overwritten: boundary rows or file identity (path,
+    inode, mtime) would not see the last.
     """
 
     def __init__(self, directory, name, key, nb, shapes, commit_every=0.0):
@@ -459,11 +472,11 @@ class Scan:
         if reason:
             warnings.warn(f"checkpoint {self.manifest}: {reason}; pass {self.name!r} restarts from the first block",
                           CheckpointWarning, stacklevel=3)
+        _discard(self.manifest)
         if os.path.lexists(self.manifest):
             os.remove(self.manifest)
-        for p in self.paths:  # a link or special file is replaced, not written through
-            if os.path.islink(p) or (os.path.lexists(p) and not os.path.isfile(p)):
-                os.remove(p)
+        for p in self.paths:  # a link, folder or special file is replaced, not written through
+            _discard(p)
         self.states = [np.lib.format.open_memmap(p, mode="w+", dtype=np.float64, shape=s)
                        for p, s in zip(self.paths, self.shapes)]
         self.done, self.scalar = 0, 0.0
@@ -528,6 +541,7 @@ class Scan:
                    states=self.state_sums, outputs=self.out_sums)
         rec["sum"] = _json_digest(rec)
         tmp = self.manifest + ".tmp"
+        _discard(tmp)  # a link there would be written through
         with open(tmp, "w") as fh:
             json.dump(rec, fh)
             fh.flush()

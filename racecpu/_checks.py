@@ -199,7 +199,7 @@ def check_args(q, k, v, planes, beta, causal, key_mask, grouped=False):
     group = 1
     if klead != lead or v.shape[:-2] != lead:
         if (grouped and v.shape[:-2] == klead and len(klead) == len(lead) >= 1 and klead[:-1] == lead[:-1]
-                and klead[-1] >= 1 and lead[-1] % klead[-1] == 0):
+                and klead[-1] >= 1 and lead[-1] >= 1 and lead[-1] % klead[-1] == 0):  # 0 query heads: no group
             group = lead[-1] // klead[-1]
         elif grouped:
             raise ValueError(f"k and v must have q's leading dims, or (grouped-query attention) the same leading "
@@ -259,7 +259,36 @@ def prepare(q, k, v, planes, beta, causal, key_mask, check_finite, defer=False, 
 
 
 #: Why a finite v or grad_out whose sums are not finite is an error (:func:`check_derived`).
-SUMS_OVERFLOW = "its weighted sums overflow float64"
+def sums_overflow(cdt):
+    """What a non-finite float64 sum of a finite input means: the kernels' sums overflowed the
+    compute dtype ``cdt`` (float32 partials, for 16-bit and float32 inputs) before reaching float64."""
+    return f"its weighted sums overflow {np.dtype(cdt)}"
+
+
+#: Finite float64 sums within this factor (times L) of the compute dtype's largest value are close
+#: enough to it that the kernels' products (a readout adds L tables' shares; a chunk's running
+#: state sums before its float64 carry) may have overflowed: the results are then checked.
+OVERFLOW_MARGIN = 64
+
+
+def check_results(check_finite, name, x, sums, cdt, L, results):
+    """The overflow that the float64 sums cannot show: ``sums`` (float64, finite) derived from
+    the input ``x`` (called ``name``), ``results`` the call's outputs in the compute dtype ``cdt``.
+
+    Only where ``max |sums| * OVERFLOW_MARGIN * L`` reaches the largest value of ``cdt`` are the
+    results read (a pass over them, so never in an ordinary call); a non-finite one raises
+    ValueError naming the input, as :func:`check_derived` does for an overflow it sees.
+    """
+    if not check_finite or sums.size == 0:
+        return
+    big = float(np.abs(sums).max())
+    if not big * OVERFLOW_MARGIN * L >= float(np.finfo(cdt).max):
+        return
+    if all(all_finite(r) for r in results):
+        return
+    raise ValueError(f"{name} is too large: the attention's sums overflow {np.dtype(cdt)} "
+                     f"(max |{name}| = {float(np.abs(x).max()):.3g}); scale it down"
+                     f"{' or pass float64' if np.dtype(cdt) != np.float64 else ''}")
 
 
 def check_derived(check_finite, *named):
@@ -316,7 +345,9 @@ def check_grad_buffers(g, out, out_shape, shapes, in_dtypes, reads, check_finite
         if out is None:
             return (None, None, None)
         if not isinstance(out, (tuple, list)) or len(out) != 3:
-            raise TypeError(f"out must be a tuple of three arrays (dq, dk, dv), got {type(out).__name__}")
+            got = (f"a {type(out).__name__} of {len(out)}" if isinstance(out, (tuple, list))
+                   else type(out).__name__)
+            raise TypeError(f"out must be a tuple of three arrays (dq, dk, dv), got {got}")
         reads = [("grad_out", g)] + list(reads)
         checked = []
         for name, buf, shape, dt in zip(("dq", "dk", "dv"), out, shapes, in_dtypes):

@@ -12,7 +12,8 @@ Conventions every subcommand follows (README, "Command line"):
 * ``--json``: exactly one JSON document on stdout, every human line on stderr;
 * ``--quiet``: no human text and no progress bars (errors still go to stderr);
 * progress bars only when stderr is a terminal;
-* files go to ``--out DIR`` (default: a new folder in the current directory);
+* files go to ``--out DIR`` (default: a new folder in the current directory), checked
+  before any work starts;
 * optional dependencies are checked before any work starts.
 
 A subcommand's ``run`` stores its JSON result in ``args.result`` and returns
@@ -27,6 +28,7 @@ import importlib
 import json
 import os
 import sys
+import tempfile
 import time
 
 # name -> (module, one-line help)
@@ -144,7 +146,10 @@ def add_common_arguments(parser, *, out=False):
 
 
 def output_dir(args, command):
-    """The folder ``--out`` names (created), or a new ``racecpu-<command>-<time>`` in the current directory."""
+    """The folder ``--out`` names (created), or a new ``racecpu-<command>-<time>`` in the current directory.
+
+    Raises :class:`UsageError` where ``--out`` cannot be made a folder.
+    """
     path = getattr(args, "out", None)
     if path is None:
         stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -153,8 +158,41 @@ def output_dir(args, command):
         while os.path.exists(path):
             n += 1
             path = os.path.abspath(f"racecpu-{command}-{stamp}-{n}")
-    os.makedirs(path, exist_ok=True)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(_out_problem(path, exc)) from None
     return str(path)
+
+
+def _out_problem(path, exc):
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"--out {path}: is a file, not a folder"
+    return f"--out {path}: cannot make this folder or write in it ({exc.strerror or exc})"
+
+
+def check_out(path):
+    """Raise :class:`UsageError` unless files can be written in folder ``path``, made if missing.
+
+    Checked by doing it: the folders made and the probe file are removed again, so
+    a run that stops before writing leaves nothing behind.
+    """
+    target = os.path.abspath(path)
+    missing = []
+    probe = target
+    while not os.path.lexists(probe) and os.path.dirname(probe) != probe:
+        missing.append(probe)
+        probe = os.path.dirname(probe)
+    try:
+        os.makedirs(target, exist_ok=True)
+        with tempfile.TemporaryFile(dir=target):
+            pass
+    except OSError as exc:
+        raise UsageError(_out_problem(path, exc)) from None
+    finally:
+        for folder in missing:  # deepest first
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
 
 
 def show_progress(args):
@@ -225,6 +263,8 @@ def main(argv=None):
         elif as_json:
             stack.enter_context(contextlib.redirect_stdout(sys.stderr))
         try:
+            if getattr(args, "out", None) is not None:
+                check_out(args.out)  # before any work: train writes only at the end
             rc = int(module.run(args) or 0)
         except UsageError as exc:
             print(f"racecpu {args.command}: error: {exc}", file=sys.stderr)

@@ -40,6 +40,7 @@ Requires ``dask[array]`` (and ``distributed`` for clusters): ``pip install racec
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -287,6 +288,18 @@ class DaskResiduals:
     outputs: dict
 
 
+def _check_threads(threads):
+    """``threads`` as a Python int (or None) after checking it: the tasks would fail only when
+    computed, and would run 0 or fewer threads as 1."""
+    if threads is None:
+        return None
+    if isinstance(threads, (bool, np.bool_)) or not isinstance(threads, numbers.Integral):
+        raise TypeError(f"threads must be a positive int or None, got {type(threads).__name__} {threads!r}")
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    return int(threads)
+
+
 def _prepare(q, k, v, planes, beta, causal, key_mask):
     q, k, v, key_mask = (_as_dask(x) for x in (q, k, v, key_mask))
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -329,7 +342,9 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
         Rechunked to ``k``'s chunks.
     threads : int, optional
         Numba threads per task (default: the worker's thread count on a
-        ``distributed`` worker; unchanged under other schedulers).
+        ``distributed`` worker; unchanged under other schedulers), at most
+        Numba's thread count.  A positive int: anything else raises
+        TypeError or ValueError here, not when the graph is computed.
 
     Returns
     -------
@@ -337,6 +352,7 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
         Chunks of ``q`` (last axis: one chunk); dtype as :func:`racecpu.race_attention`.
     residuals : DaskResiduals
     """
+    threads = _check_threads(threads)
     q, k, v, m, W, beta, cdt, odt = _prepare(q, k, v, planes, beta, causal, key_mask)
     qb, kb, vb, mb = _blocks(q), _blocks(k), _blocks(v), _blocks(m)
     nlead = qb.shape[:-2]

@@ -46,8 +46,8 @@ import numpy as np
 from . import _fork
 from . import _kernels as K
 from ._arrays import namespace_of, to_namespace
-from ._checks import (SUMS_OVERFLOW, all_finite, check_array, check_derived, check_grad_buffers, check_out,
-                      deliver, prepare, widened)
+from ._checks import (all_finite, check_array, check_derived, check_grad_buffers, check_out, check_results, deliver,
+                      prepare, sums_overflow, widened)
 from ._kernels import set_threads, threads  # noqa: F401  (racecpu's: the kernels' thread count)
 from ._memory import POOL
 from .packing import sequence_sums
@@ -177,7 +177,7 @@ def sketch_keys(k, v, mask, planes, beta, *, check_finite=False):
                               K.Sums(partA, partB), span=K.SKETCH_FUSED)
     A, B = partA.sum(1), partB.sum(1)
     check_derived(check_finite, ("k", k, nan == 0, PROJECTIONS_OVERFLOW.format(k.dtype)),
-                  ("v", v, all_finite(B), SUMS_OVERFLOW))
+                  ("v", v, all_finite(B), sums_overflow(k.dtype)))
     return A, B
 
 
@@ -236,7 +236,7 @@ def readout_bwd(q, A, B, grad, planes, beta, *, check_finite=False, work=pool_wo
         K.queries_bwd(K.Backward(grad, _none(G, cdt, dv), rows, hsh, grads, chunks), _sketch_per_sequence(A, Bc),
                       K.Sums(pdA, pdB))
     dA, dB = pdA.sum(1), pdB.sum(1)
-    check_derived(check_finite, ("grad_out", grad, all_finite(dB), SUMS_OVERFLOW))
+    check_derived(check_finite, ("grad_out", grad, all_finite(dB), sums_overflow(cdt)))
     return dq, dA, dB, float(dbq.sum())
 
 
@@ -347,7 +347,9 @@ def advance(q, k, v, planes, beta, A0, B0, out, *, mask=None, keep=("phiq", "tq"
     A1, B1 = (A0 + partA[:, 0], B0 + partB[:, 0]) if nc == 1 else (A0 + partA.sum(1), B0 + partB.sum(1))
     if check_finite:
         ov = PROJECTIONS_OVERFLOW.format(cdt)
-        check_derived(True, ("q", q, nan_q == 0, ov), ("k", k, nan_k == 0, ov), ("v", v, all_finite(B1), SUMS_OVERFLOW))
+        check_derived(True, ("q", q, nan_q == 0, ov), ("k", k, nan_k == 0, ov),
+                      ("v", v, all_finite(B1), sums_overflow(cdt)))
+        check_results(True, "v", v, B1, cdt, L, (out,))
     return Advanced(A1, B1, chunk, carryA, carryB, rows, nan_q, nan_k)
 
 
@@ -390,7 +392,7 @@ def advance_bwd(q, k, v, grad, planes, beta, A0, B0, dA1=None, dB1=None, *, mask
     with _on_threads(G * n, chunk, n):
         K.causal_queries_bwd(bwd, K.Sums(step.carryA, step.carryB), K.Sums(pdA, pdB))
     dA0, dB0 = sA + pdA.sum(1), sB + pdB.sum(1)
-    check_derived(check_finite, ("grad_out", grad, all_finite(dB0), SUMS_OVERFLOW))
+    check_derived(check_finite, ("grad_out", grad, all_finite(dB0), sums_overflow(cdt)))
     if queries_only:
         return dA0, dB0
     cdA, cdB = K.exclusive_scan(pdA, reverse=True), K.exclusive_scan(pdB, reverse=True)
@@ -428,7 +430,7 @@ def state_cotangent(q, k, mask, out, grad, planes, beta, A0, *, check_finite=Fal
     K.state_cotangent_rows(phi["q"], phi["k"], A0, out, grad, L, dA, w)
     for h in range(G):
         dB[h] = np.dot(w[h].T, grad[h])  # one product over the block in the compute dtype (BLAS)
-    check_derived(check_finite, ("grad_out", grad, all_finite(dB), SUMS_OVERFLOW))
+    check_derived(check_finite, ("grad_out", grad, all_finite(dB), sums_overflow(cdt)))
     return dA, dB
 
 
@@ -563,7 +565,8 @@ def forward(q, k, v, planes, beta, *, causal=False, key_mask=None, check_finite=
     # packed and causal: the scan restarts, its total is the last sequence's; the output shows the others'
     finite_v = all_finite(sums_v) and not (causal and pk is not None and not all_finite(o))
     check_derived(a.check_finite, ("q", a.q, nan_q == 0, overflow), ("k", a.k, nan_k == 0, overflow),
-                  ("v", a.v, finite_v, SUMS_OVERFLOW))
+                  ("v", a.v, finite_v, sums_overflow(cdt)))
+    check_results(a.check_finite, "v", a.v, sums_v, cdt, plan.L, (o,))
     y = deliver(o, out, a.lead + (nq, dv), a.out_dtype)
     xp = namespace_of(q)  # results in q's array type (torch, JAX, ...), unless written into out
     if out is None:
@@ -630,7 +633,7 @@ def backward(residuals, grad_out, *, out=None, dplanes=False):
                              K.Sums(partdA, partdB), dB)
             # packed: the reverse scan restarts, its total is the first sequence's; dv shows the others'
             finite = all_finite(dB) and (pk is None or all_finite(dv_))
-            check_derived(r.check_finite, ("grad_out", g, finite, SUMS_OVERFLOW))
+            check_derived(r.check_finite, ("grad_out", g, finite, sums_overflow(cdt)))
         else:
             grads = _grads(cdt, G, Gk, d, dv, ncq, nck, dq=dq, dk=dk, dv_=dv_, dbq=dbq, dbk=dbk, planes=pg)
             sketch = K.Sums(_repeat(r.A, plan.group), _repeat(r.B.astype(cdt), plan.group))
@@ -641,12 +644,13 @@ def backward(residuals, grad_out, *, out=None, dplanes=False):
             # a key/value head's sketch was read by its whole group (packed: one sketch per sequence)
             per_seq = (lambda x: x.sum(1)) if pk is None else (lambda x: sequence_sums(x, pk))
             dB = K.group_sum(per_seq(partdB), plan.group)
-            check_derived(r.check_finite, ("grad_out", g, all_finite(dB), SUMS_OVERFLOW))  # before the keys' backward
+            check_derived(r.check_finite, ("grad_out", g, all_finite(dB), sums_overflow(cdt)))  # before the keys' backward
             dsum = K.Sums(K.group_sum(per_seq(partdA), plan.group), dB.astype(cdt))
             if pk is None:
                 dsum = _sketch_per_sequence(*dsum)
             with _on_threads(Gk * nk, chunk, nk):
                 K.keys_bwd(v, rows, dsum, hsh, _cuts(pk, nk, chunk), grads)
+        check_results(r.check_finite, "grad_out", g, dB, cdt, plan.L, (dq, dk, dv_))
         dbeta = float(dbq.sum() + dbk.sum())
         if dplanes:
             dW = pg.dWq.sum((0, 1)) + pg.dWk.sum((0, 1))

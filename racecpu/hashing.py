@@ -36,8 +36,9 @@ def hyperplanes(head_dim: int, num_planes: int = 3, num_tables: int = 3, *,
         Hyperplanes per table ``P`` (1..16); each table has ``R = 2**P`` buckets.
     num_tables : int, default 3
         Number of independent hash tables ``L`` (>= 1).
-    seed : int or numpy.random.Generator, default 0
-        Seed for ``numpy.random.default_rng``.
+    seed : int >= 0 or numpy.random.Generator, default 0
+        Seed for ``numpy.random.default_rng`` (which also takes None, a
+        sequence of such ints, a SeedSequence or a BitGenerator).
     dtype : dtype, default float32
 
     Returns
@@ -55,7 +56,12 @@ def hyperplanes(head_dim: int, num_planes: int = 3, num_tables: int = 3, *,
     dtype = np.dtype(dtype)
     if dtype.kind != "f":
         raise TypeError(f"dtype must be a floating dtype, got {dtype}")
-    rng = np.random.default_rng(seed)
+    try:
+        rng = np.random.default_rng(seed)
+    except (TypeError, ValueError) as exc:
+        error = ValueError if isinstance(exc, ValueError) else TypeError
+        raise error(f"seed must be an int >= 0 or a numpy.random.Generator (or anything else "
+                    f"numpy.random.default_rng takes), got {seed!r}") from exc
     return rng.standard_normal((int(num_tables), int(num_planes), int(head_dim))).astype(dtype)
 
 

@@ -46,8 +46,9 @@ on disk is trusted: the manifest, every recorded state row and every done
 block's outputs carry checksums that a resume verifies (so an output file
 reopened ``'w+'``, a truncated state file or an edited manifest restarts the
 pass from its first block, with a :class:`racecpu._blocks.CheckpointWarning`
-that says why), and a pass that reads another's state resumes only onto
-the same state.
+that says why; so does a folder, link or special file where a manifest
+or state file belongs, which the restart removes), and a pass that reads
+another's state resumes only onto the same state.
 
 Not supported here: ``key_mask`` and float16 compute (pass float32).
 """
@@ -121,10 +122,29 @@ def _group_of(q, k, v):
     if tuple(v.shape[:-2]) == klead:
         if klead == lead:
             return 1
+        if len(klead) == len(lead) and lead and klead[:-1] == lead[:-1] and klead[-1] and not lead[-1]:
+            # 0 % n == 0, but no group size would do: 0 query heads per key/value head
+            raise ValueError(f"k and v must have q's leading dims, or (grouped-query attention) the same leading "
+                             f"dims but a head axis (the one before the tokens) that divides q's into groups of at "
+                             f"least one query head: q has 0 heads and k, v have {klead[-1]}, got shapes "
+                             f"q {q.shape}, k {k.shape}, v {v.shape}")
         if len(klead) == len(lead) and lead and klead[:-1] == lead[:-1] and klead[-1] and lead[-1] % klead[-1] == 0:
             return lead[-1] // klead[-1]
     raise ValueError(f"q, k, v must have the same leading dims, or k and v a head axis (the one before the tokens) "
                      f"that divides q's, got shapes q {q.shape}, k {k.shape}, v {v.shape}")
+
+
+def _checkpoint_dir(checkpoint):
+    """The ``checkpoint`` argument as a directory path, created if missing (None: no checkpoint)."""
+    if checkpoint is None:
+        return None
+    path = os.fspath(checkpoint)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ValueError(f"checkpoint {path!r} is not a directory (it, or a folder above it, is an existing "
+                         f"file): pass the path of a directory, new or existing, or move that file away") from None
+    return path
 
 
 def race_attention_fwd_ooc(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, out, block=BLOCK,
@@ -145,7 +165,9 @@ def race_attention_fwd_ooc(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, 
     block : int, default BLOCK
         Tokens per head read at a time; peak RAM grows linearly with it.
     checkpoint : path, optional
-        Directory recording progress; a rerun with the same arguments resumes.
+        Directory recording progress, created if missing; a rerun with the
+        same arguments resumes.  ValueError if the path (or a folder above
+        it) is an existing file.
     commit_every : float, default 30
         Seconds between checkpoint commits (each flushes the outputs to disk;
         0 commits after every block).  A pass's last block always commits.
@@ -176,13 +198,13 @@ def race_attention_fwd_ooc(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, 
     Gk = G // group
     L, P, _ = planes.shape
     F = L * 2 ** P
-    ck = checkpoint is not None
+    ckdir = _checkpoint_dir(checkpoint)  # before the identities: their digests read every input
+    ck = ckdir is not None
     key = dict(q=blocks.identity(q, digest=ck), k=blocks.identity(k, digest=ck), v=blocks.identity(v, digest=ck),
                out=blocks.identity(out, written=True),
                planes=hashlib.sha256(planes.tobytes()).hexdigest(), beta=beta, causal=bool(causal),
                block=block, cdt=np.dtype(cdt).name)
     bufs = Buffers()
-    ckdir = None if checkpoint is None else os.fspath(checkpoint)
     shapes = [(Gk, F), (Gk, F, dv)]  # the keys' sketch or state, per key/value head
     ones = np.ones(Gk * block, np.bool_)  # key mask: every key counts
 
@@ -238,7 +260,9 @@ def race_attention_bwd_ooc(res, grad_out, *, dq, dk, dv, checkpoint=None, commit
     dq, dk, dv : np.memmap ('r+'/'w+'), ndarray or writable array-like (e.g. zarr.Array)
         Receive the gradients, shapes of q, k, v; any float dtype.
     checkpoint : path, optional
-        Directory recording progress (may be the forward's); a rerun resumes.
+        Directory recording progress (may be the forward's), created if
+        missing; a rerun resumes.  ValueError if the path (or a folder above
+        it) is an existing file.
     commit_every : float, default 30
         Seconds between checkpoint commits (see :func:`race_attention_fwd_ooc`).
     progress : bool or tqdm bar, default True
@@ -264,11 +288,11 @@ def race_attention_bwd_ooc(res, grad_out, *, dq, dk, dv, checkpoint=None, commit
     L, P, _ = r.planes.shape
     F = L * 2 ** P
     planes, beta, cf = r.planes, r.beta, r.check_finite
+    ckdir = _checkpoint_dir(checkpoint)
     key = dict(fwd=r.key, g=blocks.identity(grad_out, digest=checkpoint is not None), dq=blocks.identity(dq, True),
                dk=blocks.identity(dk, True),
                dv=blocks.identity(dv, True))
     bufs = Buffers()
-    ckdir = None if checkpoint is None else os.fspath(checkpoint)
     shapes = [(G, F), (G, F, dvdim)]
     if G == 0 or nq == 0 or nk == 0:
         for x in (dq, dk, dv):

@@ -45,6 +45,10 @@ __all__ = ["RaceState", "FORMAT", "FORMAT_VERSION"]
 FORMAT = "racecpu.RaceState"
 FORMAT_VERSION = 1
 
+#: The largest token count :meth:`RaceState.load` accepts (far beyond any real stream;
+#: a larger one is a damaged or hostile file).
+_MAX_COUNT = 2 ** 62
+
 _KEYS = ("format", "version", "planes", "beta", "dtype", "batch_shape", "count", "A", "B")
 
 
@@ -57,13 +61,15 @@ class RaceState:
         Hyperplanes (e.g. from :func:`racecpu.hyperplanes`), cast to ``dtype``.
     beta : float
         Soft-hash temperature (> 0).
-    batch_shape : tuple of int, default ()
-        Leading (batch, head) dims of every input.
+    batch_shape : tuple of int, or int, default ()
+        Leading (batch, head) dims of every input: non-negative Python or
+        NumPy integers (not bools; any other entry raises TypeError, a
+        negative one ValueError); an int ``n`` means ``(n,)``.
     dv : int
         Value dimension.
     kv_heads : int, optional
         Grouped-query attention: k and v have ``kv_heads`` heads on the last
-        axis of ``batch_shape`` (q has ``batch_shape[-1]``, a multiple), and
+        axis of ``batch_shape`` (q has ``batch_shape[-1]``, a multiple >= 1), and
         the state is kept once per key/value head (``batch_shape[-1] //
         kv_heads`` times smaller), read by each of its query heads.
     dtype : {float32, float64}, default float32
@@ -94,8 +100,17 @@ class RaceState:
     (True, 8)
     """
 
-    def __init__(self, planes: ArrayLike, beta: float, *, batch_shape: tuple[int, ...] = (), dv: int,
+    def __init__(self, planes: ArrayLike, beta: float, *, batch_shape: tuple[int, ...] | int = (), dv: int,
                  dtype: DTypeLike = np.float32, kv_heads: int | None = None):
+        self._configure(planes, beta, batch_shape, dv, dtype, kv_heads)
+        G, F = math.prod(self._kv_shape), self._F
+        self._A = np.zeros((G, F))
+        self._B = np.zeros((G, F, int(dv)))
+        self._count = 0
+
+    def _configure(self, planes, beta, batch_shape, dv, dtype, kv_heads):
+        """Check the arguments and set everything but the state (``load`` checks a file's
+        arrays against this before taking them, so nothing is allocated from its sizes)."""
         dtype = np.dtype(dtype)
         if dtype not in (np.float32, np.float64):
             raise TypeError(f"dtype must be float32 or float64, got {dtype}")
@@ -112,21 +127,22 @@ class RaceState:
         self._kv_shape, self._group = self._batch_shape, 1
         if kv_heads is not None:
             heads = self._batch_shape[-1] if self._batch_shape else None
+            # heads == 0: 0 % kv_heads == 0, but no group size would do (0 query heads per kv head)
             if (isinstance(kv_heads, (bool, np.bool_)) or not isinstance(kv_heads, (int, np.integer))
-                    or heads is None or kv_heads < 1 or heads % kv_heads):
+                    or not heads or kv_heads < 1 or heads % kv_heads):
+                got = "no head axis" if heads is None else f"{heads} query heads"
                 raise ValueError(f"kv_heads must divide the head axis (the last of batch_shape "
-                                 f"{self._batch_shape}), got {kv_heads!r}")
+                                 f"{self._batch_shape}) into groups of at least one query head, got {got} "
+                                 f"and kv_heads={kv_heads!r}")
             self._kv_shape = self._batch_shape[:-1] + (int(kv_heads),)
             self._group = heads // int(kv_heads)
         L, P, _ = self._planes.shape
+        self._F = L * 2 ** P
         G = math.prod(self._kv_shape)  # Python ints: no int64 wrap-around
-        nbytes = G * L * 2 ** P * (int(dv) + 1) * 8
+        nbytes = G * self._F * (int(dv) + 1) * 8
         if nbytes > _max_state_bytes():
-            raise ValueError(f"a state of batch_shape {self._batch_shape}, {L * 2 ** P} buckets and dv={int(dv)} "
+            raise ValueError(f"a state of batch_shape {self._batch_shape}, {self._F} buckets and dv={int(dv)} "
                              f"needs {nbytes} bytes, more than this machine's memory ({_max_state_bytes()} bytes)")
-        self._A = np.zeros((G, L * 2 ** P))
-        self._B = np.zeros((G, L * 2 ** P, int(dv)))
-        self._count = 0
 
     # -- read-only properties -------------------------------------------------
     planes = property(lambda self: self._planes, doc="Hyperplanes (L, P, d) in the compute dtype.")
@@ -310,9 +326,13 @@ class RaceState:
             If the file is not a regular file (a FIFO or device is refused
             without reading it), truncated or corrupt, of another format or
             version, inconsistent, declares entries larger than a state of its
-            shape (or than this machine's memory) holds, or was made with other
-            planes/beta than those passed.  Nothing is read beyond the sizes
-            the stored shapes allow.
+            shape (or than this machine's memory) holds, holds a state with
+            NaN or Inf or a token count outside ``[0, 2**62]``, or was
+            made with other planes/beta than those passed.  Nothing is read
+            beyond the sizes the stored shapes allow, and nothing is allocated
+            for the state until its stored arrays have been read and found to
+            have the shapes the stored planes and batch_shape give.  The
+            message names the file and the offending field.
         """
         path = os.fspath(path)
         try:
@@ -327,19 +347,33 @@ class RaceState:
         except Exception as exc:  # noqa: BLE001 -- whatever a damaged zip or .npy raises (zlib, struct, ...)
             raise ValueError(f"{path!r} is not a valid RaceState file (truncated or corrupt?): "
                              f"{type(exc).__name__}: {exc}") from None
+        # Every check runs before the state is taken, and nothing is allocated from the stored
+        # sizes: A and B must have the shapes the stored planes and batch_shape give, so their
+        # bytes were all in the file (dv, read off B's shape, included).
+        st = cls.__new__(cls)
         try:
             dtype = np.dtype(str(d["dtype"]))
-            batch_shape = tuple(int(s) for s in d["batch_shape"])
             kv = d.get("kv_heads")
-            st = cls(d["planes"], float(d["beta"]), batch_shape=batch_shape, dv=int(d["B"].shape[-1]),
-                     dtype=dtype, kv_heads=None if kv is None else int(kv))
-            G, F = st._A.shape
-            if d["A"].shape != (G, F) or d["B"].shape != (G, F, st.dv) or d["A"].dtype != np.float64 \
-                    or d["B"].dtype != np.float64 or d["planes"].dtype != dtype:
-                raise _Invalid("inconsistent RaceState file: state arrays do not match planes/batch_shape")
+            A, B = d["A"], d["B"]
+            st._configure(d["planes"], float(d["beta"]), tuple(int(s) for s in d["batch_shape"]),
+                          int(B.shape[-1]), dtype, None if kv is None else int(kv))
+            G, F = math.prod(st._kv_shape), st._F
+            for name, x, want in (("A", A, (G, F)), ("B", B, (G, F, int(B.shape[-1])))):
+                if x.shape != want or x.dtype != np.float64:
+                    raise _Invalid(f"inconsistent RaceState file: field {name} is {x.dtype} of shape {x.shape}, "
+                                   f"but planes {st._planes.shape} and batch_shape {st._batch_shape}"
+                                   + (f" (kv_heads {st._kv_shape[-1]})" if st._group > 1 else "")
+                                   + f" need float64 of shape {want}")
+            if d["planes"].dtype != dtype:
+                raise _Invalid(f"inconsistent RaceState file: field planes is {d['planes'].dtype}, "
+                               f"but field dtype says {dtype}")
+            for name, x in (("A", A), ("B", B)):
+                if not np.isfinite(x).all():
+                    raise _Invalid(f"corrupt RaceState file: field {name} contains NaN or Inf")
             count = int(d["count"])
-            if count < 0:
-                raise _Invalid(f"inconsistent RaceState file: negative token count {count}")
+            if not 0 <= count <= _MAX_COUNT:
+                raise _Invalid(f"corrupt RaceState file: field count holds the token count {count}, "
+                               f"not in [0, {_MAX_COUNT}]")
         except _Invalid as exc:
             raise ValueError(f"{path!r}: {exc}") from None
         except (ValueError, TypeError, OverflowError) as exc:  # the constructor's checks of what was stored
@@ -351,8 +385,8 @@ class RaceState:
                                  f"(stored shape {st._planes.shape}, passed {p.shape})")
         if beta is not None and check_beta(beta) != st._beta:
             raise ValueError(f"{path!r} was saved with beta={st._beta}, but beta={beta} was passed")
-        st._A = np.ascontiguousarray(d["A"])
-        st._B = np.ascontiguousarray(d["B"])
+        st._A = np.ascontiguousarray(A)
+        st._B = np.ascontiguousarray(B)
         st._count = count
         return st
 
@@ -507,11 +541,17 @@ class _Invalid(Exception):
     pass
 
 
+def _is_int(x):
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
 def _check_shape(name, shape):
-    try:
-        shape = tuple(int(s) for s in shape)
-    except TypeError:
-        raise TypeError(f"{name} must be a tuple of ints, got {shape!r}") from None
-    if any(s < 0 for s in shape):
-        raise ValueError(f"{name} must have non-negative entries, got {shape}")
-    return shape
+    """``shape`` as a tuple of Python ints: an int, or a sequence of Python or NumPy
+    integers (not bools, floats or strings), each >= 0."""
+    entries = (shape,) if _is_int(shape) else \
+        tuple(shape) if np.iterable(shape) and not isinstance(shape, (str, bytes)) else None
+    if entries is None or not all(_is_int(s) for s in entries):
+        raise TypeError(f"{name} must be a tuple of non-negative ints (or one int), got {shape!r}")
+    if any(s < 0 for s in entries):
+        raise ValueError(f"{name} must be a tuple of non-negative ints, got {shape!r}")
+    return tuple(int(s) for s in entries)

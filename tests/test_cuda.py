@@ -447,3 +447,20 @@ def test_chunkwise_kernels_match_array_ops(rng, threads, reverse, monkeypatch):
     (du, db), (du_r, db_r) = ops.hash_du(dphi, phi, t, 3.0, 2, 3), ref.hash_du(dphi, phi, t, 3.0, 2, 3)
     assert_close(du, du_r, 1e-5, "du")
     assert abs(float(db) - float(db_r)) <= 1e-5 * abs(float(db_r))
+
+
+def test_no_cuda_driver_is_a_runtime_error_naming_is_available_and_the_extras(rng, monkeypatch):
+    """Where numba.cuda finds no driver, the first call says how to check and what to install."""
+    from numba.cuda.cudadrv.error import CudaSupportError  # the simulator's class under the simulator
+
+    def no_driver(*args, **kwargs):
+        raise CudaSupportError("Error at driver init: CUDA driver library cannot be found.")
+
+    monkeypatch.setattr(rc.cuda, "default_stream", no_driver)
+    q, k, v, _ = problem(rng, (1,), 9, 9, 4, 3, np.float32, masked=False)
+    planes = racecpu.hyperplanes(4, 2, 2, seed=0)
+    for call in (lambda: rc.race_attention(q, k, v, planes), lambda: rc.soft_buckets(q, planes)):
+        with pytest.raises(RuntimeError, match=r"no usable CUDA driver.*racecpu\.cuda\.is_available\(\)") as exc:
+            call()
+        assert 'pip install "racecpu[cuda]"' in str(exc.value) and '"racecpu[cuda13]"' in str(exc.value)
+        assert isinstance(exc.value.__cause__, CudaSupportError)

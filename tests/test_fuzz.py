@@ -214,3 +214,48 @@ def test_soft_buckets(data):
     ok = close(got, want, got.dtype)
     COUNTS["soft_buckets: " + ("correct" if ok else "wrong")] += 1
     assert ok, f"differs from the reference (bad={bad})"
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(data=st.data())
+def test_extreme_magnitudes(data):
+    """Finite inputs of any magnitude up to their dtype's largest value (q, k, v and grad_out,
+    each scaled by a drawn power of ten): the call either raises the documented ValueError naming
+    the input that is too large, or returns finite results, equal to the float64 reference where
+    that reference is finite (issue 58)."""
+    args, beta, causal, _ = draw_case(data)
+    if not (isinstance(beta, float) and beta > 0 and np.isfinite(beta)):
+        beta = 1.0
+    for name in ("q", "k", "v", "planes"):  # only magnitudes are wrong here
+        args[name] = np.asarray(args[name], dtype=args[name].dtype if args[name].dtype.kind == "f" else np.float32)
+    dt = np.result_type(*(args[n].dtype for n in ("q", "k", "v")))
+    top = float(np.finfo(dt).max)
+    scales = {n: top ** data.draw(st.floats(0, 1), label=f"{n} magnitude") for n in ("q", "k", "v", "g")}
+
+    def scaled(a, s, dtype):  # a * s in dtype, the overflowing entries at dtype's largest value
+        with np.errstate(over="ignore", invalid="ignore"):
+            big = np.asarray(a, np.float64) * s
+        return np.clip(np.nan_to_num(big), -np.finfo(dtype).max, np.finfo(dtype).max).astype(dtype)
+
+    for n in ("q", "k", "v"):
+        args[n] = scaled(args[n], scales[n], args[n].dtype)
+    names = ("q", "k", "v", "grad_out")
+    try:
+        out, res = racecpu.race_attention_fwd(args["q"], args["k"], args["v"], args["planes"], beta, causal=causal,
+                                              key_mask=args["key_mask"])
+        g = scaled(np.random.default_rng(2).standard_normal(out.shape), scales["g"], out.dtype)
+        got = racecpu.race_attention_bwd(res, g)
+    except ValueError as e:
+        assert "too large" in str(e) and any(f"{n} is too large" in str(e) for n in names), str(e)
+        COUNTS["magnitudes: documented error"] += 1
+        return
+    results = (out,) + tuple(got[:3])
+    assert all(np.isfinite(np.asarray(x, np.float64)).all() for x in results) and np.isfinite(got[3]), \
+        "finite inputs gave a non-finite result without an error"
+    want_out, wres = R.race_attention_dense_fwd(*(np.asarray(args[n], np.float64) for n in ("q", "k", "v", "planes")),
+                                                beta, causal=causal, key_mask=args["key_mask"])
+    want = (want_out,) + tuple(R.race_attention_dense_bwd(wres, np.asarray(g, np.float64))[:3])
+    for x, w in zip(results, want):
+        if np.isfinite(w).all():
+            assert close(x, w, x.dtype), "differs from the reference"
+    COUNTS["magnitudes: finite and correct"] += 1

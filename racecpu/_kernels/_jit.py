@@ -26,6 +26,10 @@ computes.  Only functions made by :func:`kernel` use this cache.  One thing
 touches Numba itself: from the first kernel compilation on, a wrapper around
 Numba's ``CPUCodeLibrary._optimize_final_module`` that acts only while a
 racecpu kernel compiles; other Numba code in the process compiles as before.
+
+The kernels cannot run as plain Python (they call compiled tasks by address
+and use Numba intrinsics), so ``import racecpu`` refuses ``NUMBA_DISABLE_JIT=1``
+with an ImportError that says so.
 """
 
 from __future__ import annotations
@@ -44,6 +48,10 @@ import numba
 from numba.core import config as numba_config
 from numba.core.caching import CompileResultCacheImpl, FunctionCache, _CacheLocator
 from numba.core.errors import NumbaPerformanceWarning
+
+if numba_config.DISABLE_JIT:
+    raise ImportError("racecpu's kernels need Numba's JIT compiler and cannot run as plain Python, "
+                      "but NUMBA_DISABLE_JIT is set: unset NUMBA_DISABLE_JIT (or set it to 0) to use racecpu")
 
 #: Fast-math flags of every kernel.  Reassociation lets LLVM vectorise the
 #: dv-long inner loops and dot products.  No 'nnan'/'ninf': the guards must

@@ -48,6 +48,7 @@ import numpy as np
 try:
     from numba import cuda
     from numba.cuda import devicearray as _devicearray
+    from numba.cuda.cudadrv.error import CudaSupportError  # the simulator's own class under it
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError('racecpu.cuda needs numba-cuda: pip install "racecpu[cuda]" '
                       f"(import of numba.cuda failed: {exc})") from exc
@@ -135,13 +136,20 @@ class _Device:
 
     def __init__(self, use_cupy):
         self.cupy = bool(use_cupy)
-        if self.cupy:
-            import cupy
-            self._cp = cupy
-            ptr = cupy.cuda.get_current_stream().ptr
-            self.stream = cuda.external_stream(ptr) if ptr else cuda.default_stream()
-        else:
-            self.stream = cuda.default_stream()
+        try:  # every call starts here: the first to touch the driver
+            if self.cupy:
+                import cupy
+                self._cp = cupy
+                ptr = cupy.cuda.get_current_stream().ptr
+                self.stream = cuda.external_stream(ptr) if ptr else cuda.default_stream()
+            else:
+                self.stream = cuda.default_stream()
+        except CudaSupportError as exc:
+            raise RuntimeError("racecpu.cuda found no usable CUDA driver or GPU (numba's error above); "
+                               "racecpu.cuda.is_available() tells whether there is one. On a machine with "
+                               'an NVIDIA GPU, pip install "racecpu[cuda]" (CUDA 12) or "racecpu[cuda13]" '
+                               "(CUDA 13) installs the GPU extras; without one, racecpu's own functions "
+                               "run on NumPy arrays on the CPU") from exc
 
     def empty(self, shape, dtype):
         if self.cupy:
