@@ -271,21 +271,42 @@ def sums_overflow(cdt):
 OVERFLOW_MARGIN = 64
 
 
-def check_results(check_finite, name, x, sums, cdt, L, results):
-    """The overflow that the float64 sums cannot show: ``sums`` (float64, finite) derived from
-    the input ``x`` (called ``name``), ``results`` the call's outputs in the compute dtype ``cdt``.
+def check_narrowed(check_finite, named):
+    """Float16 gradients narrowed from float32 (``(name, array)`` pairs): a value beyond
+    float16's largest (65504) became Inf in the narrowing, which no float64 sum shows; raise
+    ValueError naming it.  A pass over the float16 results, in float16 calls only (bfloat16
+    has float32's range)."""
+    if not check_finite:
+        return
+    for name, x in named:
+        if x.dtype == np.float16 and not all_finite(x):
+            raise ValueError(f"the gradients overflow float16: {name} has entries beyond float16's largest value "
+                             f"({float(np.finfo(np.float16).max):g}); scale grad_out (or v) down or pass float32")
 
-    Only where ``max |sums| * OVERFLOW_MARGIN * L`` reaches the largest value of ``cdt`` are the
-    results read (a pass over them, so never in an ordinary call); a non-finite one raises
-    ValueError naming the input, as :func:`check_derived` does for an overflow it sees.
+
+def max_abs(sums):
+    """``max |sums|`` as a float (0 for an empty array): what :func:`check_results` compares."""
+    return float(np.abs(sums).max()) if sums.size else 0.0
+
+
+def check_results(check_finite, named, cdt, L, results):
+    """The overflow that the float64 sums cannot show.
+
+    ``named``: ``(name, x, big)`` per input, ``big`` the largest magnitude of the float64
+    sums derived from ``x`` (:func:`max_abs`); ``results`` the call's outputs in the compute
+    dtype ``cdt``.  Only where some ``big * OVERFLOW_MARGIN * L`` reaches the largest value
+    of ``cdt`` are the results read (a pass over them, so never in an ordinary call); a
+    non-finite one raises ValueError naming the last such input (in the backward, products
+    of v's sums with grad_out can overflow where neither's own sums do), as
+    :func:`check_derived` does for an overflow it sees.
     """
-    if not check_finite or sums.size == 0:
+    if not check_finite:
         return
-    big = float(np.abs(sums).max())
-    if not big * OVERFLOW_MARGIN * L >= float(np.finfo(cdt).max):
+    limit = float(np.finfo(cdt).max) / (OVERFLOW_MARGIN * L)
+    near = [(name, x) for name, x, big in named if big >= limit]
+    if not near or all(all_finite(r) for r in results):
         return
-    if all(all_finite(r) for r in results):
-        return
+    name, x = near[-1]
     raise ValueError(f"{name} is too large: the attention's sums overflow {np.dtype(cdt)} "
                      f"(max |{name}| = {float(np.abs(x).max()):.3g}); scale it down"
                      f"{' or pass float64' if np.dtype(cdt) != np.float64 else ''}")

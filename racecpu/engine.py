@@ -46,8 +46,8 @@ import numpy as np
 from . import _fork
 from . import _kernels as K
 from ._arrays import namespace_of, to_namespace
-from ._checks import (all_finite, check_array, check_derived, check_grad_buffers, check_out, check_results, deliver,
-                      prepare, sums_overflow, widened)
+from ._checks import (OVERFLOW_MARGIN, all_finite, check_array, check_derived, check_grad_buffers, check_narrowed,
+                      check_out, check_results, deliver, max_abs, prepare, sums_overflow, widened)
 from ._kernels import set_threads, threads  # noqa: F401  (racecpu's: the kernels' thread count)
 from ._memory import POOL
 from .packing import sequence_sums
@@ -349,7 +349,7 @@ def advance(q, k, v, planes, beta, A0, B0, out, *, mask=None, keep=("phiq", "tq"
         ov = PROJECTIONS_OVERFLOW.format(cdt)
         check_derived(True, ("q", q, nan_q == 0, ov), ("k", k, nan_k == 0, ov),
                       ("v", v, all_finite(B1), sums_overflow(cdt)))
-        check_results(True, "v", v, B1, cdt, L, (out,))
+        check_results(True, (("v", v, max_abs(B1)),), cdt, L, (out,))
     return Advanced(A1, B1, chunk, carryA, carryB, rows, nan_q, nan_k)
 
 
@@ -477,6 +477,7 @@ class Residuals:
     planes_dtype: np.dtype  # the dtype the planes were given in (their gradient's)
     check_finite: bool
     namespace: object = None  # the array-API namespace of the forward's q (None: NumPy), for the gradients
+    sums_max: float = 0.0  # max |v's float64 sums| in the forward: the backward's products with grad_out may overflow
 
     causal = property(lambda self: self.plan.causal)
     chunk = property(lambda self: self.plan.chunk, doc="Tokens per chunk of the backward (the carries').")
@@ -566,7 +567,8 @@ def forward(q, k, v, planes, beta, *, causal=False, key_mask=None, check_finite=
     finite_v = all_finite(sums_v) and not (causal and pk is not None and not all_finite(o))
     check_derived(a.check_finite, ("q", a.q, nan_q == 0, overflow), ("k", a.k, nan_k == 0, overflow),
                   ("v", a.v, finite_v, sums_overflow(cdt)))
-    check_results(a.check_finite, "v", a.v, sums_v, cdt, plan.L, (o,))
+    v_sums = max_abs(sums_v)
+    check_results(a.check_finite, (("v", a.v, v_sums),), cdt, plan.L, (o,))
     y = deliver(o, out, a.lead + (nq, dv), a.out_dtype)
     xp = namespace_of(q)  # results in q's array type (torch, JAX, ...), unless written into out
     if out is None:
@@ -578,7 +580,7 @@ def forward(q, k, v, planes, beta, *, causal=False, key_mask=None, check_finite=
     return y, Residuals(plan=plan, planes=a.planes, beta=a.beta, v=kv, phiq=phiq, tq=tq, phik=phik, tk=tk, den=den,
                         A=A, B=B, q=kq, k=kk, lead=a.lead, in_dtypes=a.in_dtypes, out_dtype=a.out_dtype,
                         planes_dtype=pdt if pdt.kind == "f" else np.dtype(cdt), check_finite=a.check_finite,
-                        namespace=xp)
+                        namespace=xp, sums_max=v_sums)
 
 
 def backward(residuals, grad_out, *, out=None, dplanes=False):
@@ -650,13 +652,18 @@ def backward(residuals, grad_out, *, out=None, dplanes=False):
                 dsum = _sketch_per_sequence(*dsum)
             with _on_threads(Gk * nk, chunk, nk):
                 K.keys_bwd(v, rows, dsum, hsh, _cuts(pk, nk, chunk), grads)
-        check_results(r.check_finite, "grad_out", g, dB, cdt, plan.L, (dq, dk, dv_))
+        # the backward multiplies v's sums by grad_out (y = B g): their product near the limit counts too
+        db_max = max_abs(dB)
+        check_results(r.check_finite, (("v", r.v, r.sums_max), ("grad_out", g, db_max),
+                                       ("grad_out", g, r.sums_max * db_max * OVERFLOW_MARGIN)), cdt, plan.L,
+                      (dq, dk, dv_))
         dbeta = float(dbq.sum() + dbk.sum())
         if dplanes:
             dW = pg.dWq.sum((0, 1)) + pg.dWk.sum((0, 1))
     xp = r.namespace  # in the forward's array type, unless written into out buffers
-    grads = tuple(to_namespace(xp if buf is None else None, deliver(x, buf, shape, dt))
-                  for x, buf, shape, dt in zip((dq, dk, dv_), out, shapes, r.in_dtypes)) + (dbeta,)
+    delivered = [deliver(x, buf, shape, dt) for x, buf, shape, dt in zip((dq, dk, dv_), out, shapes, r.in_dtypes)]
+    check_narrowed(r.check_finite, zip(("dq", "dk", "dv"), delivered))
+    grads = tuple(to_namespace(xp if buf is None else None, y) for y, buf in zip(delivered, out)) + (dbeta,)
     if not dplanes:
         return grads
     return grads + (to_namespace(xp, dW.reshape(r.planes.shape).astype(r.planes_dtype)),)

@@ -246,7 +246,7 @@ def test_extreme_magnitudes(data):
         g = scaled(np.random.default_rng(2).standard_normal(out.shape), scales["g"], out.dtype)
         got = racecpu.race_attention_bwd(res, g)
     except ValueError as e:
-        assert "too large" in str(e) and any(f"{n} is too large" in str(e) for n in names), str(e)
+        assert any(f"{n} is too large" in str(e) for n in names) or "gradients overflow float16" in str(e), str(e)
         COUNTS["magnitudes: documented error"] += 1
         return
     results = (out,) + tuple(got[:3])
@@ -254,8 +254,14 @@ def test_extreme_magnitudes(data):
         "finite inputs gave a non-finite result without an error"
     want_out, wres = R.race_attention_dense_fwd(*(np.asarray(args[n], np.float64) for n in ("q", "k", "v", "planes")),
                                                 beta, causal=causal, key_mask=args["key_mask"])
-    want = (want_out,) + tuple(R.race_attention_dense_bwd(wres, np.asarray(g, np.float64))[:3])
-    for x, w in zip(results, want):
-        if np.isfinite(w).all():
-            assert close(x, w, x.dtype), "differs from the reference"
+    want_dv = R.race_attention_dense_bwd(wres, np.asarray(g, np.float64))[2]
+    # out (a convex combination of v's rows) and dv (of grad_out's) are compared on the scale of the
+    # input they combine, which rounding errors follow when the combination cancels; dq and dk
+    # subtract terms of size |g| |v| that cancel exactly when the exact gradient is small, so at these
+    # magnitudes only their finiteness is asserted (test_fwd_bwd compares them at ordinary ones)
+    for x, w, scale in ((out, want_out, args["v"]), (got[2], want_dv, g)):
+        if np.isfinite(w).all() and w.size:
+            tol = TOL.get(np.dtype(x.dtype), 1e-4)
+            ref = max(1.0, float(np.abs(w).max()), float(np.abs(np.asarray(scale, np.float64)).max(initial=0)))
+            assert np.abs(np.asarray(x, np.float64) - w).max() <= tol * ref, "differs from the reference"
     COUNTS["magnitudes: finite and correct"] += 1
