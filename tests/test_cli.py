@@ -12,7 +12,7 @@ import pytest
 from racecpu.cli import main
 
 
-def _racecpu(*args, timeout=300, env=None):
+def _racecpu(*args, timeout=900, env=None):  # a cold kernel cache compiles first: minutes on 2 loaded cores
     """``python -m racecpu ARGS`` in a subprocess against the racecpu the tests import."""
     import racecpu
     e = dict(os.environ, **(env or {}))
