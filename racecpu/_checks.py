@@ -13,6 +13,9 @@ that import them (``docs/design.md``, "Map of the engine").
 from __future__ import annotations
 
 import numbers
+import os
+import sys
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +24,7 @@ from . import _fork
 from . import config
 from ._arrays import ForeignArrayError, as_numpy
 from ._kernels import BFLOAT16, FLOAT16, count_nonfinite, narrow, widen
+from ._kernels.runtime import read_only
 from ._memory import POOL
 
 
@@ -52,17 +56,17 @@ def dtypes(*arrays):
 
 
 def widened(x, cdt):
-    """``x`` (any float dtype) as a C-contiguous array of the compute dtype ``cdt``:
-    ``x`` itself where it already is one; 16-bit ``x`` widened to float32 on
-    every core into a pooled array (NumPy converts float16 a value at a time
-    and bfloat16 through ml_dtypes)."""
+    """``x`` (any float dtype) as a read-only C-contiguous array of the compute dtype
+    ``cdt``: ``x`` itself (a read-only view) where it already is one; 16-bit ``x``
+    widened to float32 on every core into a pooled array (NumPy converts float16 a
+    value at a time and bfloat16 through ml_dtypes)."""
     fmt = half_format(x.dtype)
     if fmt is None or cdt != np.float32:
-        return np.ascontiguousarray(x, dtype=cdt)
+        return read_only(np.ascontiguousarray(x, dtype=cdt))
     x = np.ascontiguousarray(x)
     y = POOL.empty(x.shape, np.float32)
     widen(x.reshape(-1).view(np.uint16), y.reshape(-1).view(np.uint32), fmt)
-    return y
+    return read_only(y)
 
 
 def narrowed(x, dtype, out=None):
@@ -76,7 +80,8 @@ def narrowed(x, dtype, out=None):
 
 
 def check_array(name, x, check_finite, min_ndim=2):
-    """Float array check; returns (array, output dtype, compute dtype).
+    """Float array check; returns (array, output dtype, compute dtype), the array a
+    read-only view (:func:`read_only`: the kernels compile for read-only inputs only).
 
     Every CPU entry point checks its first array here first, so this is also
     where a forked child that cannot run the kernels is refused (:mod:`racecpu._fork`).
@@ -96,7 +101,7 @@ def check_array(name, x, check_finite, min_ndim=2):
     if check_finite and not all_finite(x):
         raise ValueError(f"{name} contains NaN or Inf (pass check_finite=False to skip this check)")
     cdt = np.dtype(np.float32) if half_format(x.dtype) is not None else x.dtype
-    return x, x.dtype, cdt
+    return read_only(x), x.dtype, cdt
 
 
 def check_planes(planes, d, cdt):
@@ -123,7 +128,7 @@ def check_planes(planes, d, cdt):
     if not np.isfinite(cast).all():  # finite planes that overflow the compute dtype (float64 -> float32)
         raise ValueError(f"planes are too large for the compute dtype {np.dtype(cdt)} "
                          f"(max |planes| = {np.abs(planes).max():.3g}); scale them down or pass float64 inputs")
-    return cast
+    return read_only(cast)
 
 
 def check_beta(beta):
@@ -228,12 +233,45 @@ def check_args(q, k, v, planes, beta, causal, key_mask, grouped=False):
     return cdt, odt, lead, G, planes, beta, group
 
 
+#: A (B, N, H, d) array passed for (B, H, N, d) shows as thousands of "heads" of a few
+#: "tokens": :func:`warn_if_heads_and_tokens_swapped` warns from these sizes on (no model has
+#: 512 heads of 128 tokens or fewer, and RACE over so few tokens would gain nothing).
+SWAPPED_MIN_HEADS, SWAPPED_MAX_TOKENS, SWAPPED_RATIO = 512, 128, 32
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _caller_stacklevel():
+    """The ``stacklevel`` of the first frame outside racecpu (the user's call), for warnings."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def warn_if_heads_and_tokens_swapped(name, x):
+    """Warn (UserWarning) where ``x`` of 4 dims or more looks like (B, N, H, d) passed for
+    (B, H, N, d): many "heads" of a few "tokens" (the SWAPPED_* sizes).  Nothing in the
+    numbers can tell the two apart, so this is a warning, and only where the shape makes the
+    mistake likely; a 3-dim (H, N, d) array may be a flattened batch of short sequences and
+    is never warned of."""
+    if x.ndim < 4:
+        return
+    heads, tokens = x.shape[-3], x.shape[-2]
+    if heads >= SWAPPED_MIN_HEADS and tokens <= SWAPPED_MAX_TOKENS and heads >= SWAPPED_RATIO * tokens:
+        warnings.warn(f"{name} has shape {tuple(x.shape)}: racecpu reads it as (..., H, N, d), {heads} heads of "
+                      f"{tokens} tokens each. If it is (B, N, H, d), pass {name}.transpose(0, 2, 1, 3) (and the "
+                      f"same for the other inputs); to silence this, filter UserWarnings whose message starts "
+                      f"with '{name} has shape'", UserWarning, stacklevel=_caller_stacklevel())
+
+
 def prepare(q, k, v, planes, beta, causal, key_mask, check_finite, defer=False, grouped=False):
     """Check and lay out the arguments.  ``defer``: the NaN/Inf checks of q, k
     and v are left to :func:`check_derived`, after the kernels read them.
     ``grouped``: k and v may have fewer heads (see :func:`check_args`)."""
     eager = check_finite and not defer
     q, qdt, _ = check_array("q", q, eager)
+    warn_if_heads_and_tokens_swapped("q", q)
     passed = [("q", q)]
     try:
         k, kdt, _ = check_array("k", k, eager)
@@ -249,9 +287,9 @@ def prepare(q, k, v, planes, beta, causal, key_mask, check_finite, defer=False, 
     nk = k.shape[-2]
     Gk = G // group
     if key_mask is None:
-        mask = np.ones((Gk, nk), dtype=np.bool_)
+        mask = read_only(np.ones((Gk, nk), dtype=np.bool_))
     else:
-        mask = np.ascontiguousarray(np.asarray(key_mask).reshape(Gk, nk))
+        mask = read_only(np.ascontiguousarray(np.asarray(key_mask).reshape(Gk, nk)))
 
     given = tuple(x.reshape((n,) + x.shape[-2:]) for x, n in ((q, G), (k, Gk), (v, Gk)))
     return Args(*(widened(x, cdt) for x in given), mask, planes, beta, lead, odt, (qdt, kdt, vdt),

@@ -419,3 +419,23 @@ def test_blas_limit_is_restored_after_concurrent_calls(rng):
         [t.join() for t in ts]
         after = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
     assert after == before
+
+
+def test_tokens_and_heads_swapped_is_warned_of_where_the_shape_makes_it_likely():
+    # (B, N, H, d) passed for (B, H, N, d): 1,024 "heads" of 4 "tokens".  The warning points
+    # at the caller's line; the transposed array, a 3-dim one and an ordinary shape pass silently.
+    import warnings
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 1024, 4, 8)).astype(np.float32)
+    W = racecpu.hyperplanes(8, seed=0)
+    with pytest.warns(UserWarning, match=r"transpose\(0, 2, 1, 3\)") as rec:
+        racecpu.race_attention(x, x, x, W)
+    assert [w.filename for w in rec] == [__file__]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = np.ascontiguousarray(x.transpose(0, 2, 1, 3))
+        racecpu.race_attention(y, y, y, W)
+        racecpu.race_attention(x[0], x[0], x[0], W)
+        z = rng.standard_normal((2, 16, 256, 8)).astype(np.float32)
+        racecpu.race_attention(z, z, z, W)

@@ -42,7 +42,7 @@ from .hash import hash_bwd_rows_dw, hash_range, head_rows, head_scratch
 from .products import (add_product, add_rows, combine_rows, dot_rows, group_span_totals, step_scores, zero_above,
                        zero_below)
 from .readout import den_share, dphi_from_y, ratio_inverse, step_readout
-from .runtime import run_tasks
+from .runtime import read_only, run_tasks
 from .scan import carry_on, exclusive_step, restarts, segment_chunks, segment_start, spread_order, task_bounds
 
 
@@ -151,7 +151,7 @@ def causal_fwd(fwd, carry, final=None, segments=None):
         The number of NaNs in the queries' t (see :func:`racecpu._kernels.hash.hash_block`).
     """
     Gk, nc = carry.A.shape[:2]
-    keep = np.ones(fwd.q.shape[1], np.bool_)  # queries are never masked
+    keep = read_only(np.ones(fwd.q.shape[1], np.bool_))  # queries are never masked
     segments = nc if segments is None else segments
     nan = np.zeros(Gk * segments, np.int64)
     run_tasks(_causal_fwd_task, Gk * segments, segments, keep, fwd, carry,

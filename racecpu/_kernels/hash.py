@@ -18,7 +18,7 @@ from ._jit import kernel
 from .bundles import HashScratch
 from .expmath import exp_neg
 from .products import add_into, combine_rows, dot_rows, prefetch_to, tn_product
-from .runtime import run_tasks
+from .runtime import read_only, run_tasks
 
 
 @kernel
@@ -327,7 +327,7 @@ def _hash_rows_task(blk, x, hsh, keep, t, phi):
 def soft_hash_rows(x, hsh, t, phi):
     """phi and t of every row of ``x (N, d)`` (the public ``soft_buckets``)."""
     n = x.shape[0]
-    run_tasks(_hash_rows_task, (n + 1023) // 1024, x, hsh, np.ones(n, np.bool_), t, phi)
+    run_tasks(_hash_rows_task, (n + 1023) // 1024, x, hsh, read_only(np.ones(n, np.bool_)), t, phi)
 
 
 @kernel

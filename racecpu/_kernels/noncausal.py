@@ -23,7 +23,7 @@ from .bundles import QueryScratch
 from .hash import hash_bwd_rows_dw, hash_chunk, residual_rows
 from .products import combine_rows, dot_rows, span_totals
 from .readout import dphi_from_y, readout_rows
-from .runtime import run_tasks
+from .runtime import read_only, run_tasks
 from .scan import task_bounds
 
 
@@ -105,7 +105,7 @@ def queries_fwd(q, hsh, chunks, sketch, rows, out):
         The number of NaNs in the queries' t (see :func:`racecpu._kernels.hash.hash_block`).
     """
     G, n, _ = q.shape
-    keep = np.ones(n, np.bool_)  # queries are never masked
+    keep = read_only(np.ones(n, np.bool_))  # queries are never masked
     nan = np.zeros(G * chunks.seq.shape[0], np.int64)
     run_tasks(_queries_fwd_task, nan.size, keep, q, hsh, chunks, sketch, rows, out, nan)
     return int(nan.sum())

@@ -34,6 +34,20 @@ _blas_controller = None
 _threads_started = False
 
 
+def read_only(x):
+    """``x`` as a read-only array (a view of it where it is writable; no copy).
+
+    Every array the kernels only read reaches them read-only: Numba compiles a
+    kernel once per argument types, and a read-only array (JAX hands them, so does
+    a memory-mapped file opened for reading) is another type than a writable one,
+    so inputs of both kinds would compile every kernel twice (a minute or more).
+    """
+    if x.flags.writeable:
+        x = x.view()
+        x.flags.writeable = False
+    return x
+
+
 def start_threads():
     """Start Numba's threading layer (once), with OpenMP's wait policy from ``config.WAIT_POLICY``.
 

@@ -4,9 +4,11 @@ Run it once when building an image or after a read-only install (with
 ``NUMBA_CACHE_DIR`` pointing at a directory that will be writable, or the
 package folder while it still is), so that no process later pays the
 compilation.  It runs tiny calls: forward and backward, causal and not,
-float32 and float64, with and without residuals, key masks, grouped
-key/value heads, packed sequences, the planes' gradient, ``soft_buckets`` and
-a ``RaceState`` step.
+float32 and float64 (and float16 and bfloat16 inputs), with and without
+residuals, key masks, grouped key/value heads, packed sequences, the planes'
+gradient, ``soft_buckets`` and a ``RaceState`` step: every signature the NumPy
+API, ``racecpu.torch``, ``racecpu.jax`` and ``racecpu.autograd`` call (inputs
+reach the kernels read-only whatever their origin, so one signature serves all).
 """
 
 from __future__ import annotations
@@ -50,6 +52,13 @@ def _attention_calls(rng, W, dtype, causal):
     cu = np.array([0, 1000, 1100, 3000], np.int32)
     out, res = racecpu.race_attention_fwd(q, q, g, W, causal=causal, cu_seqlens=cu)  # packed sequences
     racecpu.race_attention_bwd(res, g)
+    if dtype == np.float32:  # 16-bit inputs (torch's bfloat16 and half): float32 kernels, the conversions
+        from .._arrays import bfloat16
+        for half in (np.float16, bfloat16()):
+            if half is not None:
+                qh, gh = (rng.standard_normal((2, 300, 8)).astype(half) for _ in range(2))
+                out, res = racecpu.race_attention_fwd(qh, qh, qh, W, causal=causal)
+                racecpu.race_attention_bwd(res, gh, dplanes=True)
 
 
 def _state_calls(rng, W, dtype):
