@@ -60,7 +60,7 @@ def test_a_task_compiled_beside_cached_callees_gives_the_cached_bits(tmp_path):
     scope["run"](tmp_path / "here.npz")  # in this process, whichever way its kernels came
     here = np.load(tmp_path / "here.npz")
     cache = tmp_path / "cache"
-    copy = cache / f"racecpu-{cache_tag()}"  # where a process with NUMBA_CACHE_DIR=cache looks
+    copy = cache / "racecpu" / cache_tag()  # where a process with NUMBA_CACHE_DIR=cache looks
     shutil.copytree(cache_dir(), copy)
     cached = _run_in_subprocess(tmp_path, cache, "cached")  # everything from the cache
     for f in copy.glob("causal._causal_bwd_split_task-*"):

@@ -249,35 +249,6 @@ def test_cache_stamp_covers_every_kernel_source_and_config(tmp_path, monkeypatch
     assert len(set(stamps)) == len(stamps)
 
 
-def test_cache_dir_falls_back_until_none_is_writable(monkeypatch, tmp_path):
-    from racecpu._kernels import _jit
-    monkeypatch.setattr(_jit.numba_config, "CACHE_DIR", str(tmp_path / "numba"))
-    tried = []
-
-    def writable(path, ok=()):
-        tried.append(str(path))
-        return any(str(path).startswith(str(p)) for p in ok)
-    try:
-        for ok, want in (((tmp_path / "numba",), tmp_path / "numba"),
-                         ((_jit._SOURCES / "__pycache__",), _jit._SOURCES / "__pycache__")):
-            monkeypatch.setattr(_jit, "_writable", lambda p, ok=ok: writable(p, ok))
-            _jit.cache_dir.cache_clear()
-            assert _jit.cache_dir().startswith(str(want))
-        monkeypatch.setattr(_jit, "_writable", lambda p: False)
-        monkeypatch.setattr(_jit.tempfile, "mkdtemp", lambda **kw: str(tmp_path / "private"))
-        _jit.cache_dir.cache_clear()
-        assert _jit.cache_dir() == str(tmp_path / "private")
-
-        def no_tmp(**kw):
-            raise OSError("read-only")
-        monkeypatch.setattr(_jit.tempfile, "mkdtemp", no_tmp)
-        _jit.cache_dir.cache_clear()
-        with pytest.warns(RuntimeWarning, match="no writable directory"):
-            assert _jit.cache_dir() is None
-    finally:
-        _jit.cache_dir.cache_clear()
-
-
 def test_import_and_a_call_work_with_an_unwritable_cache_and_recompile_a_corrupt_one(tmp_path):
     import os
     cache = tmp_path / "cache"

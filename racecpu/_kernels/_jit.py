@@ -10,10 +10,18 @@ racecpu's own:
   machine code.  Here every entry is stamped with a digest of all of
   ``racecpu/_kernels/*.py``, ``racecpu/config.py`` and the Numba and
   llvmlite versions, so any edit recompiles everything.
-* **Found wherever it can be written**: ``$NUMBA_CACHE_DIR`` when set, else
-  ``__pycache__`` beside the sources, else the user's cache directory, else
-  a private temporary directory; where none is writable the kernels compile
-  in every process (one warning), and ``import racecpu`` never fails.
+* **One per machine and user, found by every process**: the first writable
+  of ``$NUMBA_CACHE_DIR/racecpu/<tag>``, ``<user cache>/racecpu/<tag>``
+  (``$XDG_CACHE_HOME`` or ``~/.cache`` on Linux), ``__pycache__/<tag>``
+  beside the sources and ``<tmp>/racecpu-<user>/<tag>`` (made private to the
+  user), ``<tag>`` naming racecpu's version, the sources' digest and the
+  CPU: an install, a ``PYTHONPATH=.`` clone of the same sources, and a
+  read-only install with a read-only HOME all find the kernels one process
+  compiled.  Where none is writable the kernels compile in every process
+  (one warning), and ``import racecpu`` never fails.
+* **Announced**: the first compilation in a process prints one line on
+  stderr (:func:`announce_compilation`), whatever entry point called the
+  kernel; ``RACECPU_QUIET_COMPILE=1`` silences it.
 * **Never fatal**: an entry that cannot be read (a truncated or corrupt
   file) is compiled again and overwritten.
 
@@ -46,6 +54,7 @@ from pathlib import Path
 import llvmlite
 import numba
 from numba.core import config as numba_config
+from numba.core import sigutils
 from numba.core.caching import CompileResultCacheImpl, FunctionCache, _CacheLocator
 from numba.core.errors import NumbaPerformanceWarning
 
@@ -95,45 +104,139 @@ def _user_cache_home():
     return os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
 
 
+def _user_id():
+    """This user's number (POSIX) or name: what tells users' temporary caches apart."""
+    if hasattr(os, "getuid"):
+        return str(os.getuid())
+    try:
+        import getpass
+        return getpass.getuser()
+    except Exception:  # no user name known (Windows service accounts and the like)
+        return "user"
+
+
+def _private_temp_root():
+    """``<tmp>/racecpu-<user>``, made with mode 0700; None unless it is a real directory of
+    this user that nobody else can write.  Numba's cache entries are pickles: a folder
+    another user could write would let them choose the code this process runs."""
+    root = Path(tempfile.gettempdir()) / f"racecpu-{_user_id()}"
+    try:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        st = os.lstat(root)
+    except OSError:
+        return None
+    import stat
+    if not stat.S_ISDIR(st.st_mode):
+        return None
+    if hasattr(os, "getuid") and (st.st_uid != os.getuid() or st.st_mode & 0o022):
+        return None
+    return root
+
+
+def _cpu_name():
+    import llvmlite.binding as llvm
+    try:
+        name = llvm.get_host_cpu_name()
+    except Exception:  # an LLVM build that cannot tell: the index still keys entries by CPU
+        name = "cpu"
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in name) or "cpu"
+
+
+def _package_version():
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("racecpu")
+    except PackageNotFoundError:  # the source tree on sys.path, not installed
+        return "src"
+
+
+@functools.lru_cache(maxsize=None)
 def cache_tag():
-    """The name that tells this checkout's kernels apart from another's in a shared cache."""
-    return "kernels-" + hashlib.sha1(str(_SOURCES).encode()).hexdigest()[:12]
+    """``kernels-<version>-<digest>-<cpu>``: the folder name of this racecpu's kernels in a
+    shared cache.  The same sources share it wherever they are installed (a clone on
+    ``PYTHONPATH`` and its install), other sources or another CPU get their own."""
+    return f"kernels-{_package_version()}-{source_digest()[:12]}-{_cpu_name()}"
+
+
+#: How many tags' folders a cache root keeps: a new one removes the least recently
+#: made beyond these (each edit of the kernels' sources makes a new tag, ~8 MB each).
+KEPT_TAGS = 6
+
+
+def _prune_old_tags(root, keep):
+    """Remove all but the ``KEPT_TAGS`` newest ``kernels-*`` folders of ``root`` (``keep`` stays).
+    A process still reading a removed folder compiles what it cannot load: never an error."""
+    import shutil
+    try:
+        olds = sorted((p for p in Path(root).iterdir() if p.name.startswith("kernels-") and p.name != keep),
+                      key=lambda p: p.stat().st_mtime, reverse=True)
+    except OSError:
+        return
+    for p in olds[KEPT_TAGS - 1:]:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def cache_candidates():
+    """Where the kernels' cache may go, in order (see the module docstring); the temporary
+    one only where ``<tmp>/racecpu-<user>`` is this user's private directory."""
+    tag = cache_tag()
+    roots = []
+    if numba_config.CACHE_DIR:
+        roots.append(Path(numba_config.CACHE_DIR) / "racecpu")
+    roots.append(Path(_user_cache_home()) / "racecpu")
+    roots.append(_SOURCES / "__pycache__")
+    private = _private_temp_root()
+    if private is not None:
+        roots.append(private)
+    return [root / tag for root in roots]
 
 
 def shared_cache_dir():
-    """The first writable of ``$NUMBA_CACHE_DIR/racecpu-<tag>``, ``racecpu/_kernels/__pycache__``
-    and ``<user cache>/racecpu/<tag>``: where every process of this checkout finds the
-    kernels another compiled; None if none is writable.  ``<tag>`` tells checkouts apart
-    (a hash of this package's path)."""
-    tag = cache_tag()
-    candidates = []
-    if numba_config.CACHE_DIR:
-        candidates.append(Path(numba_config.CACHE_DIR) / f"racecpu-{tag}")
-    candidates.append(_SOURCES / "__pycache__")
-    candidates.append(Path(_user_cache_home()) / "racecpu" / tag)
-    for path in candidates:
+    """The first writable of :func:`cache_candidates` (four places, in order): where every process of this user
+    finds the kernels another compiled; None if none is writable."""
+    for path in cache_candidates():
+        new = not path.exists()
         if _writable(path):
+            if new:
+                _prune_old_tags(path.parent, path.name)
             return str(path)
     return None
 
 
 @functools.lru_cache(maxsize=None)
 def cache_dir():
-    """The directory the kernels are cached in, or None (no writable place: no cache).
-
-    :func:`shared_cache_dir`, else a new private temporary directory (kept by
-    this process alone).
-    """
+    """The directory the kernels are cached in (:func:`shared_cache_dir`), or None with a
+    warning: no writable place, the kernels compile in every process."""
     shared = shared_cache_dir()
-    if shared is not None:
-        return shared
-    try:
-        return tempfile.mkdtemp(prefix="racecpu-kernels-")
-    except OSError:
+    if shared is None:
         warnings.warn("racecpu: no writable directory for the compiled kernels' cache; they are "
                       "compiled in every process (set NUMBA_CACHE_DIR to a writable directory)",
                       RuntimeWarning, stacklevel=3)
-        return None
+    return shared
+
+
+_announced = False  # whether this process has printed its line (announce_compilation)
+
+
+def announce_compilation(sig=None):
+    """Print, once per process, the line that says the kernels compile now (a minute or two)
+    and where they will be kept; silent with ``RACECPU_QUIET_COMPILE=1``.
+
+    Called as a kernel misses the cache, whichever entry point (NumPy API, torch, JAX,
+    the CLI) called it.  ``sig``: the kernel's argument types, for the dtype named.
+    """
+    global _announced
+    if _announced:
+        return
+    _announced = True
+    if os.environ.get("RACECPU_QUIET_COMPILE", "0") not in ("", "0"):
+        return
+    dtype = next((str(t.dtype) for t in (sig or ()) if hasattr(t, "dtype") and hasattr(t, "ndim")), None)
+    what = f" for {dtype}" if dtype in ("float32", "float64") else ""
+    where = cache_dir()
+    kept = f"then cached in {where}" if where else "not cached: no writable directory"
+    print(f"racecpu: compiling RACE kernels{what} (first use on this machine, 1-2 min; {kept}) ...",
+          file=sys.stderr, flush=True)
 
 
 class _KernelLocator(_CacheLocator):
@@ -173,9 +276,12 @@ class _KernelCache(FunctionCache):
 
     def load_overload(self, sig, target_context):
         try:
-            return super().load_overload(sig, target_context)
+            loaded = super().load_overload(sig, target_context)
         except Exception:  # a corrupt or foreign entry: compile again (and overwrite it)
-            return None
+            loaded = None
+        if loaded is None:
+            announce_compilation(sigutils.normalize_signature(sig)[0])
+        return loaded
 
     def save_overload(self, sig, data):
         with contextlib.suppress(OSError):  # a full or read-only disk costs a compile, nothing more
@@ -255,11 +361,16 @@ def kernel(fn=None, *, parallel=False, inline="never", cache=True):
     """
     def wrap(f):
         disp = numba.njit(parallel=parallel, inline=inline, **OPTIONS)(f)
-        if cache and cache_dir() is not None:
-            disp._cache = _KernelCache(f)
+        cached = cache and cache_dir() is not None
+        if cached:
+            disp._cache = _KernelCache(f)  # announces the compilations it cannot spare
         compile_ = disp.compile
 
         def compile_kernel(sig):
+            if not cached:
+                args, _ = sigutils.normalize_signature(sig)
+                if tuple(args) not in disp.overloads:
+                    announce_compilation(args)
             with _kernel_compilation():
                 return compile_(sig)
         disp.compile = compile_kernel

@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from ..cli import UsageError, add_common_arguments, add_race_arguments, note, positive_float, positive_int
+from ..cli import UsageError, add_common_arguments, add_race_arguments, positive_float, positive_int
 
 DEFAULT_TOKENS = 2 ** 18
 _GIB = 2.0 ** 30
@@ -180,17 +180,6 @@ def _run_dask(args, heads_given):
     return 0 if ok else 1
 
 
-def _kernels_cached():
-    """Whether the kernels' cache directory already holds compiled kernels."""
-    from .._kernels._jit import cache_dir
-
-    path = cache_dir()
-    try:
-        return path is not None and any(n.endswith(".nbi") for n in os.listdir(path))
-    except OSError:
-        return False
-
-
 def run(args):
     heads_given = args.heads is not None
     if not heads_given:
@@ -232,10 +221,7 @@ def run(args):
     W = hyperplanes(d, P, L, seed=args.seed, dtype=dt)
 
     # Compile (or load from the cache) on a tiny input, so the timings below are the kernels'.
-    if _kernels_cached():
-        note("loading compiled kernels from the cache ...")
-    else:
-        note("compiling kernels (first run only, ~30-60 s) ...")
+    # A compilation announces itself on stderr (racecpu._kernels._jit.announce_compilation).
     t0 = time.perf_counter()
     n0 = min(N, 4 * CHUNK + 5)  # several chunks and a partial one: the full size's code paths
     tiny, tres = race_attention_fwd(q[:, :n0], k[:, :n0], v[:, :n0], W, args.beta, causal=args.causal)
