@@ -265,3 +265,12 @@ def test_profile_script_names_compiled_functions(tmp_path):
     assert {name for _, _, name in lines} == set(found.values())
     with pytest.raises(SystemExit):
         prof.main(["--log2n", "2"])
+
+
+def test_bad_impls_leave_no_output_folder_behind(tmp_path, monkeypatch, capsys):
+    # the default output folder (racecpu-bench-<time> in the current directory) is made only
+    # once the arguments are good
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "--impls", "foo"]) == 2
+    assert "choose from" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

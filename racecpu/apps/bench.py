@@ -860,7 +860,6 @@ def run(args):
         print(f"racecpu bench: --sections {args.sections!r}: choose from {','.join(SECTIONS)}", file=sys.stderr)
         return 2
     require("matplotlib", "racecpu bench (its plots)", "bench")
-    out_dir = Path(output_dir(args, "bench"))
     tag = args.tag or ("bench-quick" if args.quick else "bench")
     use_torch = not args.no_torch and _torch_ok(st["device"])
     impls = [i for i in IMPLS[st["device"]] if use_torch or i not in TORCH_IMPLS]
@@ -878,6 +877,7 @@ def run(args):
         impls = [i for i in impls if i in wanted]
         if not impls:
             return 2
+    out_dir = Path(output_dir(args, "bench"))  # made only once the arguments are good: no empty folder
     return _Suite(st, impls, out_dir, tag, args).run()
 
 
