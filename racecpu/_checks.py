@@ -63,7 +63,7 @@ def widened(x, cdt):
     fmt = half_format(x.dtype)
     if fmt is None or cdt != np.float32:
         return read_only(np.ascontiguousarray(x, dtype=cdt))
-    x = np.ascontiguousarray(x)
+    x = read_only(np.ascontiguousarray(x))  # a copy of a strided x (torch's expanded grads) too: one signature
     y = POOL.empty(x.shape, np.float32)
     widen(x.reshape(-1).view(np.uint16), y.reshape(-1).view(np.uint32), fmt)
     return read_only(y)

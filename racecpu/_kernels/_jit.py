@@ -218,6 +218,20 @@ def cache_dir():
 _announced = False  # whether this process has printed its line (announce_compilation)
 
 
+def _first_float_dtype(types):
+    """The name of the first float32/float64 array's dtype among Numba ``types`` (tuples and
+    the kernels' bundles searched depth first), or None."""
+    for t in types:
+        if hasattr(t, "ndim") and str(getattr(t, "dtype", "")) in ("float32", "float64"):
+            return str(t.dtype)
+        inner = getattr(t, "types", None)
+        if isinstance(inner, tuple):
+            found = _first_float_dtype(inner)
+            if found:
+                return found
+    return None
+
+
 def announce_compilation(sig=None):
     """Print, once per process, the line that says the kernels compile now (a minute or two)
     and where they will be kept; silent with ``RACECPU_QUIET_COMPILE=1``.
@@ -231,8 +245,8 @@ def announce_compilation(sig=None):
     _announced = True
     if os.environ.get("RACECPU_QUIET_COMPILE", "0") not in ("", "0"):
         return
-    dtype = next((str(t.dtype) for t in (sig or ()) if hasattr(t, "dtype") and hasattr(t, "ndim")), None)
-    what = f" for {dtype}" if dtype in ("float32", "float64") else ""
+    dtype = _first_float_dtype(sig or ())
+    what = f" for {dtype}" if dtype else ""
     where = cache_dir()
     kept = f"then cached in {where}" if where else "not cached: no writable directory"
     print(f"racecpu: compiling RACE kernels{what} (first use on this machine, 1-2 min; {kept}) ...",
