@@ -224,21 +224,6 @@ def note(*parts, **kw):
 _QUIET = False
 
 
-@contextlib.contextmanager
-def _quiet_compilation():
-    """``--quiet``: no line on stderr when the kernels compile (racecpu._kernels._jit reads
-    RACECPU_QUIET_COMPILE), for this command only."""
-    before = os.environ.get("RACECPU_QUIET_COMPILE")
-    os.environ["RACECPU_QUIET_COMPILE"] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("RACECPU_QUIET_COMPILE", None)
-        else:
-            os.environ["RACECPU_QUIET_COMPILE"] = before
-
-
 def _version():
     from . import __version__
     return __version__
@@ -275,7 +260,9 @@ def main(argv=None):
     with contextlib.ExitStack() as stack:
         if _QUIET:
             stack.enter_context(contextlib.redirect_stdout(open(os.devnull, "w")))
-            stack.enter_context(_quiet_compilation())
+            # no line on stderr when the kernels compile (racecpu._kernels._jit reads it), this command only
+            from unittest import mock
+            stack.enter_context(mock.patch.dict(os.environ, RACECPU_QUIET_COMPILE="1"))
         elif as_json:
             stack.enter_context(contextlib.redirect_stdout(sys.stderr))
         try:

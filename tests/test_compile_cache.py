@@ -84,14 +84,10 @@ def _cache_without_runners(dest):
     shutil.copytree(src, dest, ignore=shutil.ignore_patterns("runtime._run_tasks-*"))
 
 
-def _needs(module):
-    pytest.importorskip(module)
-
-
 @pytest.mark.parametrize("frontend", ["numpy", "torch", "jax", "autograd"])
 def test_a_process_that_compiles_says_so_in_one_line_and_a_cached_one_says_nothing(frontend, tmp_path):
     if frontend in ("torch", "jax"):
-        _needs(frontend)
+        pytest.importorskip(frontend)
     code = {"numpy": _NUMPY, "torch": _TORCH, "jax": _JAX, "autograd": _AUTOGRAD}[frontend]
     cache = tmp_path / "cache"
     _cache_without_runners(cache / "racecpu" / _jit.cache_tag())
@@ -110,8 +106,8 @@ def test_warmup_covers_what_torch_jax_and_autograd_call(tmp_path):
     # racecpu warmup fills the shared cache (loads it, where the suite's warm-up ran); then a
     # torch step, a JAX jit + grad step (JAX hands read-only arrays) and an autograd step,
     # float32 and bfloat16, compile nothing.
-    _needs("torch")
-    _needs("jax")
+    pytest.importorskip("torch")
+    pytest.importorskip("jax")
     if _jit.shared_cache_dir() is None:
         pytest.skip("no shared kernel cache")
     env = _env()
