@@ -54,7 +54,8 @@ from .packing import sequence_sums
 from .plan import Plan, cpu_chunk_model, make_plan
 
 __all__ = ["forward", "backward", "Residuals", "Advanced", "soft_hash", "group_sum", "sketch_keys", "readout",
-           "readout_bwd", "keys_bwd", "advance", "advance_bwd", "state_cotangent", "pool_work"]
+           "readout_bwd", "keys_bwd", "KeyPass", "advance_keys",
+           "state_after", "advance", "advance_bwd", "state_cotangent", "pool_work"]
 
 #: Why a finite q or k whose tanh projections are NaN is an error.
 PROJECTIONS_OVERFLOW = "its projections onto the planes overflow {}"
@@ -295,13 +296,88 @@ class Advanced(NamedTuple):
     nan_q: int
     nan_k: int
 
+    def to_arrays(self):
+        """Its fields as a dict of named arrays (for ``np.savez``: no pickle needed)."""
+        d = {f"rows_{f}": getattr(self.rows, f) for f in K.Rows._fields}
+        return dict(d, A=self.A, B=self.B, carryA=self.carryA, carryB=self.carryB,
+                    ints=np.array([self.chunk, self.nan_q, self.nan_k], np.int64))
+
+    @classmethod
+    def from_arrays(cls, d):
+        """The :class:`Advanced` of :meth:`to_arrays`'s dict ``d`` (its arrays by reference)."""
+        chunk, nan_q, nan_k = (int(x) for x in d["ints"])
+        return cls(d["A"], d["B"], chunk, d["carryA"], d["carryB"], K.Rows(*(d[f"rows_{f}"] for f in K.Rows._fields)),
+                   nan_q, nan_k)
+
 
 def _causal_rows(G, Gk, n, F, LP, cdt, work, keep):
     return _rows(G, Gk, n, n, F, LP, cdt, work, keep=("phik",) + tuple(keep))
 
 
+class KeyPass(NamedTuple):
+    """What :func:`advance_keys` returns: a causal block's keys hashed and summed per
+    chunk, which :func:`advance` scans the block's queries against.  ``chunk``: the
+    chunk length; ``chunks``: the kernels' chunk grid; ``rows``: the kernels' rows
+    for the whole block (the keys' ``phik``/``tk`` written, the queries' rows still
+    to be written); ``partA (Gk, nc, F)``, ``partB (Gk, nc, F, dv)`` float64: each
+    chunk's total; ``nan_k``: the NaN count of the keys' tanh projections; ``G``:
+    the query groups the rows were made for."""
+
+    chunk: int
+    chunks: object
+    rows: K.Rows
+    partA: np.ndarray
+    partB: np.ndarray
+    nan_k: int
+    G: int
+
+
+def advance_keys(k, v, planes, beta, G, *, mask=None, keep=("phiq", "tq", "tk", "den"), check_finite=False,
+                 work=pool_work):
+    """The keys' half of :func:`advance`: hash a causal block's keys and sum each chunk.
+
+    ``k (Gk, n, d)``, ``v (Gk, n, dv)`` as for :func:`advance`; ``G``: the
+    query groups that will read them (``Gk`` divides ``G``).  Returns a
+    :class:`KeyPass`; ``state_after(pass, A0, B0)`` is the state after the
+    block without its queries, and ``advance(..., keys=pass)`` finishes the
+    block with the same bits as an :func:`advance` that hashes the keys
+    itself.  ``mask``, ``keep`` and ``work`` as for :func:`advance` (the rows
+    of the queries are made here too, so that the pass holds every row a
+    backward reads).  ``check_finite``: k's and v's NaN/Inf raise ValueError.
+    """
+    _fork.check()
+    Gk, n, d = k.shape
+    dv = v.shape[2]
+    L, P, _ = planes.shape
+    F = L * 2 ** P
+    cdt = k.dtype
+    model = cpu_chunk_model()
+
+    def setup():  # what depends on the shapes alone: made once per shape in a decode loop's workspace
+        chunk = model.length(n, G, F, dv)
+        return (chunk, -(-n // chunk), _cuts(None, n, chunk), _causal_rows(G, Gk, n, F, L * P, cdt, work, keep),
+                np.ones((Gk, n), np.bool_))
+    chunk, nc, chunks, rows, ones = _once(work, ("advance", model, G, Gk, n, F, L * P, dv, cdt, keep), setup)
+    mask = ones if mask is None else mask
+    partA = work("partA", (Gk, nc, F), np.float64, zero=True)
+    partB = work("partB", (Gk, nc, F, dv), np.float64, zero=True)
+    with _on_threads(Gk * n, chunk, n):
+        nan_k = K.sketch_chunks(k, v, mask, K.Hash(planes, beta), chunks, rows, K.Sums(partA, partB))
+    check_derived(check_finite, ("k", k, nan_k == 0, PROJECTIONS_OVERFLOW.format(cdt)),
+                  ("v", v, all_finite(partB), sums_overflow(cdt)))
+    return KeyPass(chunk, chunks, rows, partA, partB, nan_k, G)
+
+
+def state_after(keys, A0, B0):
+    """The state after a causal block, ``A0 + sum of its chunks`` (new float64 arrays;
+    one chunk: its total itself, as :func:`advance` adds it)."""
+    if keys.partA.shape[1] == 1:
+        return A0 + keys.partA[:, 0], B0 + keys.partB[:, 0]
+    return A0 + keys.partA.sum(1), B0 + keys.partB.sum(1)
+
+
 def advance(q, k, v, planes, beta, A0, B0, out, *, mask=None, keep=("phiq", "tq", "tk", "den"),
-            check_finite=False, work=pool_work):
+            check_finite=False, work=pool_work, keys=None):
     """Causal attention of a block of tokens from a carried state; the state after it.
 
     ``q (G, n, d)``, ``k (Gk, n, d)``, ``v (Gk, n, dv)`` (``Gk`` divides ``G``:
@@ -314,47 +390,38 @@ def advance(q, k, v, planes, beta, A0, B0, out, *, mask=None, keep=("phiq", "tq"
     derive (soft buckets, projections, denominators) are taken from
     ``work`` by name, those named in ``keep`` with every row (a backward
     reads them), the others only per chunk; ``phik`` always has every row.
+    ``keys``: the block's :class:`KeyPass` from :func:`advance_keys` (same
+    ``k``, ``v``, ``mask``, ``keep``), so that the keys are not hashed again
+    (its rows are written into and returned); ``k`` is then not read.
     ``check_finite``: q's, k's and v's NaN/Inf raise ValueError.
     """
-    _fork.check()
     G, n, d = q.shape
-    Gk, _, dv = v.shape
     L, P, _ = planes.shape
-    F = L * 2 ** P
     cdt = q.dtype
-    model = cpu_chunk_model()
-
-    def setup():  # what depends on the shapes alone: made once per shape in a decode loop's workspace
-        chunk = model.length(n, G, F, dv)
-        return (chunk, -(-n // chunk), _cuts(None, n, chunk), _causal_rows(G, Gk, n, F, L * P, cdt, work, keep),
-                np.ones((Gk, n), np.bool_))
-    chunk, nc, chunks, rows, ones = _once(work, ("advance", model, G, Gk, n, F, L * P, dv, cdt, keep), setup)
-    mask = ones if mask is None else mask
-    partA = work("partA", (Gk, nc, F), np.float64, zero=True)
-    partB = work("partB", (Gk, nc, F, dv), np.float64, zero=True)
-    hsh = K.Hash(planes, beta)
-    with _on_threads(Gk * n, chunk, n):
-        nan_k = K.sketch_chunks(k, v, mask, hsh, chunks, rows, K.Sums(partA, partB))
-    if nc == 1:  # one chunk: its carried-in state is the state itself (0 + A0 would be the same number)
+    if keys is None:
+        keys = advance_keys(k, v, planes, beta, G, mask=mask, keep=keep, work=work)
+    else:
+        _fork.check()
+    chunk, rows, partA, partB = keys.chunk, keys.rows, keys.partA, keys.partB
+    if partA.shape[1] == 1:  # one chunk: its carried-in state is the state itself (0 + A0 would be the same number)
         carryA, carryB = A0[:, None], B0[:, None]
     else:
         carryA, carryB = K.exclusive_scan(partA), K.exclusive_scan(partB)
         carryA += A0[:, None]
         carryB += B0[:, None]
     with _on_threads(G * n, chunk, n):
-        nan_q = K.causal_fwd(K.Forward(q, v, hsh, rows, out, chunks), K.Sums(carryA, carryB))
-    # the state after the block: the chunk totals' float64 sum (one chunk: its total itself)
-    A1, B1 = (A0 + partA[:, 0], B0 + partB[:, 0]) if nc == 1 else (A0 + partA.sum(1), B0 + partB.sum(1))
+        nan_q = K.causal_fwd(K.Forward(q, v, K.Hash(planes, beta), rows, out, keys.chunks), K.Sums(carryA, carryB))
+    A1, B1 = state_after(keys, A0, B0)  # the chunk totals' float64 sum
     if check_finite:
         ov = PROJECTIONS_OVERFLOW.format(cdt)
-        check_derived(True, ("q", q, nan_q == 0, ov), ("k", k, nan_k == 0, ov),
+        check_derived(True, ("q", q, nan_q == 0, ov), ("k", k, keys.nan_k == 0, ov),
                       ("v", v, all_finite(B1), sums_overflow(cdt)))
         check_results(True, (("v", v, max_abs(B1)),), cdt, L, (out,))
-    return Advanced(A1, B1, chunk, carryA, carryB, rows, nan_q, nan_k)
+    return Advanced(A1, B1, chunk, carryA, carryB, rows, nan_q, keys.nan_k)
 
 
 def advance_bwd(q, k, v, grad, planes, beta, A0, B0, dA1=None, dB1=None, *, mask=None, queries_only=False,
-                check_finite=False, work=pool_work):
+                check_finite=False, work=pool_work, step=None):
     """Backward of :func:`advance` (its forward recomputed from the block and its state).
 
     ``grad (G, n, dv)``: the cotangent of the block's output; ``dA1 (Gk, F)``,
@@ -365,7 +432,11 @@ def advance_bwd(q, k, v, grad, planes, beta, A0, B0, dA1=None, dB1=None, *, mask
     before the block (new float64 arrays: ``dA1, dB1`` plus what the block's
     queries send back).  ``queries_only``: only ``(dA0, dB0)`` (the queries'
     pass alone).  ``check_finite``: q's, k's, v's and grad's NaN/Inf raise
-    ValueError.
+    ValueError.  ``step``: the block's forward, an :class:`Advanced` of
+    :func:`advance` with the default ``keep`` on these arguments and a
+    workspace of its own (its rows are read, not written), so that the
+    forward is not recomputed; q's, k's and v's values are then not checked
+    again.
     """
     G, n, d = q.shape
     Gk, _, dv = v.shape
@@ -380,8 +451,9 @@ def advance_bwd(q, k, v, grad, planes, beta, A0, B0, dA1=None, dB1=None, *, mask
         check_array("grad_out", grad, check_finite)
         dA0, dB0 = sA.copy(), sB.copy()
         return (dA0, dB0) if queries_only else (dq, dk, dv_, 0.0, dA0, dB0)
-    step = advance(q, k, v, planes, beta, A0, B0, work("out", (G, n, dv), cdt), mask=mask,
-                   check_finite=check_finite, work=work)
+    if step is None:
+        step = advance(q, k, v, planes, beta, A0, B0, work("out", (G, n, dv), cdt), mask=mask,
+                       check_finite=check_finite, work=work)
     chunk, nc = step.chunk, step.carryA.shape[1]
     pdA = work("pdA", (Gk, nc, F), np.float64, zero=True)
     pdB = work("pdB", (Gk, nc, F, dv), np.float64, zero=True)
@@ -403,12 +475,15 @@ def advance_bwd(q, k, v, grad, planes, beta, A0, B0, dA1=None, dB1=None, *, mask
     return dq, dk, dv_, float(dbq.sum() + dbk.sum()), dA0, dB0
 
 
-def state_cotangent(q, k, mask, out, grad, planes, beta, A0, *, check_finite=False):
+def state_cotangent(q, k, mask, out, grad, planes, beta, A0, *, check_finite=False, rows=None):
     """The cotangent a causal block's outputs send to its carried-in state ``A0 (G, F)``,
     from the outputs ``out (G, n, dv)`` themselves (no rescan; ``docs/design.md`` section
     3.4): ``(dA (G, F), dB (G, F, dv))`` float64, new arrays.
 
-    ``check_finite``: k's, q's and grad's NaN/Inf raise ValueError, in that order.
+    ``rows``: the block's forward's rows (:attr:`Advanced.rows`, ``phiq`` and
+    ``phik`` of every row), read instead of hashing ``q`` and ``k`` again (which
+    are then not read).  ``check_finite``: k's, q's and grad's NaN/Inf raise
+    ValueError, in that order (q's and k's only where they are hashed here).
     """
     G, n, d = q.shape
     dv = grad.shape[2]
@@ -418,16 +493,20 @@ def state_cotangent(q, k, mask, out, grad, planes, beta, A0, *, check_finite=Fal
     dA, dB = np.zeros((G, F)), np.zeros((G, F, dv))
     if not (G and n):
         return dA, dB
-    chunk = cpu_chunk_model().length(n, G, F, dv)
-    hsh = K.Hash(planes, beta)
-    phi = {}
-    for name, x, m in (("k", k, mask), ("q", q, np.ones((G, n), np.bool_))):  # masked keys: phi = 0
-        phi[name] = POOL.empty((G, n, F), cdt)
-        rows = K.Rows(_none(G, cdt, F), _none(G, cdt, L * P), phi[name], _none(G, cdt, L * P), _none(G, np.float64))
-        _check_hash(check_finite, name, x, _hash_keys(x, grad, m, hsh, chunk, rows))
+    if rows is not None:
+        phiq, phik = rows.phiq, rows.phik
+    else:
+        chunk = cpu_chunk_model().length(n, G, F, dv)
+        hsh = K.Hash(planes, beta)
+        phi = {}
+        for name, x, m in (("k", k, mask), ("q", q, np.ones((G, n), np.bool_))):  # masked keys: phi = 0
+            phi[name] = POOL.empty((G, n, F), cdt)
+            r = K.Rows(_none(G, cdt, F), _none(G, cdt, L * P), phi[name], _none(G, cdt, L * P), _none(G, np.float64))
+            _check_hash(check_finite, name, x, _hash_keys(x, grad, m, hsh, chunk, r))
+        phiq, phik = phi["q"], phi["k"]
     check_array("grad_out", grad, check_finite)
     w = POOL.empty((G, n, F), cdt)
-    K.state_cotangent_rows(phi["q"], phi["k"], A0, out, grad, L, dA, w)
+    K.state_cotangent_rows(phiq, phik, A0, out, grad, L, dA, w)
     for h in range(G):
         dB[h] = np.dot(w[h].T, grad[h])  # one product over the block in the compute dtype (BLAS)
     check_derived(check_finite, ("grad_out", grad, all_finite(dB), sums_overflow(cdt)))

@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -409,7 +411,7 @@ def _causal_args(q, k, v, planes, beta, key_mask, check_finite, state, what="ini
 
 def causal_block(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, beta: float = DEFAULT_BETA,
                  initial_state: Sketch | None = None, *, key_mask: ArrayLike | None = None,
-                 check_finite: bool = True) -> tuple[np.ndarray, Sketch]:
+                 check_finite: bool = True, keys: BlockForward | None = None, keep: bool = False) -> tuple:
     """Causal RACE attention of a block of tokens after everything before it.
 
     Parameters
@@ -422,6 +424,14 @@ def causal_block(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, be
     initial_state : Sketch, optional
         The sketch of every key before the block (same planes, beta, leading
         dims, dv); default none (the block starts the sequence).
+    keys : BlockForward, optional
+        From :func:`causal_block_keys` on the same k, v, key_mask: the keys
+        are not hashed again (same bits).  It is used up: its rows become the
+        result's.
+    keep : bool, default False
+        Also return the block's :class:`BlockForward` (its rows), for
+        ``causal_block_bwd(..., forward=)`` and ``causal_block_dstate(...,
+        forward=)``.
 
     Returns
     -------
@@ -430,6 +440,8 @@ def causal_block(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, be
         :func:`racecpu.race_attention`.  A new array.
     final_state : Sketch
         ``initial_state + sketch(k, v)``: the state the next block starts from.
+    forward : BlockForward
+        Only with ``keep``.
 
     Notes
     -----
@@ -444,18 +456,123 @@ def causal_block(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, be
     A0, B0 = _flat_state(initial_state, G, F, dv)
     o = POOL.empty((G, n, dv), cdt)
     A1, B1 = A0.copy(), B0.copy()
+    kp = _check_keys(keys, G, n, dv, F)
+    if keep and kp is not None and kp.rows.phiq.shape[1] != n:
+        raise ValueError("keep=True needs keys made with causal_block_keys(..., keep=True)")
+    step = None
     if G and n:
-        step = engine.advance(a.q, a.k, a.v, a.planes, a.beta, A0, B0, o, mask=a.mask, keep=(),
-                              check_finite=a.check_finite)
+        step = engine.advance(a.q, a.k, a.v, a.planes, a.beta, A0, B0, o, mask=a.mask,
+                              keep=("phiq", "tq", "tk", "den") if keep else (),
+                              check_finite=a.check_finite, keys=kp)
         A1, B1 = step.A, step.B
     R = 2 ** P
     st = Sketch(A1.reshape(a.lead + (L, R)), B1.reshape(a.lead + (L, R, dv)), np.asarray(planes), a.beta, cdt,
                 dtypes(*a.in_dtypes)[1])
-    return o.reshape(a.lead + (n, dv)).astype(a.out_dtype, copy=False), st
+    o = o.reshape(a.lead + (n, dv)).astype(a.out_dtype, copy=False)
+    return (o, st, BlockForward(None, step, a.lead)) if keep else (o, st)
+
+
+def _check_keys(keys, G, n, dv, F):
+    """The engine's key pass of ``keys`` (a :class:`BlockForward` of :func:`causal_block_keys`, or None)
+    after checking that it is one for a block of these shapes."""
+    if keys is None:
+        return None
+    if not isinstance(keys, BlockForward) or keys.step is not None:
+        raise TypeError(f"keys must come from racecpu.sketches.causal_block_keys, got {type(keys).__name__}")
+    kp = keys.keys
+    if kp is None:
+        return None
+    if kp.rows.phik.shape != (G, n, F) or kp.partB.shape[-1] != dv:
+        raise ValueError(f"keys were made for a block of {kp.rows.phik.shape[:2]} (groups, tokens), "
+                         f"not {(G, n)}")
+    return kp
+
+
+@dataclass(frozen=True, eq=False)
+class BlockForward:
+    """A causal block's forward as its backward reads it: what :func:`causal_block_keys`
+    and :func:`causal_block` (``keep=True``) hand on, so that the block's keys are hashed
+    once and :func:`causal_block_bwd` and :func:`causal_block_dstate` do not recompute the
+    forward.  Treat as opaque; not part of the public API (:mod:`racecpu.dask` hands
+    them from task to task).
+
+    ``keys``: the keys hashed and summed per chunk (:class:`racecpu.engine.KeyPass`),
+    ``step``: the block's forward (:class:`racecpu.engine.Advanced`, None until
+    :func:`causal_block` ran), ``lead``: the inputs' leading dims.  Holds the kernels'
+    rows of the whole block (soft buckets, projections, denominators: about
+    ``(2 F + 2 L P) * itemsize + 8`` bytes per token and group, 272 at float32,
+    P = L = 3) and each chunk's float64 carry.
+    """
+
+    keys: engine.KeyPass | None
+    step: engine.Advanced | None
+    lead: tuple
+
+    def save(self, path):
+        """Write a :func:`causal_block` forward (``keep=True``) to ``path`` (an ``.npz`` file, no pickle;
+        written to a temporary name and renamed, so a reader never sees half a file).  Returns ``path``."""
+        if self.step is None and self.keys is not None:
+            raise ValueError("only a forward of causal_block(..., keep=True) can be saved, not a key pass")
+        arrays = {} if self.step is None else self.step.to_arrays()
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        with open(tmp, "wb") as fh:
+            np.savez(fh, lead=np.array(self.lead, np.int64), **arrays)
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path):
+        """The forward that :meth:`save` wrote to ``path``."""
+        with np.load(path, allow_pickle=False) as z:
+            d = {name: z[name] for name in z.files}
+        lead = tuple(int(x) for x in d.pop("lead"))
+        return cls(None, engine.Advanced.from_arrays(d) if d else None, lead)
+
+    @property
+    def nbytes(self):
+        """Bytes of the arrays it holds (what it costs a worker to keep it)."""
+        parts = [] if self.keys is None else [*self.keys.rows, self.keys.partA, self.keys.partB]
+        if self.step is not None and (self.keys is None or self.step.rows is not self.keys.rows):
+            parts += [*self.step.rows]
+        if self.step is not None:
+            parts += [self.step.carryA, self.step.carryB]
+        return sum(x.nbytes for x in parts)
+
+
+def causal_block_keys(k: ArrayLike, v: ArrayLike, planes: ArrayLike, beta: float = DEFAULT_BETA, *,
+                      key_mask: ArrayLike | None = None, dtype: DTypeLike | None = None, keep: bool = True,
+                      check_finite: bool = True) -> tuple[Sketch, BlockForward]:
+    """The keys' half of a causal block: their sketch and what :func:`causal_block` reads
+    so as not to hash them again.
+
+    Arguments as :func:`sketch` (``dtype``: the compute dtype of the whole block,
+    ``result_type(q, k, v)``, float16 in float32).  Returns ``(sketch, keys)``:
+    ``sketch`` equals :func:`sketch` of the block up to rounding (it is summed
+    per chunk as the causal scan sums it, so ``initial_state + sketch`` is the
+    ``final_state`` of :func:`causal_block` bit for bit), ``keys`` goes to
+    ``causal_block(..., keys=keys)`` with the same k, v, key_mask.  ``keep``
+    (default True): make the rows a backward reads for every token (else only
+    the keys' soft buckets, and ``causal_block(..., keys=keys, keep=True)``
+    raises ValueError).
+    """
+    POOL.tick()
+    kk, vv, mask, W, beta, lead, cdt, in_dt = _keys(k, v, planes, beta, key_mask, check_finite, dtype)
+    G, n, _ = kk.shape
+    dv = vv.shape[2]
+    L, P, _ = W.shape
+    F, R = L * 2 ** P, 2 ** P
+    A, B = np.zeros((G, F)), np.zeros((G, F, dv))
+    kp = None
+    if G and n:
+        kp = engine.advance_keys(kk, vv, W, beta, G, mask=mask, check_finite=check_finite,
+                                 keep=("phiq", "tq", "tk", "den") if keep else ())
+        A, B = engine.state_after(kp, A, B)
+    st = Sketch(A.reshape(lead + (L, R)), B.reshape(lead + (L, R, dv)), np.asarray(planes), beta, cdt, in_dt)
+    return st, BlockForward(kp, None, lead)
 
 
 def _causal_backward(q, k, v, planes, beta, grad_out, initial_state, dfinal_state, key_mask, check_finite,
-                     queries_only):
+                     queries_only, forward=None):
     POOL.tick()
     a, G, n, dv, L, P, F = _causal_args(q, k, v, planes, beta, key_mask, check_finite, initial_state)
     if dfinal_state is not None:
@@ -467,7 +584,8 @@ def _causal_backward(q, k, v, planes, beta, grad_out, initial_state, dfinal_stat
     A0, B0 = _flat_state(initial_state, G, F, dv)
     sA, sB = _flat_state(dfinal_state, G, F, dv)
     got = engine.advance_bwd(a.q, a.k, a.v, g, a.planes, a.beta, A0, B0, sA, sB, mask=a.mask,
-                             queries_only=queries_only, check_finite=a.check_finite)
+                             queries_only=queries_only, check_finite=a.check_finite,
+                             step=_check_forward(forward, G, n, dv, F))
     dA0, dB0 = got[-2:]
     R = 2 ** P
     dstate = Sketch(dA0.reshape(a.lead + (L, R)), dB0.reshape(a.lead + (L, R, dv)), np.asarray(planes), a.beta,
@@ -482,8 +600,10 @@ def _causal_backward(q, k, v, planes, beta, grad_out, initial_state, dfinal_stat
 
 def causal_block_bwd(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, beta: float, grad_out: ArrayLike,
                      initial_state: Sketch | None = None, dfinal_state: Sketch | None = None, *,
-                     key_mask: ArrayLike | None = None, check_finite: bool = True) -> tuple:
-    """Backward of :func:`causal_block` (the forward is recomputed from the block and its state).
+                     key_mask: ArrayLike | None = None, check_finite: bool = True,
+                     forward: BlockForward | None = None) -> tuple:
+    """Backward of :func:`causal_block` (the forward is recomputed from the block and its state,
+    unless given).
 
     Parameters
     ----------
@@ -495,6 +615,10 @@ def causal_block_bwd(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike
         Cotangent of the block's final state: the reverse carry from every
         later block, i.e. the sum of their :func:`causal_block_dstate` (default
         zero: the last block).
+    forward : BlockForward, optional
+        ``causal_block(..., keep=True)``'s on these arguments: its rows are
+        read instead of recomputing the forward (not checked against the
+        arguments beyond its shapes: another block's gives a wrong result).
 
     Returns
     -------
@@ -507,12 +631,29 @@ def causal_block_bwd(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike
         block's outputs send back (:func:`causal_block_dstate`).
     """
     return _causal_backward(q, k, v, planes, beta, grad_out, initial_state, dfinal_state, key_mask,
-                            check_finite, False)
+                            check_finite, False, forward)
+
+
+def _check_forward(forward, G, n, dv, F):
+    """The engine's :class:`racecpu.engine.Advanced` of ``forward`` (a :class:`BlockForward`
+    of ``causal_block(..., keep=True)``, or None) after checking its shapes."""
+    if forward is None:
+        return None
+    if not isinstance(forward, BlockForward) or (forward.step is None and forward.keys is not None):
+        raise TypeError("forward must come from racecpu.sketches.causal_block(..., keep=True), got "
+                        f"{type(forward).__name__}")
+    st = forward.step
+    if st is None:  # a block of no rows
+        return None
+    if st.rows.phiq.shape != (G, n, F) or st.carryB.shape[-1] != dv:
+        raise ValueError(f"forward was made for a block of {st.rows.phiq.shape[:2]} (groups, tokens), not {(G, n)}")
+    return st
 
 
 def causal_block_dstate(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, beta: float, grad_out: ArrayLike,
                         initial_state: Sketch | None = None, *, key_mask: ArrayLike | None = None,
-                        check_finite: bool = True, out: ArrayLike | None = None) -> Sketch:
+                        check_finite: bool = True, out: ArrayLike | None = None,
+                        forward: BlockForward | None = None) -> Sketch:
     """The cotangent a block's outputs send back to its initial state, without dq, dk, dv.
 
     Equals ``causal_block_bwd(..., dfinal_state=None)[4]`` (up to rounding
@@ -532,6 +673,10 @@ def causal_block_dstate(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayL
         buckets.  Needs a float dtype at least as precise as the compute
         dtype (float16 or bfloat16 outputs of a float32 computation: pass
         none).
+    forward : BlockForward, optional
+        ``causal_block(..., keep=True)``'s on these arguments: the soft
+        hashes are read from it (with ``out``), or (without) the queries'
+        backward pass runs on its rows, not on a recomputed forward.
 
     Returns
     -------
@@ -539,7 +684,8 @@ def causal_block_dstate(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayL
         ``dA (..., L, R)``, ``dB (..., L, R, dv)`` float64.
     """
     if out is None:
-        return _causal_backward(q, k, v, planes, beta, grad_out, initial_state, None, key_mask, check_finite, True)
+        return _causal_backward(q, k, v, planes, beta, grad_out, initial_state, None, key_mask, check_finite, True,
+                                forward)
     POOL.tick()
     a, G, n, dv, L, P, F = _causal_args(q, k, v, planes, beta, key_mask, check_finite, initial_state)
     cdt = a.q.dtype
@@ -552,7 +698,9 @@ def causal_block_dstate(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayL
     g = np.ascontiguousarray(g.reshape(G, n, dv), dtype=cdt)
     o = np.ascontiguousarray(o.reshape(G, n, dv), dtype=cdt)
     A0, _ = _flat_state(initial_state, G, F, dv)
-    dA, dB = engine.state_cotangent(a.q, a.k, a.mask, o, g, a.planes, a.beta, A0, check_finite=a.check_finite)
+    st = _check_forward(forward, G, n, dv, F)
+    dA, dB = engine.state_cotangent(a.q, a.k, a.mask, o, g, a.planes, a.beta, A0, check_finite=a.check_finite,
+                                    rows=None if st is None else st.rows)
     R = 2 ** P
     return Sketch(dA.reshape(a.lead + (L, R)), dB.reshape(a.lead + (L, R, dv)), np.asarray(planes), a.beta, cdt,
                   dtypes(*a.in_dtypes)[1])
