@@ -20,7 +20,9 @@ What it measures (ns per token-head, float32, P = L = 3, medians over rounds):
   mode's first run on a cluster (the workers' result pools fault their pages
   in) is not counted, as the in-memory call's first is not;
 * the latency of one link of the causal scans' chain of carries (a sketch
-  addition whose carry crosses between worker processes);
+  addition whose carry crosses between worker processes), and the wall time
+  of a causal forward+backward of 64 tiny blocks (the scans' critical path)
+  with the carries summed as a chain and as a tree;
 * the scheduler's overhead at several block sizes (causal forward+backward, 2
   workers): ``(wall x workers - sum of task compute times) / sum of task compute
   times`` from Dask's task stream, which counts everything that is not a task
@@ -81,7 +83,7 @@ def inputs(n, heads, dim, block):
     return tuple(stacked_view(X, i) for i in range(4))
 
 
-def dask_run(client, n, heads, dim, block, causal, backward, W):
+def dask_run(client, n, heads, dim, block, causal, backward, W, scan="auto"):
     """One call on the cluster; returns (wall seconds, sum of every task's compute seconds, of
     racecpu's tasks alone)."""
     import dask.array as da
@@ -89,7 +91,7 @@ def dask_run(client, n, heads, dim, block, causal, backward, W):
 
     import racecpu.dask as rd
     q, k, v, g = inputs(n, heads, dim, block)
-    out, res = rd.race_attention_fwd(q, k, v, W, causal=causal)
+    out, res = rd.race_attention_fwd(q, k, v, W, causal=causal, scan=scan)
     if backward:
         dq, dk, dv, dbeta = rd.race_attention_bwd(res, g)
         work = [da.store([dq, dk, dv], [_Discard()] * 3, lock=False, compute=False), dbeta]
@@ -120,7 +122,7 @@ def chain_latency(client, links, dim, W):
     import racecpu.dask as rd
     rng = np.random.default_rng(0)
     k, v = rng.standard_normal((2, 64, dim), dtype=np.float32)
-    sk = racecpu.sketch(k, v, W)
+    sk = rd._wire(racecpu.sketch(k, v, W))  # as a task sends it: the sums and a digest of the planes
     workers = sorted(client.scheduler_info()["workers"])
     parts = client.scatter([sk] * links, broadcast=True)
     carry = parts[0]
@@ -199,6 +201,11 @@ def main(argv=None):
                 result["dask_race"][f"{workers}:{name}"] = statistics.median(r[2] for r in runs) / th * 1e9
             if workers == 2:
                 result["chain_link_s"] = statistics.median(chain_latency(client, 256, a.dim, W) for _ in range(3))
+                # The scans' critical path: 64 blocks of 256 tokens x 1 head, causal forward+backward, where
+                # the blocks' compute is negligible and the carries' links set the time.
+                result["scan_64_blocks_s"] = {
+                    scan: statistics.median(dask_run(client, 64 * 256, 1, a.dim, 256, True, True, W, scan)[0]
+                                            for _ in range(5)) for scan in ("chain", "tree")}
                 result["overhead"] = {}
                 for lb in (int(x) for x in a.overhead_blocks.split(",")):
                     print(f"dask, 2 workers, causal fwd+bwd, blocks of 2^{lb} ...", file=sys.stderr)
@@ -234,6 +241,9 @@ def main(argv=None):
         print(f"{'2^' + lb:>8}{o['tasks_per_head']:12d}{o['wall_s']:9.2f}{o['busy_s']:9.2f}{o['overhead']:10.1%}"
               f"{o['ns_per_token_head']:9.1f}")
     print(f"\na chain of sketch additions across 2 worker processes: {result['chain_link_s'] * 1e3:.2f} ms per link")
+    sc = result["scan_64_blocks_s"]
+    print(f"causal fwd+bwd of 64 blocks x 256 tokens x 1 head on 2 workers (the scans' critical path): "
+          f"chain {sc['chain'] * 1e3:.0f} ms, tree {sc['tree'] * 1e3:.0f} ms")
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -11,24 +11,33 @@ scalars, never rows:
 
 * non-causal forward: a sketch per key block, summed by a tree of additions
   (fan-in :data:`FAN_IN`), then a readout per query block;
-* causal forward: a sketch per block (its total), an exclusive scan of the
-  totals across blocks (a chain of additions of sketches), then every block
-  from its carried-in state (:func:`racecpu.sketches.causal_block`);
+* causal forward: per block one pass over its keys that sums its state and
+  keeps their soft buckets (:func:`racecpu.sketches.causal_block_keys`), an
+  exclusive scan of the states across blocks (a parallel-prefix tree of
+  additions of sketches, or a chain for a few blocks: ``scan``), then every
+  block's queries from its carried-in state and its keys' pass
+  (:func:`racecpu.sketches.causal_block`), which keeps the rows the block's
+  backward reads (``keep_rows``; in memory, or in files: ``rows_dir``);
 * non-causal backward: per query block the queries' gradients and the
   sketch's cotangent, summed by a tree, then per key block the keys' and
   values' gradients;
 * causal backward: per block the cotangent its outputs send to its
   carried-in state (:func:`racecpu.sketches.causal_block_dstate` from the
-  block's forward output: a soft hash and one product, no rescan), a reverse
-  exclusive scan of those, then every block's gradients from its carried-in
-  state and reverse carry (:func:`racecpu.sketches.causal_block_bwd`).
+  block's output and rows: one product, no rescan), a reverse exclusive
+  scan of those, then every block's gradients from its carried-in state,
+  its reverse carry and its forward's rows
+  (:func:`racecpu.sketches.causal_block_bwd`).
 
-The blocks' gradients recompute their forward (the residuals hold only the
-sketches' tasks and, causal, the forward's output tasks, which a computation
-of the gradients alone runs too), so the backward costs about one more
-forward than the in-memory one; in exchange no task holds more than one
-block's rows.  Results equal the in-memory API up to float rounding (the
-chunk totals are summed in another order).
+With kept rows no block's forward runs twice in a forward+backward; a worker
+holds 272 bytes per token and head (float32, P = L = 3) from a block's
+forward to its backward.  Without them (``keep_rows=False``) the gradient
+tasks recompute their block's forward, and the only values held between
+tasks are sketches.  Sketches travel as :class:`WireSketch`: their sums and
+a digest of their planes, which every task checks against the planes it is
+given.  Results equal the in-memory API up to float rounding (the chunk
+totals are summed in another order), and their bits do not depend on the
+number of workers or the schedule: the order of every sum is fixed by the
+blocks.
 
 Threads.  Dask workers cap OpenMP and BLAS threads but not Numba's: each task
 sets Numba's thread count (for the thread it runs on) to ``threads``, by
@@ -41,6 +50,7 @@ Requires ``dask[array]`` (and ``distributed`` for clusters): ``pip install racec
 from __future__ import annotations
 
 import numbers
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,16 +62,11 @@ from . import sketches as S
 from ._checks import check_args
 from .config import DEFAULT_BETA
 
-__all__ = ["race_attention", "race_attention_fwd", "race_attention_bwd", "DaskResiduals", "FAN_IN"]
+__all__ = ["race_attention", "race_attention_fwd", "race_attention_bwd", "DaskResiduals", "WireSketch", "SpilledRows",
+           "FAN_IN", "CHAIN_BLOCKS"]
 
 #: Sketches summed per task of the tree reductions.
 FAN_IN = 8
-
-
-@dask.sizeof.sizeof.register(S.Sketch)
-def _sizeof_sketch(s):
-    """Bytes of a sketch, for the scheduler's placement and transfer accounting."""
-    return s.nbytes + s.planes.nbytes + 200
 
 
 # ---------------------------------------------------------------------------
@@ -109,43 +114,127 @@ def _worker_pool(worker):
         POOL.set_limit(min(POOL.limit, int(limit) // 2))
 
 
-def _t_sketch(threads, k, v, mask, planes, beta, cdt, cf):
-    _set_threads(threads)
-    return S.sketch(k, v, planes, beta, key_mask=mask, dtype=cdt, check_finite=cf)
+@dataclass(frozen=True, eq=False)
+class WireSketch:
+    """A :class:`racecpu.Sketch` as it travels between tasks: its sums and a digest of its
+    planes (:func:`racecpu.sketches.planes_digest`), not the planes themselves, which every
+    task is given by the graph; :func:`_sketch` checks the digest against them."""
+    A: np.ndarray
+    B: np.ndarray
+    beta: float
+    dtype: np.dtype
+    in_dtype: np.dtype
+    digest: str
+
+    @property
+    def nbytes(self):
+        return self.A.nbytes + self.B.nbytes
+
+
+@dask.sizeof.sizeof.register(WireSketch)
+def _sizeof_wire(s):
+    return s.nbytes + 300
+
+
+def _wire(sk):
+    """What a task sends for sketch ``sk`` (None for None)."""
+    return None if sk is None else WireSketch(sk.A, sk.B, sk.beta, sk.dtype, sk.in_dtype, sk.digest)
+
+
+def _sketch(w, planes):
+    """The :class:`racecpu.Sketch` of wire sketch ``w`` with ``planes`` (None for None), after
+    checking that ``planes`` are the ones it was built with."""
+    if w is None:
+        return None
+    if w.digest != S.planes_digest(planes):
+        raise ValueError("a sketch reached a task of a graph built with other planes (their digests differ)")
+    return S.Sketch(w.A, w.B, planes, w.beta, w.dtype, w.in_dtype, w.digest)
 
 
 def _t_add(*sketches):
-    return sum(sketches)
+    """The sum of wire sketches (or of floats), left to right (``((s0 + s1) + s2) + ...``)."""
+    first = sketches[0]
+    if not isinstance(first, WireSketch):
+        return sum(sketches)
+    A, B = first.A, first.B
+    for s in sketches[1:]:
+        if s.digest != first.digest or s.beta != first.beta or s.A.shape != first.A.shape or \
+                s.B.shape != first.B.shape:
+            raise ValueError("sketches of other planes, beta or shapes cannot be added")
+        A, B = A + s.A, B + s.B
+    return WireSketch(A, B, first.beta, np.result_type(*(s.dtype for s in sketches)),
+                      np.result_type(*(s.in_dtype for s in sketches)), first.digest)
 
 
-def _t_readout(threads, q, sk, cf):
+def _t_sketch(threads, k, v, mask, planes, beta, cdt, cf):
     _set_threads(threads)
-    return S.readout(q, sk, check_finite=cf)
+    return _wire(S.sketch(k, v, planes, beta, key_mask=mask, dtype=cdt, check_finite=cf))
 
 
-def _t_readout_bwd(threads, q, sk, g, cf):
+def _t_readout(threads, q, sk, planes, cf):
     _set_threads(threads)
-    return S.readout_bwd(q, sk, g, check_finite=cf)
+    return S.readout(q, _sketch(sk, planes), check_finite=cf)
 
 
-def _t_sketch_bwd(threads, k, v, dsk, mask, cdt, cf):
+def _t_readout_bwd(threads, q, sk, g, planes, cf):
     _set_threads(threads)
-    return S.sketch_bwd(k, v, dsk, key_mask=mask, dtype=cdt, check_finite=cf)
+    dq, dsk, dbeta = S.readout_bwd(q, _sketch(sk, planes), g, check_finite=cf)
+    return dq, _wire(dsk), dbeta
 
 
-def _t_causal(threads, q, k, v, mask, planes, beta, state, cf):
+def _t_sketch_bwd(threads, k, v, dsk, mask, planes, cdt, cf):
     _set_threads(threads)
-    return S.causal_block(q, k, v, planes, beta, state, key_mask=mask, check_finite=cf)[0]
+    return S.sketch_bwd(k, v, _sketch(dsk, planes), key_mask=mask, dtype=cdt, check_finite=cf)
 
 
-def _t_causal_dstate(threads, q, k, v, g, mask, planes, beta, state, out, cf):
+def _t_keys(threads, k, v, mask, planes, beta, cdt, keep, cf):
+    """A causal block's keys hashed and summed once: ``(total, keys)`` (wire sketch, BlockForward)."""
     _set_threads(threads)
-    return S.causal_block_dstate(q, k, v, planes, beta, g, state, key_mask=mask, check_finite=cf, out=out)
+    total, keys = S.causal_block_keys(k, v, planes, beta, key_mask=mask, dtype=cdt, keep=keep, check_finite=cf)
+    return _wire(total), keys
 
 
-def _t_causal_bwd(threads, q, k, v, g, mask, planes, beta, state, dstate, cf):
+@dataclass(frozen=True)
+class SpilledRows:
+    """A causal block's forward rows written to ``path`` (:meth:`racecpu.sketches.BlockForward.save`),
+    ``nbytes`` of them: what a forward task hands on instead of the rows with ``rows_dir``."""
+    path: str
+    nbytes: int
+
+
+def _load(forward):
+    """The :class:`racecpu.sketches.BlockForward` of ``forward`` (read back if spilled; None for None)."""
+    return S.BlockForward.load(forward.path) if isinstance(forward, SpilledRows) else forward
+
+
+def _t_causal(threads, q, k, v, mask, planes, beta, state, keys, keep, spill, cf):
+    """A causal block from its carried-in state and its keys' pass: ``out``, or with ``keep``
+    ``(out, forward)``: the rows the block's backward tasks read, or, with a ``spill`` path,
+    a :class:`SpilledRows` where they were written."""
     _set_threads(threads)
-    return S.causal_block_bwd(q, k, v, planes, beta, g, state, dstate, key_mask=mask, check_finite=cf)[:4]
+    got = S.causal_block(q, k, v, planes, beta, _sketch(state, planes), key_mask=mask, check_finite=cf,
+                         keys=keys[1], keep=keep)
+    if not keep:
+        return got[0]
+    forward = got[2]
+    if spill is not None:
+        forward = SpilledRows(forward.save(spill), forward.nbytes)
+    return got[0], forward
+
+
+def _t_causal_dstate(threads, q, k, v, g, mask, planes, beta, state, fwd, keep, use_out, cf):
+    _set_threads(threads)
+    out, forward = fwd if keep else (fwd, None)
+    if isinstance(forward, SpilledRows):  # the output and a hash cost less than reading the rows back
+        forward = None if use_out else _load(forward)
+    return _wire(S.causal_block_dstate(q, k, v, planes, beta, g, _sketch(state, planes), key_mask=mask,
+                                       check_finite=cf, out=out if use_out else None, forward=forward))
+
+
+def _t_causal_bwd(threads, q, k, v, g, mask, planes, beta, state, dstate, forward, cf):
+    _set_threads(threads)
+    return S.causal_block_bwd(q, k, v, planes, beta, g, _sketch(state, planes), _sketch(dstate, planes),
+                              key_mask=mask, check_finite=cf, forward=_load(forward))[:4]
 
 
 def _pick(x, i, *marker):
@@ -160,7 +249,7 @@ def _mark(x):
 
 #: Prefixes of racecpu's keys whose values hold a block's rows (forward outputs, gradients);
 #: every other ``race-`` key holds a sketch, a marker or a scalar.
-ROW_KEYS = ("race-causal-", "race-readout-", "race-sketch-bwd-", "race-out-", "race-dq-", "race-dk-", "race-dv-")
+ROW_KEYS = ("race-keys-", "race-fwd-", "race-causal-", "race-readout-", "race-sketch-bwd-", "race-out-", "race-dq-", "race-dk-", "race-dv-")
 
 
 def holds_rows(name):
@@ -210,6 +299,51 @@ def _tree_sum(items, name):
         items = [items[i] if len(items[i:i + FAN_IN]) == 1 else _call(name, _t_add, *items[i:i + FAN_IN])
                  for i in range(0, len(items), FAN_IN)]
     return items[0]
+
+
+def _add(name, a, b):
+    """Delayed ``a + b`` of two sketches, where None is zero (no task for a sum with zero)."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return _call(name, _t_add, a, b)
+
+
+def _exclusive_scan(items, name, method):
+    """Delayed exclusive prefix sums ``c_j = items[0] + ... + items[j-1]`` (None: zero).
+
+    ``method`` "chain": ``c_j = c_{j-1} + items[j-1]``, a critical path of one
+    addition per item.  "tree": recursive doubling -- the sums of adjacent
+    pairs are scanned the same way, and an odd position adds its left
+    neighbour to its pair's prefix -- a critical path of about ``2 log2(n)``
+    additions and at most ``2 n`` additions in all.  Either way the order of
+    every addition is fixed by the positions alone, so the bits do not depend
+    on the workers or the schedule (the two methods differ by rounding).
+    """
+    if method == "chain":
+        out, acc = [], None
+        for x in items:
+            out.append(acc)
+            acc = _add(name, acc, x)
+        return out
+    if len(items) <= 1:
+        return [None] * len(items)
+    pairs = [_add(name, items[i], items[i + 1]) if i + 1 < len(items) else items[i]
+             for i in range(0, len(items), 2)]
+    prefix = _exclusive_scan(pairs, name, method)
+    return [prefix[i // 2] if i % 2 == 0 else _add(name, prefix[i // 2], items[i - 1]) for i in range(len(items))]
+
+
+#: The most sequence blocks per head whose carries ``scan="auto"`` adds as a chain (more: a tree);
+#: a chain has fewer tasks, a tree a shorter critical path (docs/distributed.md).
+CHAIN_BLOCKS = 8
+
+SCANS = ("auto", "tree", "chain")
+
+
+def _scan_method(scan, blocks):
+    return ("chain" if blocks <= CHAIN_BLOCKS else "tree") if scan == "auto" else scan
 
 
 def _stand_in(x):
@@ -268,8 +402,9 @@ class DaskResiduals:
     The (rechunked) dask inputs and the delayed sketches: per block of the
     leading axes, the key sketch's total (non-causal) or the carried-in
     state of every sequence block (causal; and the blocks' forward tasks,
-    whose outputs give the cotangents the blocks send to their states
-    without a rescan).  Nothing is computed until a
+    whose outputs, and with ``keep_rows`` rows, give the cotangents the
+    blocks send to their states and their gradients without a rescan).
+    Nothing is computed until a
     result is; computing the forward's output and the gradients together
     (``dask.compute(out, dq, ...)``) computes the sketches once.
     """
@@ -286,6 +421,9 @@ class DaskResiduals:
     threads: object
     states: dict
     outputs: dict
+    keep_rows: bool = False
+    scan: str = "auto"
+    forwards: dict = None
 
 
 def _check_threads(threads):
@@ -323,7 +461,7 @@ def _prepare(q, k, v, planes, beta, causal, key_mask):
 
 
 def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None, check_finite=True,
-                       threads=None):
+                       threads=None, keep_rows=True, rows_dir=None, scan="auto"):
     """RACE attention forward on Dask arrays; returns ``(out, residuals)`` for :func:`race_attention_bwd`.
 
     Parameters
@@ -345,6 +483,32 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
         ``distributed`` worker; unchanged under other schedulers), at most
         Numba's thread count.  A positive int: anything else raises
         TypeError or ValueError here, not when the graph is computed.
+    keep_rows : bool, default True
+        Causal: each block's forward task keeps the rows its backward tasks
+        read (soft buckets, projections, denominators: 272 bytes per token
+        and head at float32, P = L = 3, held by the worker from the forward
+        task to the block's gradient task), so that no block's forward runs
+        twice in a forward+backward.  False: the gradient tasks recompute
+        their block's forward (about one more forward in all), and a worker
+        holds no rows between tasks; :func:`race_attention` (no backward)
+        keeps none.  Non-causal graphs keep no rows either way.
+    rows_dir : str or path, optional
+        With ``keep_rows``: each causal forward task writes its rows to a
+        file there (``<task key>.npz``, 272 bytes per token and head at
+        float32) and hands on the path, so that the workers hold no rows
+        between the forward and the backward (a driver that computes them
+        in phases, as ``racecpu demo --dask`` does, bounds memory this way).
+        Every worker must be able to read what any worker wrote there (one
+        machine, or a shared file system); the files stay: delete them
+        when done.
+    scan : {"auto", "tree", "chain"}, default "auto"
+        Causal: how the blocks' states are summed into each block's carry
+        (and, backward, the reverse carries): "chain" one addition after
+        another (a critical path of one link per block), "tree" a parallel
+        prefix (about ``2 log2(blocks)`` links), "auto" a chain up to
+        :data:`CHAIN_BLOCKS` blocks per head, else a tree.  The order of the
+        additions is fixed by the blocks, so the results' bits do not depend
+        on the number of workers or the schedule.
 
     Returns
     -------
@@ -353,38 +517,50 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
     residuals : DaskResiduals
     """
     threads = _check_threads(threads)
+    if scan not in SCANS:
+        raise ValueError(f"scan must be one of {SCANS}, got {scan!r}")
     q, k, v, m, W, beta, cdt, odt = _prepare(q, k, v, planes, beta, causal, key_mask)
+    keep = bool(keep_rows) and bool(causal)
+    spill_dir = None if rows_dir is None or not keep else os.fspath(rows_dir)
     qb, kb, vb, mb = _blocks(q), _blocks(k), _blocks(v), _blocks(m)
     nlead = qb.shape[:-2]
     dv = v.shape[-1]
     out = np.empty(qb.shape, object)
-    states, outputs = {}, {}
+    states, outputs, forwards = {}, {}, {}
     cf, thr = bool(check_finite), threads
     for b in np.ndindex(nlead):
         mask = (lambda j: None) if mb is None else (lambda j: mb[b + (j,)])
-        tot = [_call("sketch", _t_sketch, thr, kb[b + (j, 0)], vb[b + (j, 0)], mask(j), W, beta, cdt, cf)
-               for j in range(kb.shape[-2])]
         if causal:
-            carries = [None]
-            for j in range(1, len(tot)):
-                carries.append(tot[0] if j == 1 else _call("carry", _t_add, carries[-1], tot[j - 1]))
+            nb = qb.shape[-2]
+            # Each block's keys are hashed once: the pass that sums its state also keeps their soft buckets
+            # for the block's forward task (no separate sketch pass).
+            keys = [_call("keys", _t_keys, thr, kb[b + (j, 0)], vb[b + (j, 0)], mask(j), W, beta, cdt, keep, cf)
+                    for j in range(nb)]
+            totals = [_part("sketch", _outputs(t, 2)[0]) for t in keys[:-1]] + [None]  # the last carries into nothing
+            carries = _exclusive_scan(totals, "carry", _scan_method(scan, nb))
             states[b] = carries
+            spill = [None if spill_dir is None else os.path.join(spill_dir, f"{keys[j].key}.npz") for j in range(nb)]
             outputs[b] = [_call("causal", _t_causal, thr, qb[b + (j, 0)], kb[b + (j, 0)], vb[b + (j, 0)], mask(j), W,
-                                beta, carries[j], cf) for j in range(qb.shape[-2])]
-            for j, t in enumerate(outputs[b]):  # marked: the backward's dstate tasks read them too
-                out[b + (j, 0)], = _outputs(t)
+                                beta, carries[j], keys[j], keep, spill[j], cf) for j in range(nb)]
+            for j, t in enumerate(outputs[b]):  # marked: the backward's tasks read them too
+                out[b + (j, 0)] = _outputs(t, 2)[0] if keep else _outputs(t)[0]
+            # each block's rows under a key of their own: a backward computed later reads them, not the outputs
+            forwards[b] = [_part("fwd", _outputs(t, 2)[1]) if keep else None for t in outputs[b]]
         else:
+            tot = [_call("sketch", _t_sketch, thr, kb[b + (j, 0)], vb[b + (j, 0)], mask(j), W, beta, cdt, cf)
+                   for j in range(kb.shape[-2])]
             total = _tree_sum(tot, "sum") if tot else _call("zeros", _zero_sketch, W, beta,
                                                               tuple(c[i] for c, i in zip(q.chunks, b)), dv, cdt)
             states[b] = total
             for i in range(qb.shape[-2]):
-                out[b + (i, 0)] = (_call("readout", _t_readout, thr, qb[b + (i, 0)], total, cf), None, None)
+                out[b + (i, 0)] = (_call("readout", _t_readout, thr, qb[b + (i, 0)], total, W, cf), None, None)
     y = _assemble(out, q.chunks[:-1] + ((dv,),), odt, "out")
-    return y, DaskResiduals(q, k, v, m, W, beta, bool(causal), cdt, odt, cf, threads, states, outputs)
+    return y, DaskResiduals(q, k, v, m, W, beta, bool(causal), cdt, odt, cf, threads, states, outputs, keep, scan,
+                            forwards)
 
 
 def _zero_sketch(W, beta, lead, dv, cdt):
-    return S.Sketch.zeros(W, beta, lead=lead, dv=dv, dtype=cdt)
+    return _wire(S.Sketch.zeros(W, beta, lead=lead, dv=dv, dtype=cdt))
 
 
 def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None, check_finite=True,
@@ -396,7 +572,7 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
     computed inputs up to float rounding.
     """
     return race_attention_fwd(q, k, v, planes, beta, causal=causal, key_mask=key_mask, check_finite=check_finite,
-                              threads=threads)[0]
+                              threads=threads, keep_rows=False)[0]
 
 
 def race_attention_bwd(residuals, grad_out):
@@ -436,32 +612,33 @@ def race_attention_bwd(residuals, grad_out):
         mask = (lambda j: None) if mb is None else (lambda j: mb[b + (j,)])
         if r.causal:
             carries = r.states[b]
-            # The cotangent block j's outputs send to its state, from its forward output (a hash and one
-            # product) rather than a rescan, unless the output is narrower than the compute dtype.
-            outs = r.outputs[b] if r.odt.itemsize >= np.dtype(r.cdt).itemsize else [None] * qb.shape[-2]
             nb = qb.shape[-2]
+            # The cotangent block j's outputs send to its state, from its forward output and rows (a product)
+            # rather than a rescan; from the rows alone where the output is narrower than the compute dtype.
+            use_out = r.odt.itemsize >= np.dtype(r.cdt).itemsize
+            fwds = r.outputs[b]
             blk = [(qb[b + (j, 0)], kb[b + (j, 0)], vb[b + (j, 0)], gb[b + (j, 0)]) for j in range(nb)]
-            rc, acc = [None] * nb, None
-            for j in range(nb - 1, -1, -1):
-                rc[j] = acc
-                if j > 0:
-                    part = _call("dstate", _t_causal_dstate, thr, *blk[j], mask(j), W, beta, carries[j], outs[j], cf)
-                    acc = part if acc is None else _call("rcarry", _t_add, acc, part)
+            parts = [None] + [_call("dstate", _t_causal_dstate, thr, *blk[j], mask(j), W, beta, carries[j], fwds[j],
+                                    r.keep_rows, use_out, cf) for j in range(1, nb)]
+            # reverse carries rc_j = parts_{j+1} + ... + parts_{nb-1}: an exclusive scan of the reversed list
+            rc = _exclusive_scan(parts[::-1], "rcarry", _scan_method(r.scan, nb))[::-1]
             for j in range(nb):
-                t = _call("causal-bwd", _t_causal_bwd, thr, *blk[j], mask(j), W, beta, carries[j], rc[j], cf)
+                t = _call("causal-bwd", _t_causal_bwd, thr, *blk[j], mask(j), W, beta, carries[j], rc[j],
+                          r.forwards[b][j], cf)
                 dq[b + (j, 0)], dk[b + (j, 0)], dv[b + (j, 0)], d_beta = _outputs(t, 4)
                 dbetas.append(_part("dbeta-part", d_beta))
         else:
             total = r.states[b]
             parts = []
             for i in range(qb.shape[-2]):
-                t = _call("readout-bwd", _t_readout_bwd, thr, qb[b + (i, 0)], total, gb[b + (i, 0)], cf)
+                t = _call("readout-bwd", _t_readout_bwd, thr, qb[b + (i, 0)], total, gb[b + (i, 0)], W, cf)
                 dq[b + (i, 0)], d_sketch, d_beta = _outputs(t, 3)
                 parts.append(_part("dsketch-part", d_sketch))
                 dbetas.append(_part("dbeta-part", d_beta))
             dsk = _tree_sum(parts, "dsum")  # every dask array has a block, even of no rows
             for j in range(kb.shape[-2]):
-                t = _call("sketch-bwd", _t_sketch_bwd, thr, kb[b + (j, 0)], vb[b + (j, 0)], dsk, mask(j), r.cdt, cf)
+                t = _call("sketch-bwd", _t_sketch_bwd, thr, kb[b + (j, 0)], vb[b + (j, 0)], dsk, mask(j), W, r.cdt,
+                          cf)
                 dk[b + (j, 0)], dv[b + (j, 0)], d_beta = _outputs(t, 3)
                 dbetas.append(_part("dbeta-part", d_beta))
     return (_assemble(dq, r.q.chunks, r.q.dtype, "dq"), _assemble(dk, r.k.chunks, r.k.dtype, "dk"),

@@ -124,6 +124,41 @@ def test_causal_blocks_compose(rng, dtype):
     close(sum(x[3] for x in grads), rg[3], dtype, "dbeta")
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_kept_forward_gives_the_same_bits(rng, dtype, tmp_path):
+    """A block whose keys were hashed by causal_block_keys, and whose backward reads the forward's
+    kept rows (in memory or saved to a file), gives the bits of the block computed from scratch;
+    the backward does not write into the rows it is given (a second backward: the same bits)."""
+    W = racecpu.hyperplanes(16, dtype=dtype)
+    q, k, v, g, m = data(rng, (2,), 300, 300, 16, 8, dtype, True)
+    st0 = S.sketch(k[:, :40], v[:, :40], W, 4.0, dtype=dtype)
+    total, keys = S.causal_block_keys(k, v, W, 4.0, key_mask=m, dtype=dtype)
+    o1, s1 = S.causal_block(q, k, v, W, 4.0, st0, key_mask=m)
+    o2, s2, fw = S.causal_block(q, k, v, W, 4.0, st0, key_mask=m, keys=keys, keep=True)
+    np.testing.assert_array_equal(o1, o2)
+    np.testing.assert_array_equal(s1.B, s2.B)
+    np.testing.assert_array_equal((st0 + total).B, s2.B)  # summed per chunk as the scan sums it
+    args = (q, k, v, W, 4.0, g, st0)
+    dst = S.causal_block_dstate(*args, key_mask=m, out=o1)
+    np.testing.assert_array_equal(S.causal_block_dstate(*args, key_mask=m, out=o1, forward=fw).B, dst.B)
+    close(S.causal_block_dstate(*args, key_mask=m, forward=fw).B, dst.B, dtype, "dstate from rows")
+    want = S.causal_block_bwd(*args, dst, key_mask=m)
+    loaded = S.BlockForward.load(fw.save(tmp_path / "rows.npz"))
+    assert loaded.nbytes >= fw.step.rows.phiq.nbytes
+    for forward in (fw, fw, loaded):
+        got = S.causal_block_bwd(*args, dst, key_mask=m, forward=forward)
+        for x, y in zip(got[:3] + (got[4].B,), want[:3] + (want[4].B,)):
+            np.testing.assert_array_equal(x, y)
+        assert got[3] == want[3]
+    with pytest.raises(ValueError, match="made for a block"):
+        S.causal_block_bwd(q[:, :10], k[:, :10], v[:, :10], W, 4.0, g[:, :10], st0, key_mask=m[:, :10], forward=fw)
+    with pytest.raises(TypeError, match="causal_block_keys"):
+        S.causal_block(q, k, v, W, 4.0, st0, keys=fw)
+    _, lean = S.causal_block_keys(k, v, W, 4.0, key_mask=m, dtype=dtype, keep=False)
+    with pytest.raises(ValueError, match="keep=True"):
+        S.causal_block(q, k, v, W, 4.0, st0, key_mask=m, keys=lean, keep=True)
+
+
 def test_dstate_from_out_checks_it(rng):
     W = racecpu.hyperplanes(16)
     q, k, v, g, m = data(rng, (2,), 30, 30, 16, 8, np.float32, False)
@@ -202,6 +237,102 @@ def test_dask_race_attention_lazy(rng):
         close(out.compute(), racecpu.race_attention(q, k, v, W, causal=True), np.float32, "out")
 
 
+def _sequence_inputs(rng, blocks, dtype, per_block=8):
+    n = blocks * per_block
+    q, k, v, g, _ = data(rng, (2,), n, n, 16, 8, dtype, False)
+    return (q, k, v, g), tuple(da.from_array(x, chunks=(1, per_block, x.shape[-1])) for x in (q, k, v, g))
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 3, 7, 64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_tree_scan_equals_the_chain_and_numpy(rng, blocks, causal):
+    for dtype in (np.float64, np.float32):
+        W = racecpu.hyperplanes(16, dtype=dtype)
+        (q, k, v, g), (Q, K, V, G) = _sequence_inputs(rng, blocks, dtype)
+        ref, r = racecpu.race_attention_fwd(q, k, v, W, 4.0, causal=causal)
+        want = (ref,) + racecpu.race_attention_bwd(r, g)
+        got = {}
+        for scan in ("tree", "chain"):
+            out, res = rd.race_attention_fwd(Q, K, V, W, 4.0, causal=causal, scan=scan)
+            with dask.config.set(scheduler="threads"):
+                got[scan] = dask.compute(out, *rd.race_attention_bwd(res, G))
+            for name, x, y in zip(("out", "dq", "dk", "dv", "dbeta"), got[scan], want):
+                close(x, y, dtype, f"{scan} {name} ({blocks} blocks, {np.dtype(dtype).name})")
+        for name, x, y in zip(("out", "dq", "dk", "dv", "dbeta"), got["tree"], got["chain"]):
+            close(x, y, dtype, f"tree vs chain {name}")
+
+
+def _depth(graph, key, memo):
+    """Longest path (in tasks) from ``key`` down to a task of no racecpu dependency."""
+    from dask.core import get_dependencies
+    if key not in memo:
+        deps = [d for d in get_dependencies(graph, key) if isinstance(d, str) and d.startswith("race-")]
+        memo[key] = 1 + max((_depth(graph, d, memo) for d in deps), default=0)
+    return memo[key]
+
+
+def test_tree_scan_is_logarithmically_deep(rng):
+    """Critical path of the causal forward+backward at 64 blocks: the tree's carries are at most
+    ~2 log2(64) additions deep, the chain's 63; both scans, forward and reverse."""
+    W = racecpu.hyperplanes(16)
+    _, (Q, K, V, G) = _sequence_inputs(rng, 64, np.float32)
+    depth = {}
+    for scan in ("tree", "chain", "auto"):
+        _, res = rd.race_attention_fwd(Q, K, V, W, causal=True, scan=scan)
+        dq = rd.race_attention_bwd(res, G)[0]
+        graph = dict(dq.__dask_graph__())
+        memo = {}
+        depth[scan] = max(_depth(graph, key, memo) for key in graph
+                          if isinstance(key, str) and key.startswith("race-causal-bwd-"))
+    # keys, total, carries, forward, dstate, reverse carries, gradients
+    assert depth["tree"] <= 2 + 2 * (2 * 6) + 3, depth
+    assert depth["chain"] >= 2 * 63, depth
+    assert depth["auto"] == depth["tree"] and rd.CHAIN_BLOCKS < 64
+    with pytest.raises(ValueError, match="scan must be one of"):
+        rd.race_attention_fwd(Q, K, V, W, causal=True, scan="ring")
+
+
+@pytest.mark.parametrize("keep_rows,spill", [(True, False), (True, True), (False, False)])
+def test_no_block_forward_runs_twice(rng, monkeypatch, tmp_path, keep_rows, spill):
+    """Count the engine's passes over each block in a causal forward+backward graph: every
+    block's keys are hashed once and its queries scanned once (kept rows, in memory or spilled
+    to files); without kept rows each gradient task runs its block's forward again."""
+    from racecpu import engine
+    calls = {"advance_keys": 0, "advance": 0}
+    for name in calls:
+        def counted(*a, _f=getattr(engine, name), _n=name, **kw):
+            calls[_n] += 1
+            return _f(*a, **kw)
+        monkeypatch.setattr(engine, name, counted)
+    W = racecpu.hyperplanes(16)
+    (q, k, v, g), (Q, K, V, G) = _sequence_inputs(rng, 5, np.float32, per_block=40)
+    out, res = rd.race_attention_fwd(Q, K, V, W, causal=True, keep_rows=keep_rows,
+                                     rows_dir=tmp_path if spill else None)
+    with dask.config.set(scheduler="sync"):
+        got = dask.compute(out, *rd.race_attention_bwd(res, G))
+    blocks = 2 * 5
+    recomputed = 0 if keep_rows else blocks
+    assert calls == {"advance_keys": blocks + recomputed, "advance": blocks + recomputed}, calls
+    assert len(list(tmp_path.glob("*.npz"))) == (blocks if spill else 0)
+    ref, r = racecpu.race_attention_fwd(q, k, v, W, causal=True)
+    for x, y in zip(got, (ref,) + racecpu.race_attention_bwd(r, g)):
+        close(x, y, np.float32)
+
+
+def test_sketches_travel_without_their_planes(rng):
+    """What crosses between tasks is a sketch's sums and a digest of its planes; a task given
+    other planes than the sketch's refuses it."""
+    import pickle
+    W = racecpu.hyperplanes(128)
+    k, v = (rng.standard_normal((1, 50, 128)).astype(np.float32) for _ in range(2))
+    sk = racecpu.sketch(k, v, W)
+    wire = rd._wire(sk)
+    assert len(pickle.dumps(wire)) < sk.nbytes + 1000 < len(pickle.dumps(sk))
+    np.testing.assert_array_equal(rd._sketch(wire, W).B, sk.B)
+    with pytest.raises(ValueError, match="other planes"):
+        rd._sketch(wire, racecpu.hyperplanes(128, seed=1))
+
+
 def test_readout_tasks_read_only_their_block_and_the_sketch(rng):
     """Graph-level check: every readout task depends on one query block and one summed sketch,
     every causal block on its own q, k, v blocks and one carried state."""
@@ -251,6 +382,22 @@ def test_dask_cluster_equals_numpy(rng, client, causal, masked, dtype):
     print(causal, masked, np.dtype(dtype).name, {k: f"{v:.2g}" for k, v in errs.items()})
 
 
+@pytest.mark.parametrize("blocks", [7, 64])
+def test_the_same_bits_on_one_and_two_workers(rng, client, blocks):
+    """The graph fixes the order of every sum: one worker (the synchronous scheduler) and two
+    worker processes give the same bits, causal (tree scan) and not."""
+    W = racecpu.hyperplanes(16)
+    _, (Q, K, V, G) = _sequence_inputs(rng, blocks, np.float32)
+    for causal in (False, True):
+        out, res = rd.race_attention_fwd(Q, K, V, W, causal=causal, scan="tree")
+        xs = [out, *rd.race_attention_bwd(res, G)]
+        with dask.config.set(scheduler="sync"):
+            one = dask.compute(*xs)
+        two = _gather(client, client.compute(xs))
+        for a, b in zip(one, two):
+            np.testing.assert_array_equal(a, b)
+
+
 def _incoming(dask_worker):
     return [dict(keys=e["keys"], total=e["total"]) for e in dask_worker.transfer_incoming_log]
 
@@ -295,8 +442,8 @@ def test_dask_cluster_bytes_moved_per_block(client, causal):
 def test_causal_backward_tasks_read_only_their_block():
     """Graph-level check that no row needs to cross between workers in the causal backward: every
     dstate and causal-bwd task reads the q, k, v, grad_out blocks of one sequence block, the
-    dstate task also that block's forward task (its output; the forward task reads the same
-    blocks), and otherwise only sketches."""
+    dstate task also that block's forward task (its output and rows; the forward task reads the
+    same blocks), the gradient task that task's rows, and otherwise only sketches."""
     from dask.core import get_dependencies
     rng = np.random.default_rng(3)
     X = da.from_array(rng.standard_normal((4, 2, 64, 16)).astype(np.float32), chunks=(1, 1, (20, 12, 32), 16))
@@ -311,6 +458,8 @@ def test_causal_backward_tasks_read_only_their_block():
         blocks = {d[1:] for d in deps if isinstance(d, tuple)}
         assert len(blocks) == 1 and sum(isinstance(d, tuple) for d in deps) == 4, deps
         for d in deps:
+            if isinstance(d, str) and d.startswith("race-fwd-"):  # the rows of the block's forward task
+                d, = (x for x in get_dependencies(graph, d) if x.startswith("race-causal-"))
             if isinstance(d, str) and d.startswith("race-causal-"):  # the forward task of the same block
                 assert {x[1:] for x in get_dependencies(graph, d) if isinstance(x, tuple)} == blocks
             elif isinstance(d, str):
