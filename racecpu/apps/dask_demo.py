@@ -17,6 +17,13 @@ gradients.  Within a phase every
 block depends only on its own rows and those small states, so a worker holds
 a few blocks' rows at a time whatever the length; computing the graph in one
 go would let the scheduler hold every block's rows across the scans.
+With one block per head (``tokens <= block``) phases (1) and (3) have
+nothing to compute.
+
+The results take :func:`disk_needed` bytes (about ``16 * tokens * dim``
+per head: four float32 arrays) in ``directory``, which stay there for the
+user to delete; :func:`disk_problem` says, before any work, when they do not
+fit.
 """
 
 from __future__ import annotations
@@ -28,9 +35,20 @@ import time
 
 import numpy as np
 
-__all__ = ["demo", "seeded_inputs", "stacked_view"]
+__all__ = ["demo", "seeded_inputs", "stacked_view", "pick_block", "disk_needed", "disk_free", "disk_problem"]
 
 _OUTPUTS = ("out", "dq", "dk", "dv")
+
+#: Most tokens per block when none is asked for: a block's rows are what a task holds (128 MiB per
+#: float32 array at d = 128).
+MAX_BLOCK = 2 ** 18
+
+#: Disk left free after the results by default: the demo writes tens of GiB at its documented sizes,
+#: and a disk filled to the last byte stalls everything else on it.
+DISK_MARGIN = 4 * 2 ** 30
+
+#: Bytes a file's or folder's size is rounded up to on disk (the common filesystem block).
+_FS_BLOCK = 4096
 
 
 @functools.lru_cache(maxsize=2)
@@ -139,18 +157,117 @@ def _reset_peak():
     return reset_peak_rss()
 
 
-def _disk_free(directory):
-    return shutil.disk_usage(directory).free
+def pick_block(tokens, block=None):
+    """Tokens per block for ``tokens`` tokens: ``block`` (at most ``tokens``), or an even split.
+
+    zarr stores every chunk at its full size, the last one included, so a
+    block longer than the sequence would write its padding to disk (2 GiB for
+    one token at the default block, d = 128 and 4 heads): such a block is
+    ``tokens`` long.  With no ``block``, the tokens are split into the fewest
+    blocks of at most :data:`MAX_BLOCK` tokens, of equal length up to one
+    token, so the last chunk pads by less than a token per block.
+
+    Parameters
+    ----------
+    tokens : int
+        Sequence length, >= 1.
+    block : int, optional
+        Tokens per block asked for, >= 1.
+
+    Returns
+    -------
+    int
+    """
+    tokens = int(tokens)
+    if block is not None:
+        return min(int(block), tokens)
+    n = -(-tokens // MAX_BLOCK)
+    return -(-tokens // n)
 
 
-def _heads_for_disk(tokens, dim, directory, margin):
-    per_head = len(_OUTPUTS) * tokens * dim * 4
-    return int((_disk_free(directory) - margin) // per_head), per_head
+def disk_needed(tokens, heads, dim, block):
+    """Bytes the results take on disk: ``out, dq, dk, dv`` as uncompressed float32 zarr arrays.
+
+    Every chunk is ``block`` tokens long (zarr pads the last one), and every
+    file and folder takes whole filesystem blocks: zarr 3's layout
+    ``NAME/zarr.json``, ``NAME/c/HEAD/BLOCK/0`` is a file and a folder per
+    chunk, a folder per head and three entries per array (zarr 2's flat
+    layout takes less).
+
+    Returns
+    -------
+    total, per_head : int
+        Bytes in all, and bytes per head (the chunks; the metadata aside).
+    """
+    nblocks = -(-int(tokens) // int(block))
+    chunk = -(-int(block) * int(dim) * 4 // _FS_BLOCK) * _FS_BLOCK + _FS_BLOCK
+    per_head = len(_OUTPUTS) * (nblocks * chunk + _FS_BLOCK)
+    return int(heads) * per_head + (3 * len(_OUTPUTS) + 1) * _FS_BLOCK, per_head
+
+
+def _existing(path):
+    """``path`` or its nearest ancestor that exists (the filesystem a folder not yet made goes to)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def _results_bytes(directory):
+    """Bytes on disk of the ``out, dq, dk, dv`` in ``directory`` (an earlier run's, which a run replaces,
+    or this run's)."""
+    total = 0
+    for name in _OUTPUTS:
+        for root, _, files in os.walk(os.path.join(directory, name)):
+            for f in files:
+                try:
+                    st = os.lstat(os.path.join(root, f))
+                except OSError:
+                    continue
+                total += getattr(st, "st_blocks", 0) * 512 or st.st_size
+    return total
+
+
+def disk_free(directory):
+    """Bytes free for the results in ``directory``, made or not.
+
+    The filesystem's free bytes (of the nearest existing folder) plus those
+    of an earlier run's results there, which the run deletes first.
+
+    Returns
+    -------
+    free, replaced : int
+        Bytes free in all, and the part of them an earlier run's results hold now.
+    """
+    replaced = _results_bytes(directory) if os.path.isdir(directory) else 0
+    return int(shutil.disk_usage(_existing(directory)).free) + replaced, replaced
+
+
+def disk_problem(tokens, heads, dim, block, directory, margin=DISK_MARGIN):
+    """Why the results do not fit in ``directory`` (one sentence), or None where they do.
+
+    They fit when :func:`disk_needed` plus ``margin`` bytes is at most
+    :func:`disk_free`.  Reads the disk's state only: nothing is made or
+    deleted.
+    """
+    need, per_head = disk_needed(tokens, heads, dim, block)
+    free, replaced = disk_free(directory)
+    if need + margin <= free:
+        return None
+    earlier = f", counting {replaced:,} bytes of an earlier run's results there" if replaced else ""
+    return (f"the results (out, dq, dk, dv as zarr) of {heads} head(s) x {tokens:,} tokens x d={dim} need "
+            f"{need:,} bytes ({need / 2 ** 30:.2f} GiB, {per_head:,} per head) in {directory}, plus {margin:,} "
+            f"bytes ({margin / 2 ** 30:.2f} GiB) kept free; it has {free:,} bytes ({free / 2 ** 30:.2f} GiB) "
+            f"free{earlier}. Choose fewer --tokens or --heads, or another --dask-dir")
 
 
 def _wait(futures, progress, label):
     from distributed import progress as show, wait
 
+    if not futures:  # one block per head: no carries to compute (distributed refuses empty collections)
+        if progress:
+            print(f"{label}: nothing to compute (one block per head)", flush=True)
+        return
     if progress:
         print(f"{label}:", flush=True)
         show(futures, notebook=False)
@@ -161,8 +278,8 @@ def _wait(futures, progress, label):
             f.result()  # raises the task's exception
 
 
-def demo(tokens=2 ** 24, heads=None, dim=128, directory="racecpu-dask", scheduler=None, *, seed=0,
-         num_planes=3, num_tables=3, beta=None, block=2 ** 18, check=True, progress=True, disk_margin=4 * 2 ** 30,
+def demo(tokens=2 ** 24, heads=4, dim=128, directory="racecpu-dask", scheduler=None, *, seed=0,
+         num_planes=3, num_tables=3, beta=None, block=None, check=True, progress=True, disk_margin=DISK_MARGIN,
          n_workers=None):
     """One causal RACE forward + backward over ``tokens`` tokens on a Dask cluster; returns metrics.
 
@@ -170,27 +287,29 @@ def demo(tokens=2 ** 24, heads=None, dim=128, directory="racecpu-dask", schedule
     ----------
     tokens, dim : int
         Sequence length and head dimension (d = dv).
-    heads : int, optional
-        Heads; default as many as the disk holds: the results take
-        ``4 * heads * tokens * dim * 4`` bytes (32 GiB per head at 2^24
-        tokens, d = 128).
+    heads : int, default 4
+        Heads.  The results take about ``16 * tokens * dim`` bytes per head
+        (:func:`disk_needed`: 32 GiB per head at 2^24 tokens, d = 128).
     directory : path
         Where the zarr arrays ``out, dq, dk, dv`` are written (replaced if
-        present).
+        present; left there for the caller to delete).
     scheduler : str, optional
         A ``distributed`` scheduler address; default a ``LocalCluster`` of
         ``n_workers`` single-threaded worker processes (default: one per
         core).
-    seed, num_planes, num_tables, beta, block :
-        Input seed, hash shape, temperature (default racecpu's) and tokens
-        per block (one dask and zarr chunk).
+    seed, num_planes, num_tables, beta :
+        Input seed, hash shape and temperature (default racecpu's).
+    block : int, optional
+        Tokens per block (one dask task and zarr chunk): as
+        :func:`pick_block` makes of it (at most ``tokens``; default an
+        even split into blocks of at most :data:`MAX_BLOCK` tokens).
     check : bool, default True
         Compare the first ``min(tokens, 4096)`` tokens of ``out`` and ``dq``
         (which, causal, depend on nothing later) with the in-memory
         :func:`racecpu.race_attention_fwd` / ``_bwd``.
     progress : bool, default True
         Dask's progress bar for each phase.
-    disk_margin : int, default 4 GiB
+    disk_margin : int, default :data:`DISK_MARGIN` (4 GiB)
         Refuse to start unless this much disk stays free after the results.
 
     Returns
@@ -199,8 +318,16 @@ def demo(tokens=2 ** 24, heads=None, dim=128, directory="racecpu-dask", schedule
         tokens, heads, dim, block, workers, seconds per phase and in total,
         ns_per_token_head, peak RSS per worker, bytes moved between workers
         (racecpu's sketches and other keys, e.g. rows of a task that Dask's
-        work stealing moved), one block's state bytes, disk bytes, dbeta and
-        the check's max abs errors.
+        work stealing moved), one block's state bytes, disk bytes (measured
+        after the run), dbeta and the check's max abs errors.
+
+    Raises
+    ------
+    ValueError
+        ``tokens``, ``heads``, ``dim`` or ``block`` below 1.
+    RuntimeError
+        The results do not fit on the disk (:func:`disk_problem`), before
+        anything is written or started.
     """
     import zarr
     from distributed import Client, futures_of
@@ -211,16 +338,17 @@ def demo(tokens=2 ** 24, heads=None, dim=128, directory="racecpu-dask", schedule
     from ..hashing import hyperplanes
 
     beta = DEFAULT_BETA if beta is None else float(beta)
+    for name, value in (("tokens", tokens), ("heads", heads), ("dim", dim), ("block", 1 if block is None else block)):
+        if int(value) < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    tokens, heads, dim = int(tokens), int(heads), int(dim)
+    block = pick_block(tokens, block)
+    problem = disk_problem(tokens, heads, dim, block, directory, disk_margin)
+    if problem is not None:
+        raise RuntimeError(problem)
     os.makedirs(directory, exist_ok=True)
     for name in _OUTPUTS:
         shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
-    fit, per_head = _heads_for_disk(tokens, dim, directory, disk_margin)
-    if heads is None:
-        heads = fit
-    if heads < 1 or heads > fit:
-        raise RuntimeError(f"{heads if heads else 1} head(s) of results need {max(heads, 1) * per_head / 2**30:.1f} GiB "
-                           f"in {directory}, which has {_disk_free(directory) / 2**30:.1f} GiB free (keeping "
-                           f"{disk_margin / 2**30:.0f} GiB); choose fewer --tokens or another directory")
     W = hyperplanes(dim, num_planes, num_tables, seed=seed, dtype=np.float32)
     stores = [_zarr_array(zarr, os.path.join(directory, n), (heads, tokens, dim), (1, block, dim))
               for n in _OUTPUTS]
@@ -238,8 +366,10 @@ def demo(tokens=2 ** 24, heads=None, dim=128, directory="racecpu-dask", schedule
         t = {}
         t0 = time.perf_counter()
         out, res = rd.race_attention_fwd(Q, K, V, W, beta, causal=True)
+        # The first block of a head has no carried-in state: with one block per head there are none,
+        # and distributed's persist refuses an empty list ("No collections provided").
         carries = [c for b in res.states.values() for c in b if c is not None]
-        kept = client.persist(carries)
+        kept = client.persist(carries) if carries else []
         _wait(futures_of(kept), progress, "1/4 forward: block totals and carried-in states")
         t["states"] = time.perf_counter() - t0
         dq, dk, dv, dbeta = rd.race_attention_bwd(res, G)
@@ -277,7 +407,7 @@ def demo(tokens=2 ** 24, heads=None, dim=128, directory="racecpu-dask", schedule
              ns_per_token_head=total / (tokens * heads) * 1e9, peak_rss_bytes=dict(peaks),
              bytes_moved_sketches=sum(a for a, _ in moved.values()),
              bytes_moved_other=sum(b for _, b in moved.values()),
-             blocks=-(-tokens // block) * heads, disk_bytes=len(_OUTPUTS) * heads * tokens * dim * 4,
+             blocks=-(-tokens // block) * heads, disk_bytes=_results_bytes(directory),
              dbeta=db, directory=os.path.abspath(directory))
     m["state_bytes"] = num_tables * 2 ** num_planes * (dim + 1) * 8  # one block's (one head's) state
     if check:

@@ -42,17 +42,20 @@ def add_arguments(p):
                         "(e.g. --tokens 8388608 --causal --out-of-core DIR needs ~68 GiB of disk)")
     p.add_argument("--dask", metavar="SCHEDULER", nargs="?", const="local", default=None,
                    help="causal forward+backward on a Dask cluster (a distributed scheduler address, or none for a "
-                        "LocalCluster of one worker process per core); inputs generated per block from --seed, "
-                        "results written as zarr to --dask-dir (e.g. --tokens 16777216 --dask: 32 GiB per head); "
-                        "--heads defaults to as many as the disk holds. Needs racecpu[dask]")
+                        "LocalCluster of one worker process per core); inputs generated per block from --seed. "
+                        "Writes out, dq, dk, dv as zarr arrays to --dask-dir: 16 x tokens x head-dim bytes per head "
+                        "(512 MiB per head at the default 262,144 tokens and d=128; 32 GiB at --tokens 16777216), "
+                        "and leaves them there: delete the folder when done. Refused before any work when they do "
+                        "not fit the free disk (4 GiB kept free). Needs racecpu[dask]")
     p.add_argument("--dask-dir", metavar="DIR", default="racecpu-dask",
-                   help="where --dask writes out, dq, dk, dv (zarr; replaced; default ./racecpu-dask)")
-    p.add_argument("--block", type=positive_int, default=2 ** 18,
-                   help="tokens per block (one dask task and zarr chunk) for --dask (default 262,144)")
+                   help="where --dask writes out, dq, dk, dv (zarr; an earlier run's replaced; yours to delete; "
+                        "default ./racecpu-dask)")
+    p.add_argument("--block", type=positive_int, default=None,
+                   help="tokens per block (one dask task and zarr chunk) for --dask (default: --tokens split "
+                        "evenly into blocks of at most 262,144; a --block above --tokens is one block of --tokens)")
     p.add_argument("--max-memory-gib", type=positive_float, default=None, metavar="GIB",
                    help="refuse sizes needing more than this (default: the memory available now)")
     add_common_arguments(p)
-    p.set_defaults(heads=None)  # 4, or for --dask as many as the disk holds
 
 
 def available_memory():
@@ -146,20 +149,42 @@ def _run_out_of_core(args):
     return 0 if ok else 1
 
 
-def _run_dask(args, heads_given):
-    """``--dask [SCHEDULER]``: the causal layer's forward+backward on a Dask cluster, results as zarr."""
+def _run_dask(args):
+    """``--dask [SCHEDULER]``: the causal layer's forward+backward on a Dask cluster, results as zarr.
+
+    Before any work (no cluster started, nothing written): the optional
+    dependencies, ``--dask-dir`` a folder, and the results fitting its free
+    disk; each problem is a :class:`~racecpu.cli.UsageError` (exit 2).
+    """
     from ..cli import require
     for module in ("dask", "distributed", "zarr"):
         require(module, "racecpu demo --dask", "dask")
-    from .dask_demo import demo
+    from . import dask_demo
+
+    directory = args.dask_dir
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise UsageError(f"--dask-dir {directory}: is a file, not a folder")
+    block = dask_demo.pick_block(args.tokens, args.block)
+    problem = dask_demo.disk_problem(args.tokens, args.heads, args.head_dim, block, directory)
+    if problem is not None:
+        raise UsageError(f"--dask: {problem}")
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--dask-dir {directory}: cannot make this folder ({exc.strerror or exc})") from None
 
     scheduler = None if args.dask == "local" else args.dask
-    print(f"RACE attention on Dask: N={args.tokens:,} tokens, d=dv={args.head_dim}, P={args.num_planes}, "
-          f"L={args.num_tables}, beta={args.beta}, causal, float32, blocks of {args.block:,} tokens, "
-          f"{'a LocalCluster' if scheduler is None else scheduler}; results in {args.dask_dir}", flush=True)
-    m = demo(tokens=args.tokens, heads=args.heads if heads_given else None, dim=args.head_dim,
-             directory=args.dask_dir, scheduler=scheduler, seed=args.seed, num_planes=args.num_planes,
-             num_tables=args.num_tables, beta=args.beta, block=args.block, progress=args.progress)
+    need = dask_demo.disk_needed(args.tokens, args.heads, args.head_dim, block)[0]
+    blocks = f"blocks of {block:,} token{'s' if block > 1 else ''}"
+    if args.block is not None and args.block > args.tokens:
+        blocks += " (--block exceeds --tokens: one block)"
+    print(f"RACE attention on Dask: N={args.tokens:,} tokens x {args.heads} heads, d=dv={args.head_dim}, "
+          f"P={args.num_planes}, L={args.num_tables}, beta={args.beta}, causal, float32, {blocks}, "
+          f"{'a LocalCluster' if scheduler is None else scheduler}; results (out, dq, dk, dv as zarr, about "
+          f"{need / _GIB:.2f} GiB) in {directory}: delete it when done", flush=True)
+    m = dask_demo.demo(tokens=args.tokens, heads=args.heads, dim=args.head_dim, directory=directory,
+                       scheduler=scheduler, seed=args.seed, num_planes=args.num_planes, num_tables=args.num_tables,
+                       beta=args.beta, block=block, progress=args.progress)
     th = m["tokens"] * m["heads"]
     print(f"heads {m['heads']}, workers {m['workers']}, {m['blocks']} blocks")
     for label, key in (("forward states", "seconds_states"), ("outputs, dstates", "seconds_forward"),
@@ -172,7 +197,8 @@ def _run_dask(args, heads_given):
     print(f"bytes moved between workers: {m['bytes_moved_sketches']:,} of sketches "
           f"({m['bytes_moved_sketches'] / m['blocks']:,.0f} per block; one state is {m['state_bytes']:,}), "
           f"{m['bytes_moved_other']:,} of other keys")
-    print(f"disk used         {m['disk_bytes'] / _GIB:8.2f} GiB (out, dq, dk, dv in {m['directory']}; delete when done)")
+    print(f"disk used         {m['disk_bytes'] / _GIB:8.2f} GiB ({m['disk_bytes']:,} bytes: out, dq, dk, dv as zarr in "
+          f"{m['directory']}; delete it when done)")
     print(f"max abs error of the first {m['check_tokens']:,} tokens vs the in-memory API: "
           f"out {m['check_max_abs_err_out']:.2e}, dq {m['check_max_abs_err_dq']:.2e}")
     ok = max(m["check_max_abs_err_out"], m["check_max_abs_err_dq"]) < 1e-4
@@ -181,17 +207,16 @@ def _run_dask(args, heads_given):
 
 
 def run(args):
-    heads_given = args.heads is not None
-    if not heads_given:
-        args.heads = 4
-    if args.samples > args.tokens:
-        raise UsageError(f"--samples {args.samples} exceeds --tokens {args.tokens}")
     if args.dask is not None and args.out_of_core:
         raise UsageError("choose one of --dask and --out-of-core")
     if args.dask is not None:
-        return _run_dask(args, heads_given)
+        return _run_dask(args)
     if args.out_of_core:
         return _run_out_of_core(args)
+    # --samples is the in-memory demo's alone: the drivers above check their first tokens instead,
+    # so fewer --tokens than the default 32 samples is no error for them.
+    if args.samples > args.tokens:
+        raise UsageError(f"--samples {args.samples} exceeds --tokens {args.tokens}")
 
     from .. import reference as ref
     from .._memory import peak_rss
