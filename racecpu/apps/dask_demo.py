@@ -12,11 +12,14 @@ The graph runs in four phases, each of which keeps its small results (the
 sketches, float64, ``L * 2**P * (dv + 1)`` numbers per head) in the cluster's
 memory for the next: (1) the forward's carried-in states, (2) the outputs
 and, from each block's output, the cotangent it sends back to its state, (3)
-the backward's reverse carries (a chain of additions of those), (4) the
+the backward's reverse carries (a scan of additions of those), (4) the
 gradients.  Within a phase every
 block depends only on its own rows and those small states, so a worker holds
 a few blocks' rows at a time whatever the length; computing the graph in one
-go would let the scheduler hold every block's rows across the scans.
+go would let the scheduler hold every block's rows across the scans.  The
+rows each block's backward reads (272 bytes per token and head at float32)
+go from phase (2) to phase (4) in files (``directory/rows``, deleted at the
+end: :func:`rows_needed` bytes), so no block's forward runs twice.
 With one block per head (``tokens <= block``) phases (1) and (3) have
 nothing to compute.
 
@@ -213,11 +216,11 @@ def _existing(path):
     return path
 
 
-def _results_bytes(directory):
-    """Bytes on disk of the ``out, dq, dk, dv`` in ``directory`` (an earlier run's, which a run replaces,
-    or this run's)."""
+def _results_bytes(directory, names=_OUTPUTS):
+    """Bytes on disk of the ``out, dq, dk, dv`` (or other ``names``) in ``directory`` (an earlier run's,
+    which a run replaces, or this run's)."""
     total = 0
-    for name in _OUTPUTS:
+    for name in names:
         for root, _, files in os.walk(os.path.join(directory, name)):
             for f in files:
                 try:
@@ -243,22 +246,36 @@ def disk_free(directory):
     return int(shutil.disk_usage(_existing(directory)).free) + replaced, replaced
 
 
-def disk_problem(tokens, heads, dim, block, directory, margin=DISK_MARGIN):
+def rows_needed(tokens, heads, dim, num_planes=3, num_tables=3):
+    """Bytes the forward's rows take on disk between the forward and the backward (``DIR/rows``,
+    deleted at the end of the run): per token and head the soft buckets and projections of
+    queries and keys and a float64 denominator (``(2 F + 2 L P) * 4 + 8`` bytes, F = L 2^P:
+    272 at P = L = 3), plus each chunk's float64 carried-in state (counted here as one per
+    1,024 tokens, more than the engine's chunks have)."""
+    F = num_tables * 2 ** num_planes
+    per_token = (2 * F + 2 * num_tables * num_planes) * 4 + 8
+    carries = F * (dim + 1) * 8 * -(-int(tokens) // 1024)
+    return int(heads) * (int(tokens) * per_token + carries)
+
+
+def disk_problem(tokens, heads, dim, block, directory, margin=DISK_MARGIN, num_planes=3, num_tables=3):
     """Why the results do not fit in ``directory`` (one sentence), or None where they do.
 
-    They fit when :func:`disk_needed` plus ``margin`` bytes is at most
-    :func:`disk_free`.  Reads the disk's state only: nothing is made or
-    deleted.
+    They fit when :func:`disk_needed` plus :func:`rows_needed` plus ``margin``
+    bytes is at most :func:`disk_free`.  Reads the disk's state only: nothing
+    is made or deleted.
     """
     need, per_head = disk_needed(tokens, heads, dim, block)
+    rows = rows_needed(tokens, heads, dim, num_planes, num_tables)
     free, replaced = disk_free(directory)
-    if need + margin <= free:
+    if need + rows + margin <= free:
         return None
     earlier = f", counting {replaced:,} bytes of an earlier run's results there" if replaced else ""
     return (f"the results (out, dq, dk, dv as zarr) of {heads} head(s) x {tokens:,} tokens x d={dim} need "
-            f"{need:,} bytes ({need / 2 ** 30:.2f} GiB, {per_head:,} per head) in {directory}, plus {margin:,} "
-            f"bytes ({margin / 2 ** 30:.2f} GiB) kept free; it has {free:,} bytes ({free / 2 ** 30:.2f} GiB) "
-            f"free{earlier}. Choose fewer --tokens or --heads, or another --dask-dir")
+            f"{need:,} bytes ({need / 2 ** 30:.2f} GiB, {per_head:,} per head) in {directory}, the forward's rows "
+            f"{rows:,} more while it runs, plus {margin:,} bytes ({margin / 2 ** 30:.2f} GiB) kept free; it has "
+            f"{free:,} bytes ({free / 2 ** 30:.2f} GiB) free{earlier}. Choose fewer --tokens or --heads, or another "
+            f"--dask-dir")
 
 
 def _wait(futures, progress, label):
@@ -343,12 +360,14 @@ def demo(tokens=2 ** 24, heads=4, dim=128, directory="racecpu-dask", scheduler=N
             raise ValueError(f"{name} must be >= 1, got {value}")
     tokens, heads, dim = int(tokens), int(heads), int(dim)
     block = pick_block(tokens, block)
-    problem = disk_problem(tokens, heads, dim, block, directory, disk_margin)
+    problem = disk_problem(tokens, heads, dim, block, directory, disk_margin, num_planes, num_tables)
     if problem is not None:
         raise RuntimeError(problem)
     os.makedirs(directory, exist_ok=True)
-    for name in _OUTPUTS:
+    for name in _OUTPUTS + ("rows",):
         shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+    rows_dir = os.path.join(directory, "rows")
+    os.makedirs(rows_dir)
     W = hyperplanes(dim, num_planes, num_tables, seed=seed, dtype=np.float32)
     stores = [_zarr_array(zarr, os.path.join(directory, n), (heads, tokens, dim), (1, block, dim))
               for n in _OUTPUTS]
@@ -365,7 +384,9 @@ def demo(tokens=2 ** 24, heads=4, dim=128, directory="racecpu-dask", scheduler=N
         Q, K, V, G, src = seeded_inputs(tokens, heads, dim, block, seed)
         t = {}
         t0 = time.perf_counter()
-        out, res = rd.race_attention_fwd(Q, K, V, W, beta, causal=True)
+        # Each block's forward writes the rows its backward reads to rows_dir (phase 2) and hands on the
+        # file's path, which phase 4 reads: no forward runs twice and no worker holds rows between phases.
+        out, res = rd.race_attention_fwd(Q, K, V, W, beta, causal=True, rows_dir=rows_dir)
         # The first block of a head has no carried-in state: with one block per head there are none,
         # and distributed's persist refuses an empty list ("No collections provided").
         carries = [c for b in res.states.values() for c in b if c is not None]
@@ -377,10 +398,11 @@ def demo(tokens=2 ** 24, heads=4, dim=128, directory="racecpu-dask", scheduler=N
         # With the outputs, each block's cotangent to its state (the dstate tasks read the block's output,
         # which is then computed once); both are submitted at once so that they share the forward's tasks.
         f_out = client.compute(da_store(out, stores[0]))
-        graph, keys = _keys(dq, ("race-dstate-", "race-rcarry-"))
-        dkeys = [k for k in keys if k.startswith("race-dstate-")]
+        graph, keys = _keys(dq, ("race-dstate-", "race-rcarry-", "race-fwd-"))
+        dkeys = [k for k in keys if k.startswith(("race-dstate-", "race-fwd-"))]  # and the paths of the rows
         dfut = client.get(graph, dkeys, sync=False) if dkeys else []
         _wait([f_out] + list(dfut), progress, "2/4 forward: outputs, and what they send back to the states")
+        rows_bytes = _results_bytes(directory, ("rows",))
         t["forward"] = time.perf_counter() - t1
         t2 = time.perf_counter()
         rkeys = [k for k in keys if k.startswith("race-rcarry-")]
@@ -394,6 +416,7 @@ def demo(tokens=2 ** 24, heads=4, dim=128, directory="racecpu-dask", scheduler=N
         total = time.perf_counter() - t0
         db = float(f_grads[-1].result())
         del kept, dfut, rfut, f_out, f_grads
+        shutil.rmtree(rows_dir, ignore_errors=True)
         peaks = client.run(_peak)
         moved = client.run(_incoming)
     finally:
@@ -407,7 +430,7 @@ def demo(tokens=2 ** 24, heads=4, dim=128, directory="racecpu-dask", scheduler=N
              ns_per_token_head=total / (tokens * heads) * 1e9, peak_rss_bytes=dict(peaks),
              bytes_moved_sketches=sum(a for a, _ in moved.values()),
              bytes_moved_other=sum(b for _, b in moved.values()),
-             blocks=-(-tokens // block) * heads, disk_bytes=_results_bytes(directory),
+             blocks=-(-tokens // block) * heads, disk_bytes=_results_bytes(directory), rows_bytes=rows_bytes,
              dbeta=db, directory=os.path.abspath(directory))
     m["state_bytes"] = num_tables * 2 ** num_planes * (dim + 1) * 8  # one block's (one head's) state
     if check:

@@ -140,6 +140,8 @@ def _run_out_of_core(args):
     print(f"backward          {m['seconds_backward']:8.1f} s")
     print(f"total             {m['seconds_total']:8.1f} s   {m['ns_per_token_head']:8.1f} ns per token-head")
     print(f"peak RSS          {m['peak_rss_bytes'] / _GIB:8.2f} GiB")
+    print(f"forward's rows    {m['rows_bytes'] / _GIB:8.2f} GiB (in {m['directory']}/rows from the forward to the "
+          f"backward, then deleted)")
     print(f"disk used         {m['disk_bytes'] / _GIB:8.2f} GiB (out, dq, dk, dv in {m['directory']}; "
           f"delete when done)")
     if m.get("check_max_abs_err") is not None:
@@ -165,7 +167,8 @@ def _run_dask(args):
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise UsageError(f"--dask-dir {directory}: is a file, not a folder")
     block = dask_demo.pick_block(args.tokens, args.block)
-    problem = dask_demo.disk_problem(args.tokens, args.heads, args.head_dim, block, directory)
+    problem = dask_demo.disk_problem(args.tokens, args.heads, args.head_dim, block, directory,
+                                     num_planes=args.num_planes, num_tables=args.num_tables)
     if problem is not None:
         raise UsageError(f"--dask: {problem}")
     try:
@@ -197,6 +200,8 @@ def _run_dask(args):
     print(f"bytes moved between workers: {m['bytes_moved_sketches']:,} of sketches "
           f"({m['bytes_moved_sketches'] / m['blocks']:,.0f} per block; one state is {m['state_bytes']:,}), "
           f"{m['bytes_moved_other']:,} of other keys")
+    print(f"forward's rows    {m['rows_bytes'] / _GIB:8.2f} GiB (in {m['directory']}/rows from the forward to the "
+          f"backward, then deleted)")
     print(f"disk used         {m['disk_bytes'] / _GIB:8.2f} GiB ({m['disk_bytes']:,} bytes: out, dq, dk, dv as zarr in "
           f"{m['directory']}; delete it when done)")
     print(f"max abs error of the first {m['check_tokens']:,} tokens vs the in-memory API: "
