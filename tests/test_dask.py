@@ -228,6 +228,20 @@ def test_dask_threaded_equals_numpy(rng, causal, masked, dtype):
         check_against_numpy(rng, causal, masked, dtype, dask.compute)
 
 
+def test_dask_float16_causal_reads_the_kept_rows(rng):
+    """16-bit outputs are narrower than the compute dtype: each block's cotangent to its state
+    then comes from the kept rows (the queries' backward pass), not from its output."""
+    W = racecpu.hyperplanes(16)
+    (q, k, v, g), (Q, K, V, G) = _sequence_inputs(rng, 3, np.float16, per_block=30)
+    out, res = rd.race_attention_fwd(Q, K, V, W, 4.0, causal=True)
+    with dask.config.set(scheduler="threads"):
+        got = dask.compute(out, *rd.race_attention_bwd(res, G))
+    ref, r = racecpu.race_attention_fwd(q, k, v, W, 4.0, causal=True)
+    for name, x, y in zip(("out", "dq", "dk", "dv", "dbeta"), got, (ref,) + racecpu.race_attention_bwd(r, g)):
+        assert np.asarray(x).dtype == np.asarray(y).dtype, name
+        y = np.asarray(y, np.float64)
+        assert np.abs(np.asarray(x, np.float64) - y).max() <= 2e-3 * max(1.0, np.abs(y).max()), name
+
 def test_dask_race_attention_lazy(rng):
     W = racecpu.hyperplanes(16)
     (q, k, v, _, _), (Q, K, V, _, _) = dask_inputs(rng, True, False, np.float32)

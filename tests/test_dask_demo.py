@@ -52,6 +52,9 @@ def test_demo_dask_runs_at_any_tokens_with_4_heads(scheduler, tmp_path, capsys, 
         assert z.shape == (4, tokens, 16) and z.chunks == (1, tokens, 16) and np.isfinite(z[...]).all()
     assert np.abs(zarr.open_array(os.path.join(d, "dv"), mode="r")[...]).max() > 0
     assert "delete it when done" in out.err and d in out.err  # human text on stderr under --json
+    # the forward's rows went from phase 2 to phase 4 in files, deleted at the end
+    assert 0 < doc["rows_bytes"] <= dask_demo.rows_needed(tokens, 4, 16) + 4 * 4096 * 8
+    assert not os.path.exists(os.path.join(d, "rows"))
 
 
 def test_pick_block():
@@ -84,14 +87,16 @@ def test_demo_dask_refuses_what_the_disk_does_not_hold(tmp_path, capsys, monkeyp
     """Exit 2 and one error line naming the bytes needed and free, before a cluster starts or a folder is made."""
     d = str(tmp_path / "dd")
     need = dask_demo.disk_needed(262144, 4, 128, 262144)[0]
-    free = need + dask_demo.DISK_MARGIN - 1
+    rows = dask_demo.rows_needed(262144, 4, 128)  # the forward's rows, on disk while the demo runs
+    assert 272 * 262144 * 4 < rows < 300 * 262144 * 4
+    free = need + rows + dask_demo.DISK_MARGIN - 1
     _fake_disk(monkeypatch, free)
     monkeypatch.setattr(dask_demo, "demo", _no_cluster)
     rc = main(["demo", "--dask", "--tokens", "262144", "--dask-dir", d])
     err = capsys.readouterr().err
     assert rc == 2, err
     assert err.startswith("racecpu demo: error: --dask: ") and err.count("\n") == 1 and "Traceback" not in err
-    assert f"{need:,} bytes" in err and f"{free:,} bytes" in err and "4 head(s)" in err
+    assert f"{need:,} bytes" in err and f"{free:,} bytes" in err and f"{rows:,} more" in err and "4 head(s)" in err
     assert not os.path.exists(d)
 
     # One byte more and it starts (here: the stand-in for the cluster's demo).

@@ -38,7 +38,8 @@ import time
 
 import numpy as np
 
-__all__ = ["demo", "seeded_inputs", "stacked_view", "pick_block", "disk_needed", "disk_free", "disk_problem"]
+__all__ = ["demo", "seeded_inputs", "stacked_view", "pick_block", "disk_needed", "rows_needed", "disk_free",
+           "disk_problem"]
 
 _OUTPUTS = ("out", "dq", "dk", "dv")
 
