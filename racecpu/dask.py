@@ -225,7 +225,9 @@ def _t_causal(threads, q, k, v, mask, planes, beta, state, keys, keep, spill, cf
 def _t_causal_dstate(threads, q, k, v, g, mask, planes, beta, state, fwd, keep, use_out, cf):
     _set_threads(threads)
     out, forward = fwd if keep else (fwd, None)
-    if isinstance(forward, SpilledRows):  # the output and a hash cost less than reading the rows back
+    # Spilled: hash q and k again from the output's block (about what reading the rows back costs,
+    # benchmarks/dask_blocks.py) rather than read the file twice; 16-bit outputs need the rows.
+    if isinstance(forward, SpilledRows):
         forward = None if use_out else _load(forward)
     return _wire(S.causal_block_dstate(q, k, v, planes, beta, g, _sketch(state, planes), key_mask=mask,
                                        check_finite=cf, out=out if use_out else None, forward=forward))
@@ -249,7 +251,8 @@ def _mark(x):
 
 #: Prefixes of racecpu's keys whose values hold a block's rows (forward outputs, gradients);
 #: every other ``race-`` key holds a sketch, a marker or a scalar.
-ROW_KEYS = ("race-keys-", "race-fwd-", "race-causal-", "race-readout-", "race-sketch-bwd-", "race-out-", "race-dq-", "race-dk-", "race-dv-")
+ROW_KEYS = ("race-keys-", "race-fwd-", "race-causal-", "race-readout-", "race-sketch-bwd-", "race-out-", "race-dq-",
+            "race-dk-", "race-dv-")
 
 
 def holds_rows(name):
