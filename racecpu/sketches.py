@@ -26,7 +26,13 @@ public:
   outgoing one), and :func:`causal_block_dstate` (the cotangent a block sends
   back to its incoming state, without the rows' gradients);
 * :func:`state_from_sketch` / :func:`sketch_from_state` -- conversions to
-  and from :class:`racecpu.RaceState` for streaming decode.
+  and from :class:`racecpu.RaceState` for streaming decode;
+* for drivers that hand a block's work from task to task (:mod:`racecpu.dask`):
+  :func:`causal_block_keys` (a causal block's keys hashed once: its sketch,
+  and what ``causal_block(..., keys=)`` reads) and :class:`BlockForward`
+  (``causal_block(..., keep=True)``'s rows, which ``causal_block_bwd`` and
+  ``causal_block_dstate`` read with ``forward=`` instead of recomputing the
+  forward; saved to and loaded from ``.npz`` files).
 
 Every function checks its arguments and calls the CPU engine's block
 operations (:mod:`racecpu.engine`), the same kernels as
@@ -55,7 +61,8 @@ from .config import DEFAULT_BETA
 from .streaming import RaceState
 
 __all__ = ["Sketch", "sketch", "readout", "readout_bwd", "sketch_bwd", "causal_block", "causal_block_bwd",
-           "causal_block_dstate", "state_from_sketch", "sketch_from_state", "planes_digest"]
+           "causal_block_dstate", "causal_block_keys", "BlockForward", "state_from_sketch", "sketch_from_state",
+           "planes_digest"]
 
 
 def planes_digest(planes):
@@ -493,8 +500,8 @@ class BlockForward:
     """A causal block's forward as its backward reads it: what :func:`causal_block_keys`
     and :func:`causal_block` (``keep=True``) hand on, so that the block's keys are hashed
     once and :func:`causal_block_bwd` and :func:`causal_block_dstate` do not recompute the
-    forward.  Treat as opaque; not part of the public API (:mod:`racecpu.dask` hands
-    them from task to task).
+    forward.  Treat as opaque (:mod:`racecpu.dask` hands them from task to task); use
+    one only with the block and state it was made for.
 
     ``keys``: the keys hashed and summed per chunk (:class:`racecpu.engine.KeyPass`),
     ``step``: the block's forward (:class:`racecpu.engine.Advanced`, None until
