@@ -158,6 +158,50 @@ def test_features_section_pairs_each_feature_with_its_baseline(tmp_path, capsys)
     assert text.strip() in capsys.readouterr().out
 
 
+def test_train_section_reports_each_shape_and_mode(tmp_path, capsys):
+    # --sections train at one tiny shape (--train-shapes): a per-call cap between RACE's predicted time
+    # (its roof, ~0.05 ms) and SDPA's (its flops at the SGEMM rate, >= 0.2 ms at ~150 GFLOP/s) skips SDPA
+    # without starting torch; a machine fast enough to fit SDPA under it measures it instead.
+    import json
+
+    rc = main(["bench", "--quick", "--sections", "train", "--train-shapes", "1x1x1024x16", "--repeats", "2",
+               "--max-call-seconds", "1e-4", "--out", str(tmp_path), "--tag", "tr", "--json"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    doc = json.loads(out)
+    train = doc["train"]
+    assert [(t["batch"], t["heads"], t["n"], t["d"], t["mode"], t["causal"]) for t in train] == [
+        (1, 1, 1024, 16, m, c) for m, c in bench.CONFIGS]
+    torch_here = bench._torch_ok("cpu")
+    machine = {r["impl"]: float(r["value"]) for r in doc["rows"] if r["section"] == "machine"}
+    bw = max(v for k, v in machine.items() if k.startswith("copy"))  # the best of start and end
+    sgemm = max(v for k, v in machine.items() if k.startswith("sgemm"))
+    for t in train:
+        assert t["race_status"] == "ok" and t["race_ns"] > 0
+        b, f = bench.roofline_counts(t["mode"], 16, 16, 3, 3)
+        roofs = dict(memory=b / bw, compute=f / sgemm)  # ns: bytes / (GB/s), flops / (GFLOP/s)
+        assert t["roof_ns"] == pytest.approx(max(roofs.values()), rel=5e-3)
+        assert roofs[t["bound"]] == max(roofs.values())
+        assert t["roof_multiple"] == pytest.approx(t["race_ns"] / t["roof_ns"], rel=1e-9)
+        if t["sdpa_ns"] is None:
+            assert t["sdpa_over_race"] is None
+            assert t["sdpa_status"].startswith("skip(time)" if torch_here else "not run")
+        else:
+            assert t["sdpa_over_race"] == pytest.approx(t["sdpa_ns"] / t["race_ns"], rel=1e-9)
+    rows = [r for r in doc["rows"] if r["section"] == "train"]
+    race = {(r["mode"], r["causal"]): r for r in rows if r["impl"] == "race"}
+    assert len(race) == 4 and all(r["unit"] == "x roof (measured / roof)" for r in race.values())
+    for t in train:  # the JSON record is the CSV row's numbers
+        r = race[(t["mode"], int(t["causal"]))]
+        assert float(r["ns_per_token_head"]) == t["race_ns"]
+        assert float(r["roof_ns"]) == pytest.approx(t["roof_ns"], abs=0.01)
+    text = (tmp_path / "tr.txt").read_text()
+    assert "train shapes" in text and "x roof" in text and "sdpa/race" in text
+    assert "train" in (tmp_path / "tr.csv").read_text()
+    assert main(["bench", "--sections", "train", "--train-shapes", "1x1x1024", "--out", "/nonexistent"]) == 2
+    assert "--train-shapes" in capsys.readouterr().err
+
+
 def test_memory_cap_skips_and_still_reports(tmp_path):
     rc = main(["bench", "--impls", "race", "--min-log2n", "8", "--max-log2n", "9", "--mem-cap-gib", "0.01",
                "--no-cold", "--out", str(tmp_path), "--tag", "s"])

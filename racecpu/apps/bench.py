@@ -46,6 +46,19 @@ What it measures
    feature time / median baseline time (with ``--rounds``, the calls of that many
    processes pooled), against the targets (<= 0.7, <= 1.1, <= 1.15), each
    reported as met or missed with the measured ratio.
+6. **Train** (only when named: ``--sections train``; not in the default set, as its
+   SDPA forward+backward at 16K tokens and RACE at ``(1, 4, 2**20, 128)`` take
+   minutes): the shapes people train at, :data:`TRAIN_SHAPES` ``(B, H, N, d)``,
+   dv = d, P, L and dtype of the suite (default 3, 3, float32; ``--train-shapes``
+   replaces the list, e.g. to drop the 2**20 one), forward and forward+backward,
+   causal and not: ``race`` (as in scaling) and ``sdpa`` (``is_causal=True`` when
+   causal), each in its own process like a scaling measurement (median of the
+   timed calls), skipped by the same memory and per-call time caps (time predicted
+   from the roof for RACE and from ``B H N^2 d`` flops at the SGEMM rate for SDPA,
+   scaled by the measured / predicted of the shape before).  Reported: ns per
+   token-head, the roof of this shape (below) at this run's bandwidth and SGEMM
+   rate, the multiple of the roof (measured / roof), SDPA's ns per token-head and
+   SDPA time / RACE time ("-" where SDPA did not run: no torch, or a cap).
 
 Every measurement runs in a fresh subprocess (``python -c``): it warms up on a tiny
 input (compile / cache load / thread pools), resets its RSS high-water
@@ -151,7 +164,9 @@ CONFIGS = (("fwd", False), ("fwd", True), ("fwdbwd", False), ("fwdbwd", True))
 #: Thread scaling runs both: fresh outputs (what a plain call gets) and out= buffers allocated once.
 THREAD_IMPLS = ("race", "race-out")
 #: Sections that --sections may name, in the order they run (the machine's always runs).
-SECTIONS = ("scaling", "threads", "compile", "features")
+SECTIONS = ("scaling", "threads", "compile", "features", "train")
+#: The train section's shapes (B, H, N, d), dv = d (--train-shapes replaces them).
+TRAIN_SHAPES = ((8, 8, 1024, 64), (4, 8, 4096, 64), (1, 16, 16384, 64), (1, 4, 4096, 128), (1, 4, 2 ** 20, 128))
 #: The features section: (feature, what is timed, target of feature time / baseline time, what the pair is).
 FEATURES = (
     ("gqa", "fwdbwd", 0.7, "32 query heads over 8 key/value heads vs k, v repeated to 32 heads (repeat untimed)"),
@@ -709,6 +724,15 @@ class _Seen:
     base: int
 
 
+def sdpa_flops(mode, causal, shape):
+    """Flops of softmax attention for ``shape = (B, H, N, d)`` (dv = d): the forward's two
+    ``N x N x d`` products, ``4 N^2 d`` per head; the backward's five (one recomputes the
+    scores) ``10 N^2 d``; half of it causal.  A lower bound on SDPA's time at the SGEMM rate."""
+    B, H, n, d = shape
+    f = 4 * B * H * n * n * d * (1 if mode == "fwd" else 3.5)
+    return f / 2 if causal else f
+
+
 def _extrapolate(seen, impl, n):
     """(predicted seconds per call, predicted peak bytes) at ``n`` from a smaller measurement."""
     r = n / seen.n
@@ -758,8 +782,11 @@ def add_arguments(parser):
                    help="skip the cold-compile measurement (~1 min); the warm-cache one uses the default cache")
     o.add_argument("--sections", default="scaling,threads,compile",
                    help="comma-separated sections to run besides the machine's, from " + ",".join(SECTIONS)
-                        + " (default scaling,threads,compile; features only when named, e.g. "
-                          "--sections features or --sections scaling,features)")
+                        + " (default scaling,threads,compile; features and train only when named, e.g. "
+                          "--sections features or --sections scaling,train)")
+    o.add_argument("--train-shapes", default=None,
+                   help="shapes of the train section, comma-separated BxHxNxd (dv = d), e.g. 8x8x1024x64,1x4x4096x128 "
+                        "(default: the five of TRAIN_SHAPES, up to 1x4x1048576x128)")
     o.add_argument("--tag", default=None, help="file stem of the outputs (default 'bench' or 'bench-quick')")
     add_common_arguments(parser, out=True)
 
@@ -787,6 +814,7 @@ def _settings(args):
         repeats=args.repeats or (3 if args.quick else 5), rounds=args.rounds,
         budget_s=args.budget_seconds, max_call_s=args.max_call_seconds,
         seed=0, quick=args.quick, no_cold=args.no_cold, check_finite=not args.no_check_finite,
+        train_shapes=_train_shapes(getattr(args, "train_shapes", None)),
     )
     for name, flag in (("batch", "batch"), ("heads", "heads"), ("d", "head-dim"), ("dv", "value-dim"),
                        ("tables", "num-tables"), ("repeats", "repeats"), ("rounds", "rounds"), ("threads", "threads")):
@@ -813,6 +841,19 @@ def _settings(args):
     st["mem_cap"] = cap
     st["mem_available"] = avail
     return st
+
+
+def _train_shapes(text):
+    """``--train-shapes`` (``BxHxNxd,...``) as a tuple of (B, H, N, d); None gives TRAIN_SHAPES."""
+    if text is None:
+        return TRAIN_SHAPES
+    try:
+        shapes = tuple(tuple(int(x) for x in s.lower().split("x")) for s in text.split(",") if s.strip())
+    except ValueError:
+        shapes = ()
+    if not shapes or any(len(s) != 4 or min(s) < 1 for s in shapes):
+        raise ValueError(f"--train-shapes {text!r}: want comma-separated BxHxNxd, e.g. 8x8x1024x64")
+    return shapes
 
 
 def _torch_ok(device):
@@ -941,7 +982,9 @@ class _Suite:
         n_threads = self._thread_runs() if "threads" in self.sections else 0
         n_compile = (1 if st["no_cold"] else 2) if "compile" in self.sections else 0
         n_features = 2 * len(FEATURES) * st["rounds"] if "features" in self.sections else 0
-        total = 2 + n_scaling + n_threads + n_compile + n_features
+        n_train = (len(st["train_shapes"]) * len(CONFIGS) * len(self._train_impls()) * st["rounds"]
+                   if "train" in self.sections else 0)
+        total = 2 + n_scaling + n_threads + n_compile + n_features + n_train
         t0 = time.perf_counter()
         self.started = datetime.now(timezone.utc)
         self.load = [_loadavg()]
@@ -950,7 +993,9 @@ class _Suite:
               f"B={st['batch']} H={st['heads']} d={st['d']} dv={st['dv']} P={st['planes']} L={st['tables']} "
               f"{st['dtype']}, {st['threads']} threads, {st['repeats']} repeats; caps {cap_txt}, "
               f"{st['max_call_s']:.0f} s/call; sections {','.join(self.sections[1:]) or 'none'}"
-              + (f" (features at N = 2^{st['features_log2n']})" if "features" in self.sections else ""), flush=True)
+              + (f" (features at N = 2^{st['features_log2n']})" if "features" in self.sections else "")
+              + (" (train shapes " + ", ".join("x".join(map(str, s)) for s in st["train_shapes"]) + ")"
+                 if "train" in self.sections else ""), flush=True)
         if self.load[0] > 0.5:
             print(f"warning: load average {self.load[0]:.1f} before starting: other work is running, "
                   "absolute timings will be noisy", flush=True)
@@ -969,6 +1014,8 @@ class _Suite:
                 self._compile_section()
             if "features" in self.sections:
                 self._features_section()
+            if "train" in self.sections:
+                self._train_section()
             self._machine_section("end")
         self.load.append(_loadavg())
         self.elapsed = time.perf_counter() - t0
@@ -1002,8 +1049,9 @@ class _Suite:
                     self._note(f"{what} moved from {a / 1e9:.1f} to {b / 1e9:.1f} {unit} during the run: "
                                "the machine was not quiet; trust ratios more than absolute numbers")
 
-    def _roof(self, mode):
-        b, f = roofline_counts(mode, self.st["d"], self.st["dv"], self.st["planes"], self.st["tables"],
+    def _roof(self, mode, d=None, dv=None):
+        """(roof ns per token-head, bound) at the suite's d, dv or the given ones."""
+        b, f = roofline_counts(mode, d or self.st["d"], dv or self.st["dv"], self.st["planes"], self.st["tables"],
                                self.itemsize)
         tb, tf = b / self.machine["bandwidth"], f / self.machine["sgemm"]
         return max(tb, tf) * 1e9, ("memory" if tb >= tf else "compute")
@@ -1275,13 +1323,123 @@ class _Suite:
         self._note(f"features at N=2^{st['features_log2n']}: targets met {met} of {total}"
                    + (f"; missed: {', '.join(missed)}" if missed else ""))
 
+    def _train_impls(self):
+        return [i for i in ("race", "sdpa") if i in self.impls]
+
+    def _train_section(self):
+        """RACE and SDPA at each of the train shapes, forward and forward+backward, causal and not
+        (module docstring, section 6): one process per measurement, as in scaling; rows ``train``."""
+        st = self.st
+        impls = self._train_impls()
+        if "sdpa" not in impls:
+            self._note("train: sdpa not run (torch not installed, --no-torch or --impls): its columns read '-'")
+        scale = {}  # (impl, mode, causal) -> measured / predicted seconds of the last shape measured
+        for B, H, n, d in st["train_shapes"]:
+            shape = (B, H, n, d, d)
+            tokheads = B * H * n
+            got = {}
+            for rnd in range(st["rounds"]):
+                for ci, (mode, causal) in enumerate(CONFIGS):
+                    for impl in (impls if (rnd + ci) % 2 == 0 else impls[::-1]):  # alternate who goes first
+                        key = (impl, mode, causal)
+                        label = f"train {impl} {mode}{' causal' if causal else ''} B={B} H={H} N={n} d={d}"
+                        self.bar.set_description(label)
+                        acc = got.setdefault(key, dict(times=[], peak=0, skip=None))
+                        if acc["skip"]:
+                            self.bar.update()
+                            continue
+                        # lower bounds (the roof; SDPA's flops at the SGEMM rate), times what the last shape
+                        # measured over its own bound: skips what the caps rule out before spending it
+                        model = (sdpa_flops(mode, causal, (B, H, n, d)) / self.machine["sgemm"] if impl == "sdpa"
+                                 else self._roof(mode, d, d)[0] * tokheads * 1e-9)
+                        pred_t = model * scale.get(key, 1.0)
+                        pred_mem = predict_peak(impl, mode, causal, shape, self.F, self.LP, self.itemsize)
+                        if pred_mem > st["mem_cap"]:
+                            acc["skip"] = (f"skip(mem): predicted peak {pred_mem / _GIB:.1f} GiB > cap "
+                                           f"{st['mem_cap'] / _GIB:.1f} GiB")
+                        elif pred_t > st["max_call_s"]:
+                            acc["skip"] = (f"skip(time): predicted {pred_t:.0f} s per call > cap "
+                                           f"{st['max_call_s']:.0f} s")
+                        else:
+                            spec = self._spec(impl=impl, mode=mode, causal=causal, n=n, batch=B, heads=H, d=d,
+                                              dv=d, full_warmup=pred_t <= _FULL_WARMUP_S)
+                            res, _ = _spawn(_CHILD, spec, _env(st["threads"]), self._timeout(pred_t))
+                            if res.get("ok"):
+                                acc["times"] += res["times"]
+                                acc["peak"] = max(acc["peak"], res["peak_rss"] or 0)
+                                scale[key] = statistics.median(acc["times"]) / model
+                                self.layer = self.layer or res.get("threading_layer")
+                            else:
+                                acc["skip"] = f"failed: {res.get('error')}"
+                        self.bar.update()
+                        if acc["skip"] and not acc["times"]:
+                            self._note(f"{label}: {acc['skip']}")
+            meds = {key: statistics.median(acc["times"]) for key, acc in got.items() if acc["times"]}
+            for (impl, mode, causal), acc in got.items():
+                race = meds.get(("race", mode, causal))
+                if impl == "sdpa" and acc["times"] and race:
+                    acc["ratio"] = dict(value=f"{meds[impl, mode, causal] / race:.3f}", unit="time / race time")
+                row = dict(impl=impl, mode=mode, causal=int(causal), n=n, batch=B, heads=H, d=d, dv=d,
+                           io_bytes=io_bytes(mode, shape, self.itemsize))
+                if not acc["times"]:
+                    self._row("train", **row, status=acc["skip"].split(":")[0], note=acc["skip"])
+                    continue
+                med = statistics.median(acc["times"])
+                self._row("train", **row, calls=len(acc["times"]), median_s=f"{med:.6g}",
+                          min_s=f"{min(acc['times']):.6g}", ns_per_token_head=f"{med / tokheads * 1e9:.2f}",
+                          peak_rss_bytes=acc["peak"], mem_ratio=f"{acc['peak'] / row['io_bytes']:.3f}",
+                          roof_frac="pending" if impl == "race" else "", **acc.get("ratio", {}))
+
+    def _train_summary(self):
+        """The train section as one record per (shape, mode, causal), ``--json``'s ``train``: ns per
+        token-head of RACE and SDPA (None where not measured), the roof, RACE / roof, SDPA / RACE."""
+        by = {(r["impl"], r["batch"], r["heads"], r["n"], r["d"], r["mode"], r["causal"]): r
+              for r in self.rows if r["section"] == "train"}
+        out = []
+        for B, H, n, d in self.st["train_shapes"]:
+            for mode, causal in CONFIGS:
+                r, s = (by.get((impl, B, H, n, d, mode, int(causal))) for impl in ("race", "sdpa"))
+                race, sdpa = (float(x["ns_per_token_head"]) if x and x["status"] == "ok" else None for x in (r, s))
+                roof, bound = self._roof(mode, d, d)
+                out.append(dict(batch=B, heads=H, n=n, d=d, mode=mode, causal=causal, race_ns=race, roof_ns=roof,
+                                bound=bound, roof_multiple=None if race is None else race / roof, sdpa_ns=sdpa,
+                                sdpa_over_race=None if race is None or sdpa is None else sdpa / race,
+                                race_status=r["note"] or r["status"] if r else "not run",
+                                sdpa_status=s["note"] or s["status"] if s else "not run"))
+        return out
+
+    def _train_table(self):
+        head = ["B", "H", "N", "d", "mode", "causal", "race ns/tok-head", "roof ns", "x roof",
+                "sdpa ns/tok-head", "sdpa/race"]
+
+        def num(x, fmt):
+            return "-" if x is None else format(x, fmt)
+
+        table = [[t["batch"], t["heads"], t["n"], t["d"], t["mode"], "yes" if t["causal"] else "no",
+                  num(t["race_ns"], ".1f") if t["race_ns"] is not None else t["race_status"].split(":")[0],
+                  f"{t['roof_ns']:.1f}", num(t["roof_multiple"], ".2f"), num(t["sdpa_ns"], ".1f"),
+                  num(t["sdpa_over_race"], ".1f")] for t in self.train]
+        widths = [max(len(h), *(len(str(t[i])) for t in table)) if table else len(h) for i, h in enumerate(head)]
+        fmt = "  ".join(f"{{:>{w}}}" for w in widths)
+        m = self.machine
+        out = [f"train shapes (dv = d, P={self.st['planes']} L={self.st['tables']} {self.st['dtype']}): ns per "
+               f"token-head, median of the calls; roof at copy {m['bandwidth'] / 1e9:.1f} GB/s and SGEMM "
+               f"{m['sgemm'] / 1e9:.1f} GFLOP/s; x roof = race / roof; sdpa/race = SDPA time / RACE time; "
+               "'-' = not measured (see notes)",
+               fmt.format(*head), fmt.format(*("-" * w for w in widths))]
+        out += [fmt.format(*(str(x) for x in t)) for t in table]
+        return "\n".join(out)
+
     # -- outputs ---------------------------------------------------------
     def _write(self):
         for row in self.rows:
             if row["roof_frac"] == "pending":
-                roof, bound = self._roof(row["mode"])
-                row.update(roof_ns=f"{roof:.2f}", bound=bound,
-                           roof_frac=f"{roof / float(row['ns_per_token_head']):.3f}")
+                roof, bound = self._roof(row["mode"], row["d"], row["dv"])
+                ns = float(row["ns_per_token_head"])
+                row.update(roof_ns=f"{roof:.2f}", bound=bound, roof_frac=f"{roof / ns:.3f}")
+                if row["section"] == "train":
+                    row.update(value=f"{ns / roof:.3f}", unit="x roof (measured / roof)")
+        self.train = self._train_summary() if "train" in self.sections else None
         csv_path = self.out_dir / f"{self.tag}.csv"
         with open(csv_path, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(self.rows[0]))
@@ -1296,6 +1454,8 @@ class _Suite:
         print(f"wrote {csv_path}, {txt_path}, {png_path}")
         self.args.result = dict(out=str(self.out_dir), csv=str(csv_path), txt=str(txt_path), png=str(png_path),
                                 rows=self.rows, notes=self.notes, settings={k: v for k, v in self.st.items()})
+        if self.train is not None:
+            self.args.result["train"] = self.train
         return 0
 
     def _versions(self):
@@ -1357,6 +1517,8 @@ class _Suite:
                 lines.append(f"  {r['impl']:<22} {r['value'] or r['status']:>8} {r['unit']}  ({r['note']})")
         if any(r["section"] == "features" for r in self.rows):
             lines += ["", self._features_table()]
+        if self.train is not None:
+            lines += ["", self._train_table()]
         if self.notes:
             lines += ["", "notes:"] + [f"  {t}" for t in self.notes]
         return "\n".join(lines) + "\n"
