@@ -196,10 +196,9 @@ def _t_keys(threads, k, v, mask, planes, beta, cdt, keep, cf):
 
 @dataclass(frozen=True)
 class SpilledRows:
-    """A causal block's forward rows written to ``path`` (:meth:`racecpu.sketches.BlockForward.save`),
-    ``nbytes`` of them: what a forward task hands on instead of the rows with ``rows_dir``."""
+    """A causal block's forward rows written to ``path`` (:meth:`racecpu.sketches.BlockForward.save`):
+    what a forward task hands on instead of the rows with ``rows_dir``."""
     path: str
-    nbytes: int
 
 
 def _load(forward):
@@ -218,7 +217,7 @@ def _t_causal(threads, q, k, v, mask, planes, beta, state, keys, keep, spill, cf
         return got[0]
     forward = got[2]
     if spill is not None:
-        forward = SpilledRows(forward.save(spill), forward.nbytes)
+        forward = SpilledRows(forward.save(spill))
     return got[0], forward
 
 

@@ -57,6 +57,10 @@ __all__ = ["forward", "backward", "Residuals", "Advanced", "soft_hash", "group_s
            "readout_bwd", "keys_bwd", "KeyPass", "advance_keys",
            "state_after", "advance", "advance_bwd", "state_cotangent", "pool_work"]
 
+#: The rows a causal block's backward reads besides ``phik`` (which every causal forward keeps):
+#: :func:`advance`'s default ``keep``, and what a kept forward holds.
+BACKWARD_ROWS = ("phiq", "tq", "tk", "den")
+
 #: Why a finite q or k whose tanh projections are NaN is an error.
 PROJECTIONS_OVERFLOW = "its projections onto the planes overflow {}"
 
@@ -332,7 +336,7 @@ class KeyPass(NamedTuple):
     G: int
 
 
-def advance_keys(k, v, planes, beta, G, *, mask=None, keep=("phiq", "tq", "tk", "den"), check_finite=False,
+def advance_keys(k, v, planes, beta, G, *, mask=None, keep=BACKWARD_ROWS, check_finite=False,
                  work=pool_work):
     """The keys' half of :func:`advance`: hash a causal block's keys and sum each chunk.
 
@@ -376,7 +380,7 @@ def state_after(keys, A0, B0):
     return A0 + keys.partA.sum(1), B0 + keys.partB.sum(1)
 
 
-def advance(q, k, v, planes, beta, A0, B0, out, *, mask=None, keep=("phiq", "tq", "tk", "den"),
+def advance(q, k, v, planes, beta, A0, B0, out, *, mask=None, keep=BACKWARD_ROWS,
             check_finite=False, work=pool_work, keys=None):
     """Causal attention of a block of tokens from a carried state; the state after it.
 

@@ -469,7 +469,7 @@ def causal_block(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, be
     step = None
     if G and n:
         step = engine.advance(a.q, a.k, a.v, a.planes, a.beta, A0, B0, o, mask=a.mask,
-                              keep=("phiq", "tq", "tk", "den") if keep else (),
+                              keep=engine.BACKWARD_ROWS if keep else (),
                               check_finite=a.check_finite, keys=kp)
         A1, B1 = step.A, step.B
     R = 2 ** P
@@ -572,7 +572,7 @@ def causal_block_keys(k: ArrayLike, v: ArrayLike, planes: ArrayLike, beta: float
     kp = None
     if G and n:
         kp = engine.advance_keys(kk, vv, W, beta, G, mask=mask, check_finite=check_finite,
-                                 keep=("phiq", "tq", "tk", "den") if keep else ())
+                                 keep=engine.BACKWARD_ROWS if keep else ())
         A, B = engine.state_after(kp, A, B)
     st = Sketch(A.reshape(lead + (L, R)), B.reshape(lead + (L, R, dv)), np.asarray(planes), beta, cdt, in_dt)
     return st, BlockForward(kp, None, lead)
