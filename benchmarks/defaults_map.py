@@ -1,18 +1,19 @@
 """The (P, L, beta) map of issue 59: training runs grouped into cells over their seeds, and the frontier.
 
-    python benchmarks/defaults_map.py DIR [DIR ...] --out PREFIX [--reference race_P3L3_b8]
+    python benchmarks/defaults_map.py DIR [DIR ...] --out PREFIX [--reference "race P3 L3 b8"]
 
 Reads every run's JSON that ``benchmarks/train_sweep.py`` wrote in the ``DIR``s (one file
 per run, ``racecpu train --json``'s or ``benchmarks/torch_train.py``'s fields), groups the
 runs into *cells* (attention, estimator, P, L, beta0, trained or fixed beta, one beta per
 layer or per head, softmax layers of a hybrid) and, for each cell, the seeds it has, the
 median metric (MQAR accuracy or bits per character) with the lowest and highest seed,
-the median ms per training step and that cost as a multiple of the ``--reference`` cell's
-(the library's defaults), and the median peak resident memory of the runs' processes.  Writes ``PREFIX.md`` (the table, best first, and the frontier:
-the cells no other cell beats at a lower or equal cost), ``PREFIX.csv`` and ``PREFIX.png``
-(metric against cost, one point per cell with its seeds' range, softmax and linear
-attention as lines).  Step times come from runs that shared the machine two at a time:
-compare cells of one sweep.
+the median ms per training step, that cost as a multiple of the ``--reference`` cell's
+(the library's defaults before issue 59) and the median peak resident memory of the
+runs' processes.  Writes ``PREFIX.md`` (the table, best first, and the frontier: the
+RACE cells no other RACE cell beats at a lower or equal cost), ``PREFIX.csv`` and
+``PREFIX.png`` (metric against cost, one point per cell with its seeds' range, softmax
+and linear attention as lines).  Step times come from runs that shared the machine two
+at a time: compare cells of one sweep.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def cells(runs):
         vals = [r[metric] for r in rs]
         peaks = [r["peak_rss_mib"] for r in rs if r.get("peak_rss_mib")]
         rows.append(dict(cell=label, **fields, seeds=len(rs), metric=statistics.median(vals), low=min(vals),
-                         high=max(vals), ms_per_step=statistics.median(r["time_per_step_ms"] for r in rs),
+                         high=max(vals), ms_per_step=round(statistics.median(r["time_per_step_ms"] for r in rs), 1),
                          peak_mib=round(statistics.median(peaks)) if peaks else "",
                          trained_beta=" ".join(f"{statistics.median(b):.2f}" for b in
                                                zip(*[r["beta"] for r in rs if r.get("beta")])) or "",
@@ -75,8 +76,10 @@ def cells(runs):
 
 
 def frontier(rows, higher_is_better):
-    """The cells no other cell beats at a lower or equal cost (the cost-accuracy frontier)."""
+    """The RACE cells (hybrids too) no other RACE cell beats at a lower or equal cost: the settings
+    worth choosing.  Softmax and linear attention are the references, not on it."""
     best, out = None, []
+    rows = [r for r in rows if r["attention"].startswith("race")]
     for r in sorted(rows, key=lambda r: (r["ms_per_step"], -r["metric"] if higher_is_better else r["metric"])):
         if best is None or (r["metric"] > best if higher_is_better else r["metric"] < best):
             out.append(r)
@@ -105,13 +108,16 @@ def main(argv=None):
         w = csv.DictWriter(fh, fieldnames=["cell", "attention", "estimator", "P", "L", "beta0", "beta", *cols[1:]])
         w.writeheader()
         w.writerows({k: r[k] for k in w.fieldnames} for r in rows)
-    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
+    places = dict(ms_per_step=1, cost=2)  # the rest: 3 decimals
+
+    def fmt(col, v):
+        return f"{v:.{places.get(col, 3)}f}" if isinstance(v, float) else str(v)
     head = ["cell", "seeds", f"{name} (median)", "lowest", "highest", "ms/step", f"cost × {a.reference}",
             "peak RSS MiB", "trained beta (median)", "per seed"]
     md = [f"# {a.title or name + ' by cell'}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    md += ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows]
+    md += ["| " + " | ".join(fmt(c, r[c]) for c in cols) + " |" for r in rows]
     front = frontier(rows, hib)
-    md += ["", "Frontier (no cell is better at a lower or equal step time): "
+    md += ["", "Frontier (no RACE cell is better at a lower or equal step time): "
            + "; ".join(f"{r['cell']} {r['metric']:.3f} at {r['ms_per_step']:.0f} ms" for r in front), ""]
     with open(a.out + ".md", "w") as fh:
         fh.write("\n".join(md))
@@ -135,8 +141,7 @@ def main(argv=None):
                     fmt="o", color=color, ms=4, capsize=2)
         ax.annotate(r["cell"].replace("race", "").strip(), (r["ms_per_step"], r["metric"]), fontsize=6,
                     xytext=(3, 2), textcoords="offset points")
-    fr = [r for r in front if r["attention"] not in ("softmax", "linear")]
-    ax.plot([r["ms_per_step"] for r in fr], [r["metric"] for r in fr], "-", color="C3", lw=1, label="frontier")
+    ax.plot([r["ms_per_step"] for r in front], [r["metric"] for r in front], "-", color="C3", lw=1, label="frontier")
     ax.set_xlabel("ms per training step (median over seeds; two runs sharing 2 cores)")
     ax.set_ylabel(f"{name} (median over seeds; bars: lowest to highest)")
     ax.set_title(a.title or f"RACE settings: {name} against cost", fontsize=10)

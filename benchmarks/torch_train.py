@@ -38,7 +38,7 @@ from torch import nn
 
 from racecpu.apps.tasks import CHARS, IGNORE, char_batch, char_corpus, char_eval_windows, mqar_batch
 from racecpu.autograd.optim import warmup_linear_decay
-from racecpu.hashing import hyperplanes
+from racecpu.hashing import LAYER_BETA, LAYER_NUM_PLANES, LAYER_NUM_TABLES, hyperplanes
 from racecpu.torch import race_attention
 
 ATTENTIONS = ("race", "softmax", "linear")
@@ -296,9 +296,9 @@ def main(argv=None):
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-planes", type=int, default=3)
-    p.add_argument("--num-tables", type=int, default=3)
-    p.add_argument("--beta", type=float, default=8.0, help="initial temperature")
+    p.add_argument("--num-planes", type=int, default=LAYER_NUM_PLANES)
+    p.add_argument("--num-tables", type=int, default=LAYER_NUM_TABLES)
+    p.add_argument("--beta", type=float, default=LAYER_BETA, help="initial temperature")
     p.add_argument("--fixed-beta", action="store_true")
     p.add_argument("--beta-per-head", action="store_true")
     p.add_argument("--estimator", choices=("ratio", "bucket_mean"), default="ratio")

@@ -25,6 +25,7 @@ import argparse
 import csv
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -127,12 +128,15 @@ def main(argv=None):
     p.add_argument("sweep", help="one run per line: NAME then its racecpu train flags")
     p.add_argument("--out", required=True, metavar="DIR")
     p.add_argument("--jobs", type=int, default=2, help="runs at a time (default 2: one per core here)")
+    p.add_argument("--only", metavar="REGEX", default=None,
+                   help="run only the runs whose name matches (re.search); the table lists every run done")
     p.add_argument("--trainer", choices=sorted(TRAINERS), default="racecpu",
                    help="racecpu: racecpu train (NumPy autograd); torch: benchmarks/torch_train.py")
     a = p.parse_args(argv)
     runs = read_sweep(a.sweep)
     os.makedirs(a.out, exist_ok=True)
-    todo = [(n, f) for n, f in runs if not os.path.exists(os.path.join(a.out, f"{n}.json"))]
+    todo = [(n, f) for n, f in runs if not os.path.exists(os.path.join(a.out, f"{n}.json"))
+            and (a.only is None or re.search(a.only, n))]
     print(f"{len(runs)} runs, {len(runs) - len(todo)} already done; {a.jobs} at a time", flush=True)
     with ThreadPoolExecutor(max(1, a.jobs)) as pool:
         list(pool.map(lambda nf: run_one(nf[0], nf[1], common, a.out, a.trainer), todo))

@@ -16,7 +16,7 @@ from ._checks import check_beta
 from .backend import backend_for, backend_of, check_estimator
 from .config import DEFAULT_BETA
 from .engine import Residuals
-from .hashing import hyperplanes
+from .hashing import LAYER_BETA, LAYER_NUM_PLANES, LAYER_NUM_TABLES, hyperplanes
 
 __all__ = ["race_attention", "race_attention_fwd", "race_attention_bwd", "RaceAttention", "Residuals"]
 
@@ -160,9 +160,11 @@ class RaceAttention:
     Parameters
     ----------
     head_dim : int
-    num_planes : int, default 3
-    num_tables : int, default 3
-    beta : float, default ``DEFAULT_BETA``
+    num_planes : int, default ``LAYER_NUM_PLANES`` (4)
+    num_tables : int, default ``LAYER_NUM_TABLES`` (4)
+    beta : float, default ``LAYER_BETA`` (2)
+        The layers' defaults (docs/choosing.md); a function called with planes
+        of its own defaults to ``DEFAULT_BETA`` (8) instead.
     seed : int, default 0
     dtype : dtype, default float32
         dtype of the stored planes (cast to the inputs' compute dtype on use).
@@ -178,7 +180,8 @@ class RaceAttention:
     (2, 128, 64)
     """
 
-    def __init__(self, head_dim: int, num_planes: int = 3, num_tables: int = 3, beta: float = DEFAULT_BETA,
+    def __init__(self, head_dim: int, num_planes: int = LAYER_NUM_PLANES, num_tables: int = LAYER_NUM_TABLES,
+                 beta: float = LAYER_BETA,
                  seed: int | None = 0, dtype: DTypeLike = np.float32, estimator: str = "ratio"):
         self.planes = hyperplanes(head_dim, num_planes, num_tables, seed=seed, dtype=dtype)
         self.beta = check_beta(beta)

@@ -22,7 +22,20 @@ from . import engine
 from ._checks import check_array, check_beta, check_planes
 from .config import DEFAULT_BETA, DEN_FLOOR, MAX_PLANES
 
-__all__ = ["hyperplanes", "corners", "soft_buckets", "DEFAULT_BETA", "DEN_FLOOR", "MAX_PLANES"]
+__all__ = ["hyperplanes", "corners", "soft_buckets", "DEFAULT_BETA", "DEN_FLOOR", "MAX_PLANES", "LAYER_NUM_PLANES",
+           "LAYER_NUM_TABLES", "LAYER_BETA"]
+
+#: The defaults of the attention layers (``racecpu.torch.RaceAttention``, ``racecpu.RaceAttention``,
+#: ``racecpu.autograd.nn``'s layers and models, ``racecpu train``): P hyperplanes per table, L tables
+#: and beta's starting value, chosen from the map of docs/choosing.md (issue 59).  Trained on
+#: multi-query recall, P = L = 3 with beta starting at 8 recalled worse than linear attention;
+#: P = L = 4 from beta 2 reached softmax's level at 1.2x the step time.  A softer start matters
+#: because the soft hash's gradients vanish as beta grows (tanh saturates) and beta, although
+#: trained, rarely leaves the region it starts in.  The functions that take planes keep
+#: ``DEFAULT_BETA`` (8): untrained, a sharper hash estimates the angular kernel closer.
+LAYER_NUM_PLANES = 4
+LAYER_NUM_TABLES = 4
+LAYER_BETA = 2.0
 
 def hyperplanes(head_dim: int, num_planes: int = 3, num_tables: int = 3, *,
                 seed: int | np.random.Generator | None = 0, dtype: DTypeLike = np.float32) -> np.ndarray:

@@ -49,7 +49,7 @@ from torch import nn
 from ._arrays import numpy_to_torch, torch_to_numpy
 from ._memory import POOL
 from .backend import backend_for, backend_of, check_estimator
-from .hashing import DEFAULT_BETA, hyperplanes
+from .hashing import DEFAULT_BETA, LAYER_BETA, LAYER_NUM_PLANES, LAYER_NUM_TABLES, hyperplanes
 
 __all__ = ["race_attention", "RaceAttention"]
 
@@ -300,10 +300,12 @@ class RaceAttention(nn.Module):
     ----------
     head_dim : int
         ``d`` of q and k.
-    num_planes, num_tables : int
-        ``P`` and ``L``.
-    beta : float
-        Initial soft-hash temperature (> 0).
+    num_planes, num_tables : int, default 4, 4
+        ``P`` and ``L`` (``racecpu.hashing.LAYER_NUM_PLANES``, ``LAYER_NUM_TABLES``).
+    beta : float, default 2
+        Initial soft-hash temperature (> 0; ``LAYER_BETA``).  These
+        defaults come from training runs (docs/choosing.md): P = L = 3 from
+        beta 8, the defaults before, recalled worse than linear attention.
     seed : int
         Seed of :func:`racecpu.hyperplanes`.
     learn_beta : bool
@@ -325,7 +327,8 @@ class RaceAttention(nn.Module):
         y = self.attn(q, k, v, is_causal=True)
     """
 
-    def __init__(self, head_dim, num_planes=3, num_tables=3, beta=DEFAULT_BETA, seed=0, learn_beta=True,
+    def __init__(self, head_dim, num_planes=LAYER_NUM_PLANES, num_tables=LAYER_NUM_TABLES, beta=LAYER_BETA, seed=0,
+                 learn_beta=True,
                  dtype=torch.float32, learn_planes=False, estimator="ratio"):
         super().__init__()
         self.estimator = check_estimator(estimator)

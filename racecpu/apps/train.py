@@ -24,7 +24,7 @@ from ..autograd import functional as F
 from ..autograd.nn import ATTENTIONS, ESTIMATORS, TransformerLM
 from ..autograd.optim import AdamW, clip_grad_norm, warmup_linear_decay
 from ..autograd.tensor import no_grad
-from ..hashing import DEFAULT_BETA
+from ..hashing import LAYER_BETA, LAYER_NUM_PLANES, LAYER_NUM_TABLES
 from .tasks import IGNORE, char_batch, char_corpus, char_eval_windows, mqar_batch, CHARS
 
 #: Per-task defaults (chosen so one run takes a few minutes on a 2-core machine).
@@ -74,11 +74,13 @@ def add_arguments(p):
     g.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     g.add_argument("--seed", type=nonnegative_int, default=0)
     r = p.add_argument_group("RACE")
-    r.add_argument("--num-planes", type=num_planes, default=3, help="P, 1..16 (angular attention uses gamma = P)")
+    r.add_argument("--num-planes", type=num_planes, default=LAYER_NUM_PLANES,
+                   help=f"P, 1..16 (angular attention uses gamma = P); default {LAYER_NUM_PLANES}")
     add_alias(r, "--planes", "num_planes", num_planes)
-    r.add_argument("--num-tables", type=positive_int, default=3, help="L")
+    r.add_argument("--num-tables", type=positive_int, default=LAYER_NUM_TABLES, help=f"L; default {LAYER_NUM_TABLES}")
     add_alias(r, "--tables", "num_tables", positive_int)
-    r.add_argument("--beta", type=positive_float, default=DEFAULT_BETA, help="initial temperature, > 0")
+    r.add_argument("--beta", type=positive_float, default=LAYER_BETA,
+                   help=f"initial temperature, > 0; default {LAYER_BETA}")
     r.add_argument("--fixed-beta", action="store_true", help="do not train beta")
     r.add_argument("--estimator", choices=ESTIMATORS, default="ratio",
                    help="ratio: the paper's (linear in N); "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..hashing import DEFAULT_BETA, hyperplanes
+from ..hashing import LAYER_BETA, LAYER_NUM_PLANES, LAYER_NUM_TABLES, hyperplanes
 from . import functional as F
 from .tensor import Tensor
 
@@ -179,10 +179,11 @@ class MultiHeadAttention(Module):
         ``angular``: the exact kernel RACE estimates, gamma = ``num_planes``;
         ``linear``: elu+1 linear attention.
     causal : bool
-    num_planes, num_tables : int
-        RACE's P and L.
-    beta : float
-        RACE's initial temperature.
+    num_planes, num_tables : int, default 4, 4
+        RACE's P and L (``LAYER_NUM_PLANES``, ``LAYER_NUM_TABLES`` of
+        :mod:`racecpu.hashing`; docs/choosing.md says why).
+    beta : float, default 2
+        RACE's initial temperature (``LAYER_BETA``).
     estimator : {"ratio", "bucket_mean"}, default "ratio"
         RACE only.  ``ratio``: the paper's estimator (Algorithms 1 and 2),
         :func:`racecpu.race_attention`, linear in N; ``bucket_mean``: the
@@ -216,8 +217,9 @@ class MultiHeadAttention(Module):
 
     _buffers = ("planes",)
 
-    def __init__(self, d_model, n_heads, *, attention="race", causal=True, num_planes=3, num_tables=3,
-                 beta=DEFAULT_BETA, estimator="ratio", train_beta=True, beta_per_head=False, conv_size=0,
+    def __init__(self, d_model, n_heads, *, attention="race", causal=True, num_planes=LAYER_NUM_PLANES,
+                 num_tables=LAYER_NUM_TABLES, beta=LAYER_BETA, estimator="ratio", train_beta=True, beta_per_head=False,
+                 conv_size=0,
                  conv_act=True, learn_planes=False, n_kv_heads=None, seed=0, dtype=np.float32):
         if attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
@@ -382,8 +384,9 @@ class TransformerLM(_Backbone):
     position knows its predecessor without spending an attention layer on it.
     """
 
-    def __init__(self, vocab_size, d_model, n_heads, n_layers, *, attention="race", num_planes=3, num_tables=3,
-                 beta=DEFAULT_BETA, estimator="ratio", train_beta=True, beta_per_head=False, conv_size=0,
+    def __init__(self, vocab_size, d_model, n_heads, n_layers, *, attention="race", num_planes=LAYER_NUM_PLANES,
+                 num_tables=LAYER_NUM_TABLES, beta=LAYER_BETA, estimator="ratio", train_beta=True, beta_per_head=False,
+                 conv_size=0,
                  conv_act=True, max_len=1024, dropout=0.0, token_shift=False, learn_planes=False, seed=0,
                  dtype=np.float32):
         rng = self._build(vocab_size, d_model, n_heads, n_layers, max_len, True, dropout, seed, dtype,
@@ -403,9 +406,9 @@ class TransformerClassifier(_Backbone):
     and from the pooling.  ``estimator`` and ``learn_planes`` as in :class:`MultiHeadAttention`.
     """
 
-    def __init__(self, vocab_size, num_classes, d_model, n_heads, n_layers, *, attention="race", num_planes=3,
-                 num_tables=3, beta=DEFAULT_BETA, estimator="ratio", train_beta=True, max_len=1024, dropout=0.0,
-                 learn_planes=False, seed=0, dtype=np.float32):
+    def __init__(self, vocab_size, num_classes, d_model, n_heads, n_layers, *, attention="race",
+                 num_planes=LAYER_NUM_PLANES, num_tables=LAYER_NUM_TABLES, beta=LAYER_BETA, estimator="ratio",
+                 train_beta=True, max_len=1024, dropout=0.0, learn_planes=False, seed=0, dtype=np.float32):
         rng = self._build(vocab_size, d_model, n_heads, n_layers, max_len, False, dropout, seed, dtype,
                           dict(attention=attention, num_planes=num_planes, num_tables=num_tables,
                                beta=beta, estimator=estimator, train_beta=train_beta, learn_planes=learn_planes))
