@@ -137,7 +137,9 @@ def main(argv=None):
     os.makedirs(a.out, exist_ok=True)
     todo = [(n, f) for n, f in runs if not os.path.exists(os.path.join(a.out, f"{n}.json"))
             and (a.only is None or re.search(a.only, n))]
-    print(f"{len(runs)} runs, {len(runs) - len(todo)} already done; {a.jobs} at a time", flush=True)
+    done = sum(os.path.exists(os.path.join(a.out, f"{n}.json")) for n, _ in runs)
+    print(f"{len(runs)} runs, {done} already done, {len(runs) - done - len(todo)} left out by --only; "
+          f"{len(todo)} to run, {a.jobs} at a time", flush=True)
     with ThreadPoolExecutor(max(1, a.jobs)) as pool:
         list(pool.map(lambda nf: run_one(nf[0], nf[1], common, a.out, a.trainer), todo))
     print(table(runs, a.out))

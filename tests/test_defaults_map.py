@@ -35,6 +35,8 @@ def test_cells_group_seeds_and_the_frontier_keeps_only_undominated_cells():
     default = rows["race P3 L3 b8"]
     assert (default["seeds"], default["metric"], default["low"], default["high"]) == (3, 0.6, 0.2, 0.7)
     assert default["ms_per_step"] == 210
+    assert {r["cell"]: r["ms_per_step"] for r in dm.cells(docs, cost_seed=1)}["race P3 L3 b8"] == 220
+    assert {r["cell"]: r["ms_per_step"] for r in dm.cells(docs, cost_seed=1)}["race P4 L4 b8"] == 250  # no seed 1
     front = [r["cell"] for r in dm.frontier(list(rows.values()), True)]
     # P5 L8 (0.5 at 260 ms) is beaten by cheaper cells; softmax is a reference, never on the frontier
     assert front == ["race P3 L3 b8", "race+softmax@0 P3 L3 b8", "race P4 L4 b8"]
