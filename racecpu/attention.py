@@ -181,8 +181,8 @@ class RaceAttention:
     """
 
     def __init__(self, head_dim: int, num_planes: int = LAYER_NUM_PLANES, num_tables: int = LAYER_NUM_TABLES,
-                 beta: float = LAYER_BETA,
-                 seed: int | None = 0, dtype: DTypeLike = np.float32, estimator: str = "ratio"):
+                 beta: float = LAYER_BETA, seed: int | None = 0, dtype: DTypeLike = np.float32,
+                 estimator: str = "ratio"):
         self.planes = hyperplanes(head_dim, num_planes, num_tables, seed=seed, dtype=dtype)
         self.beta = check_beta(beta)
         self.estimator = check_estimator(estimator)

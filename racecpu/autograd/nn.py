@@ -219,8 +219,7 @@ class MultiHeadAttention(Module):
 
     def __init__(self, d_model, n_heads, *, attention="race", causal=True, num_planes=LAYER_NUM_PLANES,
                  num_tables=LAYER_NUM_TABLES, beta=LAYER_BETA, estimator="ratio", train_beta=True, beta_per_head=False,
-                 conv_size=0,
-                 conv_act=True, learn_planes=False, n_kv_heads=None, seed=0, dtype=np.float32):
+                 conv_size=0, conv_act=True, learn_planes=False, n_kv_heads=None, seed=0, dtype=np.float32):
         if attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
         if estimator not in ESTIMATORS:
@@ -386,9 +385,8 @@ class TransformerLM(_Backbone):
 
     def __init__(self, vocab_size, d_model, n_heads, n_layers, *, attention="race", num_planes=LAYER_NUM_PLANES,
                  num_tables=LAYER_NUM_TABLES, beta=LAYER_BETA, estimator="ratio", train_beta=True, beta_per_head=False,
-                 conv_size=0,
-                 conv_act=True, max_len=1024, dropout=0.0, token_shift=False, learn_planes=False, seed=0,
-                 dtype=np.float32):
+                 conv_size=0, conv_act=True, max_len=1024, dropout=0.0, token_shift=False, learn_planes=False,
+                 seed=0, dtype=np.float32):
         rng = self._build(vocab_size, d_model, n_heads, n_layers, max_len, True, dropout, seed, dtype,
                           dict(attention=attention, num_planes=num_planes, num_tables=num_tables,
                                beta=beta, estimator=estimator, train_beta=train_beta, beta_per_head=beta_per_head,
