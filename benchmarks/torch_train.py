@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from racecpu.apps.tasks import CHARS, IGNORE, char_batch, char_corpus, char_eval_windows, mqar_batch
+from racecpu.apps.tasks import CHARS, IGNORE
+from racecpu.apps.train import _Data as _TaskData, validation_metrics
 from racecpu.autograd.optim import warmup_linear_decay
 from racecpu.hashing import LAYER_BETA, LAYER_NUM_PLANES, LAYER_NUM_TABLES, hyperplanes
 from racecpu.torch import race_attention
@@ -175,25 +176,11 @@ def make_optimizer(model, cfg):
     return torch.optim.AdamW(groups, lr=cfg["lr"])
 
 
-class Data:
-    """Training batches and the fixed evaluation set of a task (racecpu train's, for a seed)."""
-
-    def __init__(self, cfg):
-        self.cfg, n = cfg, cfg["seq_len"]
-        self.rng = np.random.default_rng([cfg["seed"], 1])
-        if cfg["task"] == "mqar":
-            self.eval = mqar_batch(np.random.default_rng([cfg["seed"], 2]), cfg["eval_size"], n,
-                                   cfg["vocab_size"], cfg["num_pairs"])
-        else:
-            self.train_ids, val_ids = char_corpus()
-            self.eval = char_eval_windows(val_ids, cfg["eval_size"], n)
+class Data(_TaskData):
+    """racecpu train's batches and evaluation set for a seed (the same draws), batches as tensors."""
 
     def batch(self):
-        c = self.cfg
-        if c["task"] == "mqar":
-            x, y = mqar_batch(self.rng, c["batch_size"], c["seq_len"], c["vocab_size"], c["num_pairs"])
-        else:
-            x, y = char_batch(self.rng, self.train_ids, c["batch_size"], c["seq_len"])
+        x, y = super().batch()
         return torch.from_numpy(x), torch.from_numpy(y)
 
 
@@ -210,10 +197,7 @@ def evaluate(model, cfg, data, batch=64):
         correct += int(((logits.argmax(-1) == t) & valid).sum())
         n_tok += int(valid.sum())
     model.train()
-    loss = nll / max(n_tok, 1)
-    if cfg["task"] == "mqar":
-        return {"val_loss": loss, "val_accuracy": correct / max(n_tok, 1)}
-    return {"val_loss": loss, "val_bpc": loss / math.log(2)}
+    return validation_metrics(cfg["task"], nll, n_tok, correct)
 
 
 def train(cfg, progress=False):

@@ -179,8 +179,14 @@ def evaluate(model, cfg, data, batch=64):
             correct += int(((logits.argmax(-1) == t) & valid).sum())
             n_tok += int(valid.sum())
     model.train()
+    return validation_metrics(cfg["task"], nll, n_tok, correct)
+
+
+def validation_metrics(task, nll, n_tok, correct):
+    """The validation dict from summed negative log-likelihood (nats), scored tokens and correct ones:
+    ``val_loss`` and MQAR's ``val_accuracy`` or the characters' ``val_bpc``."""
     loss = nll / max(n_tok, 1)
-    if cfg["task"] == "mqar":
+    if task == "mqar":
         return {"val_loss": loss, "val_accuracy": correct / max(n_tok, 1)}
     return {"val_loss": loss, "val_bpc": loss / math.log(2)}
 
