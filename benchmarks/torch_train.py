@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from racecpu._memory import peak_rss
 from racecpu.apps.tasks import CHARS, IGNORE
 from racecpu.apps.train import _Data as _TaskData, validation_metrics
 from racecpu.autograd.optim import warmup_linear_decay
@@ -234,19 +235,9 @@ def train(cfg, progress=False):
             "train_loss": float(np.mean(losses[-max(1, steps // 20):])),
             "time_per_step_ms": 1e3 * float(np.median(times)), "train_seconds": total,
             "num_parameters": sum(p.numel() for p in model.parameters()), "beta": betas,
-            "peak_rss_mib": _peak_rss_mib(), "numba_threads": None, "torch_threads": torch.get_num_threads(),
+            "peak_rss_mib": None if peak_rss() is None else peak_rss() / 2 ** 20, "numba_threads": None, "torch_threads": torch.get_num_threads(),
             "trainer": "torch", "config": cfg,
             "history": {"loss": losses, "eval": evals}}
-
-
-def _peak_rss_mib():
-    """This process's peak resident memory so far, MiB (None where the platform does not say)."""
-    try:
-        import resource
-    except ImportError:  # Windows
-        return None
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2 ** 20 if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB elsewhere
 
 
 def config_from_args(a):
