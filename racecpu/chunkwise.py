@@ -106,6 +106,34 @@ class ArrayOps:
         """Exclusive prefix (suffix) sums over axis 1 of ``part (S, nc, E)`` in float64, as ``dtype``."""
         return _exclusive_scan(self.xp, part, reverse, dtype)
 
+    def attend(self, pq, pk, v, causal, chunk, sum_chunk, L, out, D):
+        """The forward of one slab from its soft buckets: ``out[...] = num / D`` and ``D[...]``.
+
+        ``pq (S, group, Nq, F)``, ``pk (S, Nk, F)`` (masked keys zero), ``v (S, Nk, dv)`` in the
+        compute dtype; ``out (S * group, Nq, dv)`` (any float dtype) and ``D (S * group, Nq)`` are
+        written in place (views of the caller's arrays; they alias nothing else).
+        """
+        xp = self.xp
+        S, group, nq, F = pq.shape
+        cdt = pk.dtype
+        if causal:
+            num, Dn = _causal_fwd_slab(xp, self, pq, pk, v, chunk, _tril(xp, chunk, cdt))
+        else:
+            B = _sum_chunks(xp, pk, v, sum_chunk, cdt)     # (S, F, dv)
+            A = _sum_chunks(xp, pk, None, sum_chunk, cdt)   # (S, F)
+            num = pq @ B[:, None]
+            Dn = (pq @ A[:, None, :, None])[..., 0]
+        Dn = Dn.reshape(S * group, nq)
+        D[...] = Dn
+        num = num.reshape(S * group, nq, v.shape[-1])
+        num *= _inverse(xp, Dn, L)[..., None]
+        out[...] = num
+
+    def causal_bwd(self, pq, pk, v, g, winv, D, C):
+        """Causal ``(dphi_q, dphi_k, dv)`` of one slab (:func:`_causal_bwd_slab`; ``D (S, group, N)``
+        the denominators that ``winv`` inverts)."""
+        return _causal_bwd_slab(self.xp, self, pq, pk, v, g, winv, C, _tril(self.xp, C, pk.dtype))
+
 
 def _corner_signs(P, dtype):
     r = np.arange(2 ** P)[:, None]
@@ -219,7 +247,6 @@ def forward(xp, q, k, v, planes, beta, *, causal, key_mask=None, group=1, chunk=
     per_head = cdt.itemsize * (group * n * (chunk + 3 * dv + 2 * F) + n * (d + dv + F)
                                + 3 * (n // chunk + 1) * F * (dv + 1))
     hs = slab_heads(Gk, per_head, workspace)
-    mask_c = _tril(xp, chunk, cdt) if causal else None
     for g0 in range(0, Gk, hs):
         g1 = min(Gk, g0 + hs)
         h0, h1 = g0 * group, g1 * group
@@ -231,19 +258,7 @@ def forward(xp, q, k, v, planes, beta, *, causal, key_mask=None, group=1, chunk=
         pq, tq[h0:h1] = ops.soft_hash(q[h0:h1].astype(cdt, copy=False), planes, beta)
         phiq[h0:h1] = pq
         vs = v[g0:g1].astype(cdt, copy=False)
-        if causal:
-            num, Dn = _causal_fwd_slab(xp, ops, pq.reshape(S, group, nq, F), pk, vs, chunk, mask_c)
-        else:
-            B = _sum_chunks(xp, pk, vs, sum_chunk, cdt)     # (S, F, dv)
-            A = _sum_chunks(xp, pk, None, sum_chunk, cdt)   # (S, F)
-            pq4 = pq.reshape(S, group, nq, F)
-            num = pq4 @ B[:, None]
-            Dn = (pq4 @ A[:, None, :, None])[..., 0]
-        Dn = Dn.reshape(S * group, nq)
-        D[h0:h1] = Dn
-        num = num.reshape(S * group, nq, dv)
-        num *= _inverse(xp, Dn, L)[..., None]
-        out[h0:h1] = num
+        ops.attend(pq.reshape(S, group, nq, F), pk, vs, causal, chunk, sum_chunk, L, out[h0:h1], D[h0:h1])
     return out, dict(phiq=phiq, tq=tq, phik=phik, tk=tk, D=D, v=v, planes=planes, beta=beta, causal=causal,
                      group=group, chunk=chunk, sum_chunk=sum_chunk, workspace=workspace)
 
@@ -311,7 +326,6 @@ def backward(xp, res, grad, *, q=None, k=None, ops=None):
     per_head = cdt.itemsize * (group * n * (3 * C + 2 * dv + 4 * F) + n * (2 * dv + 2 * F)
                                + 4 * (n // C + 1) * F * (dv + 1))
     hs = slab_heads(Gk, per_head, res["workspace"])
-    mask_c = _tril(xp, C, cdt) if res["causal"] else None
     for g0 in range(0, Gk, hs):
         g1 = min(Gk, g0 + hs)
         h0, h1 = g0 * group, g1 * group
@@ -322,7 +336,7 @@ def backward(xp, res, grad, *, q=None, k=None, ops=None):
         pk = phik[g0:g1]
         vs = v[g0:g1].astype(cdt, copy=False)
         if res["causal"]:
-            dpq, dpk, dvs = _causal_bwd_slab(xp, ops, pq, pk, vs, g, winv, C, mask_c)
+            dpq, dpk, dvs = ops.causal_bwd(pq, pk, vs, g, winv, D[h0:h1].reshape(S, group, nq), C)
         else:
             dpq, dpk, dvs = _noncausal_bwd_slab(xp, pq, pk, vs, g, winv, res["sum_chunk"])
         duq, dbq = ops.hash_du(dpq.reshape(S * group * nq, F), phiq[h0:h1].reshape(-1, F),

@@ -57,6 +57,8 @@ def small_tiles(request, monkeypatch):
     monkeypatch.setattr(rc, "SCAN_CHUNK", 4)
     monkeypatch.setattr(rc, "SUM_CHUNK", 4)
     monkeypatch.setattr(rc.CudaOps, "SCAN_THREADS", 16)  # scans of several chunks per segment
+    monkeypatch.setattr(rc.CudaOps, "FUSED_CHUNK", 8)    # fused blocks of 2 tiles of 4 tokens
+    monkeypatch.setattr(rc.CudaOps, "FUSED_TILE", 4)
     return request.param
 
 
@@ -317,6 +319,7 @@ _PTX = textwrap.dedent("""
     from numba import cuda, types as nt
     from racecpu.cuda import _kernels as K
     from racecpu.cuda import THREADS
+    from racecpu.cuda._chunk_kernels import make_chunk_kernels
     A = lambda dt, nd: nt.Array(dt, nd, "C")
     d, b, i, h = nt.float64, nt.boolean, nt.int64, nt.float16
     for target in sys.argv[1:]:
@@ -355,6 +358,14 @@ _PTX = textwrap.dedent("""
             (K.hash_du_rows.py_func, (A(f, 2), A(f, 2), A(f, 2), d, i, A(f, 2), A(f, 2))),
             (K.segment_sums.py_func, (A(f, 3), i, A(d, 3))),
             (K.segment_scan.py_func, (A(f, 3), A(d, 3), i, b, A(f, 3)))]
+        # the fused chunk kernels (racecpu.cuda._chunk_kernels), at the GPU's sizes: F = 24, dv <= 128
+        ck = make_chunk_kernels(24, 16, 128, dtype)
+        fns += [(ck["chunk_states"].py_func, (A(f, 3), A(f, 2), A(f, 3), i, i, A(f, 4))),
+                (ck["readout"].py_func, (A(f, 3), A(f, 3), A(f, 3), A(f, 4), A(f, 3), i, i, b, d, A(f, 3), A(f, 2))),
+                (ck["queries_bwd"].py_func, (A(f, 3), A(f, 3), A(f, 3), A(f, 3), A(f, 2), A(f, 4), A(f, 3), i,
+                                             A(f, 3), A(f, 2))),
+                (ck["keys_bwd"].py_func, (A(f, 3), A(f, 3), A(f, 3), A(f, 3), A(f, 2), A(f, 2), A(f, 4), A(f, 3), i,
+                                          A(f, 3), A(f, 3)))]
         for fn, sig in fns:
             ptx, _ = cuda.compile_ptx(fn, sig, cc=cc)
             assert ".entry" in ptx and f".target sm_{cc[0]}{cc[1]}" in ptx, (fn.__name__, sig, cc)
@@ -380,7 +391,7 @@ def test_kernels_compile_to_ptx(ptx_run, cc, dtype):
             pytest.fail("NVVM/NVRTC not found although RACECPU_REQUIRE_PTX=1:\n" + p.stderr[-3000:])
         pytest.skip("the CUDA compiler libraries (NVVM/NVRTC) are not installed: pip install "
                     "'cuda-toolkit[nvvm,nvrtc,cudart]==13.*' (or run .ci/cuda-ptx.sh) to run this check")
-    assert f"compiled 24 for {cc[0]}.{cc[1]}:{dtype}" in p.stdout, p.stdout + p.stderr[-3000:]
+    assert f"compiled 28 for {cc[0]}.{cc[1]}:{dtype}" in p.stdout, p.stdout + p.stderr[-3000:]
 
 
 def test_gpu_benchmark_runs_and_checks(capsys):
@@ -447,6 +458,36 @@ def test_chunkwise_kernels_match_array_ops(rng, threads, reverse, monkeypatch):
     (du, db), (du_r, db_r) = ops.hash_du(dphi, phi, t, 3.0, 2, 3), ref.hash_du(dphi, phi, t, 3.0, 2, 3)
     assert_close(du, du_r, 1e-5, "du")
     assert abs(float(db) - float(db_r)) <= 1e-5 * abs(float(db_r))
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("group", [1, 2])
+def test_fused_chunk_kernels_match_the_array_form(rng, dtype, causal, group):
+    """racecpu.cuda.CudaOps' fused readout and causal backward (racecpu.cuda._chunk_kernels) against
+    racecpu.chunkwise's array expressions on NumPy: masked keys (some queries see no mass), a length
+    that is not a whole number of chunks or tiles, grouped query heads (the backward's fallback)."""
+    from racecpu import chunkwise
+    G, N, d, dv = 2 * group, 21, 5, 3
+    q = rng.standard_normal((G, N, d)).astype(dtype)
+    k = rng.standard_normal((2, N, d)).astype(dtype)
+    v = rng.standard_normal((2, N, dv)).astype(dtype)
+    g = rng.standard_normal((G, N, dv)).astype(dtype)
+    mask = rng.random((2, N)) > 0.3
+    mask[:, :3] = False
+    planes = racecpu.hyperplanes(d, 2, 2, seed=0, dtype=dtype)
+    ops = rc.CudaOps(np, rc._Device(False))
+    assert ops._fused_bwd_fits(8, dv, 1, dtype) and not ops._fused_bwd_fits(8, dv, 2, dtype)
+    kw = dict(causal=causal, key_mask=mask, group=group, chunk=4)
+    out, res = chunkwise.forward(np, q, k, v, planes, 2.0, ops=ops, **kw)
+    ref, rres = chunkwise.forward(np, q, k, v, planes, 2.0, **kw)
+    tol = TOL[dtype] / 10
+    assert_close(out, ref, tol, "out")
+    assert_close(res["D"], rres["D"], tol, "D")
+    got, want = chunkwise.backward(np, res, g, ops=ops), chunkwise.backward(np, rres, g)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert_close(a, b, tol, name)
+    assert abs(got[3] - want[3]) <= tol * abs(want[3])
 
 
 def test_no_cuda_driver_is_a_runtime_error_naming_is_available_and_the_extras(rng, monkeypatch):

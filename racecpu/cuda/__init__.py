@@ -56,10 +56,11 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from .. import _checks as cpu_checks
 from .._arrays import is_cupy as _is_cupy
 from .._arrays import on_device
-from ..hashing import DEFAULT_BETA
+from ..hashing import DEFAULT_BETA, DEN_FLOOR
 from .. import chunkwise
 from ..plan import ChunkModel, make_plan
 from . import _kernels as cuda_kernels
+from ._chunk_kernels import make_chunk_kernels
 
 __all__ = ["soft_buckets", "race_attention", "race_attention_fwd", "race_attention_bwd", "Residuals",
            "ChunkwiseResiduals", "is_available", "BACKEND", "THREADS", "CHUNK", "PATH", "SCAN_CHUNK",
@@ -635,12 +636,24 @@ def _from_xp(xp, a, dev):
 class CudaOps(chunkwise.ArrayOps):
     """The steps of :mod:`racecpu.chunkwise` that one kernel pass does better than a chain of
     array expressions: the soft hash and its backward (one thread per row and table, after and
-    before the cuBLAS products with the planes) and the float64 scans over chunks (blocked: segment
-    sums, a scan of the segments, a rescan of each segment from its carry).  Kernels of
-    ``racecpu.cuda._kernels``; arrays of ``xp`` (CuPy, or NumPy under the simulator)."""
+    before the cuBLAS products with the planes), the float64 scans over chunks (blocked: segment
+    sums, a scan of the segments, a rescan of each segment from its carry), and the fused forward
+    readout and causal backward of ``racecpu.cuda._chunk_kernels`` (each input read once, each
+    result written once, no ``(N, dv)`` or ``(nc, C, C)`` temporaries).  Arrays of ``xp`` (CuPy,
+    or NumPy under the simulator)."""
 
     #: Threads of the scans' first and last level: enough (row, segment) pairs to fill a GPU.
     SCAN_THREADS = 1 << 20
+    #: Whether the fused readout and causal backward run (else the array expressions of the base class).
+    FUSED = True
+    #: Tokens per block of the fused kernels (a causal chunk: one state per chunk in the scan).
+    FUSED_CHUNK = 256
+    #: Tokens per shared-memory tile inside a fused block.
+    FUSED_TILE = 16
+    #: Most threads per block of the fused kernels (one per column of v; more columns: more blocks).
+    FUSED_THREADS = 128
+    #: Shared memory a fused backward block may take (the default static limit of a CUDA block).
+    SHARED_BYTES = 48 * 1024
 
     def __init__(self, xp, dev):
         super().__init__(xp)
@@ -680,6 +693,87 @@ class CudaOps(chunkwise.ArrayOps):
         self._launch(cuda_kernels.scan_chunks, S * E)(totals, xp.zeros(nseg, np.int64), carry, bool(reverse))
         self._launch(cuda_kernels.segment_scan, totals.size)(part, carry, seg, bool(reverse), out)
         return out
+
+    # -- the fused kernels ---------------------------------------------------------------------
+
+    def _threads(self, dv):
+        """Threads per fused block: whole warps, one per column, at most :attr:`FUSED_THREADS`."""
+        return max(32, min(int(self.FUSED_THREADS), 32 * -(-dv // 32)))
+
+    def _kernels(self, F, dtype, tpb):
+        return make_chunk_kernels(int(F), int(self.FUSED_TILE), int(tpb), np.dtype(dtype).name)
+
+    def _states(self, phi, w, x, C, mode, dv, reverse):
+        """Exclusive prefix (``reverse``: suffix) states over chunks of ``C``: ``(S, nc, F, dv)`` of
+        :func:`~racecpu.cuda._chunk_kernels.make_chunk_kernels`' ``chunk_states`` in ``mode``."""
+        S, N, F = phi.shape
+        nc = max(1, -(-N // C))
+        tpb = self._threads(dv)
+        part = self.xp.empty((S, nc, F, dv), phi.dtype)
+        if N:
+            K = self._kernels(F, phi.dtype, tpb)
+            K["chunk_states"][(nc, S, -(-dv // tpb)), tpb, self.dev.stream](phi, w, x, C, mode, part)
+        else:
+            part[...] = 0
+        return self.exclusive_scan(part.reshape(S, nc, F * dv), reverse, phi.dtype).reshape(S, nc, F, dv)
+
+    def attend(self, pq, pk, v, causal, chunk, sum_chunk, L, out, D):
+        if not self.FUSED:
+            return super().attend(pq, pk, v, causal, chunk, sum_chunk, L, out, D)
+        xp = self.xp
+        S, group, nq, F = pq.shape
+        dv = v.shape[-1]
+        cdt = pk.dtype
+        C = int(self.FUSED_CHUNK)
+        if causal:
+            Bp = self._states(pk, D, v, C, 0, dv, False)                    # (S, nc, F, dv); D unread
+            Ap = self._states(pk, D, v, C, 2, 1, False)[..., 0]             # (S, nc, F)
+        else:
+            Bp = chunkwise._sum_chunks(xp, pk, v, sum_chunk, cdt)[:, None]              # (S, 1, F, dv)
+            Ap = chunkwise._sum_chunks(xp, pk, None, sum_chunk, cdt)[:, None]           # (S, 1, F)
+        if nq == 0 or dv == 0:
+            D[...] = 0
+            return None
+        dst = out if out.dtype == cdt else xp.empty(out.shape, cdt)
+        tpb = self._threads(dv)
+        K = self._kernels(F, cdt, tpb)
+        K["readout"][(-(-nq // C), S * group, -(-dv // tpb)), tpb, self.dev.stream](
+            pq.reshape(S * group, nq, F), pk, v, Bp, Ap, group, C, bool(causal), L * DEN_FLOOR, dst, D)
+        if dst is not out:
+            out[...] = dst
+        return None
+
+    def _fused_bwd_fits(self, F, dv, group, dtype):
+        """Whether the fused causal backward takes this shape: one query head per key/value head,
+        ``dv`` columns in one block, its shared tiles within :attr:`SHARED_BYTES`."""
+        tpb = self._threads(dv)
+        T = int(self.FUSED_TILE)
+        shared = np.dtype(dtype).itemsize * ((F + 2 * T) * (tpb + 1) + 5 * T * F + 2 * T * T + F + 2 * T)
+        return self.FUSED and group == 1 and dv <= tpb and shared <= self.SHARED_BYTES
+
+    def causal_bwd(self, pq, pk, v, g, winv, D, C):
+        S, group, N, F = pq.shape
+        dv = v.shape[-1]
+        cdt = pk.dtype
+        if N == 0 or not self._fused_bwd_fits(F, dv, group, cdt):
+            return super().causal_bwd(pq, pk, v, g, winv, D, C)
+        xp = self.xp
+        C = int(self.FUSED_CHUNK)
+        nc = -(-N // C)
+        pq3, g3, w3 = pq.reshape(S, N, F), g.reshape(S, N, dv), winv.reshape(S, N)
+        tpb = self._threads(dv)
+        K = self._kernels(F, cdt, tpb)
+        Bp = self._states(pk, w3, v, C, 0, dv, False)                     # as the forward (w3 unread)
+        Ap = self._states(pk, w3, v, C, 2, 1, False)[..., 0]
+        dpq = xp.empty((S, N, F), cdt)
+        dD = xp.empty((S, N), cdt)
+        K["queries_bwd"][(nc, S), tpb, self.dev.stream](pq3, pk, v, g3, w3, Bp, Ap, C, dpq, dD)
+        dBn = self._states(pq3, w3, g3, C, 1, dv, True)                   # sum of phi_q g^T / D after each chunk
+        dAn = self._states(pq3, dD, g3, C, 3, 1, True)[..., 0]             # sum of phi_q dD after each chunk
+        dpk = xp.empty((S, N, F), cdt)
+        dvs = xp.empty((S, N, dv), cdt)
+        K["keys_bwd"][(nc, S), tpb, self.dev.stream](pq3, pk, v, g3, w3, dD, dBn, dAn, C, dpk, dvs)
+        return dpq.reshape(S, 1, N, F), dpk, dvs
 
 
 @dataclass(frozen=True)

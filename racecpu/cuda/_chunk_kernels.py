@@ -1,0 +1,354 @@
+"""Fused numba.cuda kernels of the chunkwise form (``racecpu.chunkwise``), used by ``racecpu.cuda.CudaOps``.
+
+The array form of :mod:`racecpu.chunkwise` writes and reads back an ``(N, dv)`` or
+``(nc, C, C)`` temporary for every array expression; on a GPU that traffic, not the
+arithmetic, is its time.  These kernels compute the same numbers reading each input
+once and writing each result once, with a block of ``TPB`` threads per (head, chunk)
+that walks its chunk in tiles of ``T`` tokens:
+
+* column work: thread ``j`` owns column ``j`` of ``v`` / ``grad`` and keeps column
+  ``j`` of the running state (``F`` numbers) in registers, so the causal readout
+  ``out_i = phi_q_i . S_i / D_i`` is a recurrence inside the chunk that needs no
+  reduction across threads (``fused_recurrent`` in flash-linear-attention's terms);
+* token work: the sums over ``dv`` that a backward needs for each token
+  (``sum_j S[f, j] g[i, j]`` and the ``T x T`` products ``g_i . v_t``) run as small
+  products over the tile in shared memory, thread per output.
+
+The chunk states come from :func:`chunk_states` (a thread per column sums
+``phi^T v`` over the chunk), and the exclusive float64 scan over chunks is
+``racecpu.cuda._kernels.segment_sums / segment_scan`` as before.  Shared tiles are
+padded to an odd row length so a warp reading a column hits 32 banks.
+
+Kernels depend on ``(F, T, TPB, dtype)`` through local and shared array sizes and
+are built once per combination by :func:`make_chunk_kernels`.  Math and names as
+in :mod:`racecpu.chunkwise`: ``D_i = phi_q_i . A_i`` (``L * den``), ``1 / D`` is 0
+where ``D <= L * DEN_FLOOR``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numba
+import numpy as np
+from numba import cuda
+
+__all__ = ["make_chunk_kernels"]
+
+
+@functools.lru_cache(maxsize=None)
+def make_chunk_kernels(F, T, TPB, dtype):
+    """The fused kernels for ``F`` features per token, tiles of ``T`` tokens, ``TPB`` threads
+    per block (``TPB >= dv`` for the backward kernels) and compute ``dtype`` (float32/float64).
+
+    Returns a dict of kernels (launch ``[grid, TPB, stream]``):
+
+    ``chunk_states(phi, w, x, C, mode, part)``
+        ``part[s, c, f, j] = sum_{t in chunk c} phi[s, t, f] * w[s, t] * x[s, t, j]``, where bit 1 of
+        ``mode`` unset reads ``w`` as 1 and bit 2 set reads ``x`` as 1 (then ``part (S, nc, F, 1)``);
+        an array read as 1 is not read at all.  Grid ``(nc, S, ceil(dv / TPB))``.
+    ``readout(phiq, phik, v, Bp, Ap, group, C, causal, floor_d, out, D)``
+        the forward: ``out[h] = num / D`` and ``D[h]``; causal: ``Bp (S, nc, F, dv)``,
+        ``Ap (S, nc, F)`` the states each chunk starts from; else ``Bp (S, 1, F, dv)``,
+        ``Ap (S, 1, F)`` the whole sketch.  Grid ``(ceil(N / C), S * group, ceil(dv / TPB))``.
+    ``queries_bwd(phiq, phik, v, g, W, Bp, Ap, C, dpq, dD)``
+        causal, one query head per key/value head, ``W (S, N)`` the ``1 / D``: ``dphi_q`` and
+        ``dD``; grid ``(nc, S)``.
+    ``keys_bwd(phiq, phik, v, g, W, dD, dBn, dAn, C, dpk, dv_out)``
+        causal: ``dphi_k`` and ``dv`` from the suffix states ``dBn``, ``dAn`` after each
+        chunk; grid ``(nc, S)``.
+    """
+    ty = numba.from_dtype(np.dtype(dtype))
+    DVP = TPB + 1  # shared row length of the (T, dv) tiles: odd, so a column read hits distinct banks
+    zero = ty(0.0)
+    one = ty(1.0)
+
+    @cuda.jit
+    def chunk_states(phi, w, x, C, mode, part):
+        c = cuda.blockIdx.x
+        s = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        j = cuda.blockIdx.z * TPB + tid
+        N = phi.shape[1]
+        dv = part.shape[3]
+        t0 = c * C
+        t1 = min(N, t0 + C)
+        acc = cuda.local.array(F, ty)
+        for f in range(F):
+            acc[f] = zero
+        pt = cuda.shared.array((T, F), ty)
+        for a in range(t0, t1, T):
+            nb = min(t1 - a, T)
+            cuda.syncthreads()
+            for e in range(tid, nb * F, TPB):
+                i = e // F
+                f = e - i * F
+                val = phi[s, a + i, f]
+                if mode & 1:
+                    val *= w[s, a + i]
+                pt[i, f] = val
+            cuda.syncthreads()
+            if j < dv:
+                for i in range(nb):
+                    xv = one if mode & 2 else x[s, a + i, j]
+                    for f in range(F):
+                        acc[f] += pt[i, f] * xv
+        if j < dv:
+            for f in range(F):
+                part[s, c, f, j] = acc[f]
+
+    @cuda.jit
+    def readout(phiq, phik, v, Bp, Ap, group, C, causal, floor_d, out, D):
+        c = cuda.blockIdx.x
+        h = cuda.blockIdx.y
+        s = h // group
+        tid = cuda.threadIdx.x
+        j = cuda.blockIdx.z * TPB + tid
+        N = phiq.shape[1]
+        dv = v.shape[2]
+        cs = c if causal else 0
+        t0 = c * C
+        t1 = min(N, t0 + C)
+        col = cuda.local.array(F, ty)        # column j of the state: B (causal: running)
+        for f in range(F):
+            col[f] = Bp[s, cs, f, j] if j < dv else zero
+        qt = cuda.shared.array((T, F), ty)
+        kt = cuda.shared.array((T, F), ty)
+        arun = cuda.shared.array(F, ty)      # A (causal: running)
+        winv = cuda.shared.array(T, ty)
+        if tid < F:
+            arun[tid] = Ap[s, cs, tid]
+        for a in range(t0, t1, T):
+            nb = min(t1 - a, T)
+            cuda.syncthreads()
+            for e in range(tid, nb * F, TPB):
+                i = e // F
+                f = e - i * F
+                qt[i, f] = phiq[h, a + i, f]
+                if causal:
+                    kt[i, f] = phik[s, a + i, f]
+            cuda.syncthreads()
+            if tid < nb:
+                den = zero
+                for f in range(F):
+                    av = arun[f]
+                    if causal:
+                        for t in range(tid + 1):
+                            av += kt[t, f]
+                    den += qt[tid, f] * av
+                if cuda.blockIdx.z == 0:
+                    D[h, a + tid] = den
+                winv[tid] = one / den if den > floor_d else zero
+            cuda.syncthreads()
+            if j < dv:
+                for i in range(nb):
+                    if causal:
+                        xv = v[s, a + i, j]
+                        for f in range(F):
+                            col[f] += kt[i, f] * xv
+                    num = zero
+                    for f in range(F):
+                        num += qt[i, f] * col[f]
+                    out[h, a + i, j] = num * winv[i]
+            if causal:
+                cuda.syncthreads()
+                if tid < F:
+                    acc = arun[tid]
+                    for i in range(nb):
+                        acc += kt[i, tid]
+                    arun[tid] = acc
+
+    @cuda.jit
+    def queries_bwd(phiq, phik, v, g, W, Bp, Ap, C, dpq, dD):
+        # SG_i[f] = sum_j S_i[f, j] g_ij with S_i the inclusive state, split as
+        # S_prev^T g_i (the tile-start state, from shared) + sum_{t <= i in tile} (g_i . v_t) phi_k_t.
+        c = cuda.blockIdx.x
+        s = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        j = tid
+        N = phiq.shape[1]
+        dv = v.shape[2]
+        t0 = c * C
+        t1 = min(N, t0 + C)
+        col = cuda.local.array(F, ty)
+        for f in range(F):
+            col[f] = Bp[s, c, f, j] if j < dv else zero
+        st = cuda.shared.array((F, DVP), ty)   # the tile-start state S_prev
+        gt = cuda.shared.array((T, DVP), ty)
+        vt = cuda.shared.array((T, DVP), ty)
+        qt = cuda.shared.array((T, F), ty)
+        kt = cuda.shared.array((T, F), ty)
+        sg = cuda.shared.array((T, F), ty)
+        gv = cuda.shared.array((T, T), ty)
+        arun = cuda.shared.array(F, ty)
+        winv = cuda.shared.array(T, ty)
+        ddt = cuda.shared.array(T, ty)
+        if tid < F:
+            arun[tid] = Ap[s, c, tid]
+        for a in range(t0, t1, T):
+            nb = min(t1 - a, T)
+            cuda.syncthreads()
+            if j < dv:
+                for i in range(nb):
+                    gt[i, j] = g[s, a + i, j]
+                    vt[i, j] = v[s, a + i, j]
+                for f in range(F):
+                    st[f, j] = col[f]
+            for e in range(tid, nb * F, TPB):
+                i = e // F
+                f = e - i * F
+                qt[i, f] = phiq[s, a + i, f]
+                kt[i, f] = phik[s, a + i, f]
+            if tid < nb:
+                winv[tid] = W[s, a + tid]
+            cuda.syncthreads()
+            for e in range(tid, nb * nb, TPB):
+                i = e // nb
+                t = e - i * nb
+                acc = zero
+                if t <= i:
+                    for jj in range(dv):
+                        acc += gt[i, jj] * vt[t, jj]
+                gv[i, t] = acc
+            for e in range(tid, nb * F, TPB):
+                i = e // F
+                f = e - i * F
+                acc = zero
+                for jj in range(dv):
+                    acc += st[f, jj] * gt[i, jj]
+                sg[i, f] = acc
+            cuda.syncthreads()
+            for e in range(tid, nb * F, TPB):
+                i = e // F
+                f = e - i * F
+                acc = sg[i, f]
+                for t in range(i + 1):
+                    acc += gv[i, t] * kt[t, f]
+                sg[i, f] = acc
+            cuda.syncthreads()
+            if tid < nb:
+                gnum = zero
+                for f in range(F):
+                    gnum += qt[tid, f] * sg[tid, f]
+                w = winv[tid]
+                dd = -gnum * w * w
+                ddt[tid] = dd
+                dD[s, a + tid] = dd
+            cuda.syncthreads()
+            for e in range(tid, nb * F, TPB):
+                i = e // F
+                f = e - i * F
+                av = arun[f]
+                for t in range(i + 1):
+                    av += kt[t, f]
+                dpq[s, a + i, f] = sg[i, f] * winv[i] + ddt[i] * av
+            if j < dv:
+                for i in range(nb):
+                    xv = vt[i, j]
+                    for f in range(F):
+                        col[f] += kt[i, f] * xv
+            cuda.syncthreads()
+            if tid < F:
+                acc = arun[tid]
+                for i in range(nb):
+                    acc += kt[i, tid]
+                arun[tid] = acc
+
+    @cuda.jit
+    def keys_bwd(phiq, phik, v, g, W, dD, dBn, dAn, C, dpk, dv_out):
+        # Reverse over the chunk's tiles from the suffix state U (sum over later tokens i of
+        # phi_q_i g_i^T / D_i) and a (sum of phi_q_i dD_i): for key t (queries i >= t see it)
+        # dv_t = phi_k_t . U_t and dphi_k_t = v_t . U_t + a_t, U_t, a_t inclusive of t's tile.
+        c = cuda.blockIdx.x
+        s = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        j = tid
+        N = phiq.shape[1]
+        dv = v.shape[2]
+        t0 = c * C
+        t1 = min(N, t0 + C)
+        col = cuda.local.array(F, ty)          # column j of U after the current tile
+        for f in range(F):
+            col[f] = dBn[s, c, f, j] if j < dv else zero
+        st = cuda.shared.array((F, DVP), ty)
+        gt = cuda.shared.array((T, DVP), ty)
+        vt = cuda.shared.array((T, DVP), ty)
+        qt = cuda.shared.array((T, F), ty)     # phi_q / D
+        pt = cuda.shared.array((T, F), ty)     # phi_q
+        kt = cuda.shared.array((T, F), ty)
+        vu = cuda.shared.array((T, F), ty)
+        vg = cuda.shared.array((T, T), ty)     # v_t . g_i / D_i, i >= t
+        mt = cuda.shared.array((T, T), ty)     # phi_k_t . phi_q_i / D_i, i >= t
+        arun = cuda.shared.array(F, ty)
+        ddt = cuda.shared.array(T, ty)
+        if tid < F:
+            arun[tid] = dAn[s, c, tid]
+        ntile = (t1 - t0 + T - 1) // T
+        for m in range(ntile):
+            a = t0 + (ntile - 1 - m) * T
+            nb = min(t1 - a, T)
+            cuda.syncthreads()
+            if j < dv:
+                for i in range(nb):
+                    gt[i, j] = g[s, a + i, j]
+                    vt[i, j] = v[s, a + i, j]
+                for f in range(F):
+                    st[f, j] = col[f]
+            for e in range(tid, nb * F, TPB):
+                i = e // F
+                f = e - i * F
+                w = W[s, a + i]
+                pq = phiq[s, a + i, f]
+                pt[i, f] = pq
+                qt[i, f] = pq * w
+                kt[i, f] = phik[s, a + i, f]
+            if tid < nb:
+                ddt[tid] = dD[s, a + tid]
+            cuda.syncthreads()
+            for e in range(tid, nb * nb, TPB):
+                t = e // nb
+                i = e - t * nb
+                acc = zero
+                acc2 = acc
+                if i >= t:
+                    for jj in range(dv):
+                        acc += vt[t, jj] * gt[i, jj]
+                    for f in range(F):
+                        acc2 += kt[t, f] * qt[i, f]
+                vg[t, i] = acc
+                mt[t, i] = acc2
+            for e in range(tid, nb * F, TPB):
+                t = e // F
+                f = e - t * F
+                acc = zero
+                for jj in range(dv):
+                    acc += st[f, jj] * vt[t, jj]
+                vu[t, f] = acc
+            cuda.syncthreads()
+            for e in range(tid, nb * F, TPB):
+                t = e // F
+                f = e - t * F
+                acc = vu[t, f] + arun[f]
+                for i in range(t, nb):
+                    acc += vg[t, i] * qt[i, f] + ddt[i] * pt[i, f]
+                dpk[s, a + t, f] = acc
+            if j < dv:
+                for t in range(nb):
+                    acc = zero
+                    for f in range(F):
+                        acc += kt[t, f] * col[f]
+                    for i in range(t, nb):
+                        acc += mt[t, i] * gt[i, j]
+                    dv_out[s, a + t, j] = acc
+                for i in range(nb):
+                    xv = gt[i, j]
+                    for f in range(F):
+                        col[f] += qt[i, f] * xv
+            cuda.syncthreads()
+            if tid < F:
+                acc = arun[tid]
+                for i in range(nb):
+                    acc += ddt[i] * pt[i, tid]
+                arun[tid] = acc
+
+    return dict(chunk_states=chunk_states, readout=readout, queries_bwd=queries_bwd, keys_bwd=keys_bwd)
