@@ -62,6 +62,24 @@ def make_chunk_kernels(F, T, TPB, dtype):
     DVP = TPB + 1  # shared row length of the (T, dv) tiles: odd, so a column read hits distinct banks
     zero = ty(0.0)
     one = ty(1.0)
+    # The (T, dv) and (F, dv) tiles of the backward are flat and indexed in uint64: Numba wraps
+    # negative signed indices, which costs ~8 integer instructions per shared load in the loops
+    # over dv; unsigned offsets leave 2 loads and an FMA per step.
+    UDVP = np.uint64(DVP)
+    U0 = np.uint64(0)
+    U1 = np.uint64(1)
+    ROWS_SZ = T * DVP
+    STATE_SZ = F * DVP
+
+    @cuda.jit(device=True)
+    def dot(a, ia, b, ib, n):
+        """``sum_{m < n} a[ia + m] * b[ib + m]`` over flat shared rows (uint64 offsets)."""
+        acc = zero
+        m = U0
+        while m < n:
+            acc += a[ia + m] * b[ib + m]
+            m += U1
+        return acc
 
     @cuda.jit
     def chunk_states(phi, w, x, C, mode, part):
@@ -77,9 +95,14 @@ def make_chunk_kernels(F, T, TPB, dtype):
         for f in range(F):
             acc[f] = zero
         pt = cuda.shared.array((T, F), ty)
+        xt = cuda.shared.array((T, TPB), ty)
         for a in range(t0, t1, T):
             nb = min(t1 - a, T)
             cuda.syncthreads()
+            if j < dv and not mode & 2:
+                for i in range(T):  # a constant trip count: unrolled, the tile's loads in flight together
+                    if i < nb:
+                        xt[i, tid] = x[s, a + i, j]
             for e in range(tid, nb * F, TPB):
                 i = e // F
                 f = e - i * F
@@ -90,7 +113,7 @@ def make_chunk_kernels(F, T, TPB, dtype):
             cuda.syncthreads()
             if j < dv:
                 for i in range(nb):
-                    xv = one if mode & 2 else x[s, a + i, j]
+                    xv = one if mode & 2 else xt[i, tid]
                     for f in range(F):
                         acc[f] += pt[i, f] * xv
         if j < dv:
@@ -114,13 +137,19 @@ def make_chunk_kernels(F, T, TPB, dtype):
             col[f] = Bp[s, cs, f, j] if j < dv else zero
         qt = cuda.shared.array((T, F), ty)
         kt = cuda.shared.array((T, F), ty)
-        arun = cuda.shared.array(F, ty)      # A (causal: running)
+        kc = cuda.shared.array((T, F), ty)   # A_i: the state's key mass up to token i of the tile
+        vt = cuda.shared.array((T, TPB), ty)
+        arun = cuda.shared.array(F, ty)      # A before the tile
         winv = cuda.shared.array(T, ty)
         if tid < F:
             arun[tid] = Ap[s, cs, tid]
         for a in range(t0, t1, T):
             nb = min(t1 - a, T)
             cuda.syncthreads()
+            if causal and j < dv:
+                for i in range(T):  # a constant trip count: unrolled, the tile's loads in flight together
+                    if i < nb:
+                        vt[i, tid] = v[s, a + i, j]
             for e in range(tid, nb * F, TPB):
                 i = e // F
                 f = e - i * F
@@ -128,14 +157,18 @@ def make_chunk_kernels(F, T, TPB, dtype):
                 if causal:
                     kt[i, f] = phik[s, a + i, f]
             cuda.syncthreads()
+            if tid < F:
+                acc = arun[tid]
+                for i in range(nb):
+                    if causal:
+                        acc += kt[i, tid]
+                    kc[i, tid] = acc
+                arun[tid] = acc
+            cuda.syncthreads()
             if tid < nb:
                 den = zero
                 for f in range(F):
-                    av = arun[f]
-                    if causal:
-                        for t in range(tid + 1):
-                            av += kt[t, f]
-                    den += qt[tid, f] * av
+                    den += qt[tid, f] * kc[tid, f]
                 if cuda.blockIdx.z == 0:
                     D[h, a + tid] = den
                 winv[tid] = one / den if den > floor_d else zero
@@ -143,20 +176,13 @@ def make_chunk_kernels(F, T, TPB, dtype):
             if j < dv:
                 for i in range(nb):
                     if causal:
-                        xv = v[s, a + i, j]
+                        xv = vt[i, tid]
                         for f in range(F):
                             col[f] += kt[i, f] * xv
                     num = zero
                     for f in range(F):
                         num += qt[i, f] * col[f]
                     out[h, a + i, j] = num * winv[i]
-            if causal:
-                cuda.syncthreads()
-                if tid < F:
-                    acc = arun[tid]
-                    for i in range(nb):
-                        acc += kt[i, tid]
-                    arun[tid] = acc
 
     @cuda.jit
     def queries_bwd(phiq, phik, v, g, W, Bp, Ap, C, dpq, dD):
@@ -173,9 +199,10 @@ def make_chunk_kernels(F, T, TPB, dtype):
         col = cuda.local.array(F, ty)
         for f in range(F):
             col[f] = Bp[s, c, f, j] if j < dv else zero
-        st = cuda.shared.array((F, DVP), ty)   # the tile-start state S_prev
-        gt = cuda.shared.array((T, DVP), ty)
-        vt = cuda.shared.array((T, DVP), ty)
+        st = cuda.shared.array(STATE_SZ, ty)   # the tile-start state S_prev, (F, DVP) flat
+        gt = cuda.shared.array(ROWS_SZ, ty)    # (T, DVP) flat
+        vt = cuda.shared.array(ROWS_SZ, ty)
+        udv = np.uint64(dv)
         qt = cuda.shared.array((T, F), ty)
         kt = cuda.shared.array((T, F), ty)
         sg = cuda.shared.array((T, F), ty)
@@ -183,17 +210,19 @@ def make_chunk_kernels(F, T, TPB, dtype):
         arun = cuda.shared.array(F, ty)
         winv = cuda.shared.array(T, ty)
         ddt = cuda.shared.array(T, ty)
+        kc = cuda.shared.array((T, F), ty)     # A_i, inclusive
         if tid < F:
             arun[tid] = Ap[s, c, tid]
         for a in range(t0, t1, T):
             nb = min(t1 - a, T)
             cuda.syncthreads()
             if j < dv:
-                for i in range(nb):
-                    gt[i, j] = g[s, a + i, j]
-                    vt[i, j] = v[s, a + i, j]
+                for i in range(T):  # a constant trip count: unrolled, the tile's loads in flight together
+                    if i < nb:
+                        gt[i * DVP + j] = g[s, a + i, j]
+                        vt[i * DVP + j] = v[s, a + i, j]
                 for f in range(F):
-                    st[f, j] = col[f]
+                    st[f * DVP + j] = col[f]
             for e in range(tid, nb * F, TPB):
                 i = e // F
                 f = e - i * F
@@ -202,21 +231,23 @@ def make_chunk_kernels(F, T, TPB, dtype):
             if tid < nb:
                 winv[tid] = W[s, a + tid]
             cuda.syncthreads()
+            if tid < F:
+                acc = arun[tid]
+                for i in range(nb):
+                    acc += kt[i, tid]
+                    kc[i, tid] = acc
+                arun[tid] = acc
             for e in range(tid, nb * nb, TPB):
                 i = e // nb
                 t = e - i * nb
                 acc = zero
                 if t <= i:
-                    for jj in range(dv):
-                        acc += gt[i, jj] * vt[t, jj]
+                    acc = dot(gt, np.uint64(i) * UDVP, vt, np.uint64(t) * UDVP, udv)
                 gv[i, t] = acc
             for e in range(tid, nb * F, TPB):
                 i = e // F
                 f = e - i * F
-                acc = zero
-                for jj in range(dv):
-                    acc += st[f, jj] * gt[i, jj]
-                sg[i, f] = acc
+                sg[i, f] = dot(st, np.uint64(f) * UDVP, gt, np.uint64(i) * UDVP, udv)
             cuda.syncthreads()
             for e in range(tid, nb * F, TPB):
                 i = e // F
@@ -238,21 +269,12 @@ def make_chunk_kernels(F, T, TPB, dtype):
             for e in range(tid, nb * F, TPB):
                 i = e // F
                 f = e - i * F
-                av = arun[f]
-                for t in range(i + 1):
-                    av += kt[t, f]
-                dpq[s, a + i, f] = sg[i, f] * winv[i] + ddt[i] * av
+                dpq[s, a + i, f] = sg[i, f] * winv[i] + ddt[i] * kc[i, f]
             if j < dv:
                 for i in range(nb):
-                    xv = vt[i, j]
+                    xv = vt[i * DVP + j]
                     for f in range(F):
                         col[f] += kt[i, f] * xv
-            cuda.syncthreads()
-            if tid < F:
-                acc = arun[tid]
-                for i in range(nb):
-                    acc += kt[i, tid]
-                arun[tid] = acc
 
     @cuda.jit
     def keys_bwd(phiq, phik, v, g, W, dD, dBn, dAn, C, dpk, dv_out):
@@ -270,9 +292,10 @@ def make_chunk_kernels(F, T, TPB, dtype):
         col = cuda.local.array(F, ty)          # column j of U after the current tile
         for f in range(F):
             col[f] = dBn[s, c, f, j] if j < dv else zero
-        st = cuda.shared.array((F, DVP), ty)
-        gt = cuda.shared.array((T, DVP), ty)
-        vt = cuda.shared.array((T, DVP), ty)
+        st = cuda.shared.array(STATE_SZ, ty)   # U after the tile, (F, DVP) flat
+        gt = cuda.shared.array(ROWS_SZ, ty)    # (T, DVP) flat
+        vt = cuda.shared.array(ROWS_SZ, ty)
+        udv = np.uint64(dv)
         qt = cuda.shared.array((T, F), ty)     # phi_q / D
         pt = cuda.shared.array((T, F), ty)     # phi_q
         kt = cuda.shared.array((T, F), ty)
@@ -289,11 +312,12 @@ def make_chunk_kernels(F, T, TPB, dtype):
             nb = min(t1 - a, T)
             cuda.syncthreads()
             if j < dv:
-                for i in range(nb):
-                    gt[i, j] = g[s, a + i, j]
-                    vt[i, j] = v[s, a + i, j]
+                for i in range(T):  # a constant trip count: unrolled, the tile's loads in flight together
+                    if i < nb:
+                        gt[i * DVP + j] = g[s, a + i, j]
+                        vt[i * DVP + j] = v[s, a + i, j]
                 for f in range(F):
-                    st[f, j] = col[f]
+                    st[f * DVP + j] = col[f]
             for e in range(tid, nb * F, TPB):
                 i = e // F
                 f = e - i * F
@@ -311,8 +335,7 @@ def make_chunk_kernels(F, T, TPB, dtype):
                 acc = zero
                 acc2 = acc
                 if i >= t:
-                    for jj in range(dv):
-                        acc += vt[t, jj] * gt[i, jj]
+                    acc = dot(vt, np.uint64(t) * UDVP, gt, np.uint64(i) * UDVP, udv)
                     for f in range(F):
                         acc2 += kt[t, f] * qt[i, f]
                 vg[t, i] = acc
@@ -320,10 +343,7 @@ def make_chunk_kernels(F, T, TPB, dtype):
             for e in range(tid, nb * F, TPB):
                 t = e // F
                 f = e - t * F
-                acc = zero
-                for jj in range(dv):
-                    acc += st[f, jj] * vt[t, jj]
-                vu[t, f] = acc
+                vu[t, f] = dot(st, np.uint64(f) * UDVP, vt, np.uint64(t) * UDVP, udv)
             cuda.syncthreads()
             for e in range(tid, nb * F, TPB):
                 t = e // F
@@ -338,10 +358,10 @@ def make_chunk_kernels(F, T, TPB, dtype):
                     for f in range(F):
                         acc += kt[t, f] * col[f]
                     for i in range(t, nb):
-                        acc += mt[t, i] * gt[i, j]
+                        acc += mt[t, i] * gt[i * DVP + j]
                     dv_out[s, a + t, j] = acc
                 for i in range(nb):
-                    xv = gt[i, j]
+                    xv = gt[i * DVP + j]
                     for f in range(F):
                         col[f] += qt[i, f] * xv
             cuda.syncthreads()
