@@ -106,6 +106,14 @@ class ArrayOps:
         """Exclusive prefix (suffix) sums over axis 1 of ``part (S, nc, E)`` in float64, as ``dtype``."""
         return _exclusive_scan(self.xp, part, reverse, dtype)
 
+    def hash_dx(self, dphi, phi, t, planes, beta, dx_out):
+        """Back through :func:`soft_hash` to the rows: ``dx_out[...] = du @ W`` (``(M, d)``, a view of
+        the caller's result) from rows ``(M, F)``; returns the float64 dbeta."""
+        L, P, d = planes.shape
+        du, dbeta = self.hash_du(dphi, phi, t, beta, L, P)
+        self.xp.matmul(du, planes.reshape(L * P, d), out=dx_out)
+        return dbeta
+
     def attend(self, pq, pk, v, causal, chunk, sum_chunk, L, out, D):
         """The forward of one slab from its soft buckets: ``out[...] = num / D`` and ``D[...]``.
 
@@ -129,10 +137,12 @@ class ArrayOps:
         num *= _inverse(xp, Dn, L)[..., None]
         out[...] = num
 
-    def causal_bwd(self, pq, pk, v, g, winv, D, C):
-        """Causal ``(dphi_q, dphi_k, dv)`` of one slab (:func:`_causal_bwd_slab`; ``D (S, group, N)``
-        the denominators that ``winv`` inverts)."""
-        return _causal_bwd_slab(self.xp, self, pq, pk, v, g, winv, C, _tril(self.xp, C, pk.dtype))
+    def causal_bwd(self, pq, pk, v, g, winv, D, C, dv_out):
+        """Causal ``(dphi_q, dphi_k)`` of one slab (:func:`_causal_bwd_slab`; ``D (S, group, N)`` the
+        denominators that ``winv`` inverts); the values' gradient is written into ``dv_out (S, N, dv)``
+        (a view of the caller's result, aliasing no input)."""
+        dpq, dpk, dv_out[...] = _causal_bwd_slab(self.xp, self, pq, pk, v, g, winv, C, _tril(self.xp, C, pk.dtype))
+        return dpq, dpk
 
 
 def _corner_signs(P, dtype):
@@ -336,25 +346,28 @@ def backward(xp, res, grad, *, q=None, k=None, ops=None):
         pk = phik[g0:g1]
         vs = v[g0:g1].astype(cdt, copy=False)
         if res["causal"]:
-            dpq, dpk, dvs = ops.causal_bwd(pq, pk, vs, g, winv, D[h0:h1].reshape(S, group, nq), C)
+            dpq, dpk = ops.causal_bwd(pq, pk, vs, g, winv, D[h0:h1].reshape(S, group, nq), C, dV[g0:g1])
         else:
-            dpq, dpk, dvs = _noncausal_bwd_slab(xp, pq, pk, vs, g, winv, res["sum_chunk"])
-        duq, dbq = ops.hash_du(dpq.reshape(S * group * nq, F), phiq[h0:h1].reshape(-1, F),
-                               tq[h0:h1].reshape(-1, L * P), beta, L, P)
-        duk, dbk = ops.hash_du(dpk.reshape(S * nk, F), pk.reshape(-1, F), tk[g0:g1].reshape(-1, L * P), beta, L, P)
-        dq[h0:h1] = (duq @ W2).reshape(S * group, nq, d)
-        dk[g0:g1] = (duk @ W2).reshape(S, nk, d)
-        dV[g0:g1] = dvs
-        dbeta += float(dbq) + float(dbk)
-        if want_dw:
+            dpq, dpk = _noncausal_bwd_slab(xp, pq, pk, vs, g, winv, res["sum_chunk"], dV[g0:g1])
+        rows_q = (dpq.reshape(S * group * nq, F), phiq[h0:h1].reshape(-1, F), tq[h0:h1].reshape(-1, L * P))
+        rows_k = (dpk.reshape(S * nk, F), pk.reshape(-1, F), tk[g0:g1].reshape(-1, L * P))
+        if want_dw:  # the planes' gradient needs the projections' cotangents themselves
+            duq, dbq = ops.hash_du(*rows_q, beta, L, P)
+            duk, dbk = ops.hash_du(*rows_k, beta, L, P)
+            xp.matmul(duq, W2, out=dq[h0:h1].reshape(-1, d))
+            xp.matmul(duk, W2, out=dk[g0:g1].reshape(-1, d))
             dW += duq.T @ q[h0:h1].astype(cdt, copy=False).reshape(-1, d)
             dW += duk.T @ k[g0:g1].astype(cdt, copy=False).reshape(-1, d)
+        else:
+            dbq = ops.hash_dx(*rows_q, planes, beta, dq[h0:h1].reshape(-1, d))
+            dbk = ops.hash_dx(*rows_k, planes, beta, dk[g0:g1].reshape(-1, d))
+        dbeta += float(dbq) + float(dbk)
     return (dq, dk, dV, dbeta) + ((dW.reshape(L, P, d),) if want_dw else ())
 
 
-def _noncausal_bwd_slab(xp, pq, pk, v, g, winv, sum_chunk):
-    """Non-causal ``(dphi_q, dphi_k, dv)`` of one slab (``pq (S, group, N, F)``, ``g (S, group, N, dv)``,
-    ``winv = 1 / D`` ``(S, group, N)``)."""
+def _noncausal_bwd_slab(xp, pq, pk, v, g, winv, sum_chunk, dv_out):
+    """Non-causal ``(dphi_q, dphi_k)`` of one slab (``pq (S, group, N, F)``, ``g (S, group, N, dv)``,
+    ``winv = 1 / D`` ``(S, group, N)``); the values' gradient is written into ``dv_out (S, N, dv)``."""
     S, group, nq, F = pq.shape
     cdt = pk.dtype
     B = _sum_chunks(xp, pk, v, sum_chunk, cdt)
@@ -367,7 +380,8 @@ def _noncausal_bwd_slab(xp, pq, pk, v, g, winv, sum_chunk):
     dB = _sum_chunks(xp, pw, g.reshape(S, group * nq, -1), sum_chunk, cdt)     # (S, F, dv)
     dA = _sum_chunks(xp, pq.reshape(S, group * nq, F), dD.reshape(S, group * nq, 1), sum_chunk, cdt)[..., 0]
     dpk = v @ xp.swapaxes(dB, -1, -2) + dA[:, None, :]
-    return dpq, dpk, pk @ dB
+    xp.matmul(pk, dB, out=dv_out)
+    return dpq, dpk
 
 
 def _causal_bwd_slab(xp, ops, pq, pk, v, g, winv, C, mask_c):

@@ -319,7 +319,7 @@ _PTX = textwrap.dedent("""
     from numba import cuda, types as nt
     from racecpu.cuda import _kernels as K
     from racecpu.cuda import THREADS
-    from racecpu.cuda._chunk_kernels import make_chunk_kernels
+    from racecpu.cuda._chunk_kernels import make_chunk_kernels, make_hash_kernels
     A = lambda dt, nd: nt.Array(dt, nd, "C")
     d, b, i, h = nt.float64, nt.boolean, nt.int64, nt.float16
     for target in sys.argv[1:]:
@@ -366,6 +366,9 @@ _PTX = textwrap.dedent("""
                                              A(f, 3), A(f, 2))),
                 (ck["keys_bwd"].py_func, (A(f, 3), A(f, 3), A(f, 3), A(f, 3), A(f, 2), A(f, 2), A(f, 4), A(f, 3), i,
                                           A(f, 3), A(f, 3)))]
+        hk = make_hash_kernels(3, 3, dtype)  # the shuffle build (the simulator runs the shared-memory one)
+        fns += [(hk["hash_rows"].py_func, (A(f, 2), A(f, 2), d, A(f, 2), A(f, 2))),
+                (hk["hash_rows_bwd"].py_func, (A(f, 2), A(f, 2), A(f, 2), A(f, 2), d, A(f, 2), A(f, 1)))]
         for fn, sig in fns:
             ptx, _ = cuda.compile_ptx(fn, sig, cc=cc)
             assert ".entry" in ptx and f".target sm_{cc[0]}{cc[1]}" in ptx, (fn.__name__, sig, cc)
@@ -391,7 +394,7 @@ def test_kernels_compile_to_ptx(ptx_run, cc, dtype):
             pytest.fail("NVVM/NVRTC not found although RACECPU_REQUIRE_PTX=1:\n" + p.stderr[-3000:])
         pytest.skip("the CUDA compiler libraries (NVVM/NVRTC) are not installed: pip install "
                     "'cuda-toolkit[nvvm,nvrtc,cudart]==13.*' (or run .ci/cuda-ptx.sh) to run this check")
-    assert f"compiled 28 for {cc[0]}.{cc[1]}:{dtype}" in p.stdout, p.stdout + p.stderr[-3000:]
+    assert f"compiled 30 for {cc[0]}.{cc[1]}:{dtype}" in p.stdout, p.stdout + p.stderr[-3000:]
 
 
 def test_gpu_benchmark_runs_and_checks(capsys):
@@ -488,6 +491,27 @@ def test_fused_chunk_kernels_match_the_array_form(rng, dtype, causal, group):
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         assert_close(a, b, tol, name)
     assert abs(got[3] - want[3]) <= tol * abs(want[3])
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("P,L,d", [(3, 3, 40), (4, 4, 9), (3, 8, 5), (5, 1, 3)])
+def test_fused_hash_matches_the_array_form(rng, dtype, P, L, d):
+    """The warp-per-row soft hash and its backward (projection fused in) against racecpu.chunkwise's
+    array expressions: tables wider than a warp (F = 64), more projections than d, one plane set."""
+    from racecpu import chunkwise
+    planes = racecpu.hyperplanes(d, P, L, seed=1, dtype=dtype)
+    x = rng.standard_normal((11, d)).astype(dtype)
+    ops, ref = rc.CudaOps(np, rc._Device(False)), chunkwise.ArrayOps(np)
+    (phi, t), (phi_r, t_r) = ops.soft_hash(x, planes, 3.0), ref.soft_hash(x, planes, 3.0)
+    tol = TOL[dtype]  # float32: the projection's sum over d=40 runs in another order than the GEMM's
+    assert_close(phi, phi_r, tol, "phi")
+    assert_close(t, t_r, tol, "t")
+    dphi = rng.standard_normal(phi.shape).astype(dtype)
+    dx, dx_r = np.full_like(x, np.nan), np.full_like(x, np.nan)
+    db, db_r = ops.hash_dx(dphi, phi_r, t_r, planes, 3.0, dx), ref.hash_dx(dphi, phi_r, t_r, planes, 3.0, dx_r)
+    assert_close(dx, dx_r, tol, "dx")
+    # dbeta sums terms s t with |s| <= 2 sum_r |phi dphi| per table and plane: a scale for its error
+    assert abs(float(db) - float(db_r)) <= tol * 2 * P * float(np.abs(dphi * phi_r).sum())
 
 
 def test_no_cuda_driver_is_a_runtime_error_naming_is_available_and_the_extras(rng, monkeypatch):

@@ -60,7 +60,7 @@ from ..hashing import DEFAULT_BETA, DEN_FLOOR
 from .. import chunkwise
 from ..plan import ChunkModel, make_plan
 from . import _kernels as cuda_kernels
-from ._chunk_kernels import make_chunk_kernels
+from ._chunk_kernels import HASH_THREADS, hash_fits, make_chunk_kernels, make_hash_kernels
 
 __all__ = ["soft_buckets", "race_attention", "race_attention_fwd", "race_attention_bwd", "Residuals",
            "ChunkwiseResiduals", "is_available", "BACKEND", "THREADS", "CHUNK", "PATH", "SCAN_CHUNK",
@@ -646,6 +646,9 @@ class CudaOps(chunkwise.ArrayOps):
     SCAN_THREADS = 1 << 20
     #: Whether the fused readout and causal backward run (else the array expressions of the base class).
     FUSED = True
+    #: Whether the soft hash and its backward run as one warp-per-row kernel with the planes' product
+    #: fused in (:func:`racecpu.cuda._chunk_kernels.make_hash_kernels`), else a cuBLAS product and a pass.
+    FUSED_HASH = True
     #: Tokens per block of the fused kernels (a causal chunk: one state per chunk in the scan).
     FUSED_CHUNK = 256
     #: Tokens per shared-memory tile inside a fused block.
@@ -662,9 +665,22 @@ class CudaOps(chunkwise.ArrayOps):
     def _launch(self, kernel, n):
         return kernel[max(1, min(-(-n // 256), 1 << 16)), 256, self.dev.stream]
 
+    def _rows_launch(self, kernel, M):
+        """A warp per row (4 per block), the warps striding over ``M`` rows."""
+        return kernel[max(1, min(-(-M // 4), 1 << 15)), HASH_THREADS, self.dev.stream]
+
     def soft_hash(self, x, planes, beta):
         L, P, d = planes.shape
         shp = x.shape[:-1]
+        if self.FUSED_HASH and hash_fits(L, P):  # the projection and the hash in one pass over x
+            xr = x.reshape(-1, d)
+            M = xr.shape[0]
+            phi = self.xp.empty((M, L * 2 ** P), planes.dtype)
+            t = self.xp.empty((M, L * P), planes.dtype)
+            if M:
+                K = make_hash_kernels(L, P, np.dtype(planes.dtype).name, _simulated())
+                self._rows_launch(K["hash_rows"], M)(xr, planes.reshape(L * P, d), beta, phi, t)
+            return phi.reshape(shp + (phi.shape[1],)), t.reshape(shp + (L * P,))
         u = x.reshape(-1, d) @ planes.reshape(L * P, d).T   # a fresh (M, L*P) array: t in place
         phi = self.xp.empty((u.shape[0], L * 2 ** P), u.dtype)
         if u.shape[0]:
@@ -677,6 +693,17 @@ class CudaOps(chunkwise.ArrayOps):
         if t.shape[0]:
             self._launch(cuda_kernels.hash_du_rows, t.shape[0] * L)(dphi, phi, t, beta, P, du, st)
         return du, st.sum(dtype=np.float64)
+
+    def hash_dx(self, dphi, phi, t, planes, beta, dx_out):
+        L, P, d = planes.shape
+        if not (self.FUSED_HASH and hash_fits(L, P)):
+            return super().hash_dx(dphi, phi, t, planes, beta, dx_out)
+        M = phi.shape[0]
+        st = self.xp.empty(M, planes.dtype)
+        if M:
+            K = make_hash_kernels(L, P, np.dtype(planes.dtype).name, _simulated())
+            self._rows_launch(K["hash_rows_bwd"], M)(dphi, phi, t, planes.reshape(L * P, d), beta, dx_out, st)
+        return st.sum(dtype=np.float64)
 
     def exclusive_scan(self, part, reverse, dtype):
         xp = self.xp
@@ -751,12 +778,12 @@ class CudaOps(chunkwise.ArrayOps):
         shared = np.dtype(dtype).itemsize * ((F + 2 * T) * (tpb + 1) + 5 * T * F + 2 * T * T + F + 2 * T)
         return self.FUSED and group == 1 and dv <= tpb and shared <= self.SHARED_BYTES
 
-    def causal_bwd(self, pq, pk, v, g, winv, D, C):
+    def causal_bwd(self, pq, pk, v, g, winv, D, C, dv_out):
         S, group, N, F = pq.shape
         dv = v.shape[-1]
         cdt = pk.dtype
         if N == 0 or not self._fused_bwd_fits(F, dv, group, cdt):
-            return super().causal_bwd(pq, pk, v, g, winv, D, C)
+            return super().causal_bwd(pq, pk, v, g, winv, D, C, dv_out)
         xp = self.xp
         C = int(self.FUSED_CHUNK)
         nc = -(-N // C)
@@ -771,9 +798,8 @@ class CudaOps(chunkwise.ArrayOps):
         dBn = self._states(pq3, w3, g3, C, 1, dv, True)                   # sum of phi_q g^T / D after each chunk
         dAn = self._states(pq3, dD, g3, C, 3, 1, True)[..., 0]             # sum of phi_q dD after each chunk
         dpk = xp.empty((S, N, F), cdt)
-        dvs = xp.empty((S, N, dv), cdt)
-        K["keys_bwd"][(nc, S), tpb, self.dev.stream](pq3, pk, v, g3, w3, dD, dBn, dAn, C, dpk, dvs)
-        return dpq.reshape(S, 1, N, F), dpk, dvs
+        K["keys_bwd"][(nc, S), tpb, self.dev.stream](pq3, pk, v, g3, w3, dD, dBn, dAn, C, dpk, dv_out)
+        return dpq.reshape(S, 1, N, F), dpk
 
 
 @dataclass(frozen=True)

@@ -28,12 +28,13 @@ where ``D <= L * DEN_FLOOR``.
 from __future__ import annotations
 
 import functools
+import math
 
 import numba
 import numpy as np
 from numba import cuda
 
-__all__ = ["make_chunk_kernels"]
+__all__ = ["make_chunk_kernels", "make_hash_kernels", "hash_fits"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -372,3 +373,172 @@ def make_chunk_kernels(F, T, TPB, dtype):
                 arun[tid] = acc
 
     return dict(chunk_states=chunk_states, readout=readout, queries_bwd=queries_bwd, keys_bwd=keys_bwd)
+
+
+@functools.lru_cache(maxsize=None)
+def make_hash_kernels(L, P, dtype, simulated=False):
+    """The soft hash and its backward with the planes' product fused in, one warp per row.
+
+    ``hash_rows(x, W, beta, phi, t)``: ``x (M, d)``, ``W (L * P, d)``; writes ``t = tanh(W x)``
+    ``(M, L * P)`` and ``phi (M, L * 2**P)`` (:func:`racecpu.chunkwise.soft_hash`'s numbers).
+    ``hash_rows_bwd(dphi, phi, t, W, beta, dx, st)``: ``dx (M, d)`` of the rows and ``st (M,)``
+    each row's dbeta term (summed by the caller).  Launch with blocks of :data:`HASH_THREADS`;
+    any grid (the blocks stride over the rows).  The lanes read a row's ``d`` entries together
+    (coalesced) and sum the ``L * P`` projections across the warp, so there is no ``(M, L * P)``
+    GEMM output and no second pass.  Needs :func:`hash_fits`.
+
+    The lanes exchange values by warp shuffles; Numba's CUDA simulator has none, so
+    ``simulated=True`` builds the same kernels with the exchanges through shared memory and
+    block barriers (every loop that exchanges runs the same trip count in all threads).
+    """
+    ty = numba.from_dtype(np.dtype(dtype))
+    LP = L * P
+    R = 1 << P
+    F = L * R
+    WPB = HASH_THREADS // 32
+    zero = ty(0.0)
+    one = ty(1.0)
+    two = ty(2.0)
+    FULL = 0xFFFFFFFF
+
+    if simulated:
+        @cuda.jit(device=True)
+        def xor_get(val, off, buf, w, lane):
+            cuda.syncthreads()
+            buf[w, lane] = val
+            cuda.syncthreads()
+            return buf[w, lane ^ off]
+
+        @cuda.jit(device=True)
+        def lane_get(val, src, buf, w, lane):
+            cuda.syncthreads()
+            buf[w, lane] = val
+            cuda.syncthreads()
+            return buf[w, src]
+    else:
+        @cuda.jit(device=True)
+        def xor_get(val, off, buf, w, lane):
+            return cuda.shfl_xor_sync(FULL, val, off)
+
+        @cuda.jit(device=True)
+        def lane_get(val, src, buf, w, lane):
+            return cuda.shfl_sync(FULL, val, src)
+
+    @cuda.jit(device=True)
+    def sigmoid(z):
+        # stable for any z: exp never sees a positive argument
+        e = math.exp(-abs(z))
+        h = one / (one + e)
+        return h if z >= zero else e * h
+
+    @cuda.jit
+    def hash_rows(x, W, beta, phi, t):
+        M, d = x.shape
+        lane = cuda.threadIdx.x & 31
+        w = cuda.threadIdx.x >> 5
+        buf = cuda.shared.array((WPB, 32), ty)
+        u = cuda.local.array(LP, ty)
+        b2 = ty(two * beta)  # beta arrives as float64: compute in the kernel's dtype
+        for base in range(cuda.blockIdx.x * WPB, M, cuda.gridDim.x * WPB):
+            i = base + w
+            ok = i < M
+            for m in range(LP):
+                u[m] = zero
+            if ok:
+                for kk in range(lane, d, 32):
+                    xv = x[i, kk]
+                    for m in range(LP):
+                        u[m] += xv * W[m, kk]
+            um = zero
+            for m in range(LP):
+                val = u[m]
+                off = 16
+                while off > 0:
+                    val += xor_get(val, off, buf, w, lane)
+                    off >>= 1
+                if m == lane:
+                    um = val
+            th = math.tanh(um)          # lane m < LP: plane m
+            a = sigmoid(b2 * th)        # the plane's plus side
+            b = sigmoid(-b2 * th)
+            if ok and lane < LP:
+                t[i, lane] = th
+            for e0 in range(0, F, 32):  # lane e0 + lane: corner r of table l
+                e = e0 + lane
+                l = min(e, F - 1) // R
+                r = min(e, F - 1) - l * R
+                prod = one
+                for p in range(P):
+                    av = lane_get(a, l * P + p, buf, w, lane)
+                    bv = lane_get(b, l * P + p, buf, w, lane)
+                    prod *= av if (r >> (P - 1 - p)) & 1 else bv
+                if ok and e < F:
+                    phi[i, e] = prod
+
+    @cuda.jit
+    def hash_rows_bwd(dphi, phi, t, W, beta, dx, st):
+        M, d = dx.shape
+        lane = cuda.threadIdx.x & 31
+        w = cuda.threadIdx.x >> 5
+        buf = cuda.shared.array((WPB, 32), ty)
+        du = cuda.local.array(LP, ty)
+        bt = ty(beta)
+        r = lane & (R - 1)
+        for base in range(cuda.blockIdx.x * WPB, M, cuda.gridDim.x * WPB):
+            i = base + w
+            ok = i < M
+            term = zero
+            for e0 in range(0, F, 32):
+                e = e0 + lane
+                valid = ok and e < F
+                ph = phi[i, e] if valid else zero
+                dp = dphi[i, e] if valid else zero
+                # the table's dot: a sum over its R lanes (aligned groups of R within the warp)
+                dot = ph * dp
+                off = R >> 1
+                while off > 0:
+                    dot += xor_get(dot, off, buf, w, lane)
+                    off >>= 1
+                dz = ph * (dp - dot)
+                l = min(e, F - 1) // R
+                for p in range(P):
+                    sv = dz if (r >> (P - 1 - p)) & 1 else -dz
+                    off = R >> 1
+                    while off > 0:
+                        sv += xor_get(sv, off, buf, w, lane)
+                        off >>= 1
+                    # lane r == p of each table holds plane p's cotangent
+                    duv = zero
+                    if valid and r == p:
+                        th = t[i, l * P + p]
+                        term += sv * th
+                        duv = bt * sv * (one - th * th)
+                    for q in range(32 // R):  # every lane gathers this pass's cotangents of plane p
+                        got = lane_get(duv, q * R + p, buf, w, lane)
+                        lq = e0 // R + q
+                        for mm in range(LP):
+                            if mm == lq * P + p:
+                                du[mm] = got
+            off = 16
+            while off > 0:
+                term += xor_get(term, off, buf, w, lane)
+                off >>= 1
+            if ok:
+                if lane == 0:
+                    st[i] = term
+                for kk in range(lane, d, 32):
+                    acc = zero
+                    for m in range(LP):
+                        acc += du[m] * W[m, kk]
+                    dx[i, kk] = acc
+
+    return dict(hash_rows=hash_rows, hash_rows_bwd=hash_rows_bwd)
+
+
+#: Threads per block of the hash kernels (a warp per row).
+HASH_THREADS = 128
+
+
+def hash_fits(L, P):
+    """Whether :func:`make_hash_kernels` takes ``(L, P)``: a warp holds the projections and a table."""
+    return L * P <= 32 and (1 << P) <= 32 and P >= 1
