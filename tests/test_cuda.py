@@ -59,6 +59,7 @@ def small_tiles(request, monkeypatch):
     monkeypatch.setattr(rc.CudaOps, "SCAN_THREADS", 16)  # scans of several chunks per segment
     monkeypatch.setattr(rc.CudaOps, "FUSED_CHUNK", 8)    # fused blocks of 2 tiles of 4 tokens
     monkeypatch.setattr(rc.CudaOps, "FUSED_TILE", 4)
+    monkeypatch.setattr(rc.CudaOps, "HASH_THREADS", 32)  # a warp per block: the simulator's threads are slow
     return request.param
 
 

@@ -14,10 +14,12 @@ forward ``q``) is a CuPy array, numba device arrays otherwise; ``dbeta`` is a
 Python float.  CuPy is imported only when a CuPy array comes in.
 
 Two formulations compute the same numbers (:data:`PATH`): the *chunkwise*
-one (:mod:`racecpu.chunkwise` on CuPy: per chunk of :data:`SCAN_CHUNK` tokens
-the state ``phi_k^T [v, 1]`` by one batched cuBLAS product, a blocked float64
-scan over chunks, the masked ``C x C`` products inside a chunk; the hash, its
-backward and the scan as fused kernels, :class:`CudaOps`), taken by default
+one (:mod:`racecpu.chunkwise` on CuPy: per chunk of tokens the state
+``phi_k^T [v, 1]``, a blocked float64 scan over chunks, and inside a chunk a
+recurrence or small products; :class:`CudaOps` runs these steps as the fused
+kernels of ``racecpu.cuda._chunk_kernels``, and the array expressions, batched
+cuBLAS products over chunks of :data:`SCAN_CHUNK`, where a kernel does not
+take the shape), taken by default
 where CuPy is installed, and the *tile* kernels of ``racecpu.cuda._kernels``
 (one thread per token, states in per-block scratch), which also take packed
 sequences.  16-bit inputs are widened one slab of heads at a time in the
@@ -60,7 +62,7 @@ from ..hashing import DEFAULT_BETA, DEN_FLOOR
 from .. import chunkwise
 from ..plan import ChunkModel, make_plan
 from . import _kernels as cuda_kernels
-from ._chunk_kernels import HASH_THREADS, hash_fits, make_chunk_kernels, make_hash_kernels
+from ._chunk_kernels import hash_fits, make_chunk_kernels, make_hash_kernels
 
 __all__ = ["soft_buckets", "race_attention", "race_attention_fwd", "race_attention_bwd", "Residuals",
            "ChunkwiseResiduals", "is_available", "BACKEND", "THREADS", "CHUNK", "PATH", "SCAN_CHUNK",
@@ -649,6 +651,8 @@ class CudaOps(chunkwise.ArrayOps):
     #: Whether the soft hash and its backward run as one warp-per-row kernel with the planes' product
     #: fused in (:func:`racecpu.cuda._chunk_kernels.make_hash_kernels`), else a cuBLAS product and a pass.
     FUSED_HASH = True
+    #: Threads per block of the fused hash (a warp per row; whole warps).
+    HASH_THREADS = 128
     #: Tokens per block of the fused kernels (a causal chunk: one state per chunk in the scan).
     FUSED_CHUNK = 256
     #: Tokens per shared-memory tile inside a fused block.
@@ -666,8 +670,9 @@ class CudaOps(chunkwise.ArrayOps):
         return kernel[max(1, min(-(-n // 256), 1 << 16)), 256, self.dev.stream]
 
     def _rows_launch(self, kernel, M):
-        """A warp per row (4 per block), the warps striding over ``M`` rows."""
-        return kernel[max(1, min(-(-M // 4), 1 << 15)), HASH_THREADS, self.dev.stream]
+        """A warp per row (:attr:`HASH_THREADS` per block), the warps striding over ``M`` rows."""
+        wpb = int(self.HASH_THREADS) // 32
+        return kernel[max(1, min(-(-M // wpb), 1 << 15)), wpb * 32, self.dev.stream]
 
     def soft_hash(self, x, planes, beta):
         L, P, d = planes.shape
@@ -678,7 +683,7 @@ class CudaOps(chunkwise.ArrayOps):
             phi = self.xp.empty((M, L * 2 ** P), planes.dtype)
             t = self.xp.empty((M, L * P), planes.dtype)
             if M:
-                K = make_hash_kernels(L, P, np.dtype(planes.dtype).name, _simulated())
+                K = make_hash_kernels(L, P, np.dtype(planes.dtype).name, _simulated(), int(self.HASH_THREADS))
                 self._rows_launch(K["hash_rows"], M)(xr, planes.reshape(L * P, d), beta, phi, t)
             return phi.reshape(shp + (phi.shape[1],)), t.reshape(shp + (L * P,))
         u = x.reshape(-1, d) @ planes.reshape(L * P, d).T   # a fresh (M, L*P) array: t in place
@@ -701,7 +706,7 @@ class CudaOps(chunkwise.ArrayOps):
         M = phi.shape[0]
         st = self.xp.empty(M, planes.dtype)
         if M:
-            K = make_hash_kernels(L, P, np.dtype(planes.dtype).name, _simulated())
+            K = make_hash_kernels(L, P, np.dtype(planes.dtype).name, _simulated(), int(self.HASH_THREADS))
             self._rows_launch(K["hash_rows_bwd"], M)(dphi, phi, t, planes.reshape(L * P, d), beta, dx_out, st)
         return st.sum(dtype=np.float64)
 

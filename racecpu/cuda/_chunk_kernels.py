@@ -376,13 +376,13 @@ def make_chunk_kernels(F, T, TPB, dtype):
 
 
 @functools.lru_cache(maxsize=None)
-def make_hash_kernels(L, P, dtype, simulated=False):
+def make_hash_kernels(L, P, dtype, simulated=False, threads=128):
     """The soft hash and its backward with the planes' product fused in, one warp per row.
 
     ``hash_rows(x, W, beta, phi, t)``: ``x (M, d)``, ``W (L * P, d)``; writes ``t = tanh(W x)``
     ``(M, L * P)`` and ``phi (M, L * 2**P)`` (:func:`racecpu.chunkwise.soft_hash`'s numbers).
     ``hash_rows_bwd(dphi, phi, t, W, beta, dx, st)``: ``dx (M, d)`` of the rows and ``st (M,)``
-    each row's dbeta term (summed by the caller).  Launch with blocks of :data:`HASH_THREADS`;
+    each row's dbeta term (summed by the caller).  Launch with blocks of ``threads`` (whole warps);
     any grid (the blocks stride over the rows).  The lanes read a row's ``d`` entries together
     (coalesced) and sum the ``L * P`` projections across the warp, so there is no ``(M, L * P)``
     GEMM output and no second pass.  Needs :func:`hash_fits`.
@@ -395,7 +395,7 @@ def make_hash_kernels(L, P, dtype, simulated=False):
     LP = L * P
     R = 1 << P
     F = L * R
-    WPB = HASH_THREADS // 32
+    WPB = threads // 32
     zero = ty(0.0)
     one = ty(1.0)
     two = ty(2.0)
@@ -533,10 +533,6 @@ def make_hash_kernels(L, P, dtype, simulated=False):
                     dx[i, kk] = acc
 
     return dict(hash_rows=hash_rows, hash_rows_bwd=hash_rows_bwd)
-
-
-#: Threads per block of the hash kernels (a warp per row).
-HASH_THREADS = 128
 
 
 def hash_fits(L, P):

@@ -1,0 +1,203 @@
+"""racecpu.cuda's chunkwise form on a GPU: variants side by side and where one head's time goes.
+
+For one N (default 2**22, 4 heads, d = 128, float32, P = L = 3, beta = 8), on CuPy arrays:
+
+* whole calls (forward, forward+backward; causal and not), median of ``--reps`` after a
+  warm-up, a device synchronize around each: the defaults, then the variants that
+  ``racecpu.cuda.CudaOps`` switches (``FUSED_CHUNK`` / ``FUSED_TILE``, the fused hash off,
+  the fused kernels off, i.e. the array expressions of ``racecpu.chunkwise``);
+* one head's steps, each alone, timed with CUDA events (median of 5): the soft hash, chunk
+  states and scans, the readout, the two backward kernels, the hash's backward, and a copy
+  of ``q`` for scale (what one pass over an (N, d) array costs on this card).
+
+Run it on a GPU machine (``pip install "racecpu[cuda]"``)::
+
+    python benchmarks/cuda_steps.py --out cuda_steps.json
+    python benchmarks/cuda_steps.py --log2n 20 --budget-s 60
+
+``--sim`` runs the same code on NumPy arrays under Numba's CUDA simulator (tiny sizes; the
+times mean nothing there): the tests do that.  Results go to ``--out`` after every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+
+
+def run(log2n=22, heads=4, dim=128, reps=3, budget_s=150.0, sim=False, out=None, progress=True):
+    """Measure; returns ``{"rows": [...], "steps_one_head_ms": {...}, ...}`` (also written to ``out``)."""
+    if sim:
+        import numba.core.config
+        numba.core.config.ENABLE_CUDASIM = 1
+    import racecpu
+    import racecpu.cuda as rc
+    from racecpu import chunkwise
+
+    t_start = time.perf_counter()
+    if sim:
+        xp = np
+
+        def sync():
+            return None
+    else:
+        import cupy as xp
+
+        def sync():
+            xp.cuda.Device().synchronize()
+    N, H, d = 2 ** log2n, heads, dim
+    rows = []
+    res = dict(N=N, heads=H, dim=d, reps=reps, sim=sim, rows=rows, steps_one_head_ms={})
+
+    def say(*a):
+        if progress:
+            print(*a, flush=True)
+
+    def save():
+        if out:
+            with open(out, "w") as f:
+                json.dump(res, f, indent=1)
+
+    def randn(shape, seed):
+        if sim:
+            return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+        x = xp.empty(shape, xp.float32)
+        r = xp.random.default_rng(seed)
+        for h in range(shape[1]):  # head by head: each call under 2**31 elements
+            x[0, h] = r.standard_normal(shape[2:], dtype=xp.float32)
+        return x
+
+    q, k, v, g = (randn((1, H, N, d), s) for s in range(4))
+    planes = racecpu.hyperplanes(d, 3, 3)
+
+    def timeit(fn):
+        fn()
+        sync()
+        ts = []
+        for _ in range(reps):
+            sync()
+            t = time.perf_counter()
+            fn()
+            sync()
+            ts.append(time.perf_counter() - t)
+        return float(np.median(ts)) * 1e3
+
+    def fwd(causal):
+        return lambda: rc.race_attention(q, k, v, planes, 8.0, causal=causal, check_finite=False)
+
+    def fwdbwd(causal):
+        def f():
+            _, r = rc.race_attention_fwd(q, k, v, planes, 8.0, causal=causal, check_finite=False)
+            rc.race_attention_bwd(r, g)
+        return f
+
+    ops_cls = rc.CudaOps
+    defaults = dict(FUSED=ops_cls.FUSED, FUSED_HASH=ops_cls.FUSED_HASH, FUSED_CHUNK=ops_cls.FUSED_CHUNK,
+                    FUSED_TILE=ops_cls.FUSED_TILE)
+
+    def row(label, causal_modes=(True,), **attrs):
+        for name, val in {**defaults, **attrs}.items():
+            setattr(ops_cls, name, val)
+        try:
+            for causal in causal_modes:
+                r = dict(variant=label, causal=causal, **attrs, fwd_ms=timeit(fwd(causal)),
+                         fwdbwd_ms=timeit(fwdbwd(causal)))
+                rows.append(r)
+                say(r)
+                save()
+        finally:
+            for name, val in defaults.items():
+                setattr(ops_cls, name, val)
+
+    row("defaults", (True, False))
+    res["steps_one_head_ms"] = _steps(rc, chunkwise, xp, sync, sim, q[0, :1], k[0, :1], v[0, :1], g[0, :1],
+                                      planes, say)
+    save()
+    variants = [("chunk 512", dict(FUSED_CHUNK=512)), ("chunk 1024", dict(FUSED_CHUNK=1024)),
+                ("chunk 128", dict(FUSED_CHUNK=128)), ("tile 8", dict(FUSED_TILE=8)),
+                ("hash by cuBLAS", dict(FUSED_HASH=False)),
+                ("array expressions", dict(FUSED=False, FUSED_HASH=False))]
+    for label, attrs in variants[:1] if sim else variants:
+        if time.perf_counter() - t_start > budget_s:
+            say("budget spent: left out", label)
+            continue
+        row(label, **attrs)
+    return res
+
+
+def _steps(rc, chunkwise, xp, sync, sim, q1, k1, v1, g1, planes, say):
+    """One head's steps alone (CUDA events on a GPU, the wall clock under the simulator)."""
+    ops = rc.CudaOps(xp, rc._Device(not sim))
+    N, d = q1.shape[-2:]
+    L, P = 3, 3
+    C = ops.FUSED_CHUNK
+    steps = {}
+
+    def ev(name, fn, reps=5):
+        fn()
+        sync()
+        ts = []
+        for _ in range(1 if sim else reps):
+            if sim:
+                t = time.perf_counter()
+                fn()
+                ts.append((time.perf_counter() - t) * 1e3)
+                continue
+            e0, e1 = xp.cuda.Event(), xp.cuda.Event()
+            e0.record()
+            fn()
+            e1.record()
+            e1.synchronize()
+            ts.append(xp.cuda.get_elapsed_time(e0, e1))
+        steps[name] = float(np.median(ts))
+        say(f"{name}: {steps[name]:.3f} ms")
+
+    W = xp.asarray(planes)
+    pk, _ = ops.soft_hash(k1, W, 8.0)
+    pq, tq = ops.soft_hash(q1, W, 8.0)
+    F = pq.shape[-1]
+    out = xp.empty((1, N, d), xp.float32)
+    D = xp.empty((1, N), xp.float32)
+    ev("soft hash of q (fused)", lambda: ops.soft_hash(q1, W, 8.0))
+    ev("chunk states B and their scan", lambda: ops._states(pk, D, v1, C, 0, d, False))
+    ev("chunk states A and their scan", lambda: ops._states(pk, D, v1, C, 2, 1, False))
+    ev("attend, non-causal (sketch + readout)", lambda: ops.attend(pq[:, None], pk, v1, False, 64, 1024, L, out, D))
+    ev("attend, causal (states + readout)", lambda: ops.attend(pq[:, None], pk, v1, True, 64, 1024, L, out, D))
+    winv = chunkwise._inverse(xp, D, L)
+    dvo = xp.empty((1, N, d), xp.float32)
+    ev("causal backward of one head (fused, to dphi)",
+       lambda: ops.causal_bwd(pq[:, None], pk, v1, g1[:, None], winv[:, None], D[:, None], 64, dvo))
+    dxo = xp.empty((N, d), xp.float32)
+    rows = (pq.reshape(-1, F), pq.reshape(-1, F), tq.reshape(-1, L * P))
+    ev("hash backward to dq (fused)", lambda: ops.hash_dx(*rows, W, 8.0, dxo))
+    rc.CudaOps.FUSED_HASH = False
+    try:
+        ev("soft hash of q (cuBLAS + a pass)", lambda: ops.soft_hash(q1, W, 8.0))
+        ev("hash backward to dq (a pass + cuBLAS)", lambda: ops.hash_dx(*rows, W, 8.0, dxo))
+    finally:
+        rc.CudaOps.FUSED_HASH = True
+    ev("copy of q (one (N, d) array read and written)", lambda: q1.copy())
+    return steps
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--log2n", type=int, default=22)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--budget-s", type=float, default=150.0, help="start no new variant after this many seconds")
+    p.add_argument("--out", default=None)
+    p.add_argument("--sim", action="store_true", help="NumPy under Numba's CUDA simulator (tiny sizes)")
+    a = p.parse_args(argv)
+    if a.sim:
+        os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+    run(a.log2n, a.heads, a.dim, a.reps, a.budget_s, a.sim, a.out)
+
+
+if __name__ == "__main__":
+    main()
