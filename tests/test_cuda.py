@@ -59,6 +59,7 @@ def small_tiles(request, monkeypatch):
     monkeypatch.setattr(rc.CudaOps, "SCAN_THREADS", 16)  # scans of several chunks per segment
     monkeypatch.setattr(rc.CudaOps, "FUSED_CHUNK", 8)    # fused blocks of 2 tiles of 4 tokens
     monkeypatch.setattr(rc.CudaOps, "FUSED_TILE", 4)
+    monkeypatch.setattr(rc.CudaOps, "FUSED_MIN_TOKENS", 0)  # the fused kernels at the tests' sizes
     monkeypatch.setattr(rc.CudaOps, "HASH_THREADS", 32)  # a warp per block: the simulator's threads are slow
     return request.param
 
@@ -492,6 +493,27 @@ def test_fused_chunk_kernels_match_the_array_form(rng, dtype, causal, group):
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         assert_close(a, b, tol, name)
     assert abs(got[3] - want[3]) <= tol * abs(want[3])
+
+
+@pytest.mark.parametrize("threshold,fused", [(22, False), (21, True)])
+def test_fused_kernels_from_fused_min_tokens(rng, monkeypatch, threshold, fused):
+    """Below CudaOps.FUSED_MIN_TOKENS tokens per head the array expressions run (the first fused
+    kernels lost to them at 2^16 on an H200), from it the fused kernels; the same numbers either way."""
+    from racecpu import chunkwise
+    built = []
+    real = rc.make_chunk_kernels
+    monkeypatch.setattr(rc, "make_chunk_kernels", lambda *a: built.append(a) or real(*a))
+    monkeypatch.setattr(rc.CudaOps, "FUSED_MIN_TOKENS", threshold)
+    q, k, v, _ = problem(rng, (2,), 21, 21, 4, 3, np.float64, masked=False)
+    planes = racecpu.hyperplanes(4, 2, 2, seed=0, dtype=np.float64)
+    g = rng.standard_normal(v.shape)
+    out, res = chunkwise.forward(np, q, k, v, planes, 2.0, causal=True, ops=rc.CudaOps(np, rc._Device(False)))
+    grads = chunkwise.backward(np, res, g, ops=rc.CudaOps(np, rc._Device(False)))
+    ref, rres = chunkwise.forward(np, q, k, v, planes, 2.0, causal=True)
+    assert bool(built) == fused
+    assert_close(out, ref, 1e-12, "out")
+    for a, b in zip(grads[:3], chunkwise.backward(np, rres, g)[:3]):
+        assert_close(a, b, 1e-12, "grad")
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])

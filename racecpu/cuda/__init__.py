@@ -648,6 +648,10 @@ class CudaOps(chunkwise.ArrayOps):
     SCAN_THREADS = 1 << 20
     #: Whether the fused readout and causal backward run (else the array expressions of the base class).
     FUSED = True
+    #: Fewest tokens per head for the fused readout and causal backward: on an H200 their first
+    #: version lost to the array expressions at 2^16 tokens (12.5 against 8.9 ms causal fwd+bwd)
+    #: and won from 2^20 (109 against 135); see the performance log's GPU section.
+    FUSED_MIN_TOKENS = 2 ** 18
     #: Whether the soft hash and its backward run as one warp-per-row kernel with the planes' product
     #: fused in (:func:`racecpu.cuda._chunk_kernels.make_hash_kernels`), else a cuBLAS product and a pass.
     FUSED_HASH = True
@@ -750,7 +754,7 @@ class CudaOps(chunkwise.ArrayOps):
         return self.exclusive_scan(part.reshape(S, nc, F * dv), reverse, phi.dtype).reshape(S, nc, F, dv)
 
     def attend(self, pq, pk, v, causal, chunk, sum_chunk, L, out, D):
-        if not self.FUSED:
+        if not self.FUSED or max(pq.shape[2], pk.shape[1]) < self.FUSED_MIN_TOKENS:
             return super().attend(pq, pk, v, causal, chunk, sum_chunk, L, out, D)
         xp = self.xp
         S, group, nq, F = pq.shape
@@ -787,7 +791,7 @@ class CudaOps(chunkwise.ArrayOps):
         S, group, N, F = pq.shape
         dv = v.shape[-1]
         cdt = pk.dtype
-        if N == 0 or not self._fused_bwd_fits(F, dv, group, cdt):
+        if N < max(1, self.FUSED_MIN_TOKENS) or not self._fused_bwd_fits(F, dv, group, cdt):
             return super().causal_bwd(pq, pk, v, g, winv, D, C, dv_out)
         xp = self.xp
         C = int(self.FUSED_CHUNK)

@@ -185,6 +185,17 @@ def make_chunk_kernels(F, T, TPB, dtype):
                         num += qt[i, f] * col[f]
                     out[h, a + i, j] = num * winv[i]
 
+    @cuda.jit(device=True)
+    def stage(g, v, s, a, nb, j, col, gt, vt, st):
+        """Column ``j`` of a tile of ``g`` and ``v`` (rows ``a .. a + nb``) and of the state ``col``
+        into the flat shared tiles ``gt``, ``vt`` (``(T, DVP)``) and ``st`` (``(F, DVP)``)."""
+        for i in range(T):  # a constant trip count: unrolled, the tile's loads in flight together
+            if i < nb:
+                gt[i * DVP + j] = g[s, a + i, j]
+                vt[i * DVP + j] = v[s, a + i, j]
+        for f in range(F):
+            st[f * DVP + j] = col[f]
+
     @cuda.jit
     def queries_bwd(phiq, phik, v, g, W, Bp, Ap, C, dpq, dD):
         # SG_i[f] = sum_j S_i[f, j] g_ij with S_i the inclusive state, split as
@@ -218,12 +229,7 @@ def make_chunk_kernels(F, T, TPB, dtype):
             nb = min(t1 - a, T)
             cuda.syncthreads()
             if j < dv:
-                for i in range(T):  # a constant trip count: unrolled, the tile's loads in flight together
-                    if i < nb:
-                        gt[i * DVP + j] = g[s, a + i, j]
-                        vt[i * DVP + j] = v[s, a + i, j]
-                for f in range(F):
-                    st[f * DVP + j] = col[f]
+                stage(g, v, s, a, nb, j, col, gt, vt, st)
             for e in range(tid, nb * F, TPB):
                 i = e // F
                 f = e - i * F
@@ -313,12 +319,7 @@ def make_chunk_kernels(F, T, TPB, dtype):
             nb = min(t1 - a, T)
             cuda.syncthreads()
             if j < dv:
-                for i in range(T):  # a constant trip count: unrolled, the tile's loads in flight together
-                    if i < nb:
-                        gt[i * DVP + j] = g[s, a + i, j]
-                        vt[i * DVP + j] = v[s, a + i, j]
-                for f in range(F):
-                    st[f * DVP + j] = col[f]
+                stage(g, v, s, a, nb, j, col, gt, vt, st)
             for e in range(tid, nb * F, TPB):
                 i = e // F
                 f = e - i * F
