@@ -59,8 +59,11 @@ def small_tiles(request, monkeypatch):
     monkeypatch.setattr(rc.CudaOps, "SCAN_THREADS", 16)  # scans of several chunks per segment
     monkeypatch.setattr(rc.CudaOps, "FUSED_CHUNK", 8)    # fused blocks of 2 tiles of 4 tokens
     monkeypatch.setattr(rc.CudaOps, "FUSED_TILE", 4)
-    monkeypatch.setattr(rc.CudaOps, "FUSED_MIN_TOKENS", 0)  # the fused kernels at the tests' sizes
     monkeypatch.setattr(rc.CudaOps, "HASH_THREADS", 32)  # a warp per block: the simulator's threads are slow
+    # The simulator runs the fused kernels' barriers and exchanges slowly: the API tests take the
+    # array form at their sizes (FUSED_MIN_TOKENS) and the cuBLAS hash; the fused tests below switch
+    # the kernels on and compare them with it.
+    monkeypatch.setattr(rc.CudaOps, "FUSED_HASH", False)
     return request.param
 
 
@@ -468,11 +471,13 @@ def test_chunkwise_kernels_match_array_ops(rng, threads, reverse, monkeypatch):
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("group", [1, 2])
-def test_fused_chunk_kernels_match_the_array_form(rng, dtype, causal, group):
+def test_fused_chunk_kernels_match_the_array_form(rng, dtype, causal, group, monkeypatch):
     """racecpu.cuda.CudaOps' fused readout and causal backward (racecpu.cuda._chunk_kernels) against
     racecpu.chunkwise's array expressions on NumPy: masked keys (some queries see no mass), a length
     that is not a whole number of chunks or tiles, grouped query heads (the backward's fallback)."""
     from racecpu import chunkwise
+    monkeypatch.setattr(rc.CudaOps, "FUSED_MIN_TOKENS", 0)
+    monkeypatch.setattr(rc.CudaOps, "FUSED_HASH", True)
     G, N, d, dv = 2 * group, 21, 5, 3
     q = rng.standard_normal((G, N, d)).astype(dtype)
     k = rng.standard_normal((2, N, d)).astype(dtype)
@@ -518,10 +523,11 @@ def test_fused_kernels_from_fused_min_tokens(rng, monkeypatch, threshold, fused)
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("P,L,d", [(3, 3, 40), (4, 4, 9), (3, 8, 5), (5, 1, 3)])
-def test_fused_hash_matches_the_array_form(rng, dtype, P, L, d):
+def test_fused_hash_matches_the_array_form(rng, dtype, P, L, d, monkeypatch):
     """The warp-per-row soft hash and its backward (projection fused in) against racecpu.chunkwise's
     array expressions: tables wider than a warp (F = 64), more projections than d, one plane set."""
     from racecpu import chunkwise
+    monkeypatch.setattr(rc.CudaOps, "FUSED_HASH", True)
     planes = racecpu.hyperplanes(d, P, L, seed=1, dtype=dtype)
     x = rng.standard_normal((11, d)).astype(dtype)
     ops, ref = rc.CudaOps(np, rc._Device(False)), chunkwise.ArrayOps(np)
