@@ -6,7 +6,11 @@ forward and backward at 4 heads x (4 chunks + 5) tokens x d = 64, causal or not,
 demo compiles with.  Every Numba compilation is recorded (``numba:compile`` events) with its
 time less the compilations nested in it (its callees typed on the way), summed per function.
 
-    python benchmarks/compile_profile.py [--causal] [--dtype float64] [--top 20] [--signatures]
+    python benchmarks/compile_profile.py [--causal] [--dtype float64] [--top 20] [--signatures] [--phases]
+
+``--phases`` also sums the time of LLVM's phases over every compilation: the function passes,
+Numba's cheap and full module passes (the full O3 pipeline over each library with its callees'
+copies linked in) and machine-code generation; the rest is Numba's typing and lowering in Python.
 
 docs/performance.md, "First contact (issue 57): where the cold compile goes", quotes it.
 """
@@ -27,6 +31,7 @@ def main(argv=None):
     p.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     p.add_argument("--top", type=int, default=20, help="functions listed (default 20)")
     p.add_argument("--signatures", action="store_true", help="also list every compilation with its argument types")
+    p.add_argument("--phases", action="store_true", help="also sum the seconds of LLVM's phases (see above)")
     args = p.parse_args(argv)
     if "racecpu" in sys.modules:
         raise SystemExit("run in a fresh process")
@@ -35,6 +40,8 @@ def main(argv=None):
     t0 = time.perf_counter()
     import numpy as np
     from numba.core import event
+
+    phases = _time_llvm_phases() if args.phases else None
 
     records = []  # (function, argument types, inclusive s, exclusive s)
 
@@ -81,6 +88,45 @@ def main(argv=None):
     if args.signatures:
         for name, types, _, excl in records:
             print(f"{excl:6.2f}  {name} {types}")
+    if phases is not None:
+        llvm = sum(phases.values())
+        print("LLVM phases, seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items())
+              + f"; in all {llvm:.1f} of {t3 - t0:.1f} (the rest: Numba's typing and lowering, imports, the calls)")
+
+
+def _time_llvm_phases():
+    """Wrap Numba's codegen so that the seconds of each LLVM phase add up in the returned dict."""
+    import collections
+
+    from numba.core import codegen
+
+    seconds = collections.OrderedDict((k, 0.0) for k in ("function passes", "module passes (cheap)",
+                                                           "module passes (full)", "machine code"))
+
+    def timed(fn, key):
+        def run(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                seconds[key] += time.perf_counter() - t
+        return run
+
+    codegen.CPUCodeLibrary._optimize_functions = timed(codegen.CPUCodeLibrary._optimize_functions, "function passes")
+    codegen.JITCodeLibrary._finalize_specific = timed(codegen.JITCodeLibrary._finalize_specific, "machine code")
+    make_mpm = codegen.CPUCodegen._module_pass_manager
+
+    def module_pass_manager(self, **kw):
+        pm, pb = make_mpm(self, **kw)
+        key = "module passes (cheap)" if kw.get("cost") == "cheap" else "module passes (full)"
+
+        class Timed:
+            def run(self, module, builder):
+                return timed(pm.run, key)(module, builder)
+        return Timed(), pb
+
+    codegen.CPUCodegen._module_pass_manager = module_pass_manager
+    return seconds
 
 
 if __name__ == "__main__":

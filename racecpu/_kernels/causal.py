@@ -370,7 +370,7 @@ def causal_keys_bwd(bwd, dcarry, final=None, segments=None):
               np.zeros((0, 0, 0)) if final is None else final)
 
 
-@kernel
+@kernel(inline="always")
 def _causal_bwd_chunks(bwd, carry, partd, g, cs, acc, total, last, final):
     """Chunks ``nc - 1`` down to ``cs`` of key/value head ``g`` in one pass: each one's
     queries' backward and then its keys' backward, the reverse carries summed

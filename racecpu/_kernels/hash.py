@@ -266,7 +266,7 @@ def hash_range(x, lo, hi, hsh, keep, t, phi):
     return nan
 
 
-@kernel
+@kernel(inline="always")
 def hash_sketch_range(x, v, lo, hi, hsh, keep, t, phi, A, total):
     """:func:`hash_range` of rows lo..hi of ``x (N, d)``, summing the sketch of
     each block as soon as it is hashed: ``A`` (float64) += their rows of phi,
@@ -358,7 +358,7 @@ def head_scratch(res, group, n):
     return np.empty((group if res.shape[1] == 0 else 0, n) + res.shape[2:], res.dtype)
 
 
-@kernel
+@kernel(inline="always")
 def hash_chunk(x, g, lo, hi, hsh, keep, t_res, phi_res):
     """:func:`hash_range` of rows lo..hi of group ``g`` of ``x (G, N, d)`` into
     their rows of the residuals ``t_res``, ``phi_res`` (phi: or scratch, see

@@ -118,7 +118,7 @@ def query_bwd_buffers(grad, F, n):
                         np.zeros(F, np.float64), np.empty((n, F), np.float64))
 
 
-@kernel
+@kernel(inline="always")
 def queries_chunk_end(bwd, partd, g, c, scratch, span):
     """End of a non-causal query chunk's backward; returns the chunk's hash share of dbeta.
 

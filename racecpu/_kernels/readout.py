@@ -43,7 +43,7 @@ def den_share(dden, den, L):
     return dden / L if den > DEN_FLOOR else 0.0
 
 
-@kernel
+@kernel(inline="always")
 def readout_rows(phiq, A, S, L, den, out):
     """out_i = (phiq_i S) / (phiq_i . A) with the 1/L of both, den_i = phiq_i . A / L, every row.
 
