@@ -121,8 +121,7 @@ def _time_llvm_phases():
         key = "module passes (cheap)" if kw.get("cost") == "cheap" else "module passes (full)"
 
         class Timed:
-            def run(self, module, builder):
-                return timed(pm.run, key)(module, builder)
+            run = staticmethod(timed(pm.run, key))
         return Timed(), pb
 
     codegen.CPUCodegen._module_pass_manager = module_pass_manager

@@ -34,8 +34,6 @@ if not _GPU and "numba.cuda" not in sys.modules:
 
     numba.core.config.ENABLE_CUDASIM = 1
 
-import numba  # noqa: E402
-import numba.np.numpy_support  # noqa: E402
 from numba import cuda  # noqa: E402
 
 if not cuda.is_available():
@@ -66,7 +64,9 @@ def simulator_threads():
         return
     import threading
 
+    from numba.core import types
     from numba.cuda.simulator.kernelapi import FakeCUDAShared
+    from numba.np.numpy_support import as_dtype
 
     lock = threading.Lock()
     original = FakeCUDAShared.array
@@ -79,8 +79,8 @@ def simulator_threads():
         with lock:
             found = self._allocations.get(where)
             if found is None:
-                found = self._allocations[where] = np.empty(shape, numba.np.numpy_support.as_dtype(dtype)
-                                                            if isinstance(dtype, numba.types.Type) else dtype)
+                found = self._allocations[where] = np.empty(
+                    shape, as_dtype(dtype) if isinstance(dtype, types.Type) else dtype)
         return found
 
     interval = sys.getswitchinterval()
