@@ -29,11 +29,17 @@ racecpu's own:
   depend on what the process compiled or loaded before it
   (:func:`_install_own_copies`).
 
+* **Entries name the kernels they call by symbol** (``kernel(by_address=True)``,
+  :mod:`._link`), which are compiled or loaded and registered before the
+  entry's machine code is loaded.
+
 The cache only changes where compiled code comes from, never what it
-computes.  Only functions made by :func:`kernel` use this cache.  One thing
-touches Numba itself: from the first kernel compilation on, a wrapper around
+computes.  Only functions made by :func:`kernel` use this cache.  Two things
+touch Numba and LLVM: from the first kernel compilation on, a wrapper around
 Numba's ``CPUCodeLibrary._optimize_final_module`` that acts only while a
-racecpu kernel compiles; other Numba code in the process compiles as before.
+racecpu kernel compiles (other Numba code in the process compiles as
+before); and the ``racecpu.call.*`` symbols :mod:`._link` adds to the JIT's
+symbol table as kernels compile or load.
 
 The kernels cannot run as plain Python (they call compiled tasks by address
 and use Numba intrinsics), so ``import racecpu`` refuses ``NUMBA_DISABLE_JIT=1``
@@ -57,6 +63,8 @@ from numba.core import config as numba_config
 from numba.core import sigutils
 from numba.core.caching import CompileResultCacheImpl, FunctionCache, _CacheLocator
 from numba.core.errors import NumbaPerformanceWarning
+
+from . import _link
 
 if numba_config.DISABLE_JIT:
     raise ImportError("racecpu's kernels need Numba's JIT compiler and cannot run as plain Python, "
@@ -279,7 +287,18 @@ class _KernelLocator(_CacheLocator):
 
 
 class _KernelCacheImpl(CompileResultCacheImpl):
+    """Cache entries that carry the kernels their code calls by symbol (:mod:`._link`), which are
+    compiled or loaded and registered before that code is loaded."""
+
     _locator_classes = [_KernelLocator]
+
+    def reduce(self, cres):
+        return _link.linked_callees(cres.library), super().reduce(cres)
+
+    def rebuild(self, target_context, payload):
+        callees, data = payload
+        _link.relink(callees)
+        return super().rebuild(target_context, data)
 
 
 class _KernelCache(FunctionCache):
@@ -367,12 +386,22 @@ def _kernel_compilation():
         _compiling -= 1
 
 
-def kernel(fn=None, *, parallel=False, inline="never", cache=True):
+def kernel(fn=None, *, parallel=False, inline="never", cache=True, by_address=False, readonly=(), any_layout=()):
     """``numba.njit`` with the kernels' options (:data:`OPTIONS`) and racecpu's cache.
 
     Use as ``@kernel`` or ``@kernel(parallel=True)`` / ``@kernel(inline="always")``.
-    ``cache=False`` for functions Numba makes at typing time.
+    ``cache=False`` for functions Numba makes at typing time.  ``by_address=True``: other
+    kernels call it through a symbol, so it is compiled once per argument types instead of
+    again inside every caller (:mod:`._link`); ``readonly`` names the array parameters it
+    only reads, passed read-only whatever the caller has (one compilation for both), and
+    ``any_layout`` those passed in layout 'A' whatever the caller has.
     """
+    if by_address:
+        def wrap_by_address(f):
+            impl = kernel(f, parallel=parallel, cache=cache)
+            return _link.by_address(impl, numba.njit(inline="always", **OPTIONS), readonly, any_layout)
+        return wrap_by_address if fn is None else wrap_by_address(fn)
+
     def wrap(f):
         disp = numba.njit(parallel=parallel, inline=inline, **OPTIONS)(f)
         cached = cache and cache_dir() is not None

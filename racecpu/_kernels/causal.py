@@ -159,7 +159,7 @@ def causal_fwd(fwd, carry, final=None, segments=None):
     return int(nan.sum())
 
 
-@kernel
+@kernel(by_address=True)
 def _causal_queries_bwd_chunk(bwd, carry, partd, gk, c, t0, t1):
     """Chunk ``c`` of key/value head ``gk`` of :func:`causal_queries_bwd`, for
     every query head of its group; the chunk's dB total is summed for
@@ -253,7 +253,7 @@ def causal_queries_bwd(bwd, carry, partd, totals=None):
     run_tasks(_causal_queries_bwd_task, Gk * nc, Spread(spread_order(Gk, nc, t0, t1), t0, t1), bwd, carry, partd)
 
 
-@kernel
+@kernel(by_address=True)
 def _causal_keys_bwd_chunk(bwd, dcarry, gk, c, c0, track, last, final, total):
     """Chunk ``c`` of key/value head ``gk`` of :func:`causal_keys_bwd`, in a
     segment from chunk ``c0``: the suffix sums run over every query head of

@@ -21,7 +21,7 @@ from .products import add_into, combine_rows, dot_rows, prefetch_to, tn_product
 from .runtime import read_only, run_tasks
 
 
-@kernel
+@kernel(by_address=True, readonly=("x", "keep"))
 def hash_block(x, hsh, keep, scratch, t, phi, ahead=0, lines=0):
     """phi_l(x) and t = tanh(W_l x) of a block of rows, every table.
 

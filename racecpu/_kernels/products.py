@@ -39,7 +39,7 @@ def add_rows(A, rows):
             A[f] += rows[j, f]
 
 
-@kernel
+@kernel(by_address=True, readonly=("X", "S"))
 def combine_rows(X, S, out, stream=False, ahead=0, lines=0):
     """out[j] = sum_f X[j, f] S[f, :] for every row j, overwriting ``out``.
 
@@ -131,7 +131,7 @@ def _combine_rows_loop(X, S, out):
             f += 1
 
 
-@kernel
+@kernel(by_address=True, readonly=("U", "X"))
 def tn_product(U, X, out):
     """out = U^T X, overwriting ``out (m, d)``, for ``U (n, m)`` and ``X (n, d)``.
 
@@ -192,7 +192,7 @@ def _tn_product_loop(U, X, out):
             out[i, c] = acc[i, c]
 
 
-@kernel
+@kernel(by_address=True, readonly=("S", "X"))
 def dot_rows(S, X, Y):
     """Y[j, f] = S[f, :] . X[j, :] for every row j of ``X (n, dv)`` and f of ``S (F, dv)``.
 
@@ -231,12 +231,13 @@ def dot_rows(S, X, Y):
         _dot_rows_loop(S, X[n1:], Y[n1:])
 
 
-@kernel
+@kernel(by_address=True, readonly=("S", "X"), any_layout=("Y",))
 def _dot_rows_loop(S, X, Y):
     """:func:`dot_rows` by loops.  Two rows of X and four of S per sweep, each product with
     its own accumulator: every load feeds two FMAs and the horizontal sums
     overlap.  A whole block per call, not a row, so the call's cost is
-    shared (docs/performance.md, "dot tiles").
+    shared (docs/performance.md, "dot tiles").  Y in any layout, compiled
+    once for all: each of its elements is stored once, after dv-long sums.
     """
     F, dv = S.shape
     n = X.shape[0]
@@ -308,7 +309,7 @@ def outer_add(w, x, B):
         j += 1
 
 
-@kernel
+@kernel(by_address=True, readonly=("w", "x"))
 def step_product(w, x, out):
     """out = w^T x for ``w (m, F)``, ``x (m, dv)``, overwriting ``out (F, dv)``:
     sgemm from BLAS_ROWS rows, :func:`outer_add` below (call overhead wins)."""
@@ -319,7 +320,7 @@ def step_product(w, x, out):
         outer_add(w, x, out)
 
 
-@kernel
+@kernel(by_address=True, readonly=("w", "x"))
 def add_product(w, x, S, tmp, total, track):
     """S += w^T x (one scan step's state update; ``tmp`` (F, dv) holds the
     product), and ``total`` += the same product when ``track`` (one chunk's
@@ -349,7 +350,7 @@ def add_into(acc, tmp):
             acc[f, c] += tmp[f, c]
 
 
-@kernel
+@kernel(by_address=True, readonly=("w", "x"))
 def span_totals(w, x, span, reverse, total, tmp):
     """total (float64) = w^T x, one :func:`step_product` per ``span`` rows
     (aligned at row 0; the last span first when ``reverse``).
@@ -376,7 +377,7 @@ def span_totals(w, x, span, reverse, total, tmp):
             total[f, c] = acc[f, c]
 
 
-@kernel
+@kernel(by_address=True, readonly=("w", "x"))
 def group_span_totals(w, x, h0, lo, span, total, tmp):
     """total (float64) = sum_h w[h]^T x[h0 + h, lo:lo + n] for the query heads
     of one key/value head (``w (group, n, F)``, ``x (G, N, dv)``), summed as
@@ -416,7 +417,7 @@ def zero_below(M):
             M[i, j] = 0.0
 
 
-@kernel
+@kernel(by_address=True, readonly=("X", "Y"))
 def step_scores(X, Y, out, lower):
     """out[i, j] = X[i] . Y[j] where j <= i (``lower``) or j >= i (not), 0 elsewhere.
 
