@@ -25,6 +25,7 @@ of the callee compiled on its own, the same in every caller.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import inspect
@@ -40,10 +41,15 @@ _IMPLS = {}  # (module, qualname) -> the compiled kernel (a Numba dispatcher) be
 _SYMBOLS = {}  # symbol -> (module, qualname, argument types, return type), registered in this process
 
 
+def _origin(f):
+    """(name of the module that defines ``f``, its qualified name): where :func:`relink` finds it."""
+    return f.__globals__["__name__"], f.__qualname__
+
+
 def _symbol(impl, argtypes):
-    f = impl.py_func
+    module, qualname = _origin(impl.py_func)
     digest = hashlib.sha256(repr(tuple(str(t) for t in argtypes)).encode()).hexdigest()[:20]
-    return f"{PREFIX}{f.__module__}.{f.__qualname__}.{digest}"
+    return f"{PREFIX}{module}.{qualname}.{digest}"
 
 
 def _register(impl, argtypes):
@@ -55,8 +61,7 @@ def _register(impl, argtypes):
         impl.compile(argtypes)
         cres = impl.overloads[argtypes]
         llvm.add_symbol(sym, cres.library.get_pointer_to_function(cres.fndesc.llvm_func_name))
-        f = impl.py_func
-        entry = _SYMBOLS[sym] = (f.__module__, f.__qualname__, argtypes, cres.signature.return_type)
+        entry = _SYMBOLS[sym] = (*_origin(impl.py_func), argtypes, cres.signature.return_type)
     return sym, entry[3]
 
 
@@ -126,14 +131,14 @@ def by_address(impl, njit_inline, readonly=(), any_layout=()):
     unknown = (set(readonly) | set(any_layout)) - set(params)
     if unknown:
         raise ValueError(f"{f.__qualname__} has no parameters {sorted(unknown)}")
-    _IMPLS[f.__module__, f.__qualname__] = impl
+    _IMPLS[_origin(f)] = impl
     names = ", ".join(params)
     positions = [frozenset(i for i, p in enumerate(params) if p in which) for which in (readonly, any_layout)]
     namespace = {"_call": _caller(impl, *positions)}
     exec(f"def {f.__name__}({names}):\n    return _call(({names},))\n", namespace)
-    wrapper = namespace[f.__name__]
+    wrapper = functools.update_wrapper(namespace[f.__name__], f, updated=())
+    del wrapper.__wrapped__  # the wrapper's own signature is f's: nothing to unwrap
     wrapper.__defaults__ = f.__defaults__
-    wrapper.__doc__, wrapper.__module__, wrapper.__qualname__ = f.__doc__, f.__module__, f.__qualname__
     disp = njit_inline(wrapper)
     disp.impl = impl
     return disp
