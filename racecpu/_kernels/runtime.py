@@ -11,6 +11,7 @@ parallel NaN/Inf count of the input check (:func:`count_nonfinite`).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import numbers
 import os
 import platform
@@ -22,6 +23,7 @@ import scipy.linalg.cython_blas  # noqa: F401  (the BLAS that np.dot in the kern
 from llvmlite import ir
 from numba import prange, types
 from numba.core import cgutils
+from numba.core.compiler_lock import global_compiler_lock
 from numba.extending import intrinsic
 
 from .. import config
@@ -262,14 +264,76 @@ def _call_task(typingctx, addr, t, args):
     return types.none(addr, t, args), codegen
 
 
-@kernel(parallel=True)
+@kernel(parallel=True, by_address=True)
 def _run_tasks(addr, ntasks, args):
+    """Call ``addr(t, *args)`` for t in range(ntasks) on every thread: the one parallel loop,
+    compiled once (``addr``: a trampoline of :func:`_trampoline`, ``args``: its packed
+    arguments' address)."""
     for t in prange(ntasks):
         _call_task(addr, np.int64(t), args)
         stream_fence()  # the task's streamed stores (combine_rows) done before the join
 
 
-_task_runners = {}  # (task, key of the argument types) -> (task address, compiled _run_tasks)
+@intrinsic
+def _packed(typingctx, args):
+    """The address of a stack copy of ``args`` (a flat tuple) as the arguments of a call pass
+    them (Numba's calling convention: each value flattened to its LLVM members, in order),
+    valid while the calling function runs."""
+    def codegen(context, builder, sig, llargs):
+        argtypes = tuple(args)
+        vals = cgutils.unpack_tuple(builder, llargs[0], len(argtypes))
+        flat = list(context.get_arg_packer(argtypes).as_arguments(builder, vals))
+        slot = cgutils.alloca_once(builder, ir.LiteralStructType([v.type for v in flat]))
+        for i, v in enumerate(flat):
+            builder.store(v, cgutils.gep_inbounds(builder, slot, 0, i))
+        return builder.ptrtoint(slot, context.get_value_type(types.intp))
+
+    return types.intp(args), codegen
+
+
+@kernel
+def _launch(tramp, ntasks, args):
+    """Run the tasks: ``args`` packed on this frame's stack, the trampoline ``tramp`` unpacks
+    them for each task (:func:`_trampoline`)."""
+    _run_tasks(tramp, ntasks, (_packed(args),))
+
+
+_trampolines = itertools.count()
+
+
+def _trampoline(task_addr, argtypes, flat_types):
+    """A function ``f(t, packed)`` in Numba's calling convention that calls the task at
+    ``task_addr``, compiled for ``(int64, *argtypes)``, with the arguments :func:`_packed`
+    stored at address ``packed`` (``flat_types``: the leaves of ``argtypes``, as packed).
+
+    Written in LLVM IR, not by Numba: a few loads and a call, generated in about a
+    millisecond, once per task and argument types in each process.  Returns the library
+    (keep it alive) and the function's address.
+    """
+    from numba.core.registry import cpu_target
+    context = cpu_target.target_context
+    task_type = context.call_conv.get_function_type(types.none, (types.int64, *argtypes))
+    own_type = context.call_conv.get_function_type(types.none, (types.int64, types.intp))
+    packed = list(context.get_arg_packer(flat_types).argument_types)
+    if [str(t) for t in task_type.args[3:]] != [str(t) for t in packed]:  # never expected: a crash otherwise
+        raise TypeError(f"packed arguments {packed} differ from the task's {task_type.args[3:]}")
+    name = f"racecpu_trampoline_{next(_trampolines)}"
+    module = context.create_module(name)
+    fn = ir.Function(module, own_type, name)
+    ret, excinfo, t, address = fn.args
+    builder = ir.IRBuilder(fn.append_basic_block())
+    slot = builder.inttoptr(address, ir.LiteralStructType(packed).as_pointer())
+    vals = [builder.load(cgutils.gep_inbounds(builder, slot, 0, i)) for i in range(len(packed))]
+    task = builder.inttoptr(ir.Constant(ir.IntType(64), task_addr), task_type.as_pointer())
+    builder.ret(builder.call(task, [ret, excinfo, t, *vals]))
+    with global_compiler_lock:  # Numba's code generation is not thread-safe
+        library = context.codegen().create_library(name)
+        library.add_ir_module(module)
+        library.finalize()
+        return library, library.get_pointer_to_function(name)
+
+
+_task_runners = {}  # (task, key of the argument types) -> (trampoline address, compiled _launch, library)
 
 # The array flags that Numba's type of an array depends on, alignment aside (see run_tasks): its
 # layout ('C', 'F' or 'A') and whether it is read-only.
@@ -329,12 +393,14 @@ def run_tasks(task, ntasks, *args):
         argtypes = tuple(numba.typeof(a) for a in args)
         cres = task.get_compile_result(types.none(types.int64, *argtypes))
         addr = cres.library.get_pointer_to_function(cres.fndesc.llvm_func_name)
-        sig = (types.intp, types.int64, types.Tuple(tuple(numba.typeof(a) for a in flat)))
-        _run_tasks.compile(sig)
-        runner = _task_runners[key] = addr, _run_tasks.overloads[sig].entry_point
-    addr, entry = runner
+        flat_types = tuple(numba.typeof(a) for a in flat)
+        library, tramp = _trampoline(addr, argtypes, flat_types)
+        sig = (types.intp, types.int64, types.Tuple(flat_types))
+        _launch.compile(sig)
+        runner = _task_runners[key] = tramp, _launch.overloads[sig].entry_point, library
+    tramp, entry, _ = runner
     with parallel_region():
-        entry(addr, ntasks, flat)
+        entry(tramp, ntasks, flat)
 
 
 @kernel
