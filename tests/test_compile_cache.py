@@ -76,12 +76,13 @@ def _lines(stderr):
 
 
 def _cache_without_runners(dest):
-    """A copy of this process's kernel cache at ``dest`` less the compiled parallel loops
-    (runtime._run_tasks): a process using it compiles those (a few seconds), loads the rest."""
+    """A copy of this process's kernel cache at ``dest`` less the launchers of the parallel
+    loop (runtime._launch, one per task and argument types): a process using it compiles those
+    (a second or two), loads the rest."""
     src = _jit.cache_dir()
     if src is None or not any(Path(src).glob("*.nbi")):
         pytest.skip("no warm kernel cache in this process to copy")
-    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("runtime._run_tasks-*"))
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("runtime._launch-*"))
 
 
 @pytest.mark.parametrize("frontend", ["numpy", "torch", "jax", "autograd"])
@@ -97,7 +98,7 @@ def test_a_process_that_compiles_says_so_in_one_line_and_a_cached_one_says_nothi
     assert len(lines) == 1, first
     assert str(cache) in lines[0] and "float32" in lines[0]
     assert _lines(_run(code, env, tmp_path)) == []  # the second process loads what the first compiled
-    for name in list((cache / "racecpu" / _jit.cache_tag()).glob("runtime._run_tasks-*"))[:1]:
+    for name in list((cache / "racecpu" / _jit.cache_tag()).glob("runtime._launch-*"))[:1]:
         name.unlink()
     assert _lines(_run(code, dict(env, RACECPU_QUIET_COMPILE="1"), tmp_path)) == []
 
