@@ -71,5 +71,9 @@ def test_a_compiled_library_names_the_kernels_it_calls_by_symbol():
     np.testing.assert_allclose(out, X @ S)
     cres = next(iter(products.combine_rows.overloads.values()))
     callees = _link.linked_callees(cres.library)
-    assert [(m, q) for m, q, _ in callees] == [("racecpu._kernels.products", "combine_rows")]
-    assert not callees[0][2][0].mutable  # X passed read-only (readonly=("X", "S"))
+    assert [(m, q) for _, m, q, _ in callees] == [("racecpu._kernels.products", "combine_rows")]
+    sym, module, qualname, argtypes = callees[0]
+    assert not argtypes[0].mutable  # X passed read-only (readonly=("X", "S"))
+    _link.relink(callees)  # what a cache load does: nothing to compile, the same symbol
+    with pytest.raises(LookupError):  # an entry whose symbol this process would name otherwise
+        _link.relink([(sym + "x", module, qualname, argtypes)])

@@ -4,7 +4,7 @@ Numba links a kernel's callees into the caller's module and runs LLVM's
 optimisation and code generation over them again there, then again in
 the caller's caller: a product such as :func:`.products.combine_rows` was
 optimised and turned into machine code once on its own and once more at
-every level of every kernel above it, about half of the cold compile
+every level of every kernel above it: about a third of the cold compile
 (docs/performance.md, "First contact (issue 57)").  A kernel made with
 ``kernel(by_address=True)`` is compiled once per argument types, and its
 callers call it through an external symbol of their own naming
@@ -66,21 +66,29 @@ def _register(impl, argtypes):
 
 
 def linked_callees(library):
-    """The callees a compiled library calls by symbol, as (module, qualname, argument types):
-    what :func:`relink` needs before that library's machine code can be loaded again."""
+    """The callees a compiled library calls by symbol, as (symbol, module, qualname, argument
+    types): what :func:`relink` needs before that library's machine code can be loaded again."""
     out = []
     for fn in library._final_module.functions:
         if fn.is_declaration and fn.name.startswith(PREFIX):
             module, qualname, argtypes, _ = _SYMBOLS[fn.name]  # registered when the call was typed
-            out.append((module, qualname, argtypes))
+            out.append((fn.name, module, qualname, argtypes))
     return out
 
 
 def relink(callees):
-    """Compile or load, and register, the callees of a library about to be loaded from the cache."""
-    for module, qualname, argtypes in callees:
+    """Compile or load, and register, the callees of a library about to be loaded from the cache.
+
+    Raises LookupError where a symbol would not be the one the cached code calls (the cache then
+    compiles the library again): loading it anyway would crash the process.
+    """
+    for sym, module, qualname, argtypes in callees:
         importlib.import_module(module)
-        _register(_IMPLS[module, qualname], tuple(argtypes))
+        impl = _IMPLS[module, qualname]
+        argtypes = tuple(argtypes)
+        if _symbol(impl, argtypes) != sym:
+            raise LookupError(f"{sym} is not the symbol of {qualname}{argtypes} in this process")
+        _register(impl, argtypes)
 
 
 def _caller(impl, readonly, any_layout):

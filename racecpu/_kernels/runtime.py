@@ -374,14 +374,14 @@ def run_tasks(task, ntasks, *args):
 
     The parallel loop calls ``task`` through its address, so each task is
     compiled once, on its own, instead of being linked, optimised and
-    generated again inside every parallel loop that calls it; the address
-    and the compiled loop are looked up once per argument types, by a key of
-    what the types depend on (:func:`_flatten`; docs/performance.md, "run_tasks
-    by address").  The loop gets the
-    arguments' leaves as one flat tuple (Numba's parallel loops take no
-    nested tuples) and calls the task with them: Numba's calling convention
-    passes a tuple argument as its flattened members, so the two are the
-    same call.  Alignment is not part of the key: code compiled for aligned
+    generated again inside every parallel loop that calls it (docs/performance.md,
+    "run_tasks by address"); the loop itself is compiled once for every task
+    (:func:`_run_tasks`).  Per task and argument types, looked up by a key of
+    what the types depend on (:func:`_flatten`), :func:`_launch` gets the
+    arguments' leaves as one flat tuple and packs them on its stack, and a
+    trampoline (:func:`_trampoline`) unpacks them for each task: Numba's
+    calling convention passes a tuple argument as its flattened members, so
+    the task gets the call it was compiled for.  Alignment is not part of the key: code compiled for aligned
     arrays runs on unaligned ones, which x86-64 and AArch64 load and store alike.
     """
     start_threads()
