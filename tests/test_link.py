@@ -59,6 +59,10 @@ def test_the_wrapper_keeps_the_name_docstring_and_defaults():
     assert _scaled_sum.py_func.__defaults__ == (2.0,)
     with pytest.raises(ValueError, match="no parameters"):
         _jit.kernel(by_address=True, readonly=("nope",))(lambda a: a)
+    with pytest.raises(ValueError, match="by_address"):
+        _jit.kernel(readonly=("a",))
+    with pytest.raises(ValueError, match="inlined"):
+        _jit.kernel(by_address=True, inline="always")
 
 
 def test_a_compiled_library_names_the_kernels_it_calls_by_symbol():

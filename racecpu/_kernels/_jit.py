@@ -396,6 +396,10 @@ def kernel(fn=None, *, parallel=False, inline="never", cache=True, by_address=Fa
     only reads, passed read-only whatever the caller has (one compilation for both), and
     ``any_layout`` those passed in layout 'A' whatever the caller has.
     """
+    if not by_address and (readonly or any_layout):
+        raise ValueError("readonly= and any_layout= apply to kernels made with by_address=True")
+    if by_address and inline != "never":
+        raise ValueError("a kernel called through its symbol cannot be inlined: by_address=True with inline=")
     if by_address:
         def wrap_by_address(f):
             impl = kernel(f, parallel=parallel, cache=cache)
