@@ -39,8 +39,8 @@ from ..config import SCAN_BLOCK
 from ._jit import kernel
 from .bundles import Chunks, Spread, Sums
 from .hash import hash_bwd_rows_dw, hash_range, head_rows, head_scratch
-from .products import (add_product, add_rows, combine_rows, dot_rows, group_span_totals, step_scores, zero_above,
-                       zero_below)
+from .products import (add_product, add_rows, combine_rows, copy_into, dot_rows, group_span_totals, step_scores,
+                       zero_above, zero_below)
 from .readout import den_share, dphi_from_y, ratio_inverse, step_readout
 from .runtime import read_only, run_tasks
 from .scan import carry_on, exclusive_step, restarts, segment_chunks, segment_start, spread_order, task_bounds
@@ -195,7 +195,7 @@ def _causal_queries_bwd_chunk(bwd, carry, partd, gk, c, t0, t1):
                 dot_rows(V, Gb, M)  # M_ij = g_i . v_j, kept for j <= i
                 zero_above(M)
                 np.dot(M, Pk, Z)
-            Ah[:] = A
+            copy_into(Ah, A)
             for i in range(m):
                 dphi = DPHI[hl, i0 + i - lo]
                 for f in range(F):
@@ -206,9 +206,9 @@ def _causal_queries_bwd_chunk(bwd, carry, partd, gk, c, t0, t1):
                 for f in range(F):
                     dA[f] += Pq[i, f] * dden / L
                     wblock[hl, i0 + i - lo, f] = wq[f]
-        A[:] = Ah
+        copy_into(A, Ah)
         add_product(Pk, V, S, dS, dS, False)  # (no total to track)
-    partd.A[gk, c] = dA
+    copy_into(partd.A[gk, c], dA)
     if t0 <= c < t1:  # dB = sum_i wq_i g_i^T, summed as the keys' reverse scan sums it
         group_span_totals(wblock, grad, h0, lo, SCAN_BLOCK, partd.B[gk, c], np.empty((F, dv), grad.dtype))
     pg = grads.planes
@@ -446,7 +446,7 @@ def _split_carries(partdA, partdB, tailA, tailB, cs, seq):
             exclusive_step(partdB[g, c], partdB[g, c], acc)
         if restarts(seq, m):
             acc[:] = 0.0
-        partdB[g, m - 1] = acc
+        copy_into(partdB[g, m - 1], acc)
 
 
 def causal_bwd_split(bwd, carry, partd, final=None):

@@ -21,7 +21,7 @@ from ..config import BLAS_SPAN
 from ._jit import kernel
 from .bundles import QueryScratch
 from .hash import hash_bwd_rows_dw, hash_chunk, residual_rows
-from .products import combine_rows, dot_rows, span_totals
+from .products import combine_rows, copy_into, dot_rows, span_totals
 from .readout import dphi_from_y, readout_rows
 from .runtime import read_only, run_tasks
 from .scan import task_bounds
@@ -131,7 +131,7 @@ def queries_chunk_end(bwd, partd, g, c, scratch, span):
     """
     grad = bwd.grad
     lo, hi = bwd.chunks.cuts[c], bwd.chunks.cuts[c + 1]
-    partd.A[g, c] = scratch.dA
+    copy_into(partd.A[g, c], scratch.dA)
     if span > 0:
         span_totals(scratch.wblock, grad[g, lo:hi], span, True, partd.B[g, c],
                     np.empty((scratch.wblock.shape[1], grad.shape[2]), grad.dtype))

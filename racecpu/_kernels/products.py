@@ -87,46 +87,49 @@ def combine_rows(X, S, out, stream=False, ahead=0, lines=0):
                     done = prefetch_to(ahead, done, lines * ((i // COMB_ROWS) * (c1 // width) + c // width + 1)
                                         // tiles)
     if n1 == 0:
-        _combine_rows_loop(X, S, out)
+        _combine_rows_loop(X, S, out, 0, n, 0)
         return
     if c1 < dv:
-        _combine_rows_loop(X[:n1], S[:, c1:], out[:n1, c1:])
+        _combine_rows_loop(X, S, out, 0, n1, c1)
     if n1 < n:
-        _combine_rows_loop(X[n1:], S, out[n1:])
+        _combine_rows_loop(X, S, out, n1, n, 0)
 
 
-@kernel
-def _combine_rows_loop(X, S, out):
-    """:func:`combine_rows` by loops: eight rows of S per sweep over out[j],
-    the first sweep assigning, so that the dv-long loop is bound by FMAs,
-    not by reloading and storing out[j] once per row of S."""
-    n, F = X.shape
+@kernel(by_address=True, readonly=("X", "S"))
+def _combine_rows_loop(X, S, out, j0, j1, c0):
+    """:func:`combine_rows` by loops for rows j0..j1 and columns c0.. of out:
+    eight rows of S per sweep over out[j], the first sweep assigning, so that
+    the dv-long loop is bound by FMAs, not by reloading and storing out[j]
+    once per row of S.  Bounds rather than slices, so that the edges of a
+    tiled call compile with the same array layouts as the whole (one
+    compilation, not two)."""
+    F = X.shape[1]
     dv = S.shape[1]
-    for j in range(n):
+    for j in range(j0, j1):
         w = X[j]
         o = out[j]
         f = 0
         if F >= 8:
             w0, w1, w2, w3, w4, w5, w6, w7 = w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]
             s0, s1, s2, s3, s4, s5, s6, s7 = S[0], S[1], S[2], S[3], S[4], S[5], S[6], S[7]
-            for c in range(dv):
+            for c in range(c0, dv):
                 o[c] = (((w0 * s0[c] + w1 * s1[c]) + (w2 * s2[c] + w3 * s3[c]))
                         + ((w4 * s4[c] + w5 * s5[c]) + (w6 * s6[c] + w7 * s7[c])))
             f = 8
         else:
-            for c in range(dv):
+            for c in range(c0, dv):
                 o[c] = 0.0
         while f + 8 <= F:
             w0, w1, w2, w3, w4, w5, w6, w7 = w[f], w[f + 1], w[f + 2], w[f + 3], w[f + 4], w[f + 5], w[f + 6], w[f + 7]
             s0, s1, s2, s3, s4, s5, s6, s7 = S[f], S[f + 1], S[f + 2], S[f + 3], S[f + 4], S[f + 5], S[f + 6], S[f + 7]
-            for c in range(dv):
+            for c in range(c0, dv):
                 o[c] += (((w0 * s0[c] + w1 * s1[c]) + (w2 * s2[c] + w3 * s3[c]))
                          + ((w4 * s4[c] + w5 * s5[c]) + (w6 * s6[c] + w7 * s7[c])))
             f += 8
         while f < F:
             wf = w[f]
             sf = S[f]
-            for c in range(dv):
+            for c in range(c0, dv):
                 o[c] += wf * sf[c]
             f += 1
 
@@ -192,7 +195,7 @@ def _tn_product_loop(U, X, out):
             out[i, c] = acc[i, c]
 
 
-@kernel(by_address=True, readonly=("S", "X"))
+@kernel(by_address=True, readonly=("S", "X"), any_layout=("Y",))
 def dot_rows(S, X, Y):
     """Y[j, f] = S[f, :] . X[j, :] for every row j of ``X (n, dv)`` and f of ``S (F, dv)``.
 
@@ -201,7 +204,8 @@ def dot_rows(S, X, Y):
     (:func:`racecpu._kernels.tiles.dot_tile_rows` / ``dot_tile_cols``: TILE_ROWS rows
     of X by a few rows of S) where rows are contiguous, dv is a whole number
     of vectors and Y is contiguous along either axis; :func:`_dot_rows_loop`
-    for the edges (last rows of X or of S) and everything else.
+    for the edges (last rows of X or of S) and everything else.  Y in any
+    layout, compiled once for all: the tiles address it by its strides.
     """
     F, dv = S.shape
     n = X.shape[0]
@@ -339,6 +343,24 @@ def add_product(w, x, S, tmp, total, track):
         for f in range(F):
             for c in range(dv):
                 S[f, c] += tmp[f, c]
+
+
+@kernel
+def copy_into(dst, src):
+    """dst[...] = src for two arrays of one shape, 1-D or 2-D (src may be float32 and dst float64).
+
+    A loop rather than a slice assignment: Numba compiles a slice assignment's
+    shape check with a formatted message, which brings its whole string
+    machinery into the caller (about 2.5 s of a cold compile, see
+    docs/performance.md); the shapes here agree by construction.
+    """
+    if dst.ndim == 1:
+        for i in range(dst.shape[0]):
+            dst[i] = src[i]
+    else:
+        for i in range(dst.shape[0]):
+            for j in range(dst.shape[1]):
+                dst[i, j] = src[i, j]
 
 
 @kernel

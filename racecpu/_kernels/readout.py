@@ -27,7 +27,7 @@ import numpy as np
 
 from ..config import DEN_FLOOR
 from ._jit import kernel
-from .products import combine_rows
+from .products import combine_rows, copy_into
 
 
 @kernel
@@ -133,7 +133,7 @@ def state_cotangent_rows(phiq, phik, A0, out, grad, L, dA, w):
     dv = out.shape[2]
     A = np.empty(F)
     for g in range(G):
-        A[:] = A0[g]
+        copy_into(A, A0[g])
         for i in range(n):
             den = 0.0
             for f in range(F):
