@@ -9,6 +9,9 @@ over the minutes slows both; the medians and the median of the per-round
 ratios B/A are printed.
 
     python benchmarks/compile_time.py OTHER_CHECKOUT [--rounds 3] [--heads 4] [--tokens 4096] [--dim 64]
+                                      [--paths both|noncausal|causal]
+
+``--paths noncausal`` times the demo's own path alone (``racecpu demo`` is non-causal by default).
 """
 
 from __future__ import annotations
@@ -31,18 +34,22 @@ import numpy as np, racecpu
 rng = np.random.default_rng(0)
 q, k, v, g = (rng.standard_normal((1, {heads}, {tokens}, {dim})).astype(np.float32) for _ in range(4))
 W = racecpu.hyperplanes({dim})
-for causal in (False, True):
+for causal in {causal}:
     out, res = racecpu.race_attention_fwd(q, k, v, W, causal=causal)
     racecpu.race_attention_bwd(res, g)
 print("RESULT" + json.dumps(dict(seconds=time.perf_counter() - t0, where=racecpu.__file__)))
 """
 
 
-def cold_run(tree, heads, tokens, dim):
-    """Seconds from before ``import racecpu`` to the end of both calls, with an empty kernel cache."""
+PATHS = {"both": (False, True), "noncausal": (False,), "causal": (True,)}
+
+
+def cold_run(tree, heads, tokens, dim, causal=(False, True)):
+    """Seconds from before ``import racecpu`` to the end of the calls (``causal``: the flags of
+    the forward+backward calls made, in order), with an empty kernel cache."""
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, PYTHONPATH=str(Path(tree).resolve()), NUMBA_CACHE_DIR=cache)
-        p = subprocess.run([sys.executable, "-c", CHILD.format(heads=heads, tokens=tokens, dim=dim)],
+        p = subprocess.run([sys.executable, "-c", CHILD.format(heads=heads, tokens=tokens, dim=dim, causal=tuple(causal))],
                            env=env, capture_output=True, text=True, cwd=cache)
     for line in p.stdout.splitlines():
         if line.startswith("RESULT"):
@@ -60,12 +67,13 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--paths", choices=tuple(PATHS), default="both", help="which calls compile (default both)")
     args = ap.parse_args(argv)
     trees = {"A": ROOT, "B": Path(args.other)}
     times = {"A": [], "B": []}
     for r in range(args.rounds):
         for side in ("AB" if r % 2 == 0 else "BA"):
-            times[side].append(cold_run(trees[side], args.heads, args.tokens, args.dim))
+            times[side].append(cold_run(trees[side], args.heads, args.tokens, args.dim, PATHS[args.paths]))
             print(f"round {r} {side}: {times[side][-1]:.1f} s", flush=True)
     ratios = [b / a for a, b in zip(times["A"], times["B"])]
     print(f"A {trees['A']}: median {statistics.median(times['A']):.1f} s  {[round(t, 1) for t in times['A']]}")

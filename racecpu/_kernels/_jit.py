@@ -241,7 +241,7 @@ def _first_float_dtype(types):
 
 
 def announce_compilation(sig=None):
-    """Print, once per process, the line that says the kernels compile now (~30 s a kind of call)
+    """Print, once per process, the line that says the kernels compile now (~30 s for a non-causal call, ~45 s for a causal one, on 2 cores)
     and where they will be kept; silent with ``RACECPU_QUIET_COMPILE=1``.
 
     Called as a kernel misses the cache, whichever entry point (NumPy API, torch, JAX,
@@ -257,7 +257,7 @@ def announce_compilation(sig=None):
     what = f" for {dtype}" if dtype else ""
     where = cache_dir()
     kept = f"then cached in {where}" if where else "not cached: no writable directory"
-    print(f"racecpu: compiling RACE kernels{what} (first use on this machine, ~30 s; {kept}) ...",
+    print(f"racecpu: compiling RACE kernels{what} (first use on this machine, ~30-45 s; {kept}) ...",
           file=sys.stderr, flush=True)
 
 
