@@ -51,7 +51,7 @@ from ._checks import (OVERFLOW_MARGIN, all_finite, check_array, check_derived, c
 from ._kernels import set_threads, threads  # noqa: F401  (racecpu's: the kernels' thread count)
 from ._memory import POOL
 from .packing import sequence_sums
-from .plan import Plan, cpu_chunk_model, make_plan
+from .plan import Plan, cpu_chunk_model, make_plan, scan_segments
 
 __all__ = ["forward", "backward", "Residuals", "Advanced", "soft_hash", "group_sum", "sketch_keys", "readout",
            "readout_bwd", "keys_bwd", "KeyPass", "advance_keys",
@@ -334,10 +334,11 @@ class KeyPass(NamedTuple):
     partB: np.ndarray
     nan_k: int
     G: int
+    segments: int = 0
 
 
 def advance_keys(k, v, planes, beta, G, *, mask=None, keep=BACKWARD_ROWS, check_finite=False,
-                 work=pool_work):
+                 work=pool_work, segmented=False):
     """The keys' half of :func:`advance`: hash a causal block's keys and sum each chunk.
 
     ``k (Gk, n, d)``, ``v (Gk, n, dv)`` as for :func:`advance`; ``G``: the
@@ -348,6 +349,9 @@ def advance_keys(k, v, planes, beta, G, *, mask=None, keep=BACKWARD_ROWS, check_
     itself.  ``mask``, ``keep`` and ``work`` as for :func:`advance` (the rows
     of the queries are made here too, so that the pass holds every row a
     backward reads).  ``check_finite``: k's and v's NaN/Inf raise ValueError.
+    ``segmented``: for :func:`advance`'s ``scan=True`` only: the B totals of
+    the chunks before the scan's last segment alone (``segments`` says how
+    many), the others not written.
     """
     _fork.check()
     Gk, n, d = k.shape
@@ -365,11 +369,13 @@ def advance_keys(k, v, planes, beta, G, *, mask=None, keep=BACKWARD_ROWS, check_
     mask = ones if mask is None else mask
     partA = work("partA", (Gk, nc, F), np.float64, zero=True)
     partB = work("partB", (Gk, nc, F, dv), np.float64, zero=True)
+    seg = scan_segments(Gk, nc, n) if segmented else 0
+    totals = (0, K.segment_start(seg - 1, seg, nc)) if segmented else None
     with _on_threads(Gk * n, chunk, n):
-        nan_k = K.sketch_chunks(k, v, mask, K.Hash(planes, beta), chunks, rows, K.Sums(partA, partB))
+        nan_k = K.sketch_chunks(k, v, mask, K.Hash(planes, beta), chunks, rows, K.Sums(partA, partB), totals=totals)
     check_derived(check_finite, ("k", k, nan_k == 0, PROJECTIONS_OVERFLOW.format(cdt)),
-                  ("v", v, all_finite(partB), sums_overflow(cdt)))
-    return KeyPass(chunk, chunks, rows, partA, partB, nan_k, G)
+                  ("v", v, segmented or all_finite(partB), sums_overflow(cdt)))  # segmented: checked after the scan
+    return KeyPass(chunk, chunks, rows, partA, partB, nan_k, G, seg)
 
 
 def state_after(keys, A0, B0):
@@ -381,7 +387,7 @@ def state_after(keys, A0, B0):
 
 
 def advance(q, k, v, planes, beta, A0, B0, out, *, mask=None, keep=BACKWARD_ROWS,
-            check_finite=False, work=pool_work, keys=None):
+            check_finite=False, work=pool_work, keys=None, scan=False):
     """Causal attention of a block of tokens from a carried state; the state after it.
 
     ``q (G, n, d)``, ``k (Gk, n, d)``, ``v (Gk, n, dv)`` (``Gk`` divides ``G``:
@@ -398,15 +404,27 @@ def advance(q, k, v, planes, beta, A0, B0, out, *, mask=None, keep=BACKWARD_ROWS
     ``k``, ``v``, ``mask``, ``keep``), so that the keys are not hashed again
     (its rows are written into and returned); ``k`` is then not read.
     ``check_finite``: q's, k's and v's NaN/Inf raise ValueError.
+
+    ``scan``: the state summed by the scan itself, as the whole call's
+    forward sums it, rather than from every chunk's total summed first by
+    the keys' pass (no ``keys``): the B totals of only the chunks before the
+    scan's last segment (:func:`racecpu.plan.scan_segments`; on one thread,
+    none), so about a sgemm per token less.  The state after the block is the
+    scan's, and the carries of a block after the first differ from the
+    default's by rounding: they are summed from ``B0`` on, not added to it.
     """
     G, n, d = q.shape
     L, P, _ = planes.shape
     cdt = q.dtype
+    if scan and keys is not None:
+        raise ValueError("advance(scan=True) makes its own keys' pass: no keys=")
     if keys is None:
-        keys = advance_keys(k, v, planes, beta, G, mask=mask, keep=keep, work=work)
+        keys = advance_keys(k, v, planes, beta, G, mask=mask, keep=keep, work=work, segmented=scan)
     else:
         _fork.check()
     chunk, rows, partA, partB = keys.chunk, keys.rows, keys.partA, keys.partB
+    if scan:
+        return _advance_by_scan(q, k, v, planes, beta, A0, B0, out, keys, check_finite)
     if partA.shape[1] == 1:  # one chunk: its carried-in state is the state itself (0 + A0 would be the same number)
         carryA, carryB = A0[:, None], B0[:, None]
     else:
@@ -424,8 +442,32 @@ def advance(q, k, v, planes, beta, A0, B0, out, *, mask=None, keep=BACKWARD_ROWS
     return Advanced(A1, B1, chunk, carryA, carryB, rows, nan_q, keys.nan_k)
 
 
+def _advance_by_scan(q, k, v, planes, beta, A0, B0, out, keys, check_finite):
+    """:func:`advance` with ``scan=True`` from its keys' pass (``keys.segments`` segments)."""
+    G, n, _ = q.shape
+    L = planes.shape[0]
+    cdt = q.dtype
+    seg, nc = keys.segments, keys.partA.shape[1]
+    carryA = K.exclusive_scan(keys.partA)
+    carryA += A0[:, None]
+    carryB = K.exclusive_scan(keys.partB, out=keys.partB, segments=seg)  # each segment's first carry; the scan the rest
+    for s in range(seg):
+        carryB[:, K.segment_start(s, seg, nc)] += B0
+    B1 = np.empty_like(B0)
+    with _on_threads(G * n, keys.chunk, n):
+        nan_q = K.causal_fwd(K.Forward(q, v, K.Hash(planes, beta), keys.rows, out, keys.chunks),
+                             K.Sums(carryA, carryB), final=B1, segments=seg)
+    A1 = A0 + (keys.partA[:, 0] if nc == 1 else keys.partA.sum(1))
+    if check_finite:
+        ov = PROJECTIONS_OVERFLOW.format(cdt)
+        check_derived(True, ("q", q, nan_q == 0, ov), ("k", k, keys.nan_k == 0, ov),
+                      ("v", v, all_finite(B1), sums_overflow(cdt)))
+        check_results(True, (("v", v, max_abs(B1)),), cdt, L, (out,))
+    return Advanced(A1, B1, keys.chunk, carryA, carryB, keys.rows, nan_q, keys.nan_k)
+
+
 def advance_bwd(q, k, v, grad, planes, beta, A0, B0, dA1=None, dB1=None, *, mask=None, queries_only=False,
-                check_finite=False, work=pool_work, step=None):
+                check_finite=False, work=pool_work, step=None, scan=False):
     """Backward of :func:`advance` (its forward recomputed from the block and its state).
 
     ``grad (G, n, dv)``: the cotangent of the block's output; ``dA1 (Gk, F)``,
@@ -440,7 +482,8 @@ def advance_bwd(q, k, v, grad, planes, beta, A0, B0, dA1=None, dB1=None, *, mask
     :func:`advance` with the default ``keep`` on these arguments and a
     workspace of its own (its rows are read, not written), so that the
     forward is not recomputed; q's, k's and v's values are then not checked
-    again.
+    again.  ``scan``: a recomputed forward is :func:`advance`'s with
+    ``scan=True`` (as the block's forward was made).
     """
     G, n, d = q.shape
     Gk, _, dv = v.shape
@@ -457,7 +500,7 @@ def advance_bwd(q, k, v, grad, planes, beta, A0, B0, dA1=None, dB1=None, *, mask
         return (dA0, dB0) if queries_only else (dq, dk, dv_, 0.0, dA0, dB0)
     if step is None:
         step = advance(q, k, v, planes, beta, A0, B0, work("out", (G, n, dv), cdt), mask=mask,
-                       check_finite=check_finite, work=work)
+                       check_finite=check_finite, work=work, scan=scan)
     chunk, nc = step.chunk, step.carryA.shape[1]
     pdA = work("pdA", (Gk, nc, F), np.float64, zero=True)
     pdB = work("pdB", (Gk, nc, F, dv), np.float64, zero=True)

@@ -418,7 +418,8 @@ def _causal_args(q, k, v, planes, beta, key_mask, check_finite, state, what="ini
 
 def causal_block(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, beta: float = DEFAULT_BETA,
                  initial_state: Sketch | None = None, *, key_mask: ArrayLike | None = None,
-                 check_finite: bool = True, keys: BlockForward | None = None, keep: bool = False) -> tuple:
+                 check_finite: bool = True, keys: BlockForward | None = None, keep: bool = False,
+                 scan: bool = False) -> tuple:
     """Causal RACE attention of a block of tokens after everything before it.
 
     Parameters
@@ -439,6 +440,14 @@ def causal_block(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, be
         Also return the block's :class:`BlockForward` (its rows), for
         ``causal_block_bwd(..., forward=)`` and ``causal_block_dstate(...,
         forward=)``.
+    scan : bool, default False
+        Sum the block's state in its own scan, as the whole call's forward
+        does, instead of summing every chunk of its keys first
+        (:func:`racecpu.engine.advance`'s ``scan``): about a sgemm per token
+        less where the block runs on one thread.  Not with ``keys``.  The
+        results differ from the default's by rounding where an
+        ``initial_state`` is given; give the backward the same ``scan``
+        unless it gets ``forward=``.
 
     Returns
     -------
@@ -464,13 +473,15 @@ def causal_block(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, be
     o = POOL.empty((G, n, dv), cdt)
     A1, B1 = A0.copy(), B0.copy()
     kp = _check_keys(keys, G, n, dv, F)
+    if scan and keys is not None:
+        raise ValueError("causal_block(scan=True) sums the keys in its scan: not with keys=")
     if keep and kp is not None and kp.rows.phiq.shape[1] != n:
         raise ValueError("keep=True needs keys made with causal_block_keys(..., keep=True)")
     step = None
     if G and n:
         step = engine.advance(a.q, a.k, a.v, a.planes, a.beta, A0, B0, o, mask=a.mask,
                               keep=engine.BACKWARD_ROWS if keep else (),
-                              check_finite=a.check_finite, keys=kp)
+                              check_finite=a.check_finite, keys=kp, scan=scan)
         A1, B1 = step.A, step.B
     R = 2 ** P
     st = Sketch(A1.reshape(a.lead + (L, R)), B1.reshape(a.lead + (L, R, dv)), np.asarray(planes), a.beta, cdt,
@@ -579,7 +590,7 @@ def causal_block_keys(k: ArrayLike, v: ArrayLike, planes: ArrayLike, beta: float
 
 
 def _causal_backward(q, k, v, planes, beta, grad_out, initial_state, dfinal_state, key_mask, check_finite,
-                     queries_only, forward=None):
+                     queries_only, forward=None, scan=False):
     POOL.tick()
     a, G, n, dv, L, P, F = _causal_args(q, k, v, planes, beta, key_mask, check_finite, initial_state)
     if dfinal_state is not None:
@@ -592,7 +603,7 @@ def _causal_backward(q, k, v, planes, beta, grad_out, initial_state, dfinal_stat
     sA, sB = _flat_state(dfinal_state, G, F, dv)
     got = engine.advance_bwd(a.q, a.k, a.v, g, a.planes, a.beta, A0, B0, sA, sB, mask=a.mask,
                              queries_only=queries_only, check_finite=a.check_finite,
-                             step=_check_forward(forward, G, n, dv, F))
+                             step=_check_forward(forward, G, n, dv, F), scan=scan)
     dA0, dB0 = got[-2:]
     R = 2 ** P
     dstate = Sketch(dA0.reshape(a.lead + (L, R)), dB0.reshape(a.lead + (L, R, dv)), np.asarray(planes), a.beta,
@@ -608,7 +619,7 @@ def _causal_backward(q, k, v, planes, beta, grad_out, initial_state, dfinal_stat
 def causal_block_bwd(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike, beta: float, grad_out: ArrayLike,
                      initial_state: Sketch | None = None, dfinal_state: Sketch | None = None, *,
                      key_mask: ArrayLike | None = None, check_finite: bool = True,
-                     forward: BlockForward | None = None) -> tuple:
+                     forward: BlockForward | None = None, scan: bool = False) -> tuple:
     """Backward of :func:`causal_block` (the forward is recomputed from the block and its state,
     unless given).
 
@@ -626,6 +637,9 @@ def causal_block_bwd(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike
         ``causal_block(..., keep=True)``'s on these arguments: its rows are
         read instead of recomputing the forward (not checked against the
         arguments beyond its shapes: another block's gives a wrong result).
+    scan : bool, default False
+        As given to :func:`causal_block` (how a recomputed forward sums the
+        state; unused with ``forward``).
 
     Returns
     -------
@@ -638,7 +652,7 @@ def causal_block_bwd(q: ArrayLike, k: ArrayLike, v: ArrayLike, planes: ArrayLike
         block's outputs send back (:func:`causal_block_dstate`).
     """
     return _causal_backward(q, k, v, planes, beta, grad_out, initial_state, dfinal_state, key_mask,
-                            check_finite, False, forward)
+                            check_finite, False, forward, scan)
 
 
 def _check_forward(forward, G, n, dv, F):
