@@ -18,6 +18,10 @@ scalars, never rows:
   block's queries from its carried-in state and its keys' pass
   (:func:`racecpu.sketches.causal_block`), which keeps the rows the block's
   backward reads (``keep_rows``; in memory, or in files: ``rows_dir``);
+  or, with ``scan="fused"`` (the default where there are at least as many
+  sequences as block tasks run at once), each block's forward from the state
+  its predecessor's forward ended with: one pass per block and no sums
+  across blocks, the sequence's blocks one after another;
 * non-causal backward: per query block the queries' gradients and the
   sketch's cotangent, summed by a tree, then per key block the keys' and
   values' gradients;
@@ -26,7 +30,9 @@ scalars, never rows:
   block's output and rows: one product, no rescan), a reverse exclusive
   scan of those, then every block's gradients from its carried-in state,
   its reverse carry and its forward's rows
-  (:func:`racecpu.sketches.causal_block_bwd`).
+  (:func:`racecpu.sketches.causal_block_bwd`); ``scan="fused"``: each
+  block's gradients from the cotangent of the state its successor's
+  backward started from, last block first.
 
 With kept rows no block's forward runs twice in a forward+backward; a worker
 holds 272 bytes per token and head (float32, P = L = 3) from a block's
@@ -63,7 +69,7 @@ from ._checks import check_args
 from .config import DEFAULT_BETA
 
 __all__ = ["race_attention", "race_attention_fwd", "race_attention_bwd", "DaskResiduals", "WireSketch", "SpilledRows",
-           "FAN_IN", "CHAIN_BLOCKS"]
+           "FAN_IN", "CHAIN_BLOCKS", "SCANS", "block_slots", "pick_scan"]
 
 #: Sketches summed per task of the tree reductions.
 FAN_IN = 8
@@ -221,6 +227,30 @@ def _t_causal(threads, q, k, v, mask, planes, beta, state, keys, keep, spill, cf
     return got[0], forward
 
 
+def _t_causal_fused(threads, q, k, v, mask, planes, beta, state, keep, spill, cf):
+    """A causal block of ``scan="fused"`` from the state its predecessor ended with (None: the
+    first block): ``(out, final state)``, with ``keep`` ``(out, final state, forward)`` (as
+    :func:`_t_causal`)."""
+    _set_threads(threads)
+    got = S.causal_block(q, k, v, planes, beta, _sketch(state, planes), key_mask=mask, check_finite=cf, keep=keep,
+                         scan=True)
+    if not keep:
+        return got[0], _wire(got[1])
+    forward = got[2]
+    if spill is not None:
+        forward = SpilledRows(forward.save(spill))
+    return got[0], _wire(got[1]), forward
+
+
+def _t_causal_bwd_fused(threads, q, k, v, g, mask, planes, beta, state, dfinal, forward, cf):
+    """A causal block's gradients of ``scan="fused"``, from the cotangent of its final state (the
+    state its successor started from; None: the last block): ``(dq, dk, dv, dbeta, dinitial)``."""
+    _set_threads(threads)
+    got = S.causal_block_bwd(q, k, v, planes, beta, g, _sketch(state, planes), _sketch(dfinal, planes),
+                             key_mask=mask, check_finite=cf, forward=_load(forward), scan=True)
+    return got[:4] + (_wire(got[4]),)
+
+
 def _t_causal_dstate(threads, q, k, v, g, mask, planes, beta, state, fwd, keep, use_out, cf):
     _set_threads(threads)
     out, forward = fwd if keep else (fwd, None)
@@ -337,15 +367,40 @@ def _exclusive_scan(items, name, method):
     return [prefix[i // 2] if i % 2 == 0 else _add(name, prefix[i // 2], items[i - 1]) for i in range(len(items))]
 
 
-#: The most sequence blocks per head whose carries ``scan="auto"`` adds as a chain (more: a tree);
-#: a chain has fewer tasks, a tree a shorter critical path (docs/distributed.md).
+#: The most sequence blocks per head whose carries ``scan="auto"`` adds as a chain (more: a tree),
+#: where it does not fuse them; a chain has fewer tasks, a tree a shorter critical path
+#: (docs/distributed.md).
 CHAIN_BLOCKS = 8
 
-SCANS = ("auto", "tree", "chain")
+SCANS = ("auto", "fused", "tree", "chain")
 
 
-def _scan_method(scan, blocks):
-    return ("chain" if blocks <= CHAIN_BLOCKS else "tree") if scan == "auto" else scan
+def block_slots(threads=None):
+    """How many block tasks the current scheduler runs at once: with a ``distributed`` client,
+    the sum over its workers of their threads over ``threads`` (None: a task takes all its
+    worker's threads, so one per worker); 1 without one, where a task runs on all of Numba's
+    threads (the local schedulers)."""
+    try:
+        from distributed import get_client
+        nthreads = get_client().nthreads()
+    except (ImportError, ValueError):
+        return 1
+    if not isinstance(nthreads, dict):  # an asynchronous client: no answer here
+        return 1
+    return max(1, sum(1 if threads is None else max(1, n // threads) for n in nthreads.values()))
+
+
+def pick_scan(scan, blocks, sequences, slots):
+    """The causal scan ``scan="auto"`` means for ``sequences`` independent sequences of
+    ``blocks`` blocks each when ``slots`` block tasks run at once: "fused" where every slot
+    has a sequence of its own (no block's keys are read twice, nothing is summed across
+    blocks), else "chain" up to :data:`CHAIN_BLOCKS` blocks and "tree" beyond; another
+    ``scan`` as given."""
+    if scan != "auto":
+        return scan
+    if sequences >= slots:
+        return "fused"
+    return "chain" if blocks <= CHAIN_BLOCKS else "tree"
 
 
 def _stand_in(x):
@@ -503,14 +558,22 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
         Every worker must be able to read what any worker wrote there (one
         machine, or a shared file system); the files stay: delete them
         when done.
-    scan : {"auto", "tree", "chain"}, default "auto"
-        Causal: how the blocks' states are summed into each block's carry
-        (and, backward, the reverse carries): "chain" one addition after
-        another (a critical path of one link per block), "tree" a parallel
-        prefix (about ``2 log2(blocks)`` links), "auto" a chain up to
-        :data:`CHAIN_BLOCKS` blocks per head, else a tree.  The order of the
-        additions is fixed by the blocks, so the results' bits do not depend
-        on the number of workers or the schedule.
+    scan : {"auto", "fused", "tree", "chain"}, default "auto"
+        Causal: how each block gets the state of every key before it (and,
+        backward, the cotangent from every query after it).  "fused": from
+        its predecessor's forward task, which ends with it (and backward
+        from its successor's gradient task): one pass over each block, no
+        sums across blocks, but a sequence's blocks run one after another,
+        so only the sequences (blocks of the leading axes) run in parallel.
+        "chain" and "tree": every block's keys are summed first, in a pass
+        of their own, and those states added across blocks, one addition
+        after another (a critical path of one link per block) or by a
+        parallel prefix (about ``2 log2(blocks)`` links); then the blocks'
+        forwards run in parallel.  "auto": :func:`pick_scan` with
+        :func:`block_slots` (fused where the sequences fill the cluster's
+        slots).  The order of every sum is fixed by the blocks, so the
+        results' bits do not depend on the number of workers or the
+        schedule; the scans differ from each other by rounding.
 
     Returns
     -------
@@ -527,19 +590,38 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
     qb, kb, vb, mb = _blocks(q), _blocks(k), _blocks(v), _blocks(m)
     nlead = qb.shape[:-2]
     dv = v.shape[-1]
+    if causal:
+        scan = pick_scan(scan, qb.shape[-2], int(np.prod(nlead)), block_slots(threads) if scan == "auto" else 1)
     out = np.empty(qb.shape, object)
     states, outputs, forwards = {}, {}, {}
     cf, thr = bool(check_finite), threads
     for b in np.ndindex(nlead):
         mask = (lambda j: None) if mb is None else (lambda j: mb[b + (j,)])
-        if causal:
+        if causal and scan == "fused":
+            nb = qb.shape[-2]
+            # a file per block, named by what the block's forward reads (its task's key is not known yet)
+            spill = [None if spill_dir is None else os.path.join(spill_dir, "race-fused-" + dask.base.tokenize(
+                *(x[b + (j, 0)].key for x in (qb, kb, vb)), W, beta, cdt, None if mb is None else mb[b + (j,)].key)
+                + ".npz") for j in range(nb)]
+            carries, tasks, rows, state = [], [], [], None
+            for j in range(nb):  # each block from the state its predecessor ended with
+                carries.append(state)
+                t = _call("causal", _t_causal_fused, thr, qb[b + (j, 0)], kb[b + (j, 0)], vb[b + (j, 0)], mask(j), W,
+                          beta, state, keep, spill[j], cf)
+                picks = _outputs(t, 3 if keep else 2)
+                out[b + (j, 0)] = picks[0]
+                state = _part("carry", picks[1]) if j + 1 < nb else None
+                tasks.append(t)
+                rows.append(_part("fwd", picks[2]) if keep else None)
+            states[b], outputs[b], forwards[b] = carries, tasks, rows
+        elif causal:
             nb = qb.shape[-2]
             # Each block's keys are hashed once: the pass that sums its state also keeps their soft buckets
             # for the block's forward task (no separate sketch pass).
             keys = [_call("keys", _t_keys, thr, kb[b + (j, 0)], vb[b + (j, 0)], mask(j), W, beta, cdt, keep, cf)
                     for j in range(nb)]
             totals = [_part("sketch", _outputs(t, 2)[0]) for t in keys[:-1]] + [None]  # the last carries into nothing
-            carries = _exclusive_scan(totals, "carry", _scan_method(scan, nb))
+            carries = _exclusive_scan(totals, "carry", scan)
             states[b] = carries
             spill = [None if spill_dir is None else os.path.join(spill_dir, f"{keys[j].key}.npz") for j in range(nb)]
             outputs[b] = [_call("causal", _t_causal, thr, qb[b + (j, 0)], kb[b + (j, 0)], vb[b + (j, 0)], mask(j), W,
@@ -612,7 +694,16 @@ def race_attention_bwd(residuals, grad_out):
     cf, thr, W, beta = r.check_finite, r.threads, r.planes, r.beta
     for b in np.ndindex(qb.shape[:-2]):
         mask = (lambda j: None) if mb is None else (lambda j: mb[b + (j,)])
-        if r.causal:
+        if r.causal and r.scan == "fused":
+            carries, nb, dfinal = r.states[b], qb.shape[-2], None
+            for j in range(nb - 1, -1, -1):  # each block from the cotangent its successor's backward started from
+                t = _call("causal-bwd", _t_causal_bwd_fused, thr, qb[b + (j, 0)], kb[b + (j, 0)], vb[b + (j, 0)],
+                          gb[b + (j, 0)], mask(j), W, beta, carries[j], dfinal, r.forwards[b][j], cf)
+                picks = _outputs(t, 5)
+                dq[b + (j, 0)], dk[b + (j, 0)], dv[b + (j, 0)], d_beta = picks[:4]
+                dbetas.append(_part("dbeta-part", d_beta))
+                dfinal = _part("rcarry", picks[4]) if j > 0 else None
+        elif r.causal:
             carries = r.states[b]
             nb = qb.shape[-2]
             # The cotangent block j's outputs send to its state, from its forward output and rows (a product)
@@ -623,7 +714,7 @@ def race_attention_bwd(residuals, grad_out):
             parts = [None] + [_call("dstate", _t_causal_dstate, thr, *blk[j], mask(j), W, beta, carries[j], fwds[j],
                                     r.keep_rows, use_out, cf) for j in range(1, nb)]
             # reverse carries rc_j = parts_{j+1} + ... + parts_{nb-1}: an exclusive scan of the reversed list
-            rc = _exclusive_scan(parts[::-1], "rcarry", _scan_method(r.scan, nb))[::-1]
+            rc = _exclusive_scan(parts[::-1], "rcarry", r.scan)[::-1]
             for j in range(nb):
                 t = _call("causal-bwd", _t_causal_bwd, thr, *blk[j], mask(j), W, beta, carries[j], rc[j],
                           r.forwards[b][j], cf)

@@ -125,6 +125,40 @@ def test_causal_blocks_compose(rng, dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_a_block_that_scans_its_state_equals_the_default(rng, dtype):
+    """causal_block(scan=True), the fused Dask scan's block: its keys' pass sums only the B totals
+    its segments need (none on one thread, half the chunks' on two), its scan sums the state from
+    the carried-in one.  Output, state and gradients equal the default's up to rounding; a
+    backward that recomputes that forward gives the bits of one that reads its rows."""
+    import numba
+    W = racecpu.hyperplanes(16, dtype=dtype)
+    q, k, v, g, m = data(rng, (2,), 3000, 3000, 16, 8, dtype, True)
+    st0 = S.sketch(k[:, :400], v[:, :400], W, 4.0, dtype=dtype)
+    o1, s1, f1 = S.causal_block(q, k, v, W, 4.0, st0, key_mask=m, keep=True)
+    want = S.causal_block_bwd(q, k, v, W, 4.0, g, st0, s1, key_mask=m, forward=f1)
+    before = numba.get_num_threads()
+    try:
+        for threads in (1, min(2, numba.config.NUMBA_NUM_THREADS)):
+            numba.set_num_threads(threads)
+            o2, s2, f2 = S.causal_block(q, k, v, W, 4.0, st0, key_mask=m, keep=True, scan=True)
+            close(o2, o1, dtype, "out")
+            np.testing.assert_array_equal(s2.A, s1.A)
+            close(s2.B, s1.B, dtype, "final B")
+            got = S.causal_block_bwd(q, k, v, W, 4.0, g, st0, s1, key_mask=m, forward=f2)
+            for name, x, y in zip(("dq", "dk", "dv", "dbeta"), got, want):
+                close(x, y, dtype, name)
+            close(got[4].B, want[4].B, dtype, "dinitial B")
+            again = S.causal_block_bwd(q, k, v, W, 4.0, g, st0, s1, key_mask=m, scan=True)
+            for x, y in zip(again[:3], got[:3]):
+                np.testing.assert_array_equal(x, y)
+    finally:
+        numba.set_num_threads(before)
+    _, keys = S.causal_block_keys(k, v, W, 4.0, key_mask=m, dtype=dtype)
+    with pytest.raises(ValueError, match="scan=True"):
+        S.causal_block(q, k, v, W, 4.0, st0, key_mask=m, keys=keys, scan=True)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_kept_forward_gives_the_same_bits(rng, dtype, tmp_path):
     """A block whose keys were hashed by causal_block_keys, and whose backward reads the forward's
     kept rows (in memory or saved to a file), gives the bits of the block computed from scratch;
@@ -260,20 +294,23 @@ def _sequence_inputs(rng, blocks, dtype, per_block=8):
 @pytest.mark.parametrize("blocks", [1, 2, 3, 7, 64])
 @pytest.mark.parametrize("causal", [False, True])
 def test_tree_scan_equals_the_chain_and_numpy(rng, blocks, causal):
+    # and the fused scan (each block's forward from its predecessor's final state, each
+    # backward from its successor's cotangent): the same results up to rounding
     for dtype in (np.float64, np.float32):
         W = racecpu.hyperplanes(16, dtype=dtype)
         (q, k, v, g), (Q, K, V, G) = _sequence_inputs(rng, blocks, dtype)
         ref, r = racecpu.race_attention_fwd(q, k, v, W, 4.0, causal=causal)
         want = (ref,) + racecpu.race_attention_bwd(r, g)
         got = {}
-        for scan in ("tree", "chain"):
+        for scan in ("tree", "chain", "fused"):
             out, res = rd.race_attention_fwd(Q, K, V, W, 4.0, causal=causal, scan=scan)
             with dask.config.set(scheduler="threads"):
                 got[scan] = dask.compute(out, *rd.race_attention_bwd(res, G))
             for name, x, y in zip(("out", "dq", "dk", "dv", "dbeta"), got[scan], want):
                 close(x, y, dtype, f"{scan} {name} ({blocks} blocks, {np.dtype(dtype).name})")
-        for name, x, y in zip(("out", "dq", "dk", "dv", "dbeta"), got["tree"], got["chain"]):
-            close(x, y, dtype, f"tree vs chain {name}")
+        for other in ("chain", "fused"):
+            for name, x, y in zip(("out", "dq", "dk", "dv", "dbeta"), got["tree"], got[other]):
+                close(x, y, dtype, f"tree vs {other} {name}")
 
 
 def _depth(graph, key, memo):
@@ -291,7 +328,7 @@ def test_tree_scan_is_logarithmically_deep(rng):
     W = racecpu.hyperplanes(16)
     _, (Q, K, V, G) = _sequence_inputs(rng, 64, np.float32)
     depth = {}
-    for scan in ("tree", "chain", "auto"):
+    for scan in ("tree", "chain", "fused", "auto"):
         _, res = rd.race_attention_fwd(Q, K, V, W, causal=True, scan=scan)
         dq = rd.race_attention_bwd(res, G)[0]
         graph = dict(dq.__dask_graph__())
@@ -301,32 +338,51 @@ def test_tree_scan_is_logarithmically_deep(rng):
     # keys, total, carries, forward, dstate, reverse carries, gradients
     assert depth["tree"] <= 2 + 2 * (2 * 6) + 3, depth
     assert depth["chain"] >= 2 * 63, depth
-    assert depth["auto"] == depth["tree"] and rd.CHAIN_BLOCKS < 64
+    assert depth["fused"] >= 2 * 64, depth  # every forward after its predecessor, every backward after its successor
+    # no distributed client: one block task at a time, so the 2 sequences fill it and "auto" fuses
+    assert rd.block_slots() == 1 and depth["auto"] == depth["fused"]
     with pytest.raises(ValueError, match="scan must be one of"):
         rd.race_attention_fwd(Q, K, V, W, causal=True, scan="ring")
 
 
+def test_auto_scan_fuses_where_the_sequences_fill_the_slots():
+    assert rd.pick_scan("auto", 64, 4, 2) == "fused"
+    assert rd.pick_scan("auto", 64, 2, 2) == "fused"
+    assert rd.pick_scan("auto", 64, 1, 2) == "tree"
+    assert rd.pick_scan("auto", rd.CHAIN_BLOCKS, 1, 2) == "chain"
+    assert rd.pick_scan("auto", 1, 1, 1) == "fused"
+    for scan in ("tree", "chain", "fused"):
+        assert rd.pick_scan(scan, 64, 1, 8) == scan
+    assert rd.block_slots() == 1 and rd.block_slots(4) == 1  # no distributed client
+
+
+@pytest.mark.parametrize("scan", ["tree", "fused"])
 @pytest.mark.parametrize("keep_rows,spill", [(True, False), (True, True), (False, False)])
-def test_no_block_forward_runs_twice(rng, monkeypatch, tmp_path, keep_rows, spill):
+def test_no_block_forward_runs_twice(rng, monkeypatch, tmp_path, keep_rows, spill, scan):
     """Count the engine's passes over each block in a causal forward+backward graph: every
     block's keys are hashed once and its queries scanned once (kept rows, in memory or spilled
-    to files); without kept rows each gradient task runs its block's forward again."""
+    to files); without kept rows each gradient task runs its block's forward again.  The fused
+    scan's keys' pass sums no chunk's B (on one thread): the block's scan sums its state."""
     from racecpu import engine
     calls = {"advance_keys": 0, "advance": 0}
+    segmented = []
     for name in calls:
         def counted(*a, _f=getattr(engine, name), _n=name, **kw):
             calls[_n] += 1
+            if _n == "advance_keys":
+                segmented.append(kw.get("segmented", False))
             return _f(*a, **kw)
         monkeypatch.setattr(engine, name, counted)
     W = racecpu.hyperplanes(16)
     (q, k, v, g), (Q, K, V, G) = _sequence_inputs(rng, 5, np.float32, per_block=40)
     out, res = rd.race_attention_fwd(Q, K, V, W, causal=True, keep_rows=keep_rows,
-                                     rows_dir=tmp_path if spill else None)
+                                     rows_dir=tmp_path if spill else None, scan=scan)
     with dask.config.set(scheduler="sync"):
         got = dask.compute(out, *rd.race_attention_bwd(res, G))
     blocks = 2 * 5
     recomputed = 0 if keep_rows else blocks
     assert calls == {"advance_keys": blocks + recomputed, "advance": blocks + recomputed}, calls
+    assert set(segmented) == {scan == "fused"}
     assert len(list(tmp_path.glob("*.npz"))) == (blocks if spill else 0)
     ref, r = racecpu.race_attention_fwd(q, k, v, W, causal=True)
     for x, y in zip(got, (ref,) + racecpu.race_attention_bwd(r, g)):
@@ -399,17 +455,28 @@ def test_dask_cluster_equals_numpy(rng, client, causal, masked, dtype):
 @pytest.mark.parametrize("blocks", [7, 64])
 def test_the_same_bits_on_one_and_two_workers(rng, client, blocks):
     """The graph fixes the order of every sum: one worker (the synchronous scheduler) and two
-    worker processes give the same bits, causal (tree scan) and not."""
+    worker processes give the same bits, causal (tree and fused scans; the fused one at 7 blocks
+    only: its 64 blocks a sequence run one after another, ~40 s here) and not."""
     W = racecpu.hyperplanes(16)
     _, (Q, K, V, G) = _sequence_inputs(rng, blocks, np.float32)
-    for causal in (False, True):
-        out, res = rd.race_attention_fwd(Q, K, V, W, causal=causal, scan="tree")
+    for causal, scan in ((False, "auto"), (True, "tree")) + (((True, "fused"),) if blocks < 64 else ()):
+        out, res = rd.race_attention_fwd(Q, K, V, W, causal=causal, scan=scan)
         xs = [out, *rd.race_attention_bwd(res, G)]
         with dask.config.set(scheduler="sync"):
             one = dask.compute(*xs)
         two = _gather(client, client.compute(xs))
         for a, b in zip(one, two):
             np.testing.assert_array_equal(a, b)
+
+
+def test_block_slots_of_a_cluster(rng, client):
+    """2 single-threaded workers run 2 block tasks at once: "auto" fuses the scan for 2 sequences
+    and scans 1 sequence's blocks by a tree (more blocks than CHAIN_BLOCKS)."""
+    assert rd.block_slots() == 2 and rd.block_slots(threads=1) == 2
+    W = racecpu.hyperplanes(16)
+    _, (Q, K, V, G) = _sequence_inputs(rng, 16, np.float32)
+    assert rd.race_attention_fwd(Q, K, V, W, causal=True)[1].scan == "fused"
+    assert rd.race_attention_fwd(Q[:1], K[:1], V[:1], W, causal=True)[1].scan == "tree"
 
 
 def _incoming(dask_worker):
@@ -453,16 +520,18 @@ def test_dask_cluster_bytes_moved_per_block(client, causal):
     assert ours / (2 * nb) <= 2 * state  # per block and pass (forward, backward)
 
 
-def test_causal_backward_tasks_read_only_their_block():
+@pytest.mark.parametrize("scan", ["tree", "fused"])
+def test_causal_backward_tasks_read_only_their_block(scan):
     """Graph-level check that no row needs to cross between workers in the causal backward: every
     dstate and causal-bwd task reads the q, k, v, grad_out blocks of one sequence block, the
     dstate task also that block's forward task (its output and rows; the forward task reads the
-    same blocks), the gradient task that task's rows, and otherwise only sketches."""
+    same blocks), the gradient task that task's rows, and otherwise only sketches (fused: the
+    carry from the forward before it and the cotangent from the backward after it; no dstate)."""
     from dask.core import get_dependencies
     rng = np.random.default_rng(3)
     X = da.from_array(rng.standard_normal((4, 2, 64, 16)).astype(np.float32), chunks=(1, 1, (20, 12, 32), 16))
     Q, K, V, G = X[0], X[1], X[2], X[3]
-    _, res = rd.race_attention_fwd(Q, K, V, racecpu.hyperplanes(16), causal=True)
+    _, res = rd.race_attention_fwd(Q, K, V, racecpu.hyperplanes(16), causal=True, scan=scan)
     graph = dict(rd.race_attention_bwd(res, G)[0].__dask_graph__())
     counts = {"race-dstate-": 0, "race-causal-bwd-": 0}
     for key in graph:
@@ -479,11 +548,12 @@ def test_causal_backward_tasks_read_only_their_block():
             elif isinstance(d, str):
                 assert d.startswith(("race-sketch-", "race-carry-", "race-rcarry-", "race-dstate-")), d
         counts["race-dstate-" if key.startswith("race-dstate-") else "race-causal-bwd-"] += 1
-    assert counts == {"race-dstate-": 2 * 2, "race-causal-bwd-": 2 * 3}  # 2 heads x 3 blocks (no dstate for the first)
+    # 2 heads x 3 blocks (no dstate for the first; none fused)
+    assert counts == {"race-dstate-": 0 if scan == "fused" else 2 * 2, "race-causal-bwd-": 2 * 3}
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_every_task_runs_once_when_stores_and_dbeta_compute_together(rng, client, causal):
+@pytest.mark.parametrize("causal,scan", [(False, "auto"), (True, "tree"), (True, "fused")])
+def test_every_task_runs_once_when_stores_and_dbeta_compute_together(rng, client, causal, scan):
     """``client.compute([da.store(..., compute=False), dbeta])`` optimizes the store (a Delayed) and
     dbeta (an Array) apart; a task they share that Dask fused into a chain in one of them would
     run twice under two keys (it did: every block's backward ran twice in the benchmark and the
@@ -491,7 +561,7 @@ def test_every_task_runs_once_when_stores_and_dbeta_compute_together(rng, client
     distributed = pytest.importorskip("distributed")
     W = racecpu.hyperplanes(16)
     _, (Q, K, V, G, _) = dask_inputs(rng, causal, False, np.float32)
-    out, res = rd.race_attention_fwd(Q, K, V, W, causal=causal)
+    out, res = rd.race_attention_fwd(Q, K, V, W, causal=causal, scan=scan)
     dq, dk, dv, dbeta = rd.race_attention_bwd(res, G)
     # NumPy targets (the workers write into copies): a Delayed store, with nothing the workers cannot import
     work = [da.store([dq, dk, dv], [np.empty(x.shape, x.dtype) for x in (dq, dk, dv)], lock=False, compute=False),
@@ -501,15 +571,17 @@ def test_every_task_runs_once_when_stores_and_dbeta_compute_together(rng, client
     counts = {}
     for t in ts.data:
         name = _key_name(t["key"])
-        for kind in ("race-causal-bwd", "race-readout-bwd", "race-sketch-bwd", "race-dstate", "race-sketch-"):
+        for kind in ("race-causal-bwd", "race-causal-", "race-readout-bwd", "race-sketch-bwd", "race-dstate",
+                     "race-sketch-"):
             if name.startswith(kind):
                 counts[kind] = counts.get(kind, 0) + 1
                 break
     nq, nk = (res.q.numblocks, res.k.numblocks)
     lead = nq[0] * nq[1]
     if causal:
-        want = {"race-causal-bwd": lead * nq[2], "race-dstate": lead * (nq[2] - 1),
-                "race-sketch-": lead * (nq[2] - 1)}  # the last block's total carries into nothing
+        want = {"race-causal-bwd": lead * nq[2], "race-causal-": lead * nq[2]}
+        if scan == "tree":  # the last block's total carries into nothing (fused: no totals, no dstate)
+            want.update({"race-dstate": lead * (nq[2] - 1), "race-sketch-": lead * (nq[2] - 1)})
     else:
         want = {"race-readout-bwd": lead * nq[2], "race-sketch-bwd": lead * nk[2], "race-sketch-": lead * nk[2]}
     assert counts == want
