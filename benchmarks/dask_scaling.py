@@ -177,6 +177,7 @@ def main(argv=None):
     import numba
 
     import racecpu
+    import racecpu.dask as rd
     W = racecpu.hyperplanes(a.dim, 3, 3, seed=0, dtype=np.float32)
     n, H, blk = 2 ** a.log2n, a.heads, 2 ** a.log2_block
     th = n * H
@@ -206,12 +207,18 @@ def main(argv=None):
                     runs = [dask_run(client, n, H, a.dim, blk, True, True, W, rows_dir=rows_dir)
                             for _ in range(a.rounds + 1)][1:]
                 result["dask_ns"]["2:causal fwd+bwd, rows in files"] = statistics.median(r[0] for r in runs) / th * 1e9
+                # The scan "auto" did not pick (a tree where it fused, or the reverse), for comparison.
+                other = "tree" if rd.pick_scan("auto", n // blk, H, rd.block_slots()) == "fused" else "fused"
+                for name, causal, backward in MODES[2:]:
+                    runs = [dask_run(client, n, H, a.dim, blk, causal, backward, W, other)
+                            for _ in range(a.rounds + 1)][1:]
+                    result["dask_ns"][f"2:{name}, scan={other}"] = statistics.median(r[0] for r in runs) / th * 1e9
                 result["chain_link_s"] = statistics.median(chain_latency(client, 256, a.dim, W) for _ in range(3))
                 # The scans' critical path: 64 blocks of 256 tokens x 1 head, causal forward+backward, where
                 # the blocks' compute is negligible and the carries' links set the time.
                 result["scan_64_blocks_s"] = {
                     scan: statistics.median(dask_run(client, 64 * 256, 1, a.dim, 256, True, True, W, scan)[0]
-                                            for _ in range(5)) for scan in ("chain", "tree")}
+                                            for _ in range(5)) for scan in ("chain", "tree", "fused")}
                 result["overhead"] = {}
                 for lb in (int(x) for x in a.overhead_blocks.split(",")):
                     print(f"dask, 2 workers, causal fwd+bwd, blocks of 2^{lb} ...", file=sys.stderr)
@@ -237,6 +244,10 @@ def main(argv=None):
     spilled = result["dask_ns"]["2:causal fwd+bwd, rows in files"]
     print(f"causal fwd+bwd, 2 workers, the forward's rows in files (rows_dir): {spilled:.1f} ns per token-head, "
           f"{mem['causal fwd+bwd'] / spilled:.3f} of the in-memory call")
+    for key, ns in result["dask_ns"].items():
+        if ", scan=" in key:
+            print(f"{key[2:]}, 2 workers: {ns:.1f} ns per token-head, {mem[key[2:].split(',')[0]] / ns:.3f} of the "
+                  f"in-memory call (the scan 'auto' did not pick)")
     nt = numba.get_num_threads()
     print(f"\nwhere a worker's time went, 1 worker, ns per token-head on one core (in-memory: x {nt} threads)")
     print(f"{'mode':16}{'in-memory':>11}{'racecpu tasks':>15}{'other tasks':>13}{'idle':>8}")
@@ -252,7 +263,7 @@ def main(argv=None):
     print(f"\na chain of sketch additions across 2 worker processes: {result['chain_link_s'] * 1e3:.2f} ms per link")
     sc = result["scan_64_blocks_s"]
     print(f"causal fwd+bwd of 64 blocks x 256 tokens x 1 head on 2 workers (the scans' critical path): "
-          f"chain {sc['chain'] * 1e3:.0f} ms, tree {sc['tree'] * 1e3:.0f} ms")
+          f"chain {sc['chain'] * 1e3:.0f} ms, tree {sc['tree'] * 1e3:.0f} ms, fused {sc['fused'] * 1e3:.0f} ms")
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
