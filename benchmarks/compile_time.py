@@ -49,8 +49,8 @@ def cold_run(tree, heads, tokens, dim, causal=(False, True)):
     the forward+backward calls made, in order), with an empty kernel cache."""
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, PYTHONPATH=str(Path(tree).resolve()), NUMBA_CACHE_DIR=cache)
-        p = subprocess.run([sys.executable, "-c", CHILD.format(heads=heads, tokens=tokens, dim=dim, causal=tuple(causal))],
-                           env=env, capture_output=True, text=True, cwd=cache)
+        child = CHILD.format(heads=heads, tokens=tokens, dim=dim, causal=tuple(causal))
+        p = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, cwd=cache)
     for line in p.stdout.splitlines():
         if line.startswith("RESULT"):
             res = json.loads(line[len("RESULT"):])

@@ -241,8 +241,9 @@ def _first_float_dtype(types):
 
 
 def announce_compilation(sig=None):
-    """Print, once per process, the line that says the kernels compile now (~30 s for a non-causal call, ~45 s for a causal one, on 2 cores)
-    and where they will be kept; silent with ``RACECPU_QUIET_COMPILE=1``.
+    """Print, once per process, the line that says the kernels compile now (on 2 cores ~30 s
+    for a non-causal call, ~45 s for a causal one) and where they will be kept; silent with
+    ``RACECPU_QUIET_COMPILE=1``.
 
     Called as a kernel misses the cache, whichever entry point (NumPy API, torch, JAX,
     the CLI) called it.  ``sig``: the kernel's argument types, for the dtype named.
