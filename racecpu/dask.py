@@ -212,19 +212,19 @@ def _load(forward):
     return S.BlockForward.load(forward.path) if isinstance(forward, SpilledRows) else forward
 
 
+def _handed_on(forward, spill):
+    """A causal block's kept rows as its forward task hands them on: ``forward`` itself, or with a
+    ``spill`` path, a :class:`SpilledRows` where they were written."""
+    return forward if spill is None else SpilledRows(forward.save(spill))
+
+
 def _t_causal(threads, q, k, v, mask, planes, beta, state, keys, keep, spill, cf):
     """A causal block from its carried-in state and its keys' pass: ``out``, or with ``keep``
-    ``(out, forward)``: the rows the block's backward tasks read, or, with a ``spill`` path,
-    a :class:`SpilledRows` where they were written."""
+    ``(out, forward)``: the rows the block's backward tasks read (:func:`_handed_on`)."""
     _set_threads(threads)
     got = S.causal_block(q, k, v, planes, beta, _sketch(state, planes), key_mask=mask, check_finite=cf,
                          keys=keys[1], keep=keep)
-    if not keep:
-        return got[0]
-    forward = got[2]
-    if spill is not None:
-        forward = SpilledRows(forward.save(spill))
-    return got[0], forward
+    return (got[0], _handed_on(got[2], spill)) if keep else got[0]
 
 
 def _t_causal_fused(threads, q, k, v, mask, planes, beta, state, keep, spill, cf):
@@ -234,21 +234,7 @@ def _t_causal_fused(threads, q, k, v, mask, planes, beta, state, keep, spill, cf
     _set_threads(threads)
     got = S.causal_block(q, k, v, planes, beta, _sketch(state, planes), key_mask=mask, check_finite=cf, keep=keep,
                          scan=True)
-    if not keep:
-        return got[0], _wire(got[1])
-    forward = got[2]
-    if spill is not None:
-        forward = SpilledRows(forward.save(spill))
-    return got[0], _wire(got[1]), forward
-
-
-def _t_causal_bwd_fused(threads, q, k, v, g, mask, planes, beta, state, dfinal, forward, cf):
-    """A causal block's gradients of ``scan="fused"``, from the cotangent of its final state (the
-    state its successor started from; None: the last block): ``(dq, dk, dv, dbeta, dinitial)``."""
-    _set_threads(threads)
-    got = S.causal_block_bwd(q, k, v, planes, beta, g, _sketch(state, planes), _sketch(dfinal, planes),
-                             key_mask=mask, check_finite=cf, forward=_load(forward), scan=True)
-    return got[:4] + (_wire(got[4]),)
+    return (got[0], _wire(got[1])) + ((_handed_on(got[2], spill),) if keep else ())
 
 
 def _t_causal_dstate(threads, q, k, v, g, mask, planes, beta, state, fwd, keep, use_out, cf):
@@ -262,10 +248,14 @@ def _t_causal_dstate(threads, q, k, v, g, mask, planes, beta, state, fwd, keep, 
                                        check_finite=cf, out=out if use_out else None, forward=forward))
 
 
-def _t_causal_bwd(threads, q, k, v, g, mask, planes, beta, state, dstate, forward, cf):
+def _t_causal_bwd(threads, q, k, v, g, mask, planes, beta, state, dstate, forward, cf, fused=False):
+    """A causal block's gradients from its carried-in state and the cotangent of its final state:
+    ``(dq, dk, dv, dbeta)``; ``fused`` (``scan="fused"``): also the cotangent of its initial
+    state, which its predecessor's task starts from."""
     _set_threads(threads)
-    return S.causal_block_bwd(q, k, v, planes, beta, g, _sketch(state, planes), _sketch(dstate, planes),
-                              key_mask=mask, check_finite=cf, forward=_load(forward))[:4]
+    got = S.causal_block_bwd(q, k, v, planes, beta, g, _sketch(state, planes), _sketch(dstate, planes),
+                             key_mask=mask, check_finite=cf, forward=_load(forward), scan=fused)
+    return got[:4] + ((_wire(got[4]),) if fused else ())
 
 
 def _pick(x, i, *marker):
@@ -697,8 +687,8 @@ def race_attention_bwd(residuals, grad_out):
         if r.causal and r.scan == "fused":
             carries, nb, dfinal = r.states[b], qb.shape[-2], None
             for j in range(nb - 1, -1, -1):  # each block from the cotangent its successor's backward started from
-                t = _call("causal-bwd", _t_causal_bwd_fused, thr, qb[b + (j, 0)], kb[b + (j, 0)], vb[b + (j, 0)],
-                          gb[b + (j, 0)], mask(j), W, beta, carries[j], dfinal, r.forwards[b][j], cf)
+                t = _call("causal-bwd", _t_causal_bwd, thr, qb[b + (j, 0)], kb[b + (j, 0)], vb[b + (j, 0)],
+                          gb[b + (j, 0)], mask(j), W, beta, carries[j], dfinal, r.forwards[b][j], cf, True)
                 picks = _outputs(t, 5)
                 dq[b + (j, 0)], dk[b + (j, 0)], dv[b + (j, 0)], d_beta = picks[:4]
                 dbetas.append(_part("dbeta-part", d_beta))

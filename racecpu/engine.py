@@ -423,47 +423,33 @@ def advance(q, k, v, planes, beta, A0, B0, out, *, mask=None, keep=BACKWARD_ROWS
     else:
         _fork.check()
     chunk, rows, partA, partB = keys.chunk, keys.rows, keys.partA, keys.partB
-    if scan:
-        return _advance_by_scan(q, k, v, planes, beta, A0, B0, out, keys, check_finite)
-    if partA.shape[1] == 1:  # one chunk: its carried-in state is the state itself (0 + A0 would be the same number)
+    nc, seg = partA.shape[1], keys.segments or None  # scan: the scan's segments; else one per chunk
+    if nc == 1:  # one chunk: its carried-in state is the state itself (0 + A0 would be the same number)
         carryA, carryB = A0[:, None], B0[:, None]
     else:
-        carryA, carryB = K.exclusive_scan(partA), K.exclusive_scan(partB)
+        carryA = K.exclusive_scan(partA)
         carryA += A0[:, None]
-        carryB += B0[:, None]
+        if scan:  # each segment's first carry, from B0 on; the scan writes the rest
+            carryB = K.exclusive_scan(partB, out=partB, segments=seg)
+            for s in range(seg):
+                carryB[:, K.segment_start(s, seg, nc)] += B0
+        else:
+            carryB = K.exclusive_scan(partB)
+            carryB += B0[:, None]
+    B1 = np.empty_like(B0) if scan else None
     with _on_threads(G * n, chunk, n):
-        nan_q = K.causal_fwd(K.Forward(q, v, K.Hash(planes, beta), rows, out, keys.chunks), K.Sums(carryA, carryB))
-    A1, B1 = state_after(keys, A0, B0)  # the chunk totals' float64 sum
+        nan_q = K.causal_fwd(K.Forward(q, v, K.Hash(planes, beta), rows, out, keys.chunks), K.Sums(carryA, carryB),
+                             final=B1, segments=seg)
+    if scan:  # B: the scan's; A: as state_after sums it
+        A1 = A0 + (partA[:, 0] if nc == 1 else partA.sum(1))
+    else:
+        A1, B1 = state_after(keys, A0, B0)  # the chunk totals' float64 sum
     if check_finite:
         ov = PROJECTIONS_OVERFLOW.format(cdt)
         check_derived(True, ("q", q, nan_q == 0, ov), ("k", k, keys.nan_k == 0, ov),
                       ("v", v, all_finite(B1), sums_overflow(cdt)))
         check_results(True, (("v", v, max_abs(B1)),), cdt, L, (out,))
     return Advanced(A1, B1, chunk, carryA, carryB, rows, nan_q, keys.nan_k)
-
-
-def _advance_by_scan(q, k, v, planes, beta, A0, B0, out, keys, check_finite):
-    """:func:`advance` with ``scan=True`` from its keys' pass (``keys.segments`` segments)."""
-    G, n, _ = q.shape
-    L = planes.shape[0]
-    cdt = q.dtype
-    seg, nc = keys.segments, keys.partA.shape[1]
-    carryA = K.exclusive_scan(keys.partA)
-    carryA += A0[:, None]
-    carryB = K.exclusive_scan(keys.partB, out=keys.partB, segments=seg)  # each segment's first carry; the scan the rest
-    for s in range(seg):
-        carryB[:, K.segment_start(s, seg, nc)] += B0
-    B1 = np.empty_like(B0)
-    with _on_threads(G * n, keys.chunk, n):
-        nan_q = K.causal_fwd(K.Forward(q, v, K.Hash(planes, beta), keys.rows, out, keys.chunks),
-                             K.Sums(carryA, carryB), final=B1, segments=seg)
-    A1 = A0 + (keys.partA[:, 0] if nc == 1 else keys.partA.sum(1))
-    if check_finite:
-        ov = PROJECTIONS_OVERFLOW.format(cdt)
-        check_derived(True, ("q", q, nan_q == 0, ov), ("k", k, keys.nan_k == 0, ov),
-                      ("v", v, all_finite(B1), sums_overflow(cdt)))
-        check_results(True, (("v", v, max_abs(B1)),), cdt, L, (out,))
-    return Advanced(A1, B1, keys.chunk, carryA, carryB, keys.rows, nan_q, keys.nan_k)
 
 
 def advance_bwd(q, k, v, grad, planes, beta, A0, B0, dA1=None, dB1=None, *, mask=None, queries_only=False,
