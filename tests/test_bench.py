@@ -86,6 +86,7 @@ def test_cuda_unavailable_says_so(capsys, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_suite_runs_end_to_end(tmp_path, capsys):
     rc = main(["bench", "--min-log2n", "8", "--max-log2n", "8", "--heads", "1", "--dim", "16", "--repeats", "1",
                "--no-torch", "--no-cold", "--out", str(tmp_path), "--tag", "t"])
@@ -122,6 +123,7 @@ def test_suite_runs_end_to_end(tmp_path, capsys):
     assert "bench:" not in out.err  # no progress bar: stderr is not a terminal
 
 
+@pytest.mark.slow
 def test_features_section_pairs_each_feature_with_its_baseline(tmp_path, capsys):
     # --sections features alone, at a tiny N: the six (feature, causal) pairs, each with its baseline.
     rc = main(["bench", "--quick", "--sections", "features", "--features-log2n", "9", "--dim", "16",
@@ -158,6 +160,7 @@ def test_features_section_pairs_each_feature_with_its_baseline(tmp_path, capsys)
     assert text.strip() in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_train_section_reports_each_shape_and_mode(tmp_path, capsys):
     # --sections train at one small shape (--train-shapes): a per-call cap between RACE's predicted time
     # (its roof, ~0.2 ms; a 1e-4 s cap at 1,024 tokens was too tight when other work shared the machine and
@@ -203,6 +206,7 @@ def test_train_section_reports_each_shape_and_mode(tmp_path, capsys):
     assert "--train-shapes" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_memory_cap_skips_and_still_reports(tmp_path):
     rc = main(["bench", "--impls", "race", "--min-log2n", "8", "--max-log2n", "9", "--mem-cap-gib", "0.01",
                "--no-cold", "--out", str(tmp_path), "--tag", "s"])
@@ -217,6 +221,7 @@ def test_memory_cap_skips_and_still_reports(tmp_path):
     assert (tmp_path / "s.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_floor_script_writes_its_table(tmp_path):
     # benchmarks/floor.py (the achievable-floor arithmetic of the speed issue) at a tiny size.
     import importlib.util

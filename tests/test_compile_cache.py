@@ -85,6 +85,7 @@ def _cache_without_runners(dest):
     shutil.copytree(src, dest, ignore=shutil.ignore_patterns("runtime._launch-*"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("frontend", ["numpy", "torch", "jax", "autograd"])
 def test_a_process_that_compiles_says_so_in_one_line_and_a_cached_one_says_nothing(frontend, tmp_path):
     if frontend in ("torch", "jax"):
@@ -103,6 +104,7 @@ def test_a_process_that_compiles_says_so_in_one_line_and_a_cached_one_says_nothi
     assert _lines(_run(code, dict(env, RACECPU_QUIET_COMPILE="1"), tmp_path)) == []
 
 
+@pytest.mark.slow
 def test_warmup_covers_what_torch_jax_and_autograd_call(tmp_path):
     # racecpu warmup fills the shared cache (loads it, where the suite's warm-up ran); then a
     # torch step, a JAX jit + grad step (JAX hands read-only arrays) and an autograd step,

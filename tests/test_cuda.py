@@ -441,6 +441,7 @@ def ptx_run():
                           timeout=600)
 
 
+@pytest.mark.slow
 @_ONCE  # one test, so one process compiles (a module fixture runs once per xdist worker)
 def test_kernels_compile_to_ptx(ptx_run):
     """Lower every kernel with the real CUDA compiler (NVVM), which the simulator never runs:
@@ -455,6 +456,7 @@ def test_kernels_compile_to_ptx(ptx_run):
     assert not missing, f"not compiled for {missing}:\n" + p.stdout + p.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_gpu_benchmark_runs_and_checks(capsys):
     """The GPU benchmark's code path at toy size (timings under the simulator mean nothing)."""
     from racecpu.apps import cuda_bench as bench

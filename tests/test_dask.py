@@ -452,7 +452,7 @@ def test_dask_cluster_equals_numpy(rng, client, causal, masked, dtype):
     print(causal, masked, np.dtype(dtype).name, {k: f"{v:.2g}" for k, v in errs.items()})
 
 
-@pytest.mark.parametrize("blocks", [7, 64])
+@pytest.mark.parametrize("blocks", [7, pytest.param(64, marks=pytest.mark.slow)])
 def test_the_same_bits_on_one_and_two_workers(rng, client, blocks):
     """The graph fixes the order of every sum: one worker (the synchronous scheduler) and two
     worker processes give the same bits, causal (tree and fused scans; the fused one at 7 blocks
@@ -615,6 +615,7 @@ def _key_name(key):
 KILL_TIMEOUT = 120
 
 
+@pytest.mark.slow
 def test_dask_cluster_survives_a_killed_worker():
     """A worker process killed (SIGKILL) while the cluster runs racecpu's tasks: its nanny
     restarts it, the scheduler recomputes what it held or was running, and the forward and

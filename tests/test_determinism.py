@@ -70,8 +70,7 @@ def test_a_task_compiled_beside_cached_callees_gives_the_cached_bits(tmp_path):
     _assert_same_bits(here, cached)
 
 
-@pytest.mark.skipif(not os.environ.get("RACECPU_SLOW_TESTS"), reason="compiles every kernel in a fresh cache "
-                    "(about a minute); set RACECPU_SLOW_TESTS=1")
+@pytest.mark.slow  # compiles every kernel in a fresh cache, three processes
 def test_a_compiling_process_and_a_cached_one_give_the_same_bits(tmp_path):
     # The first process compiles every kernel into an empty cache, the next
     # ones load them; before the kernels kept their own copies of their

@@ -63,6 +63,7 @@ def test_torch_char_lm_race_and_sdpa_train():
     assert res["steps"] == 3 and len(res["losses"]) == 3 and res["step_ms"] > 0
 
 
+@pytest.mark.slow
 def test_jax_char_lm_race_and_softmax_train():
     pytest.importorskip("jax")
     mod = _load("jax_char_lm")

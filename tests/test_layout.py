@@ -249,6 +249,7 @@ def test_cache_stamp_covers_every_kernel_source_and_config(tmp_path, monkeypatch
     assert len(set(stamps)) == len(stamps)
 
 
+@pytest.mark.slow
 def test_import_and_a_call_work_with_an_unwritable_cache_and_recompile_a_corrupt_one(tmp_path):
     import os
     cache = tmp_path / "cache"
