@@ -60,6 +60,20 @@ def pytest_configure(config):
     config._racecpu_prewarm = (r.returncode, time.perf_counter() - t0, r.stderr[-2000:])
 
 
+def pytest_collection_modifyitems(config, items):
+    # `pytest -q` leaves out the tests marked slow (15 s or more each: ~6 min of the whole) so
+    # that the everyday suite stays within 10 minutes on 2 cores; `pytest -q -m slow` runs them
+    # (CI runs both).  A -m expression, a test named by its id (path::name) or RACECPU_TEST_GPU=1
+    # (the GPU runs, where the slow CUDA tests are the point) keeps them.
+    if config.option.markexpr or os.environ.get("RACECPU_TEST_GPU") == "1" \
+            or any("::" in str(a) for a in config.args):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
+
 def pytest_report_header(config):
     import racecpu
     lines = [f"racecpu {racecpu.__version__} imported from {os.path.dirname(racecpu.__file__)}"]
