@@ -160,7 +160,7 @@ class RaceAttention:
     Parameters
     ----------
     head_dim : int
-    num_planes : int, default ``LAYER_NUM_PLANES`` (4)
+    num_planes : int, default ``LAYER_NUM_PLANES`` (5)
     num_tables : int, default ``LAYER_NUM_TABLES`` (4)
     beta : float, default ``LAYER_BETA`` (2)
         The layers' defaults (docs/choosing.md); a function called with planes

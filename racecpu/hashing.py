@@ -29,11 +29,13 @@ __all__ = ["hyperplanes", "corners", "soft_buckets", "DEFAULT_BETA", "DEN_FLOOR"
 #: ``racecpu.autograd.nn``'s layers and models, ``racecpu train``): P hyperplanes per table, L tables
 #: and beta's starting value, chosen from the map of docs/choosing.md (issue 59).  Trained on
 #: multi-query recall, P = L = 3 with beta starting at 8 recalled worse than linear attention;
-#: P = L = 4 from beta 2 reached softmax's level at 1.2x the step time.  A softer start matters
+#: P = 5, L = 4 from beta 2 reached 0.9x softmax's level on the hard recall task (median of three
+#: seeds), where P = L = 4 stopped at 0.74; at long contexts its attention costs about 2.3x that of
+#: P = L = 4 (docs/choosing.md gives the cheaper choice and its price).  A softer start matters
 #: because the soft hash's gradients vanish as beta grows (tanh saturates) and beta, although
 #: trained, rarely leaves the region it starts in.  The functions that take planes keep
 #: ``DEFAULT_BETA`` (8): untrained, a sharper hash estimates the angular kernel closer.
-LAYER_NUM_PLANES = 4
+LAYER_NUM_PLANES = 5
 LAYER_NUM_TABLES = 4
 LAYER_BETA = 2.0
 

@@ -300,7 +300,7 @@ class RaceAttention(nn.Module):
     ----------
     head_dim : int
         ``d`` of q and k.
-    num_planes, num_tables : int, default 4, 4
+    num_planes, num_tables : int, default 5, 4
         ``P`` and ``L`` (``racecpu.hashing.LAYER_NUM_PLANES``, ``LAYER_NUM_TABLES``).
     beta : float, default 2
         Initial soft-hash temperature (> 0; ``LAYER_BETA``).  These

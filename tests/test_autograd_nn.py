@@ -60,7 +60,7 @@ def test_race_beta_fixed_and_buffers():
     mha = nn.MultiHeadAttention(8, 2, attention="race", train_beta=False, beta=3.0, dtype=np.float64)
     assert "log_beta" not in dict(mha.named_parameters()) and mha.current_beta() == 3.0
     # the layers' default P and L (racecpu.hashing.LAYER_NUM_TABLES, LAYER_NUM_PLANES)
-    assert "planes" in mha.state_dict() and mha.state_dict()["planes"].shape == (4, 4, 4)
+    assert "planes" in mha.state_dict() and mha.state_dict()["planes"].shape == (4, 5, 4)
     with pytest.raises(ValueError, match="attention must be one of"):
         nn.MultiHeadAttention(8, 2, attention="flash")
     with pytest.raises(ValueError, match="divisible"):

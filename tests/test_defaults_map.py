@@ -108,22 +108,22 @@ def test_every_layer_starts_from_the_layer_defaults_and_the_functions_keep_their
     from racecpu.autograd import nn
     from racecpu.hashing import LAYER_BETA, LAYER_NUM_PLANES, LAYER_NUM_TABLES
 
-    assert (LAYER_NUM_PLANES, LAYER_NUM_TABLES, LAYER_BETA) == (4, 4, 2.0)
+    assert (LAYER_NUM_PLANES, LAYER_NUM_TABLES, LAYER_BETA) == (5, 4, 2.0)
     att = racecpu.RaceAttention(8)
-    assert (att.num_planes, att.num_tables, att.beta) == (4, 4, 2.0)
+    assert (att.num_planes, att.num_tables, att.beta) == (5, 4, 2.0)
     mha = nn.MultiHeadAttention(8, 2)
-    assert mha.planes.shape == (4, 4, 4) and mha.current_beta() == pytest.approx(2.0)
+    assert mha.planes.shape == (4, 5, 4) and mha.current_beta() == pytest.approx(2.0)
     for cls in (nn.TransformerLM, nn.TransformerClassifier):
         params = inspect.signature(cls).parameters
-        assert (params["num_planes"].default, params["num_tables"].default, params["beta"].default) == (4, 4, 2.0)
+        assert (params["num_planes"].default, params["num_tables"].default, params["beta"].default) == (5, 4, 2.0)
     import argparse
     p = argparse.ArgumentParser()
     train.add_arguments(p)
     a = p.parse_args([])
-    assert (a.num_planes, a.num_tables, a.beta) == (4, 4, 2.0)
+    assert (a.num_planes, a.num_tables, a.beta) == (5, 4, 2.0)
     assert racecpu.hyperplanes(8).shape == (3, 3, 8)
     assert inspect.signature(racecpu.race_attention).parameters["beta"].default == racecpu.DEFAULT_BETA == 8.0
     torch = pytest.importorskip("torch")
     import racecpu.torch as rt
     t = rt.RaceAttention(8)
-    assert tuple(t.planes.shape) == (4, 4, 8) and t.beta.item() == 2.0 and t.beta.dtype == torch.float32
+    assert tuple(t.planes.shape) == (4, 5, 8) and t.beta.item() == 2.0 and t.beta.dtype == torch.float32

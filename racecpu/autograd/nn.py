@@ -179,7 +179,7 @@ class MultiHeadAttention(Module):
         ``angular``: the exact kernel RACE estimates, gamma = ``num_planes``;
         ``linear``: elu+1 linear attention.
     causal : bool
-    num_planes, num_tables : int, default 4, 4
+    num_planes, num_tables : int, default 5, 4
         RACE's P and L (``LAYER_NUM_PLANES``, ``LAYER_NUM_TABLES`` of
         :mod:`racecpu.hashing`; docs/choosing.md says why).
     beta : float, default 2
