@@ -30,7 +30,7 @@ __all__ = ["hyperplanes", "corners", "soft_buckets", "DEFAULT_BETA", "DEN_FLOOR"
 #: and beta's starting value, chosen from the map of docs/choosing.md (issue 59).  Trained on
 #: multi-query recall, P = L = 3 with beta starting at 8 recalled worse than linear attention;
 #: P = 5, L = 4 from beta 2 reached 0.9x softmax's level on the hard recall task (median of three
-#: seeds), where P = L = 4 stopped at 0.74; at long contexts its attention costs about 2.3x that of
+#: seeds), where P = L = 4 stopped at 0.74; at long contexts its attention costs 2-2.9x that of
 #: P = L = 4 (docs/choosing.md gives the cheaper choice and its price).  A softer start matters
 #: because the soft hash's gradients vanish as beta grows (tanh saturates) and beta, although
 #: trained, rarely leaves the region it starts in.  The functions that take planes keep
