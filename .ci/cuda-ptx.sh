@@ -8,4 +8,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install "numba-cuda>=0.30" "cuda-toolkit[nvvm,nvrtc,cudart]==13.*"
-RACECPU_REQUIRE_PTX=1 python -m pytest -q tests/test_cuda.py -k test_kernels_compile_to_ptx
+RACECPU_REQUIRE_PTX=1 python -m pytest -q tests/test_cuda.py::test_kernels_compile_to_ptx

@@ -63,9 +63,11 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     # `pytest -q` leaves out the tests marked slow (15 s or more each: ~6 min of the whole) so
     # that the everyday suite stays within 10 minutes on 2 cores; `pytest -q -m slow` runs them
-    # (CI runs both).  A -m expression, a test named by its id (path::name) or RACECPU_TEST_GPU=1
-    # (the GPU runs, where the slow CUDA tests are the point) keeps them.
-    if config.option.markexpr or os.environ.get("RACECPU_TEST_GPU") == "1" \
+    # (CI runs both).  A -m or -k expression, a test named by its id (path::name) or
+    # RACECPU_TEST_GPU=1 (the GPU runs, where the slow CUDA tests are the point) keeps them:
+    # whoever picks tests by name means those tests.
+    if config.option.markexpr or config.option.keyword \
+            or os.environ.get("RACECPU_TEST_GPU") == "1" \
             or any("::" in str(a) for a in config.args):
         return
     slow = [item for item in items if item.get_closest_marker("slow")]
