@@ -12,7 +12,7 @@ largest share of the samples, their Numba names shortened
 one function apart), and the call's ns per token-head.
 
     python benchmarks/perf_profile.py [--mode fwd|fwdbwd|causal-fwd|causal-fwdbwd] [--log2n 18]
-                                 [--heads 4] [--threads 2] [--seconds 10] [--top 25] [--dplanes]
+                                 [--heads 4] [--batch 1] [--dim 128] [--planes 3] [--tables 3] [--threads 2] [--seconds 10] [--top 25] [--dplanes]
 
 It needs ``perf`` (linux-tools) and a kernel that lets this user sample
 (``/proc/sys/kernel/perf_event_paranoid``); without them it says so and stops.
@@ -126,6 +126,10 @@ def main(argv=None):
     p.add_argument("--mode", choices=("fwd", "fwdbwd", "causal-fwd", "causal-fwdbwd"), default="causal-fwdbwd")
     p.add_argument("--log2n", type=int, default=18)
     p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dim", type=int, default=128, help="head dim d = dv (default 128)")
+    p.add_argument("--planes", type=int, default=3, help="hyperplanes per table P (default 3)")
+    p.add_argument("--tables", type=int, default=3, help="tables L (default 3)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seconds", type=float, default=10.0, help="how long perf samples")
     p.add_argument("--top", type=int, default=25)
@@ -149,10 +153,10 @@ def main(argv=None):
 
     threads = min(a.threads, numba.config.NUMBA_NUM_THREADS)
     numba.set_num_threads(threads)
-    n, heads, d = 1 << a.log2n, a.heads, 128
+    n, heads, d = 1 << a.log2n, a.heads * a.batch, a.dim
     rng = np.random.default_rng(0)
-    q, k, v, g = (rng.standard_normal((1, heads, n, d), dtype=np.float32) for _ in range(4))
-    planes = rng.standard_normal((3, 3, d)).astype(np.float32)
+    q, k, v, g = (rng.standard_normal((a.batch, a.heads, n, d), dtype=np.float32) for _ in range(4))
+    planes = rng.standard_normal((a.tables, a.planes, d)).astype(np.float32)
     out = np.empty_like(q)
     grads = tuple(np.empty_like(x) for x in (q, k, v))
     causal = a.mode.startswith("causal")
@@ -176,7 +180,8 @@ def main(argv=None):
             os.remove(mapfile)
         shutil.rmtree(cache, ignore_errors=True)
     ns = float(np.median(times)) * 1e9 / (n * heads) if times else float("nan")
-    print(f"{a.mode}: N = 2^{a.log2n}, {heads} heads, {a.threads} threads: {ns:.1f} ns per token-head "
+    print(f"{a.mode}: B = {a.batch}, N = 2^{a.log2n}, {a.heads} heads, d = {d}, P = {a.planes}, L = {a.tables}, "
+          f"{a.threads} threads: {ns:.1f} ns per token-head "
           f"(median of {len(times)} calls); {nmap} compiled functions named")
     shown = 0
     for line in report.splitlines():
