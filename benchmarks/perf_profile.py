@@ -57,16 +57,16 @@ def short_name(mangled):
     return f"{name}[{version}]" if version else name
 
 
-def compiled_functions(modules):
+def compiled_functions(modules, dispatchers=()):
     """{address: mangled name} of every function compiled so far for the Numba
-    dispatchers found in ``modules`` (each with its callees linked into it)."""
+    dispatchers found in ``modules`` and given in ``dispatchers`` (each with its
+    callees linked into it)."""
     from numba.core.registry import CPUDispatcher
 
     found = {}
-    for mod in modules:
-        for obj in vars(mod).values():
-            if not isinstance(obj, CPUDispatcher):
-                continue
+    objs = [obj for mod in modules for obj in vars(mod).values()] + list(dispatchers)
+    for obj in objs:
+        if isinstance(obj, CPUDispatcher):
             for cres in list(obj.overloads.values()):
                 lib = cres.library
                 for fn in lib._final_module.functions:  # empty for code loaded from the cache
@@ -173,7 +173,9 @@ def main(argv=None):
         print(f"compiling ({a.mode}) ...", flush=True)
         call()
         call()
-        nmap = write_perf_map(compiled_functions([_kernels]), mapfile)
+        from racecpu._kernels import _link  # the kernels called through a symbol (kernel(by_address=True))
+        mods = [m for name, m in sorted(sys.modules.items()) if name.startswith(_kernels.__name__)]
+        nmap = write_perf_map(compiled_functions(mods, _link._IMPLS.values()), mapfile)
         times, report = _sample(perf, call, os.path.join(cache, "perf.data"), a.seconds, threads)
     finally:  # the map and the fresh cache are of this run only
         if os.path.exists(mapfile):

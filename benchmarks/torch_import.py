@@ -97,7 +97,7 @@ def main(argv=None):
     for name, v in seen.items():
         med = statistics.median(v)
         print(f"  {name:22s} {med:8.1f}  ({min(v):.0f}-{max(v):.0f})  x{med / base:.3f}  libgomp: "
-              + (", ".join(os.path.basename(x) for x in gomp[name]) or "none"))
+              + (", ".join(gomp[name]) or "none"))
     return 0
 
 

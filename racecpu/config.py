@@ -92,7 +92,7 @@ SCAN_BLOCK = 8
 
 #: Rows from which a rank-k state update goes to BLAS (np.dot) rather than
 #: plain loops (docs/performance.md, "BLAS rows").  (compiled in)
-BLAS_ROWS = 8
+BLAS_ROWS = 16
 
 #: Rows per sgemm of the non-causal queries' chunk totals of dB
 #: (docs/performance.md, "BLAS span").  (compiled in)

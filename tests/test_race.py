@@ -99,12 +99,13 @@ def test_chunked_work_matches_reference(rng, monkeypatch):
 @pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-10), (np.float32, 1e-5)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_blas_and_loop_paths_match_reference(rng, monkeypatch, causal, dtype, tol):
-    # Chunks of 24 tokens reach the sgemm path (>= BLAS_ROWS rows; causal: in
-    # steps of SCAN_BLOCK), the last chunk of 5 the loop path: both in one
-    # call, with masked keys.
+    # Non-causal, chunks of 24 tokens reach the sgemm path of the sums (>=
+    # BLAS_ROWS rows), the last chunk of 5 the loop path: both in one call,
+    # with masked keys.  Causal, the steps of SCAN_BLOCK tokens stay below
+    # BLAS_ROWS (loops) and the chunks end on a shorter step.
     from racecpu import _kernels
     monkeypatch.setattr(config, "CHUNK", 24)
-    assert 5 < _kernels.BLAS_ROWS <= min(24, _kernels.SCAN_BLOCK)
+    assert 5 < _kernels.BLAS_ROWS <= 24 and _kernels.SCAN_BLOCK < _kernels.BLAS_ROWS
     nk = 53 if causal else 29
     q, k, v, W = make(rng, (2,), 53, nk, 6, 7, 3, 3, dtype)
     mask = rng.random((2, nk)) > 0.25
@@ -128,12 +129,12 @@ def test_causal_scans_agree_bit_for_bit_over_segment_counts(rng, monkeypatch, ch
     # fewest, a third and all but two of the chunks in that pass): the same
     # carries, so the same results to the last bit, and all match the
     # reference, with no value read that the kernels did not write.  Chunks
-    # of 28 reach the sgemm steps and end on a shorter step (28 = 3 * 8 + 4);
-    # 7, the loop path.  group 3: grouped-query attention, three query heads
+    # of 28 take whole steps and end on a shorter one (28 = 3 * 8 + 4); 7 is
+    # one short step.  group 3: grouped-query attention, three query heads
     # per key/value head scanned together (the reference: k, v repeated).
     from racecpu import _kernels, plan
     from racecpu._memory import POOL
-    assert chunk < _kernels.BLAS_ROWS or (chunk % _kernels.SCAN_BLOCK and _kernels.SCAN_BLOCK >= _kernels.BLAS_ROWS)
+    assert chunk % _kernels.SCAN_BLOCK  # (a last, shorter step)
     monkeypatch.setattr(config, "CHUNK", chunk)
     empty = POOL.empty
 

@@ -194,7 +194,7 @@ def _causal_queries_bwd_chunk(bwd, carry, partd, gk, c, t0, t1):
                 dot_rows(S, Gb, Y)
                 dot_rows(V, Gb, M)  # M_ij = g_i . v_j, kept for j <= i
                 zero_above(M)
-                np.dot(M, Pk, Z)
+                combine_rows(M, Pk, Z)
             copy_into(Ah, A)
             for i in range(m):
                 dphi = DPHI[hl, i0 + i - lo]
@@ -295,20 +295,20 @@ def _causal_keys_bwd_chunk(bwd, dcarry, gk, c, c0, track, last, final, total):
             # dphik_j = dB v_j + sum_h sum_{i>=j} wq_hi (g_hi . v_j) + dA_j, dB from after the step
             # dv_j = dB^T phik_j + sum_h sum_{i>=j} (wq_hi . phik_j) g_hi
             dot_rows(dB, V, Y)
-            np.dot(Pk, dB, dV)
+            combine_rows(Pk, dB, dV)
             for hl in range(group):
                 wb, Gb = wq[hl, :m], grad[h0 + hl, i0:i1]
                 dot_rows(Gb, V, M)  # M_ji = v_j . g_i, kept for i >= j
                 zero_below(M)
                 if hl == 0:
-                    np.dot(M, wb, Z)
+                    combine_rows(M, wb, Z)
                 else:
-                    np.dot(M, wb, Zh[:m])
+                    combine_rows(M, wb, Zh[:m])
                     for j in range(m):
                         for f in range(F):
                             Z[j, f] += Zh[j, f]
                 step_scores(Pk, wb, M2, False)  # M2_ji = phik_j . wq_i, kept for i >= j
-                np.dot(M2, Gb, X)
+                combine_rows(M2, Gb, X)
                 for j in range(m):
                     for cc in range(dv):
                         dV[j, cc] += X[j, cc]

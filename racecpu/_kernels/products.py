@@ -316,7 +316,9 @@ def outer_add(w, x, B):
 @kernel(by_address=True, readonly=("w", "x"))
 def step_product(w, x, out):
     """out = w^T x for ``w (m, F)``, ``x (m, dv)``, overwriting ``out (F, dv)``:
-    sgemm from BLAS_ROWS rows, :func:`outer_add` below (call overhead wins)."""
+    sgemm from BLAS_ROWS rows, :func:`outer_add` below (call overhead and
+    packing win: a scan step's 8 rows always take the loops; docs/performance.md,
+    "BLAS rows")."""
     if w.shape[0] >= BLAS_ROWS and out.shape[1] > 0:
         np.dot(w.T, x, out)
     else:
