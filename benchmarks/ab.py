@@ -11,7 +11,7 @@ median of the per-round ratios B/A, with their range: a change is real when
 that range stays on one side of 1.
 
     git worktree add /tmp/b HEAD && (edit /tmp/b)
-    python benchmarks/ab.py /tmp/b [--log2n 18] [--heads 4] [--rounds 7] [--repeats 3] [--aligned]
+    python benchmarks/ab.py /tmp/b [--log2n 18] [--heads 4] [--dim 128] [--planes 3] [--tables 3] [--rounds 7] [--repeats 3] [--aligned]
 
 It also prints the largest difference between A's and B's results
 (relative to the largest |value| of A's), which a pure speed change keeps
@@ -94,6 +94,8 @@ def main(argv=None):
     p.add_argument("--log2n", type=int, default=18)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--planes", type=int, default=3, help="hyperplanes per table P (default 3)")
+    p.add_argument("--tables", type=int, default=3, help="tables L (default 3)")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--repeats", type=int, default=3,
                    help="timed calls per side and round (after an untimed one); the best counts")
@@ -113,9 +115,9 @@ def main(argv=None):
     n, H = 1 << a.log2n, a.heads
     rng = np.random.default_rng(a.seed)
     q, k, v, g = (rng.standard_normal((H, n, a.dim), dtype=np.float32) for _ in range(4))
-    planes = A.hyperplanes(a.dim, 3, 3, seed=a.seed)
+    planes = A.hyperplanes(a.dim, a.planes, a.tables, seed=a.seed)
     print(f"A: {Path(A.__file__).parents[1]}\nB: {Path(B.__file__).parents[1]}\n"
-          f"N = 2^{a.log2n}, {H} heads, d = dv = {a.dim}, P = L = 3, float32; "
+          f"N = 2^{a.log2n}, {H} heads, d = dv = {a.dim}, P = {a.planes}, L = {a.tables}, float32; "
           f"{a.rounds} rounds, best of {a.repeats} calls per side and round; ns per token-head")
     for causal in (False, True):
         align = 64 if a.aligned else None
