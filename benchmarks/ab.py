@@ -11,7 +11,8 @@ median of the per-round ratios B/A, with their range: a change is real when
 that range stays on one side of 1.
 
     git worktree add /tmp/b HEAD && (edit /tmp/b)
-    python benchmarks/ab.py /tmp/b [--log2n 18] [--heads 4] [--dim 128] [--planes 3] [--tables 3] [--rounds 7] [--repeats 3] [--aligned]
+    python benchmarks/ab.py /tmp/b [--log2n 18] [--heads 4] [--dim 128] [--planes 3] [--tables 3]
+                                   [--rounds 7] [--repeats 3] [--aligned]
 
 It also prints the largest difference between A's and B's results
 (relative to the largest |value| of A's), which a pure speed change keeps

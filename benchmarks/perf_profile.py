@@ -12,7 +12,8 @@ largest share of the samples, their Numba names shortened
 one function apart), and the call's ns per token-head.
 
     python benchmarks/perf_profile.py [--mode fwd|fwdbwd|causal-fwd|causal-fwdbwd] [--log2n 18]
-                                 [--heads 4] [--batch 1] [--dim 128] [--planes 3] [--tables 3] [--threads 2] [--seconds 10] [--top 25] [--dplanes]
+                                 [--heads 4] [--batch 1] [--dim 128] [--planes 3] [--tables 3]
+                                 [--threads 2] [--seconds 10] [--top 25] [--dplanes]
 
 It needs ``perf`` (linux-tools) and a kernel that lets this user sample
 (``/proc/sys/kernel/perf_event_paranoid``); without them it says so and stops.
