@@ -307,6 +307,7 @@ def test_profile_script_names_compiled_functions(tmp_path):
     names = [prof.short_name(n) for n in found.values()]
     assert any(n.split("[")[0].endswith("<locals>.outer") for n in names), names
     assert all(isinstance(addr, int) and addr > 0 for addr in found)
+    assert prof.compiled_functions([], [outer, 1]) == found  # dispatchers given directly (racecpu's by-address kernels)
     mapfile = tmp_path / "perf.map"
     assert prof.write_perf_map(found, mapfile) == len(found)
     lines = [line.split(" ", 2) for line in mapfile.read_text().splitlines()]
