@@ -18,7 +18,7 @@ import numpy as np
 from ..config import BLAS_ROWS, BLAS_SCORE_F
 from ._jit import kernel
 from .tiles import (COMB_ROWS, COMB_VECTORS, TILE_ROWS, TN_ACC, VECTOR_BYTES, comb_tile, comb_tile_lines,
-                    comb_tile_pieces, dot_tile_cols, dot_tile_cols1, dot_tile_rows, prefetch_lines, tn_row2, tn_row4,
+                    comb_tile_pieces, comb_vec, comb_vec_lines, comb_vec_pieces, dot_tile_cols, dot_tile_cols1, dot_tile_rows, prefetch_lines, tn_row2, tn_row4,
                     tn_row8, tn_tile2, tn_tile4, tn_tile8)
 
 
@@ -44,9 +44,11 @@ def combine_rows(X, S, out, stream=False, ahead=0, lines=0):
     """out[j] = sum_f X[j, f] S[f, :] for every row j, overwriting ``out``.
 
     Register tiles (:func:`racecpu._kernels.tiles.comb_tile`: COMB_ROWS rows of X by
-    COMB_VECTORS vectors of S's columns) where S's and out's rows are
+    COMB_VECTORS vectors of S's columns, then one vector, ``comb_vec``, for
+    the columns past the last whole tile) where S's and out's rows are
     contiguous (X's elements are read one at a time), and
-    :func:`_combine_rows_loop` at the edges.  ``stream``: a result that
+    :func:`_combine_rows_loop` at the edges (the last rows; the columns
+    past the last whole vector).  ``stream``: a result that
     nothing reads soon (a kernel's output rows, at scale far larger than
     the caches) is written with non-temporal stores, whole vectors where
     out's rows start on one (racecpu's own results: page-aligned), else in
@@ -63,20 +65,25 @@ def combine_rows(X, S, out, stream=False, ahead=0, lines=0):
     dv = S.shape[1]
     lanes = VECTOR_BYTES // X.itemsize
     width = COMB_VECTORS * lanes
-    c1 = dv - dv % width
+    c1 = dv - dv % width  # columns in whole tiles
+    c2 = dv - dv % lanes  # and in whole vectors: c1..c2 by one-vector tiles
     n1 = 0  # rows done by tiles
-    if c1 > 0 and S.strides[1] == S.itemsize and out.strides[1] == out.itemsize:
+    if c2 > 0 and S.strides[1] == S.itemsize and out.strides[1] == out.itemsize:
         line = lanes * out.itemsize  # bytes of one stored vector
         if stream and out.ctypes.data % line == 0 and out.strides[0] % line == 0:
             n1 = n - n % COMB_ROWS
             for i in range(0, n1, COMB_ROWS):
                 for c in range(0, c1, width):
                     comb_tile_lines(X, S, out, i, c)
+                for c in range(c1, c2, lanes):
+                    comb_vec_lines(X, S, out, i, c)
         elif stream and out.ctypes.data % 16 == 0 and out.strides[0] % 16 == 0:
             n1 = n - n % 2
             for i in range(0, n1, 2):
                 for c in range(0, c1, width):
                     comb_tile_pieces(X, S, out, i, c)
+                for c in range(c1, c2, lanes):
+                    comb_vec_pieces(X, S, out, i, c)
         else:
             n1 = n - n % COMB_ROWS
             tiles = (n1 // COMB_ROWS) * (c1 // width)
@@ -86,11 +93,13 @@ def combine_rows(X, S, out, stream=False, ahead=0, lines=0):
                     comb_tile(X, S, out, i, c)
                     done = prefetch_to(ahead, done, lines * ((i // COMB_ROWS) * (c1 // width) + c // width + 1)
                                         // tiles)
+                for c in range(c1, c2, lanes):
+                    comb_vec(X, S, out, i, c)
     if n1 == 0:
         _combine_rows_loop(X, S, out, 0, n, 0)
         return
-    if c1 < dv:
-        _combine_rows_loop(X, S, out, 0, n1, c1)
+    if c2 < dv:
+        _combine_rows_loop(X, S, out, 0, n1, c2)
     if n1 < n:
         _combine_rows_loop(X, S, out, n1, n, 0)
 

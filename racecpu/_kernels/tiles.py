@@ -303,6 +303,12 @@ def _comb_tile(rows, store, cols=COMB_VECTORS, transposed=False):
 comb_tile = _comb_tile(COMB_ROWS, "plain")
 comb_tile_pieces = _comb_tile(2, "pieces")
 comb_tile_lines = _comb_tile(COMB_ROWS, "lines")
+#: Their one-vector siblings, for the columns past the last whole tile: rows of
+#: F = 24 values (the causal steps' ``M Phik``) are no tile wide, and LLVM's
+#: vectoriser, unrolled four vectors deep, left a loop that short scalar.
+comb_vec = _comb_tile(COMB_ROWS, "plain", 1)
+comb_vec_pieces = _comb_tile(2, "pieces", 1)
+comb_vec_lines = _comb_tile(COMB_ROWS, "lines", 1)
 
 #: Accumulators of a transposed combine tile (``out = X^T S``: the planes'
 #: gradient ``du^T x``, X = du with L*P columns, S the chunk's rows of q or k):
