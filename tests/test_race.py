@@ -619,6 +619,28 @@ def test_tn_product_matches_numpy(rng, dtype):
                                                err_msg=f"n={n} m={m} d={d} out {out.dtype}")
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_step_product_matches_numpy(rng, dtype):
+    # A scan step's state update w^T x (racecpu._kernels.products.step_product): the
+    # transposed tiles TN_ACC / 2 rows tall and two vectors wide, one-row tiles for the
+    # last rows (F = 6, 25), loops for the columns past the last tile (dv = 33, 72) and
+    # for strided rows of x; a strided w; no rows (zeros), and sgemm from BLAS_ROWS rows.
+    from racecpu._kernels.products import step_product
+    from racecpu.config import BLAS_ROWS
+
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    for m in (0, 1, 5, 8, BLAS_ROWS):
+        for F in (1, 6, 24, 25):
+            for dv in (1, 33, 64, 72):
+                w = rng.standard_normal((m, 2 * F)).astype(dtype)[:, ::2]
+                x = rng.standard_normal((m, dv)).astype(dtype)
+                want = w.T.astype(np.float64) @ x.astype(np.float64)
+                for xs in (x, np.repeat(x, 2, axis=1)[:, ::2]):
+                    out = np.full((F, dv), np.nan, dtype)
+                    step_product(w, xs, out)
+                    np.testing.assert_allclose(out, want, rtol=tol, atol=tol, err_msg=f"m={m} F={F} dv={dv}")
+
+
 @pytest.mark.parametrize("m", [1, 3, 5, 8])
 @pytest.mark.parametrize("F", [1, 6, 24, 40])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

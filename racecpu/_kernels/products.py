@@ -298,41 +298,44 @@ def _dot_rows_loop(S, X, Y):
             f += 1
 
 
-@kernel
-def outer_add(w, x, B):
-    """B += sum_j w[j, :]^T x[j, :] (rank-1 updates), eight rows j per sweep over B."""
-    n = w.shape[0]
-    F, dv = B.shape
-    j = 0
-    while j + 8 <= n:
-        x0, x1, x2, x3, x4, x5, x6, x7 = x[j], x[j + 1], x[j + 2], x[j + 3], x[j + 4], x[j + 5], x[j + 6], x[j + 7]
-        for f in range(F):
-            w0, w1, w2, w3 = w[j, f], w[j + 1, f], w[j + 2, f], w[j + 3, f]
-            w4, w5, w6, w7 = w[j + 4, f], w[j + 5, f], w[j + 6, f], w[j + 7, f]
-            for c in range(dv):
-                B[f, c] += (((w0 * x0[c] + w1 * x1[c]) + (w2 * x2[c] + w3 * x3[c]))
-                            + ((w4 * x4[c] + w5 * x5[c]) + (w6 * x6[c] + w7 * x7[c])))
-        j += 8
-    while j < n:
-        xj = x[j]
-        for f in range(F):
-            wf = w[j, f]
-            for c in range(dv):
-                B[f, c] += wf * xj[c]
-        j += 1
-
-
 @kernel(by_address=True, readonly=("w", "x"))
 def step_product(w, x, out):
     """out = w^T x for ``w (m, F)``, ``x (m, dv)``, overwriting ``out (F, dv)``:
-    sgemm from BLAS_ROWS rows, :func:`outer_add` below (call overhead and
-    packing win: a scan step's 8 rows always take the loops; docs/performance.md,
-    "BLAS rows")."""
-    if w.shape[0] >= BLAS_ROWS and out.shape[1] > 0:
+    sgemm from BLAS_ROWS rows, racecpu's own tiles below (call overhead and
+    packing win: a scan step's 8 rows always take the tiles; docs/performance.md,
+    "BLAS rows").
+
+    The tiles are transposed combine tiles two vectors wide and TN_ACC / 2
+    rows of out tall (:func:`racecpu._kernels.tiles.tn_tile2`; one row,
+    ``tn_row2``, for the last rows): per row of w and x, two loads of x
+    feed TN_ACC FMAs, where sweeping out a row at a time loaded x once per
+    FMA (docs/performance.md, "step product tiles").  Columns past the last
+    whole tile by loops.  Every element is summed over the m rows in order,
+    from zero.  ``w`` may be strided; ``out`` must not alias either.
+    """
+    m, F = w.shape
+    dv = x.shape[1]
+    if m >= BLAS_ROWS and dv > 0:
         np.dot(w.T, x, out)
-    else:
-        out[:] = 0.0
-        outer_add(w, x, out)
+        return
+    width = 2 * (VECTOR_BYTES // w.itemsize)
+    c1 = dv - dv % width  # columns in tiles
+    if x.strides[1] != x.itemsize or out.strides[1] != out.itemsize:
+        c1 = 0
+    tall = TN_ACC // 2
+    f1 = F - F % tall
+    for c in range(0, c1, width):
+        for f in range(0, f1, tall):
+            tn_tile2(w, x, out, f, c)
+        for f in range(f1, F):
+            tn_row2(w, x, out, f, c)
+    for f in range(F):
+        for c in range(c1, dv):
+            out[f, c] = 0.0
+        for k in range(m):
+            wk = w[k, f]
+            for c in range(c1, dv):
+                out[f, c] += wk * x[k, c]
 
 
 @kernel(by_address=True, readonly=("w", "x"))
