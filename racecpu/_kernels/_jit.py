@@ -241,8 +241,8 @@ def _first_float_dtype(types):
 
 
 def announce_compilation(sig=None):
-    """Print, once per process, the line that says the kernels compile now (on 2 cores ~30 s
-    for a non-causal call, ~45 s for a causal one) and where they will be kept; silent with
+    """Print, once per process, the line that says the kernels compile now (on 2 cores ~25 s
+    for a non-causal call, ~35 s for a causal one) and where they will be kept; silent with
     ``RACECPU_QUIET_COMPILE=1``.
 
     Called as a kernel misses the cache, whichever entry point (NumPy API, torch, JAX,
@@ -258,7 +258,7 @@ def announce_compilation(sig=None):
     what = f" for {dtype}" if dtype else ""
     where = cache_dir()
     kept = f"then cached in {where}" if where else "not cached: no writable directory"
-    print(f"racecpu: compiling RACE kernels{what} (first use on this machine, ~30-45 s; {kept}) ...",
+    print(f"racecpu: compiling RACE kernels{what} (first use on this machine, ~25-35 s; {kept}) ...",
           file=sys.stderr, flush=True)
 
 
