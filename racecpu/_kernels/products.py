@@ -18,8 +18,8 @@ import numpy as np
 from ..config import BLAS_ROWS, BLAS_SCORE_F
 from ._jit import kernel
 from .tiles import (COMB_ROWS, COMB_VECTORS, TILE_ROWS, TN_ACC, VECTOR_BYTES, comb_tile, comb_tile_lines,
-                    comb_tile_pieces, comb_vec, comb_vec_lines, comb_vec_pieces, dot_tile_cols, dot_tile_cols1, dot_tile_rows, prefetch_lines, tn_row2, tn_row4,
-                    tn_row8, tn_tile2, tn_tile4, tn_tile8)
+                    comb_tile_pieces, comb_vec, comb_vec_lines, comb_vec_pieces, dot_tile_cols, dot_tile_cols1,
+                    dot_tile_rows, prefetch_lines, tn_row2, tn_row4, tn_row8, tn_tile2, tn_tile4, tn_tile8)
 
 
 @kernel
