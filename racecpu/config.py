@@ -98,9 +98,10 @@ BLAS_ROWS = 16
 #: (docs/performance.md, "BLAS span").  (compiled in)
 BLAS_SPAN = 256
 
-#: Length F of phi's rows from which a scan step's scores go to BLAS
-#: (docs/performance.md, "step scores").  (compiled in)
-BLAS_SCORE_F = 32
+#: Length F of phi's rows from which a scan step's scores go to dot_rows'
+#: register tiles rather than the triangular loop (docs/performance.md,
+#: "step scores").  (compiled in)
+SCORE_TILE_F = 32
 
 #: |u| below which tanh(u) is its series to u**9 (truncation < 1e-16
 #: relative); above it (1 - e)/(1 + e) loses < 3e-15 (float64), < 2e-6

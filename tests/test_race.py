@@ -642,16 +642,16 @@ def test_step_product_matches_numpy(rng, dtype):
 
 
 @pytest.mark.parametrize("m", [1, 3, 5, 8])
-@pytest.mark.parametrize("F", [1, 6, 24, 40])
+@pytest.mark.parametrize("F", [1, 6, 24, 40, 128])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_step_scores_match_numpy(rng, m, F, dtype):
-    # The causal steps' triangular scores X Y^T: the loop below BLAS_SCORE_F
+    # The causal steps' triangular scores X Y^T: the loop below SCORE_TILE_F
     # columns (four rows of Y per sweep, then one at a time; rows past the
-    # diagonal computed and overwritten with zeros), np.dot and a mask from
-    # it (F = 40); every entry written.
-    from racecpu._kernels import BLAS_SCORE_F, step_scores
+    # diagonal computed and overwritten with zeros), dot_rows' tiles and a mask
+    # from it (F = 40, 128); every entry written.
+    from racecpu._kernels import SCORE_TILE_F, step_scores
 
-    assert 24 < BLAS_SCORE_F <= 40
+    assert 24 < SCORE_TILE_F <= 40
     X = rng.standard_normal((m, F)).astype(dtype)
     Y = rng.standard_normal((m, F)).astype(dtype)
     full = X.astype(np.float64) @ Y.T.astype(np.float64)

@@ -76,7 +76,7 @@ from .readout import state_cotangent_rows
 from .runtime import FLUSH_SUBNORMALS, count_nonfinite, run_tasks, set_threads, task_threads, threads
 from .scan import even_chunks, exclusive_scan, segment_start, spread_order
 from .sketch import SKETCH_FUSED, sketch_chunks
-from ..config import BLAS_ROWS, BLAS_SCORE_F, HASH_BLOCK, SCAN_BLOCK, SKETCH_RUN
+from ..config import BLAS_ROWS, SCORE_TILE_F, HASH_BLOCK, SCAN_BLOCK, SKETCH_RUN
 
 __all__ = [
     "Backward", "Chunks", "Forward", "Grads", "Hash", "PlanesGrad", "Rows", "Sums",
@@ -86,5 +86,5 @@ __all__ = [
     "soft_hash_rows", "keys_bwd", "queries_bwd", "queries_fwd", "combine_rows", "dot_rows", "step_scores",
     "tn_product", "state_cotangent_rows", "FLUSH_SUBNORMALS", "count_nonfinite", "run_tasks", "set_threads",
     "task_threads", "threads", "even_chunks", "exclusive_scan", "segment_start", "spread_order", "SKETCH_FUSED",
-    "sketch_chunks", "BLAS_ROWS", "BLAS_SCORE_F", "HASH_BLOCK", "SCAN_BLOCK", "SKETCH_RUN",
+    "sketch_chunks", "BLAS_ROWS", "SCORE_TILE_F", "HASH_BLOCK", "SCAN_BLOCK", "SKETCH_RUN",
 ]
