@@ -91,7 +91,8 @@ SKETCH_RUN = 1024
 SCAN_BLOCK = 8
 
 #: Rows from which a rank-k state update goes to BLAS (np.dot) rather than
-#: plain loops (docs/performance.md, "BLAS rows").  (compiled in)
+#: racecpu's own register tiles (docs/performance.md, "BLAS rows", "step
+#: product tiles").  (compiled in)
 BLAS_ROWS = 16
 
 #: Rows per sgemm of the non-causal queries' chunk totals of dB

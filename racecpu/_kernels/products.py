@@ -461,9 +461,8 @@ def step_scores(X, Y, out, lower):
     ``Y (k, F)``, ``out (m, k)``).  Four rows of Y per sweep over a row of X
     (each load of X feeds four FMAs; the masked entries of a sweep are
     overwritten with zeros) below SCORE_TILE_F columns; from there the whole
-    product in :func:`dot_rows`' register tiles and a mask: at F = 128 (the
-    layers' P = 5, L = 4) 0.32 µs a step against 1.1 µs by np.dot, whose
-    call and packing cost more than the product (docs/performance.md,
+    product in :func:`dot_rows`' register tiles and a mask, not np.dot, whose
+    call and packing cost more than an 8 x 8 product (docs/performance.md,
     "step scores").
     """
     m, F = X.shape
