@@ -34,13 +34,13 @@ def _pow2(typingctx, k, like):
     ops, where selecting the powers 2**-(2**i) by the bits of -k took a
     multiply and a blend each (docs/performance.md, "exp_neg")."""
     mant, bias, width = (23, 127, 32) if like == types.float32 else (52, 1023, 64)
-    if not isinstance(k, types.Integer) or k.bitwidth < width:
-        return None  # the callers pass int(k), an int64
+    if not isinstance(k, types.Integer) or not k.signed:
+        return None  # the callers pass an int32
 
     def codegen(context, builder, sig, args):
         it = ir.IntType(width)
-        v = args[0]  # int(k): an int64, cut to the float's width for float32
-        v = builder.trunc(v, it) if v.type.width > width else v
+        v = args[0]  # an int32: sign-extended for float64 (SIMD on int lanes either way)
+        v = builder.trunc(v, it) if v.type.width > width else builder.sext(v, it) if v.type.width < width else v
         e = builder.shl(builder.add(v, ir.Constant(it, bias)), ir.Constant(it, mant))
         return builder.bitcast(e, context.get_value_type(sig.return_type))
     return like(k, like), codegen
@@ -51,12 +51,13 @@ def _exp_neg_f64(x):
     """exp(x), x <= 0, float64: x = k ln2 + g, exp(g) by its Taylor series to
     degree 13 (|g| <= ln2/2), times 2**k (k >= -1022, a normal)."""
     x = x if x > _EXP_MIN else _EXP_MIN
-    k = float(int(x * _LOG2E - 0.5))  # round to nearest: truncation of y - 1/2 for y <= 0
+    ki = np.int32(x * _LOG2E - 0.5)  # round to nearest: truncation of y - 1/2 for y <= 0
+    k = float(ki)
     g = (x - k * _LN2_HI) - k * _LN2_LO
     p = 1.0 + g * (1.0 + g * (1 / 2 + g * (1 / 6 + g * (1 / 24 + g * (1 / 120 + g * (1 / 720 + g * (
         1 / 5040 + g * (1 / 40320 + g * (1 / 362880 + g * (1 / 3628800 + g * (1 / 39916800 + g * (
             1 / 479001600 + g * (1 / 6227020800)))))))))))))
-    return p * _pow2(int(k), x)
+    return p * _pow2(ki, x)
 
 
 # float32 constants (globals are frozen with their type, so the arithmetic stays float32)
@@ -84,10 +85,11 @@ def _exp_neg_f32(x):
     c0, c1, c2, c3, c4, c5 = _EXP_C_F
     under = x < _EXP_MIN_F  # 0 below, as float64's ~1e-308 is once stored in float32
     x = x if x > _EXP_MIN_F else _EXP_MIN_F
-    k = _f(int(x * _LOG2E_F - _HALF_F))  # round to nearest, as in _exp_neg_f64; k >= -126
+    ki = np.int32(x * _LOG2E_F - _HALF_F)  # round to nearest, as in _exp_neg_f64; k >= -126
+    k = _f(ki)
     g = (x - k * _LN2_HI_F) - k * _LN2_LO_F
     p = (((((c0 * g + c1) * g + c2) * g + c3) * g + c4) * g + c5) * (g * g) + g + _ONE_F
-    return _ZERO_F if under else p * _pow2(int(k), x)
+    return _ZERO_F if under else p * _pow2(ki, x)
 
 
 def exp_neg(x):
