@@ -407,12 +407,16 @@ def test_soft_buckets_match_softmax_over_corners(rng):
 
 
 @pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-12), (np.float32, 2e-6)])
-def test_hash_range_blocks_match_softmax_over_corners(rng, dtype, tol):
+@pytest.mark.parametrize("L,P", [(3, 3), (2, 2), (3, 1), (1, 5)])
+def test_hash_range_blocks_match_softmax_over_corners(rng, dtype, tol, L, P):
     # The kernels hash HASH_BLOCK rows at a time, prefetching the next block's
     # rows where they are contiguous: ranges that start and end inside blocks,
-    # a short last block, strided rows (no prefetch) and masked rows.
+    # a short last block, strided rows (no prefetch) and masked rows.  t and phi
+    # are moved from the hash's scratch in square blocks (transpose_tile) and the
+    # values past the last whole one singly: L * P and L * 2**P below, at and
+    # above a block's side, and strided rows of t and phi (no blocks).
     from racecpu import _kernels as K
-    n, d, L, P = 3 * K.HASH_BLOCK + 5, 16, 3, 3
+    n, d = 3 * K.HASH_BLOCK + 5, 16
     big = rng.standard_normal((n, 2 * d)).astype(dtype)
     W = racecpu.hyperplanes(d, P, L, seed=4, dtype=dtype)
     keep = rng.random(n) < 0.8
@@ -432,6 +436,13 @@ def test_hash_range_blocks_match_softmax_over_corners(rng, dtype, tol):
             assert K.hash_range(x, lo, hi, Hash(W, 2.5), keep, spare[:0], phi2) == 0
         np.testing.assert_array_equal(phi2, phi)
         assert np.isnan(spare).all()
+        # t and phi whose rows are strided get the same bits, one value at a time
+        wide_t, wide_phi = np.full((n, 2 * L * P), np.nan, dtype), np.full((n, 2 * (L << P)), np.nan, dtype)
+        for lo, hi in ((0, 7), (7, 40), (40, n)):
+            assert K.hash_range(x, lo, hi, Hash(W, 2.5), keep, wide_t[:, ::2], wide_phi[:, ::2]) == 0
+        np.testing.assert_array_equal(wide_t[:, ::2], t)
+        np.testing.assert_array_equal(wide_phi[:, ::2], phi)
+        assert np.isnan(wide_t[:, 1::2]).all() and np.isnan(wide_phi[:, 1::2]).all()
         # It counts the NaNs it leaves in t: one per projection of a row with a NaN or an Inf.
         bad = x.copy()
         bad[3, 1], bad[50, 0] = np.nan, -np.inf
@@ -439,6 +450,27 @@ def test_hash_range_blocks_match_softmax_over_corners(rng, dtype, tol):
         assert np.isnan(t).sum() == 2 * L * P and np.isnan(t[[3, 50]]).all()
         assert sum(K.hash_range(bad, lo, hi, Hash(W, 2.5), keep, t[:0], phi[:0]) for lo, hi in ((0, 7), (7, 40), (40, n))) \
             == 2 * L * P  # counted with no rows of t written
+
+
+@pytest.mark.parametrize("src,dst", [(np.float32, np.float32), (np.float64, np.float64), (np.float32, np.float64),
+                                     (np.float64, np.float32)])
+def test_transpose_tile_moves_one_square_block(src, dst):
+    import numba
+
+    from racecpu._kernels.tiles import transpose_side, transpose_tile
+
+    @numba.njit
+    def move(X, Y, i0, j0):
+        transpose_tile(X, Y, i0, j0)
+
+    k = transpose_side(np.dtype(src))
+    X = np.arange(19 * 23, dtype=src).reshape(19, 23)
+    for i0, j0 in ((0, 0), (3, 5), (19 - k, 23 - k)):
+        Y = np.full((25, 21), -1.0, dst)
+        move(X, Y, i0, j0)
+        want = np.full_like(Y, -1.0)
+        want[j0:j0 + k, i0:i0 + k] = X[i0:i0 + k, j0:j0 + k].T
+        np.testing.assert_array_equal(Y, want)  # that block, nothing else
 
 
 def test_hash_sketch_range_moves_its_sums_to_float64_every_run(rng):

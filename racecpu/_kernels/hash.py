@@ -19,6 +19,7 @@ from .bundles import HashScratch
 from .expmath import exp_neg
 from .products import add_into, combine_rows, dot_rows, prefetch_to, tn_product
 from .runtime import read_only, run_tasks
+from .tiles import TRANSPOSE_BYTES, transpose_tile
 
 
 @kernel(by_address=True, readonly=("x", "keep"))
@@ -107,11 +108,21 @@ def hash_block(x, hsh, keep, scratch, t, phi, ahead=0, lines=0):
     # skipped and the loops before them issue their share of the prefetches.
     pf_t = PREFETCH_T if t.shape[0] else PREFETCH_MATH
     pf_c = PREFETCH_CORNERS if phi.shape[0] else 32
+    # t and phi from their plane-major scratch, k x k blocks at a time (transpose_tile), the
+    # values past the last whole block one by one.
+    k = TRANSPOSE_BYTES // U.itemsize
     if t.shape[0]:
-        for j in range(T):
-            done = prefetch_to(ahead, done, lines * (PREFETCH_MATH + (PREFETCH_T - PREFETCH_MATH) * (j + 1) // T) // 32)
-            for m in range(LP):
-                t[j, m] = U[m * T + j]
+        Ut = U[:LP * T].reshape(LP, T)
+        m1 = LP - LP % k if t.strides[1] == t.itemsize else 0
+        for j0 in range(0, T, k):
+            j1 = min(j0 + k, T)
+            done = prefetch_to(ahead, done, lines * (PREFETCH_MATH + (PREFETCH_T - PREFETCH_MATH) * j1 // T) // 32)
+            mt = m1 if j1 - j0 == k else 0
+            for m0 in range(0, mt, k):
+                transpose_tile(Ut, t, m0, j0)
+            for j in range(j0, j1):
+                for m in range(mt, LP):
+                    t[j, m] = Ut[m, j]
     # Corner f = l R + r of table l: the product over planes p of a (bit p of r
     # set) or b, a row of T tokens at a time.
     for f in range(L * R):
@@ -133,10 +144,18 @@ def hash_block(x, hsh, keep, scratch, t, phi, ahead=0, lines=0):
             for f in range(L * R):
                 ph[f * T + j] = 0.0
     if phi.shape[0]:  # the block's length as the bound: faster (docs/performance.md, "residual rows")
-        for j in range(T):
-            done = prefetch_to(ahead, done, lines * (PREFETCH_CORNERS + (32 - PREFETCH_CORNERS) * (j + 1) // T) // 32)
-            for f in range(L * R):
-                phi[j, f] = ph[f * T + j]  # masked rows: zero in ph already
+        F = L * R
+        Ph = ph[:F * T].reshape(F, T)  # masked rows: zero in ph already
+        f1 = F - F % k if phi.strides[1] == phi.itemsize else 0
+        for j0 in range(0, T, k):
+            j1 = min(j0 + k, T)
+            done = prefetch_to(ahead, done, lines * (PREFETCH_CORNERS + (32 - PREFETCH_CORNERS) * j1 // T) // 32)
+            ft = f1 if j1 - j0 == k else 0
+            for f0 in range(0, ft, k):
+                transpose_tile(Ph, phi, f0, j0)
+            for j in range(j0, j1):
+                for f in range(ft, F):
+                    phi[j, f] = Ph[f, j]
     return nan
 
 

@@ -328,6 +328,56 @@ tn_row4 = _comb_tile(1, "plain", 4, True)
 tn_row2 = _comb_tile(1, "plain", 2, True)
 
 
+#: Bytes of the blocks :func:`transpose_tile` moves (8 float32 or 4 float64 a side): 32, not
+#: VECTOR_BYTES, so the hash's F = 24 soft buckets (P = 3) take whole blocks on AVX-512 too.
+TRANSPOSE_BYTES = 32
+
+
+def transpose_side(dtype):
+    """The side of :func:`transpose_tile`'s square blocks for ``dtype`` (a NumPy float dtype)."""
+    return TRANSPOSE_BYTES // dtype.itemsize
+
+
+@intrinsic
+def transpose_tile(typingctx, X, Y, i0, j0):
+    """Y[j0 + b, i0 + a] = X[i0 + a, j0 + b] for a, b < k (:func:`transpose_side` of X's
+    dtype): k vector loads of X's rows, log2(k) rounds of interleaving shuffles and k vector
+    stores into Y's rows, where a loop of scalar loads and stores took one of each per value
+    (the soft hash's plane-major scratch into the rows of t and phi: docs/performance.md,
+    "hash stores").  Both arrays' rows must be contiguous (strides[1] == itemsize); Y's
+    dtype may differ from X's (converted on store)."""
+    if not (isinstance(X, types.Array) and isinstance(Y, types.Array) and X.ndim == 2 and Y.ndim == 2
+            and isinstance(X.dtype, types.Float) and isinstance(Y.dtype, types.Float)
+            and isinstance(i0, types.Integer) and isinstance(j0, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        arr = _Arrays(context, builder, sig.args[:2], args[:2])
+        i0v, j0v = (context.cast(builder, v, t, types.intp) for v, t in zip(args[2:], sig.args[2:]))
+        fty = _float(context, sig.args[0].dtype)
+        k = TRANSPOSE_BYTES // (sig.args[0].dtype.bitwidth // 8)
+        vty = ir.VectorType(fty, k)
+        oty = ir.VectorType(_float(context, sig.args[1].dtype), k)
+        rows = [builder.load(arr.ptr(0, builder.add(i0v, arr.const(a)), j0v, vty), align=1) for a in range(k)]
+        # Each round interleaves row a with row a + k/2 (low halves, then high): after
+        # log2(k) rounds row b holds column b.
+        half = k // 2
+        lo = ir.Constant(ir.VectorType(ir.IntType(32), k), [i // 2 + (k if i % 2 else 0) for i in range(k)])
+        hi = ir.Constant(ir.VectorType(ir.IntType(32), k), [half + i // 2 + (k if i % 2 else 0) for i in range(k)])
+        for _ in range(k.bit_length() - 1):
+            nxt = []
+            for a in range(half):
+                nxt += [builder.shuffle_vector(rows[a], rows[a + half], lo),
+                        builder.shuffle_vector(rows[a], rows[a + half], hi)]
+            rows = nxt
+        for b in range(k):
+            builder.store(_convert(builder, rows[b], oty), arr.ptr(1, builder.add(j0v, arr.const(b)), i0v, oty),
+                          align=1)
+        return context.get_dummy_value()
+
+    return types.void(X, Y, i0, j0), codegen
+
+
 @intrinsic
 def stream_fence(typingctx):
     """A full memory fence: the non-temporal stores before it (weakly ordered
