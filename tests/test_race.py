@@ -473,6 +473,39 @@ def test_transpose_tile_moves_one_square_block(src, dst):
         np.testing.assert_array_equal(Y, want)  # that block, nothing else
 
 
+@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-12), (np.float32, 2e-6)])
+@pytest.mark.parametrize("L,P", [(3, 3), (2, 2), (3, 1), (1, 4)])
+def test_hash_rows_du_matches_the_softmax_backward(rng, dtype, tol, L, P):
+    # du = beta (C^T dz) (1 - t^2), dz = phi (dphi - phi . dphi) per table, against NumPy:
+    # whole DU_BLOCKs and a short last one, corners (R) below, at and above the
+    # register transposes' side, and strided rows (no transposes); dbeta = sum s t.
+    from racecpu.config import DU_BLOCK
+    from racecpu._kernels.hash import hash_rows_du
+
+    n, R, beta = 2 * DU_BLOCK + 5, 1 << P, 1.7
+    phi = rng.dirichlet(np.ones(R), size=(n, L)).reshape(n, L * R).astype(dtype)
+    t = np.tanh(rng.standard_normal((n, L * P))).astype(dtype)
+    dphi = rng.standard_normal((n, L * R))
+    C = racecpu.corners(P).astype(np.float64)  # (R, P), +-1
+    ph = phi.astype(np.float64).reshape(n, L, R)
+    dz = ph * (dphi.reshape(n, L, R) - (ph * dphi.reshape(n, L, R)).sum(-1, keepdims=True))
+    s_ = (dz @ C).reshape(n, L * P)
+    want_du = beta * s_ * (1 - t.astype(np.float64) ** 2)
+    want_dbeta = (s_ * t).sum()
+    du = np.full((n, L * P), np.nan, dtype)
+    got = hash_rows_du(dphi.copy(), phi, t, P, beta, du)
+    np.testing.assert_allclose(du, want_du, rtol=tol, atol=tol)
+    np.testing.assert_allclose(got, want_dbeta, rtol=1e-10, atol=1e-10)
+    wide = [np.zeros((a.shape[0], 2 * a.shape[1]), a.dtype) for a in (phi, t, dphi)]
+    for w, a in zip(wide, (phi, t, dphi)):
+        w[:, ::2] = a
+    du2 = np.full((n, 2 * L * P), np.nan, dtype)
+    got2 = hash_rows_du(wide[2][:, ::2], wide[0][:, ::2], wide[1][:, ::2], P, beta, du2[:, ::2])
+    np.testing.assert_allclose(du2[:, ::2], want_du, rtol=tol, atol=tol)
+    np.testing.assert_allclose(got2, want_dbeta, rtol=1e-10, atol=1e-10)
+    assert np.isnan(du2[:, 1::2]).all()
+
+
 def test_hash_sketch_range_moves_its_sums_to_float64_every_run(rng):
     # Ranges longer than SKETCH_RUN (the non-causal forward's tasks): the
     # product is summed in float32 for SKETCH_RUN rows at a time, the runs in

@@ -170,26 +170,59 @@ def hash_rows_du(dphi, phi, t, P, beta, du):
     Each table's rows are first gathered into (R, tokens) blocks so that every
     loop runs over tokens: per token the work is a few dozen flops over
     tiny R-long rows, which one token at a time cannot vectorise
-    (docs/performance.md, "du block").
+    (docs/performance.md, "du block").  The gathers of phi, dphi and t and the
+    store of du move square blocks in registers (:func:`.tiles.transpose_tile`)
+    where a block's tokens and a table's corners fill them, values one at a
+    time elsewhere ("hash stores").
     dz = phi dphi - phi (phi.dphi);  s_p = sum_r v_{r,p} dz_r.
     """
     n, F = dphi.shape
     R = 1 << P
     L = F // R
+    LP = L * P
     T = DU_BLOCK
     ph = np.empty((R, T), phi.dtype)  # phi's values exactly, in half the bytes for float32
     z = np.empty((R, T))
+    tT = np.empty((LP, T), t.dtype)
+    duT = np.empty((LP, T), du.dtype)
     dot = np.empty(T)
     s = np.empty(T)
+    kp, kz = TRANSPOSE_BYTES // phi.itemsize, TRANSPOSE_BYTES // z.itemsize
+    kt, kd = TRANSPOSE_BYTES // t.itemsize, TRANSPOSE_BYTES // du.itemsize
+    # Blocks only where rows are contiguous (transpose_tile's contract) and whole.
+    rows_ok = (phi.strides[1] == phi.itemsize and dphi.strides[1] == dphi.itemsize
+               and t.strides[1] == t.itemsize and du.strides[1] == du.itemsize)
     dbeta = 0.0
     for j0 in range(0, n, T):
         m = min(T, n - j0)
+        whole = rows_ok and m == T
+        tb, db = t[j0:j0 + m], du[j0:j0 + m]
+        mt = LP - LP % kt if whole else 0
+        for jj in range(0, T if mt else 0, kt):
+            for c0 in range(0, mt, kt):
+                transpose_tile(tb, tT, jj, c0)
+        for j in range(m):
+            for c in range(mt, LP):
+                tT[c, j] = tb[j, c]
         for l in range(L):
             base = l * R
-            for j in range(m):  # a token's R values are contiguous: read them in order
-                for r in range(R):
-                    ph[r, j] = phi[j0 + j, base + r]
-                    z[r, j] = dphi[j0 + j, base + r]
+            pb, zb = phi[j0:j0 + m, base:base + R], dphi[j0:j0 + m, base:base + R]
+            if whole and R % kp == 0:
+                for jj in range(0, T, kp):
+                    for r0 in range(0, R, kp):
+                        transpose_tile(pb, ph, jj, r0)
+            else:
+                for j in range(m):  # a token's R values are contiguous: read them in order
+                    for r in range(R):
+                        ph[r, j] = pb[j, r]
+            if whole and R % kz == 0:
+                for jj in range(0, T, kz):
+                    for r0 in range(0, R, kz):
+                        transpose_tile(zb, z, jj, r0)
+            else:
+                for j in range(m):
+                    for r in range(R):
+                        z[r, j] = zb[j, r]
             for j in range(m):
                 dot[j] = 0.0
             for r in range(R):
@@ -210,9 +243,16 @@ def hash_rows_du(dphi, phi, t, P, beta, du):
                         s[j] += sign * z[r, j]
                 c = l * P + p
                 for j in range(m):
-                    th = t[j0 + j, c]
+                    th = tT[c, j]
                     dbeta += s[j] * th
-                    du[j0 + j, c] = beta * s[j] * (1.0 - th * th)
+                    duT[c, j] = beta * s[j] * (1.0 - th * th)
+        md = LP - LP % kd if whole else 0
+        for jj in range(0, T if md else 0, kd):
+            for c0 in range(0, md, kd):
+                transpose_tile(duT, db, c0, jj)
+        for j in range(m):
+            for c in range(md, LP):
+                db[j, c] = duT[c, j]
     return dbeta
 
 
