@@ -105,7 +105,7 @@ def test_info_json(capsys):
     assert main(["info", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     for key in ("racecpu", "versions", "numba_threads", "threading_layer", "kernel_cache_dir", "simd_vector_bytes",
-                "pool"):
+                "cpu_name", "pool"):
         assert key in doc
     assert doc["versions"]["numpy"] and doc["versions"]["numba"] and doc["simd_vector_bytes"] in (16, 32, 64)
 

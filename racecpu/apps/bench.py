@@ -217,6 +217,14 @@ def roofline_counts(mode, d, dv, planes, tables, itemsize=4):
     return b, f
 
 
+def _cpu():
+    """The CPU as LLVM names it and the kernels' vector width: tunings measured with AVX-512
+    (64-byte vectors) and with AVX2 (32) differ (docs/performance.md, "exp_neg")."""
+    from racecpu._kernels.tiles import VECTOR_BYTES
+    from racecpu.apps.info import cpu_name
+    return f"{cpu_name() or 'cpu unknown'}, {VECTOR_BYTES}-byte vectors"
+
+
 def io_bytes(mode, shape, itemsize):
     """Bytes of (q, k, v, out) [+ (grad_out, dq, dk, dv)] for ``shape = (B, H, N, d, dv)``."""
     B, H, n, d, dv = shape
@@ -1470,7 +1478,8 @@ class _Suite:
         st, m = self.st, self.machine
         lines = [
             f"command: {self.argv}",
-            f"{self.started:%Y-%m-%d %H:%M UTC}, {platform.node()}, {os.cpu_count()} cores, {self._versions()}; "
+            f"{self.started:%Y-%m-%d %H:%M UTC}, {platform.node()}, {os.cpu_count()} cores ({_cpu()}), "
+            f"{self._versions()}; "
             f"took {self.elapsed / 60:.1f} min",
             f"setting: B={st['batch']} H={st['heads']} d={st['d']} dv={st['dv']} P={st['planes']} "
             f"L={st['tables']} beta={st['beta']} {st['dtype']}, check_finite={st['check_finite']}, "

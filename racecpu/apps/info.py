@@ -57,10 +57,21 @@ def collect(call=True):
         threading_layer=layer,
         kernel_cache_dir=cache_dir(),
         simd_vector_bytes=tiles.VECTOR_BYTES,
+        cpu_name=cpu_name(),
         pool=racecpu.pool_stats(),
         environment={k: os.environ.get(k) for k in ENV_VARS},
         package_dir=os.path.dirname(racecpu.__file__),
     )
+
+
+def cpu_name():
+    """The host CPU as LLVM names it (``znver3``, ``skylake-avx512``): what the kernels were
+    compiled for; None where LLVM cannot tell."""
+    import llvmlite.binding as llvm
+    try:
+        return llvm.get_host_cpu_name()
+    except Exception:  # an LLVM build that cannot tell
+        return None
 
 
 def run(args):
@@ -74,7 +85,7 @@ def run(args):
     print(f"{'threads':{width}}{info['numba_threads']} of {info['numba_max_threads']} (NUMBA_NUM_THREADS; "
           f"{info['cpu_count']} CPUs), threading layer {info['threading_layer']}")
     print(f"{'kernel cache':{width}}{info['kernel_cache_dir'] or 'none (compiled in every process)'}")
-    print(f"{'SIMD width':{width}}{info['simd_vector_bytes']} bytes")
+    print(f"{'SIMD width':{width}}{info['simd_vector_bytes']} bytes (CPU {info['cpu_name']}, as LLVM names it)")
     pool = info["pool"]
     print(f"{'result pool':{width}}" + ", ".join(f"{k} {v}" for k, v in pool.items()))
     for k, v in info["environment"].items():
