@@ -23,6 +23,8 @@ What it measures (ns per token-head, float32, P = L = 3, medians over rounds):
   addition whose carry crosses between worker processes), and the wall time
   of a causal forward+backward of 64 tiny blocks (the scans' critical path)
   with the carries summed as a chain and as a tree;
+* the sketches that crossed between the 2 workers per block and pass, in units of one block's
+  state (workers' ``transfer_incoming_log``, racecpu's keys that hold no rows);
 * the scheduler's overhead at several block sizes (causal forward+backward, 2
   workers): ``(wall x workers - sum of task compute times) / sum of task compute
   times`` from Dask's task stream, which counts everything that is not a task
@@ -86,11 +88,14 @@ def inputs(n, heads, dim, block):
 
 def dask_run(client, n, heads, dim, block, causal, backward, W, scan="auto", rows_dir=None):
     """One call on the cluster; returns (wall seconds, sum of every task's compute seconds, of
-    racecpu's tasks alone)."""
+    racecpu's tasks alone, sketch bytes that crossed between workers per block and pass in
+    units of one block's state: ``L 2**P (dv + 1)`` float64)."""
     import dask.array as da
     from distributed import get_task_stream
 
     import racecpu.dask as rd
+    from racecpu.apps.dask_demo import _clear_log, _incoming
+    client.run(_clear_log)
     q, k, v, g = inputs(n, heads, dim, block)
     out, res = rd.race_attention_fwd(q, k, v, W, causal=causal, scan=scan, rows_dir=rows_dir)
     if backward:
@@ -109,7 +114,10 @@ def dask_run(client, n, heads, dim, block, causal, backward, W, scan="auto", row
             if s["action"] == "compute":
                 busy += s["stop"] - s["start"]
                 race += (s["stop"] - s["start"]) * ("race-" in name)  # racecpu's tasks (fused ones too)
-    return wall, busy, race
+    sketch_bytes = sum(ours for ours, _ in client.run(_incoming).values())
+    state = W.shape[0] * 2 ** W.shape[1] * (dim + 1) * 8
+    states = sketch_bytes / (-(-n // block) * heads * (2 if backward else 1) * state)
+    return wall, busy, race, states
 
 
 def chain_latency(client, links, dim, W):
@@ -201,6 +209,7 @@ def main(argv=None):
                 result["dask_ns"][f"{workers}:{name}"] = statistics.median(r[0] for r in runs) / th * 1e9
                 result["dask_busy"][f"{workers}:{name}"] = statistics.median(r[1] for r in runs) / th * 1e9
                 result["dask_race"][f"{workers}:{name}"] = statistics.median(r[2] for r in runs) / th * 1e9
+                result.setdefault("states_moved", {})[f"{workers}:{name}"] = statistics.median(r[3] for r in runs)
             if workers == 2:
                 # The causal forward's rows handed to the backward in files rather than in the workers' memory.
                 with tempfile.TemporaryDirectory(prefix="racecpu-rows-") as rows_dir:
@@ -213,6 +222,7 @@ def main(argv=None):
                     runs = [dask_run(client, n, H, a.dim, blk, causal, backward, W, other)
                             for _ in range(a.rounds + 1)][1:]
                     result["dask_ns"][f"2:{name}, scan={other}"] = statistics.median(r[0] for r in runs) / th * 1e9
+                    result["states_moved"][f"2:{name}, scan={other}"] = statistics.median(r[3] for r in runs)
                 result["chain_link_s"] = statistics.median(chain_latency(client, 256, a.dim, W) for _ in range(3))
                 # The scans' critical path: 64 blocks of 256 tokens x 1 head, causal forward+backward, where
                 # the blocks' compute is negligible and the carries' links set the time.
@@ -248,6 +258,11 @@ def main(argv=None):
         if ", scan=" in key:
             print(f"{key[2:]}, 2 workers: {ns:.1f} ns per token-head, {mem[key[2:].split(',')[0]] / ns:.3f} of the "
                   f"in-memory call (the scan 'auto' did not pick)")
+    print("\nsketches moved between the 2 workers per block and pass, in states (one block's L 2^P (dv + 1) "
+          "float64; target <= 1.2)")
+    for key, st in result["states_moved"].items():
+        if key.startswith("2:"):
+            print(f"{key[2:]:34}{st:8.3f}")
     nt = numba.get_num_threads()
     print(f"\nwhere a worker's time went, 1 worker, ns per token-head on one core (in-memory: x {nt} threads)")
     print(f"{'mode':16}{'in-memory':>11}{'racecpu tasks':>15}{'other tasks':>13}{'idle':>8}")
