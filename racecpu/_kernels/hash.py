@@ -187,7 +187,7 @@ def hash_rows_du(dphi, phi, t, P, beta, du):
     duT = np.empty((LP, T), du.dtype)
     dot = np.empty(T)
     s = np.empty(T)
-    kp, kz = TRANSPOSE_BYTES // phi.itemsize, TRANSPOSE_BYTES // z.itemsize
+    kp, kz = TRANSPOSE_BYTES // phi.itemsize, TRANSPOSE_BYTES // dphi.itemsize  # the side of X's blocks
     kt, kd = TRANSPOSE_BYTES // t.itemsize, TRANSPOSE_BYTES // du.itemsize
     # Blocks only where rows are contiguous (transpose_tile's contract) and whole.
     rows_ok = (phi.strides[1] == phi.itemsize and dphi.strides[1] == dphi.itemsize
