@@ -141,12 +141,20 @@ def _private_temp_root():
     return root
 
 
-def _cpu_name():
+def host_cpu_name():
+    """The host CPU as LLVM names it (``znver3``, ``skylake-avx512``): what the kernels are
+    compiled for; None where LLVM cannot tell."""
     import llvmlite.binding as llvm
     try:
-        name = llvm.get_host_cpu_name()
-    except Exception:  # an LLVM build that cannot tell: the index still keys entries by CPU
-        name = "cpu"
+        return llvm.get_host_cpu_name()
+    except Exception:  # an LLVM build that cannot tell
+        return None
+
+
+def _cpu_name():
+    """:func:`host_cpu_name` as a path component (the index still keys entries by CPU where
+    LLVM cannot tell)."""
+    name = host_cpu_name() or "cpu"
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in name) or "cpu"
 
 

@@ -220,9 +220,9 @@ def roofline_counts(mode, d, dv, planes, tables, itemsize=4):
 def _cpu():
     """The CPU as LLVM names it and the kernels' vector width: tunings measured with AVX-512
     (64-byte vectors) and with AVX2 (32) differ (docs/performance.md, "exp_neg")."""
+    from racecpu._kernels._jit import host_cpu_name
     from racecpu._kernels.tiles import VECTOR_BYTES
-    from racecpu.apps.info import cpu_name
-    return f"{cpu_name() or 'cpu unknown'}, {VECTOR_BYTES}-byte vectors"
+    return f"{host_cpu_name() or 'cpu unknown'}, {VECTOR_BYTES}-byte vectors"
 
 
 def io_bytes(mode, shape, itemsize):

@@ -33,7 +33,7 @@ def collect(call=True):
 
     import racecpu
     from .._kernels import tiles
-    from .._kernels._jit import cache_dir
+    from .._kernels._jit import cache_dir, host_cpu_name
 
     layer = "not started"
     if call:
@@ -57,21 +57,11 @@ def collect(call=True):
         threading_layer=layer,
         kernel_cache_dir=cache_dir(),
         simd_vector_bytes=tiles.VECTOR_BYTES,
-        cpu_name=cpu_name(),
+        cpu_name=host_cpu_name(),
         pool=racecpu.pool_stats(),
         environment={k: os.environ.get(k) for k in ENV_VARS},
         package_dir=os.path.dirname(racecpu.__file__),
     )
-
-
-def cpu_name():
-    """The host CPU as LLVM names it (``znver3``, ``skylake-avx512``): what the kernels were
-    compiled for; None where LLVM cannot tell."""
-    import llvmlite.binding as llvm
-    try:
-        return llvm.get_host_cpu_name()
-    except Exception:  # an LLVM build that cannot tell
-        return None
 
 
 def run(args):
