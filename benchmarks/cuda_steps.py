@@ -4,8 +4,9 @@ For one N (default 2**22, 4 heads, d = 128, float32, P = L = 3, beta = 8), on Cu
 
 * whole calls (forward, forward+backward; causal and not), median of ``--reps`` after a
   warm-up, a device synchronize around each: the defaults, then the variants that
-  ``racecpu.cuda.CudaOps`` switches (``FUSED_CHUNK`` / ``FUSED_TILE``, the fused hash off,
-  the fused kernels off, i.e. the array expressions of ``racecpu.chunkwise``);
+  ``racecpu.cuda.CudaOps`` switches (``FUSED_CHUNK`` / ``FUSED_TILE``, the fused hash off or
+  with other ``HASH_LANES``, the fused kernels off, i.e. the array expressions of
+  ``racecpu.chunkwise``);
 * one head's steps, each alone, timed with CUDA events (median of 5): the soft hash, chunk
   states and scans, the readout, the two backward kernels, the hash's backward, and a copy
   of ``q`` for scale (what one pass over an (N, d) array costs on this card).
@@ -29,8 +30,10 @@ import time
 import numpy as np
 
 
-def run(log2n=22, heads=4, dim=128, reps=3, budget_s=150.0, sim=False, out=None, progress=True):
-    """Measure; returns ``{"rows": [...], "steps_one_head_ms": {...}, ...}`` (also written to ``out``)."""
+def run(log2n=22, heads=4, dim=128, reps=3, budget_s=150.0, sim=False, out=None, progress=True, only=None,
+        steps=True):
+    """Measure; returns ``{"rows": [...], "steps_one_head_ms": {...}, ...}`` (also written to ``out``).
+    ``only``: the labels of the variants to time (all when None); ``steps``: time one head's steps."""
     if sim:
         import numba.core.config
         numba.core.config.ENABLE_CUDASIM = 1
@@ -96,8 +99,8 @@ def run(log2n=22, heads=4, dim=128, reps=3, budget_s=150.0, sim=False, out=None,
         return f
 
     ops_cls = rc.CudaOps
-    defaults = dict(FUSED=ops_cls.FUSED, FUSED_HASH=ops_cls.FUSED_HASH, FUSED_CHUNK=ops_cls.FUSED_CHUNK,
-                    FUSED_TILE=ops_cls.FUSED_TILE)
+    defaults = {name: getattr(ops_cls, name) for name in
+                ("FUSED", "FUSED_HASH", "FUSED_CHUNK", "FUSED_TILE", "FUSED_BLOCKED", "FUSED_MIN_TOKENS", "HASH_LANES")}
 
     def row(label, causal_modes=(True,), **attrs):
         for name, val in {**defaults, **attrs}.items():
@@ -114,13 +117,18 @@ def run(log2n=22, heads=4, dim=128, reps=3, budget_s=150.0, sim=False, out=None,
                 setattr(ops_cls, name, val)
 
     row("defaults", (True, False))
-    res["steps_one_head_ms"] = _steps(rc, chunkwise, xp, sync, sim, q[0, :1], k[0, :1], v[0, :1], g[0, :1],
-                                      planes, say)
-    save()
-    variants = [("chunk 512", dict(FUSED_CHUNK=512)), ("chunk 1024", dict(FUSED_CHUNK=1024)),
-                ("chunk 128", dict(FUSED_CHUNK=128)), ("tile 8", dict(FUSED_TILE=8)),
-                ("hash by cuBLAS", dict(FUSED_HASH=False)),
+    if steps:
+        res["steps_one_head_ms"] = _steps(rc, chunkwise, xp, sync, sim, q[0, :1], k[0, :1], v[0, :1], g[0, :1],
+                                          planes, say)
+        save()
+    variants = [("hash by cuBLAS", dict(FUSED_HASH=False)), ("hash, 4 lanes a row", dict(HASH_LANES=4)),
+                ("chunk 512", dict(FUSED_CHUNK=512)), ("chunk 256", dict(FUSED_CHUNK=256)),
+                ("products a thread per output", dict(FUSED_BLOCKED=False)),
+                ("hash, 2 lanes a row", dict(HASH_LANES=2)), ("tile 8", dict(FUSED_TILE=8)),
+                ("fused at every length", dict(FUSED_MIN_TOKENS=0)),
                 ("array expressions", dict(FUSED=False, FUSED_HASH=False))]
+    if only is not None:
+        variants = [(label, attrs) for label, attrs in variants if label in only]
     for label, attrs in variants[:1] if sim else variants:
         if time.perf_counter() - t_start > budget_s:
             say("budget spent: left out", label)
@@ -162,9 +170,7 @@ def _steps(rc, chunkwise, xp, sync, sim, q1, k1, v1, g1, planes, say):
     F = pq.shape[-1]
     out = xp.empty((1, N, d), xp.float32)
     D = xp.empty((1, N), xp.float32)
-    ev("soft hash of q (fused)", lambda: ops.soft_hash(q1, W, 8.0))
-    ev("chunk states B and their scan", lambda: ops._states(pk, D, v1, C, 0, d, False))
-    ev("chunk states A and their scan", lambda: ops._states(pk, D, v1, C, 2, 1, False))
+    ev("chunk states B, A and their scan", lambda: ops._states(pk, None, v1, None, C, d, False))
     ev("attend, non-causal (sketch + readout)", lambda: ops.attend(pq[:, None], pk, v1, False, 64, 1024, L, out, D))
     ev("attend, causal (states + readout)", lambda: ops.attend(pq[:, None], pk, v1, True, 64, 1024, L, out, D))
     winv = chunkwise._inverse(xp, D, L)
@@ -173,13 +179,17 @@ def _steps(rc, chunkwise, xp, sync, sim, q1, k1, v1, g1, planes, say):
        lambda: ops.causal_bwd(pq[:, None], pk, v1, g1[:, None], winv[:, None], D[:, None], 64, dvo))
     dxo = xp.empty((N, d), xp.float32)
     rows = (pq.reshape(-1, F), pq.reshape(-1, F), tq.reshape(-1, L * P))
-    ev("hash backward to dq (fused)", lambda: ops.hash_dx(*rows, W, 8.0, dxo))
-    rc.CudaOps.FUSED_HASH = False
+    fused_hash = rc.CudaOps.FUSED_HASH
     try:
+        rc.CudaOps.FUSED_HASH = True
+        ev(f"soft hash of q (fused, {rc.CudaOps.HASH_LANES} lanes a row)", lambda: ops.soft_hash(q1, W, 8.0))
+        ev(f"hash backward to dq (fused, {rc.CudaOps.HASH_LANES} lanes a row)",
+           lambda: ops.hash_dx(*rows, W, 8.0, dxo))
+        rc.CudaOps.FUSED_HASH = False
         ev("soft hash of q (cuBLAS + a pass)", lambda: ops.soft_hash(q1, W, 8.0))
         ev("hash backward to dq (a pass + cuBLAS)", lambda: ops.hash_dx(*rows, W, 8.0, dxo))
     finally:
-        rc.CudaOps.FUSED_HASH = True
+        rc.CudaOps.FUSED_HASH = fused_hash
     ev("copy of q (one (N, d) array read and written)", lambda: q1.copy())
     return steps
 
@@ -193,10 +203,13 @@ def main(argv=None):
     p.add_argument("--budget-s", type=float, default=150.0, help="start no new variant after this many seconds")
     p.add_argument("--out", default=None)
     p.add_argument("--sim", action="store_true", help="NumPy under Numba's CUDA simulator (tiny sizes)")
+    p.add_argument("--variants", default=None, help="comma-separated labels of the variants to time (default: all)")
+    p.add_argument("--no-steps", action="store_true", help="leave out one head's steps")
     a = p.parse_args(argv)
     if a.sim:
         os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
-    run(a.log2n, a.heads, a.dim, a.reps, a.budget_s, a.sim, a.out)
+    only = None if a.variants is None else [x.strip() for x in a.variants.split(",")]
+    run(a.log2n, a.heads, a.dim, a.reps, a.budget_s, a.sim, a.out, only=only, steps=not a.no_steps)
 
 
 if __name__ == "__main__":

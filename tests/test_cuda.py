@@ -417,11 +417,11 @@ _PTX = textwrap.dedent("""
             (K.segment_scan.py_func, (A(f, 3), A(d, 3), i, b, A(f, 3)))]
         # the fused chunk kernels (racecpu.cuda._chunk_kernels), at the GPU's sizes: F = 24, dv <= 128
         ck = make_chunk_kernels(24, 16, 128, dtype)
-        fns += [(ck["chunk_states"].py_func, (A(f, 3), A(f, 2), A(f, 3), i, i, A(f, 4))),
-                (ck["readout"].py_func, (A(f, 3), A(f, 3), A(f, 3), A(f, 4), A(f, 3), i, i, b, d, A(f, 3), A(f, 2))),
-                (ck["queries_bwd"].py_func, (A(f, 3), A(f, 3), A(f, 3), A(f, 3), A(f, 2), A(f, 4), A(f, 3), i,
+        fns += [(ck["chunk_states"].py_func, (A(f, 3), A(f, 2), A(f, 3), A(f, 2), i, i, A(f, 4))),
+                (ck["readout"].py_func, (A(f, 3), A(f, 3), A(f, 3), A(f, 4), i, i, b, d, A(f, 3), A(f, 2))),
+                (ck["queries_bwd"].py_func, (A(f, 3), A(f, 3), A(f, 3), A(f, 3), A(f, 2), A(f, 4), i,
                                              A(f, 3), A(f, 2))),
-                (ck["keys_bwd"].py_func, (A(f, 3), A(f, 3), A(f, 3), A(f, 3), A(f, 2), A(f, 2), A(f, 4), A(f, 3), i,
+                (ck["keys_bwd"].py_func, (A(f, 3), A(f, 3), A(f, 3), A(f, 3), A(f, 2), A(f, 2), A(f, 4), i,
                                           A(f, 3), A(f, 3)))]
         hk = make_hash_kernels(3, 3, dtype)  # the shuffle build (the simulator runs the shared-memory one)
         fns += [(hk["hash_rows"].py_func, (A(f, 2), A(f, 2), d, A(f, 2), A(f, 2))),
@@ -524,16 +524,20 @@ def test_chunkwise_kernels_match_array_ops(rng, threads, reverse, monkeypatch):
 
 
 @_ONCE
-@pytest.mark.parametrize("dtype", [np.float64, np.float32])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("group", [1, 2])
-def test_fused_chunk_kernels_match_the_array_form(rng, dtype, causal, group, monkeypatch):
+@pytest.mark.parametrize("dtype,causal,group,blocked,tile",
+                         [(dt, c, gr, True, 4) for dt in (np.float64, np.float32) for c in (False, True) for gr in (1, 2)]
+                         + [(np.float64, True, 1, False, 4), (np.float64, True, 1, True, 8)])
+def test_fused_chunk_kernels_match_the_array_form(rng, dtype, causal, group, blocked, tile, monkeypatch):
     """racecpu.cuda.CudaOps' fused readout and causal backward (racecpu.cuda._chunk_kernels) against
     racecpu.chunkwise's array expressions on NumPy: masked keys (some queries see no mass), a length
-    that is not a whole number of chunks or tiles, grouped query heads (the backward's fallback).
-    The hash is the cuBLAS one here (the fused hash has its own test below)."""
+    that is not a whole number of chunks or tiles, grouped query heads (the backward's fallback),
+    the backward's products blocked or a thread per output, tiles of 4 (8 of tile_products'
+    threads a row, 2 outputs each) and 8 (one chunk a tile, 4 outputs a thread). The hash is the
+    cuBLAS one here (the fused hash has its own test below)."""
     from racecpu import chunkwise
     monkeypatch.setattr(rc.CudaOps, "FUSED_MIN_TOKENS", 0)
+    monkeypatch.setattr(rc.CudaOps, "FUSED_BLOCKED", blocked)
+    monkeypatch.setattr(rc.CudaOps, "FUSED_TILE", tile)
     G, N, d, dv = 2 * group, 21, 5, 3
     q = rng.standard_normal((G, N, d)).astype(dtype)
     k = rng.standard_normal((2, N, d)).astype(dtype)
@@ -578,19 +582,25 @@ def test_fused_kernels_from_fused_min_tokens(rng, monkeypatch, threshold, fused)
         assert_close(a, b, 1e-12, "grad")
 
 
-# Under the simulator (each row a block of 32 Python threads, ~1 s) four of the eight cases;
-# on a GPU (RACECPU_TEST_GPU=1) all of them.
-_HASH_CASES = ([(dt, P, L, d) for dt in (np.float64, np.float32) for P, L, d in ((3, 3, 40), (4, 4, 9), (3, 8, 5), (5, 1, 3))]
-               if _GPU else [(np.float32, 3, 3, 40), (np.float64, 4, 4, 9), (np.float32, 3, 8, 5), (np.float64, 5, 1, 3)])
+# Under the simulator (a block of 32 Python threads, ~1 s) five of the cases; on a GPU
+# (RACECPU_TEST_GPU=1) every dtype and lane count.  Lanes per row: 8 (the default), 2 (more
+# corners per lane), 32 (clamped to a table's 2**P corners).
+_HASH_CASES = ([(dt, P, L, d, g) for dt in (np.float64, np.float32) for g in (8, 2, 32)
+                for P, L, d in ((3, 3, 40), (4, 4, 9), (3, 8, 5), (5, 1, 3), (1, 2, 7))]
+               if _GPU else [(np.float32, 3, 3, 40, 8), (np.float64, 4, 4, 9, 2), (np.float32, 3, 8, 5, 32),
+                             (np.float64, 5, 1, 3, 8), (np.float32, 1, 2, 7, 8)])
 
 
 @_ONCE
-@pytest.mark.parametrize("dtype,P,L,d", _HASH_CASES)
-def test_fused_hash_matches_the_array_form(rng, dtype, P, L, d, monkeypatch):
-    """The warp-per-row soft hash and its backward (projection fused in) against racecpu.chunkwise's
-    array expressions: tables wider than a warp (F = 64), more projections than d, one plane set."""
+@pytest.mark.parametrize("dtype,P,L,d,lanes", _HASH_CASES)
+def test_fused_hash_matches_the_array_form(rng, dtype, P, L, d, lanes, monkeypatch):
+    """The soft hash and its backward with the projection fused in, ``lanes`` lanes per row, against
+    racecpu.chunkwise's array expressions: tables wider than a warp (F = 64, 32 corners of one
+    table), more projections than d, one plane set, two corners per table (fewer than the lanes
+    asked for), rows that do not fill the last block."""
     from racecpu import chunkwise
     monkeypatch.setattr(rc.CudaOps, "FUSED_HASH", True)
+    monkeypatch.setattr(rc.CudaOps, "HASH_LANES", lanes)
     planes = racecpu.hyperplanes(d, P, L, seed=1, dtype=dtype)
     x = rng.standard_normal((11 if _GPU else 5, d)).astype(dtype)
     ops, ref = rc.CudaOps(np, rc._Device(False)), chunkwise.ArrayOps(np)

@@ -655,12 +655,19 @@ class CudaOps(chunkwise.ArrayOps):
     #: Whether the soft hash and its backward run as one warp-per-row kernel with the planes' product
     #: fused in (:func:`racecpu.cuda._chunk_kernels.make_hash_kernels`), else a cuBLAS product and a pass.
     FUSED_HASH = True
-    #: Threads per block of the fused hash (a warp per row; whole warps).
+    #: Threads per block of the fused hash (whole warps).
     HASH_THREADS = 128
+    #: Lanes per row of the fused hash (a power of two; at most a table's ``2**P`` corners).
+    HASH_LANES = 8
     #: Tokens per block of the fused kernels (a causal chunk: one state per chunk in the scan).
-    FUSED_CHUNK = 256
+    #: 1024: on an H200 at 2^22 tokens x 4 heads causal fwd+bwd took 242 ms against 249 (512)
+    #: and 276 (256), the forward 69 against 72 and 81 (the performance log's GPU section).
+    FUSED_CHUNK = 1024
     #: Tokens per shared-memory tile inside a fused block.
     FUSED_TILE = 16
+    #: Whether the fused causal backward sums over ``dv`` as register-blocked tile products
+    #: (several outputs per thread share their loads), else a thread per output.
+    FUSED_BLOCKED = True
     #: Most threads per block of the fused kernels (one per column of v; more columns: more blocks).
     FUSED_THREADS = 128
     #: Shared memory a fused backward block may take (the default static limit of a CUDA block).
@@ -673,10 +680,15 @@ class CudaOps(chunkwise.ArrayOps):
     def _launch(self, kernel, n):
         return kernel[max(1, min(-(-n // 256), 1 << 16)), 256, self.dev.stream]
 
-    def _rows_launch(self, kernel, M):
-        """A warp per row (:attr:`HASH_THREADS` per block), the warps striding over ``M`` rows."""
-        wpb = int(self.HASH_THREADS) // 32
-        return kernel[max(1, min(-(-M // wpb), 1 << 15)), wpb * 32, self.dev.stream]
+    def _hash_kernels(self, L, P, dtype):
+        return make_hash_kernels(L, P, np.dtype(dtype).name, _simulated(), int(self.HASH_THREADS),
+                                 int(self.HASH_LANES))
+
+    def _rows_launch(self, kernel, M, P):
+        """:attr:`HASH_LANES` lanes per row (at most ``2**P``), :attr:`HASH_THREADS` per block,
+        the blocks striding over ``M`` rows."""
+        rpb = int(self.HASH_THREADS) // min(int(self.HASH_LANES), 1 << P)
+        return kernel[max(1, min(-(-M // rpb), 1 << 15)), int(self.HASH_THREADS), self.dev.stream]
 
     def soft_hash(self, x, planes, beta):
         L, P, d = planes.shape
@@ -687,8 +699,8 @@ class CudaOps(chunkwise.ArrayOps):
             phi = self.xp.empty((M, L * 2 ** P), planes.dtype)
             t = self.xp.empty((M, L * P), planes.dtype)
             if M:
-                K = make_hash_kernels(L, P, np.dtype(planes.dtype).name, _simulated(), int(self.HASH_THREADS))
-                self._rows_launch(K["hash_rows"], M)(xr, planes.reshape(L * P, d), beta, phi, t)
+                K = self._hash_kernels(L, P, planes.dtype)
+                self._rows_launch(K["hash_rows"], M, P)(xr, planes.reshape(L * P, d), beta, phi, t)
             return phi.reshape(shp + (phi.shape[1],)), t.reshape(shp + (L * P,))
         u = x.reshape(-1, d) @ planes.reshape(L * P, d).T   # a fresh (M, L*P) array: t in place
         phi = self.xp.empty((u.shape[0], L * 2 ** P), u.dtype)
@@ -710,8 +722,8 @@ class CudaOps(chunkwise.ArrayOps):
         M = phi.shape[0]
         st = self.xp.empty(M, planes.dtype)
         if M:
-            K = make_hash_kernels(L, P, np.dtype(planes.dtype).name, _simulated(), int(self.HASH_THREADS))
-            self._rows_launch(K["hash_rows_bwd"], M)(dphi, phi, t, planes.reshape(L * P, d), beta, dx_out, st)
+            K = self._hash_kernels(L, P, planes.dtype)
+            self._rows_launch(K["hash_rows_bwd"], M, P)(dphi, phi, t, planes.reshape(L * P, d), beta, dx_out, st)
         return st.sum(dtype=np.float64)
 
     def exclusive_scan(self, part, reverse, dtype):
@@ -737,21 +749,28 @@ class CudaOps(chunkwise.ArrayOps):
         return max(32, min(int(self.FUSED_THREADS), 32 * -(-dv // 32)))
 
     def _kernels(self, F, dtype, tpb):
-        return make_chunk_kernels(int(F), int(self.FUSED_TILE), int(tpb), np.dtype(dtype).name)
+        return make_chunk_kernels(int(F), int(self.FUSED_TILE), int(tpb), np.dtype(dtype).name,
+                                  bool(self.FUSED_BLOCKED))
 
-    def _states(self, phi, w, x, C, mode, dv, reverse):
-        """Exclusive prefix (``reverse``: suffix) states over chunks of ``C``: ``(S, nc, F, dv)`` of
-        :func:`~racecpu.cuda._chunk_kernels.make_chunk_kernels`' ``chunk_states`` in ``mode``."""
+    def _states(self, phi, w, x, w2, C, dv, reverse):
+        """Exclusive prefix (``reverse``: suffix) states over chunks of ``C`` and their key mass,
+        from one :func:`~racecpu.cuda._chunk_kernels.make_chunk_kernels` ``chunk_states`` pass and
+        one scan: ``(S, nc, F, dv + 1)``, the state ``B`` (the sum of ``phi_t w_t x_t^T``) in
+        columns ``:dv`` and the key mass ``A`` (the sum of ``phi_t w2_t``) in column ``dv``, as
+        the fused kernels read them; ``w`` or ``w2`` None reads as ones."""
         S, N, F = phi.shape
         nc = max(1, -(-N // C))
         tpb = self._threads(dv)
-        part = self.xp.empty((S, nc, F, dv), phi.dtype)
+        part = self.xp.empty((S, nc, F, dv + 1), phi.dtype)
         if N:
+            mode = (w is not None) | 4 * (w2 is not None)
+            unread = self.xp.empty((1, 1), phi.dtype)  # the type of a real weight, so one build serves both
             K = self._kernels(F, phi.dtype, tpb)
-            K["chunk_states"][(nc, S, -(-dv // tpb)), tpb, self.dev.stream](phi, w, x, C, mode, part)
+            K["chunk_states"][(nc, S, max(1, -(-dv // tpb))), tpb, self.dev.stream](
+                phi, unread if w is None else w, x, unread if w2 is None else w2, C, mode, part)
         else:
             part[...] = 0
-        return self.exclusive_scan(part.reshape(S, nc, F * dv), reverse, phi.dtype).reshape(S, nc, F, dv)
+        return self.exclusive_scan(part.reshape(S, nc, F * (dv + 1)), reverse, phi.dtype).reshape(S, nc, F, dv + 1)
 
     def attend(self, pq, pk, v, causal, chunk, sum_chunk, L, out, D):
         if not self.FUSED or max(pq.shape[2], pk.shape[1]) < self.FUSED_MIN_TOKENS:
@@ -762,11 +781,11 @@ class CudaOps(chunkwise.ArrayOps):
         cdt = pk.dtype
         C = int(self.FUSED_CHUNK)
         if causal:
-            Bp = self._states(pk, D, v, C, 0, dv, False)                    # (S, nc, F, dv); D unread
-            Ap = self._states(pk, D, v, C, 2, 1, False)[..., 0]             # (S, nc, F)
+            BA = self._states(pk, None, v, None, C, dv, False)              # (S, nc, F, dv + 1)
         else:
-            Bp = chunkwise._sum_chunks(xp, pk, v, sum_chunk, cdt)[:, None]              # (S, 1, F, dv)
-            Ap = chunkwise._sum_chunks(xp, pk, None, sum_chunk, cdt)[:, None]           # (S, 1, F)
+            BA = xp.empty((S, 1, F, dv + 1), cdt)                             # the whole sketch, packed
+            BA[:, 0, :, :dv] = chunkwise._sum_chunks(xp, pk, v, sum_chunk, cdt)
+            BA[:, 0, :, dv] = chunkwise._sum_chunks(xp, pk, None, sum_chunk, cdt)
         if nq == 0 or dv == 0:
             D[...] = 0
             return None
@@ -774,7 +793,7 @@ class CudaOps(chunkwise.ArrayOps):
         tpb = self._threads(dv)
         K = self._kernels(F, cdt, tpb)
         K["readout"][(-(-nq // C), S * group, -(-dv // tpb)), tpb, self.dev.stream](
-            pq.reshape(S * group, nq, F), pk, v, Bp, Ap, group, C, bool(causal), L * DEN_FLOOR, dst, D)
+            pq.reshape(S * group, nq, F), pk, v, BA, group, C, bool(causal), L * DEN_FLOOR, dst, D)
         if dst is not out:
             out[...] = dst
         return None
@@ -784,7 +803,9 @@ class CudaOps(chunkwise.ArrayOps):
         ``dv`` columns in one block, its shared tiles within :attr:`SHARED_BYTES`."""
         tpb = self._threads(dv)
         T = int(self.FUSED_TILE)
-        shared = np.dtype(dtype).itemsize * ((F + 2 * T) * (tpb + 1) + 5 * T * F + 2 * T * T + F + 2 * T)
+        nq = max(1, tpb // T)  # tile_products' xs rows: T + F, padded to a whole number of nq
+        xs_rows = max(T + F, nq * -(-(T + F) // nq))
+        shared = np.dtype(dtype).itemsize * ((xs_rows + T) * (tpb + 1) + 5 * T * F + 2 * T * T + F + 2 * T)
         return self.FUSED and group == 1 and dv <= tpb and shared <= self.SHARED_BYTES
 
     def causal_bwd(self, pq, pk, v, g, winv, D, C, dv_out):
@@ -799,15 +820,14 @@ class CudaOps(chunkwise.ArrayOps):
         pq3, g3, w3 = pq.reshape(S, N, F), g.reshape(S, N, dv), winv.reshape(S, N)
         tpb = self._threads(dv)
         K = self._kernels(F, cdt, tpb)
-        Bp = self._states(pk, w3, v, C, 0, dv, False)                     # as the forward (w3 unread)
-        Ap = self._states(pk, w3, v, C, 2, 1, False)[..., 0]
+        BA = self._states(pk, None, v, None, C, dv, False)                 # as the forward
         dpq = xp.empty((S, N, F), cdt)
         dD = xp.empty((S, N), cdt)
-        K["queries_bwd"][(nc, S), tpb, self.dev.stream](pq3, pk, v, g3, w3, Bp, Ap, C, dpq, dD)
-        dBn = self._states(pq3, w3, g3, C, 1, dv, True)                   # sum of phi_q g^T / D after each chunk
-        dAn = self._states(pq3, dD, g3, C, 3, 1, True)[..., 0]             # sum of phi_q dD after each chunk
+        K["queries_bwd"][(nc, S), tpb, self.dev.stream](pq3, pk, v, g3, w3, BA, C, dpq, dD)
+        # after each chunk: the sums of phi_q g^T / D and of phi_q dD
+        dBA = self._states(pq3, w3, g3, dD, C, dv, True)
         dpk = xp.empty((S, N, F), cdt)
-        K["keys_bwd"][(nc, S), tpb, self.dev.stream](pq3, pk, v, g3, w3, dD, dBn, dAn, C, dpk, dv_out)
+        K["keys_bwd"][(nc, S), tpb, self.dev.stream](pq3, pk, v, g3, w3, dD, dBA, C, dpk, dv_out)
         return dpq.reshape(S, 1, N, F), dpk
 
 

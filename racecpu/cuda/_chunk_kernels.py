@@ -38,26 +38,31 @@ __all__ = ["make_chunk_kernels", "make_hash_kernels", "hash_fits"]
 
 
 @functools.lru_cache(maxsize=None)
-def make_chunk_kernels(F, T, TPB, dtype):
+def make_chunk_kernels(F, T, TPB, dtype, blocked=True):
     """The fused kernels for ``F`` features per token, tiles of ``T`` tokens, ``TPB`` threads
     per block (``TPB >= dv`` for the backward kernels) and compute ``dtype`` (float32/float64).
+    ``blocked``: the backward's sums over ``dv`` as register-blocked tile products
+    (``tile_products``), else a thread per output (``dot``), kept for A/B.
 
     Returns a dict of kernels (launch ``[grid, TPB, stream]``):
 
-    ``chunk_states(phi, w, x, C, mode, part)``
-        ``part[s, c, f, j] = sum_{t in chunk c} phi[s, t, f] * w[s, t] * x[s, t, j]``, where bit 1 of
-        ``mode`` unset reads ``w`` as 1 and bit 2 set reads ``x`` as 1 (then ``part (S, nc, F, 1)``);
-        an array read as 1 is not read at all.  Grid ``(nc, S, ceil(dv / TPB))``.
-    ``readout(phiq, phik, v, Bp, Ap, group, C, causal, floor_d, out, D)``
-        the forward: ``out[h] = num / D`` and ``D[h]``; causal: ``Bp (S, nc, F, dv)``,
-        ``Ap (S, nc, F)`` the states each chunk starts from; else ``Bp (S, 1, F, dv)``,
-        ``Ap (S, 1, F)`` the whole sketch.  Grid ``(ceil(N / C), S * group, ceil(dv / TPB))``.
-    ``queries_bwd(phiq, phik, v, g, W, Bp, Ap, C, dpq, dD)``
+    ``chunk_states(phi, w, x, w2, C, mode, part)``
+        a chunk's state and its key mass in one pass over the chunk, ``part (S, nc, F, dv + 1)``:
+        ``part[s, c, f, j] = sum_{t in chunk c} phi[s, t, f] * w[s, t] * x[s, t, j]`` for ``j < dv``
+        and ``part[s, c, f, dv] = sum_t phi[s, t, f] * w2[s, t]``, where bit 1 of ``mode`` unset
+        reads ``w`` as 1 and bit 4 unset reads ``w2`` as 1 (an array read as 1 is not read at
+        all).  Grid ``(nc, S, ceil(dv / TPB))``.
+    ``readout(phiq, phik, v, BA, group, C, causal, floor_d, out, D)``
+        the forward: ``out[h] = num / D`` and ``D[h]``; causal: ``BA (S, nc, F, dv + 1)`` the
+        states each chunk starts from, ``B`` in columns ``:dv`` and the key mass ``A`` in column
+        ``dv`` (the scanned ``chunk_states`` output); else ``BA (S, 1, F, dv + 1)`` the whole
+        sketch.  Grid ``(ceil(N / C), S * group, ceil(dv / TPB))``.
+    ``queries_bwd(phiq, phik, v, g, W, BA, C, dpq, dD)``
         causal, one query head per key/value head, ``W (S, N)`` the ``1 / D``: ``dphi_q`` and
         ``dD``; grid ``(nc, S)``.
-    ``keys_bwd(phiq, phik, v, g, W, dD, dBn, dAn, C, dpk, dv_out)``
-        causal: ``dphi_k`` and ``dv`` from the suffix states ``dBn``, ``dAn`` after each
-        chunk; grid ``(nc, S)``.
+    ``keys_bwd(phiq, phik, v, g, W, dD, dBA, C, dpk, dv_out)``
+        causal: ``dphi_k`` and ``dv`` from the suffix states ``dBA`` after each chunk
+        (``dB`` and ``dA`` packed as ``BA``); grid ``(nc, S)``.
     """
     ty = numba.from_dtype(np.dtype(dtype))
     DVP = TPB + 1  # shared row length of the (T, dv) tiles: odd, so a column read hits distinct banks
@@ -70,7 +75,15 @@ def make_chunk_kernels(F, T, TPB, dtype):
     U0 = np.uint64(0)
     U1 = np.uint64(1)
     ROWS_SZ = T * DVP
-    STATE_SZ = F * DVP
+    # tile_products: NQ threads share a row of the left side, each summing QS outputs of it
+    TF = T + F
+    NQ = max(1, TPB // T)
+    QS = -(-TF // NQ)
+    RSTEP = max(1, TPB // NQ)
+    QSTEP = np.uint64(NQ * DVP)
+    # a tile's rows then the state's F rows (the other side of the products), padded to NQ * QS
+    # rows so that output c of a thread sits a constant NQ * DVP after output c - 1
+    XS_SZ = max(TF, NQ * QS) * DVP
 
     @cuda.jit(device=True)
     def dot(a, ia, b, ib, n):
@@ -83,24 +96,28 @@ def make_chunk_kernels(F, T, TPB, dtype):
         return acc
 
     @cuda.jit
-    def chunk_states(phi, w, x, C, mode, part):
+    def chunk_states(phi, w, x, w2, C, mode, part):
+        # The key mass (column dv) rides along with the state: a pass of its own read phi again
+        # and ran one busy thread per block (4.95 ms a head at 2^22 on an H200, the state 3.64).
         c = cuda.blockIdx.x
         s = cuda.blockIdx.y
         tid = cuda.threadIdx.x
         j = cuda.blockIdx.z * TPB + tid
         N = phi.shape[1]
-        dv = part.shape[3]
+        dv = part.shape[3] - 1
         t0 = c * C
         t1 = min(N, t0 + C)
+        mass = tid < F and cuda.blockIdx.z == 0
         acc = cuda.local.array(F, ty)
         for f in range(F):
             acc[f] = zero
+        am = zero
         pt = cuda.shared.array((T, F), ty)
         xt = cuda.shared.array((T, TPB), ty)
         for a in range(t0, t1, T):
             nb = min(t1 - a, T)
             cuda.syncthreads()
-            if j < dv and not mode & 2:
+            if j < dv:
                 for i in range(T):  # a constant trip count: unrolled, the tile's loads in flight together
                     if i < nb:
                         xt[i, tid] = x[s, a + i, j]
@@ -111,18 +128,26 @@ def make_chunk_kernels(F, T, TPB, dtype):
                 if mode & 1:
                     val *= w[s, a + i]
                 pt[i, f] = val
+            if mass:  # phi's rows were just read by the loop above: these loads hit L1
+                for i in range(nb):
+                    pm = phi[s, a + i, tid]
+                    if mode & 4:
+                        pm *= w2[s, a + i]
+                    am += pm
             cuda.syncthreads()
             if j < dv:
                 for i in range(nb):
-                    xv = one if mode & 2 else xt[i, tid]
+                    xv = xt[i, tid]
                     for f in range(F):
                         acc[f] += pt[i, f] * xv
         if j < dv:
             for f in range(F):
                 part[s, c, f, j] = acc[f]
+        if mass:
+            part[s, c, tid, dv] = am
 
     @cuda.jit
-    def readout(phiq, phik, v, Bp, Ap, group, C, causal, floor_d, out, D):
+    def readout(phiq, phik, v, BA, group, C, causal, floor_d, out, D):
         c = cuda.blockIdx.x
         h = cuda.blockIdx.y
         s = h // group
@@ -135,7 +160,7 @@ def make_chunk_kernels(F, T, TPB, dtype):
         t1 = min(N, t0 + C)
         col = cuda.local.array(F, ty)        # column j of the state: B (causal: running)
         for f in range(F):
-            col[f] = Bp[s, cs, f, j] if j < dv else zero
+            col[f] = BA[s, cs, f, j] if j < dv else zero
         qt = cuda.shared.array((T, F), ty)
         kt = cuda.shared.array((T, F), ty)
         kc = cuda.shared.array((T, F), ty)   # A_i: the state's key mass up to token i of the tile
@@ -143,7 +168,7 @@ def make_chunk_kernels(F, T, TPB, dtype):
         arun = cuda.shared.array(F, ty)      # A before the tile
         winv = cuda.shared.array(T, ty)
         if tid < F:
-            arun[tid] = Ap[s, cs, tid]
+            arun[tid] = BA[s, cs, tid, BA.shape[3] - 1]
         for a in range(t0, t1, T):
             nb = min(t1 - a, T)
             cuda.syncthreads()
@@ -186,18 +211,52 @@ def make_chunk_kernels(F, T, TPB, dtype):
                     out[h, a + i, j] = num * winv[i]
 
     @cuda.jit(device=True)
-    def stage(g, v, s, a, nb, j, col, gt, vt, st):
-        """Column ``j`` of a tile of ``g`` and ``v`` (rows ``a .. a + nb``) and of the state ``col``
-        into the flat shared tiles ``gt``, ``vt`` (``(T, DVP)``) and ``st`` (``(F, DVP)``)."""
+    def stage(y, x, s, a, nb, j, col, rows, xs):
+        """Column ``j`` of a tile of ``y`` and ``x`` (rows ``a .. a + nb``) and of the state ``col``
+        into the flat shared arrays ``rows`` (``(T, DVP)``: ``y``) and ``xs`` (``(T + F, DVP)``:
+        ``x``'s rows, then the state's ``F`` rows)."""
         for i in range(T):  # a constant trip count: unrolled, the tile's loads in flight together
             if i < nb:
-                gt[i * DVP + j] = g[s, a + i, j]
-                vt[i * DVP + j] = v[s, a + i, j]
+                rows[i * DVP + j] = y[s, a + i, j]
+                xs[i * DVP + j] = x[s, a + i, j]
         for f in range(F):
-            st[f * DVP + j] = col[f]
+            xs[(T + f) * DVP + j] = col[f]
+
+    @cuda.jit(device=True)
+    def tile_products(rows, xs, udv, tid, lower, nb, pair, proj):
+        """``pair[r, q] = rows_r . xs_q`` for ``q < T`` (0 unless ``q <= r``, or ``q >= r`` when
+        not ``lower``) and ``proj[r, f] = rows_r . xs_{T + f}``: sums over ``udv`` columns.
+
+        Thread ``tid`` takes row ``tid // NQ`` and the ``QS`` outputs ``q = tid % NQ + NQ c``:
+        per column one load of the row and ``QS`` loads of ``xs`` feed ``QS`` FMAs, where a
+        thread per output loads twice per FMA (shared loads, not FMAs, bound these sums).
+        Rows and outputs past the tile's ``nb`` tokens, and ``xs``' padding rows, hold stale
+        values nobody reads.
+        """
+        acc = cuda.local.array(QS, ty)
+        qg = tid % NQ
+        x0 = np.uint64(qg) * UDVP
+        for r in range(tid // NQ, T, RSTEP):
+            for c in range(QS):
+                acc[c] = zero
+            ra = np.uint64(r) * UDVP
+            m = U0
+            while m < udv:
+                rv = rows[ra + m]
+                xm = x0 + m
+                for c in range(QS):  # constant offsets from xm: no register per output's address
+                    acc[c] += rv * xs[xm + np.uint64(c) * QSTEP]
+                m += U1
+            for c in range(QS):
+                q = qg + NQ * c
+                if q < T:
+                    keep = (q <= r) if lower else (q >= r)
+                    pair[r, q] = acc[c] if keep and r < nb and q < nb else zero
+                elif q < TF:
+                    proj[r, q - T] = acc[c]
 
     @cuda.jit
-    def queries_bwd(phiq, phik, v, g, W, Bp, Ap, C, dpq, dD):
+    def queries_bwd(phiq, phik, v, g, W, BA, C, dpq, dD):
         # SG_i[f] = sum_j S_i[f, j] g_ij with S_i the inclusive state, split as
         # S_prev^T g_i (the tile-start state, from shared) + sum_{t <= i in tile} (g_i . v_t) phi_k_t.
         c = cuda.blockIdx.x
@@ -210,10 +269,9 @@ def make_chunk_kernels(F, T, TPB, dtype):
         t1 = min(N, t0 + C)
         col = cuda.local.array(F, ty)
         for f in range(F):
-            col[f] = Bp[s, c, f, j] if j < dv else zero
-        st = cuda.shared.array(STATE_SZ, ty)   # the tile-start state S_prev, (F, DVP) flat
-        gt = cuda.shared.array(ROWS_SZ, ty)    # (T, DVP) flat
-        vt = cuda.shared.array(ROWS_SZ, ty)
+            col[f] = BA[s, c, f, j] if j < dv else zero
+        gt = cuda.shared.array(ROWS_SZ, ty)    # the tile of g, (T, DVP) flat
+        xs = cuda.shared.array(XS_SZ, ty)      # the tile of v, then the tile-start state S_prev (F rows)
         udv = np.uint64(dv)
         qt = cuda.shared.array((T, F), ty)
         kt = cuda.shared.array((T, F), ty)
@@ -224,12 +282,12 @@ def make_chunk_kernels(F, T, TPB, dtype):
         ddt = cuda.shared.array(T, ty)
         kc = cuda.shared.array((T, F), ty)     # A_i, inclusive
         if tid < F:
-            arun[tid] = Ap[s, c, tid]
+            arun[tid] = BA[s, c, tid, dv]
         for a in range(t0, t1, T):
             nb = min(t1 - a, T)
             cuda.syncthreads()
             if j < dv:
-                stage(g, v, s, a, nb, j, col, gt, vt, st)
+                stage(g, v, s, a, nb, j, col, gt, xs)
             for e in range(tid, nb * F, TPB):
                 i = e // F
                 f = e - i * F
@@ -244,17 +302,20 @@ def make_chunk_kernels(F, T, TPB, dtype):
                     acc += kt[i, tid]
                     kc[i, tid] = acc
                 arun[tid] = acc
-            for e in range(tid, nb * nb, TPB):
-                i = e // nb
-                t = e - i * nb
-                acc = zero
-                if t <= i:
-                    acc = dot(gt, np.uint64(i) * UDVP, vt, np.uint64(t) * UDVP, udv)
-                gv[i, t] = acc
-            for e in range(tid, nb * F, TPB):
-                i = e // F
-                f = e - i * F
-                sg[i, f] = dot(st, np.uint64(f) * UDVP, gt, np.uint64(i) * UDVP, udv)
+            if blocked:
+                tile_products(gt, xs, udv, tid, True, nb, gv, sg)
+            else:
+                for e in range(tid, nb * nb, TPB):
+                    i = e // nb
+                    t = e - i * nb
+                    acc = zero
+                    if t <= i:
+                        acc = dot(gt, np.uint64(i) * UDVP, xs, np.uint64(t) * UDVP, udv)
+                    gv[i, t] = acc
+                for e in range(tid, nb * F, TPB):
+                    i = e // F
+                    f = e - i * F
+                    sg[i, f] = dot(xs, np.uint64(T + f) * UDVP, gt, np.uint64(i) * UDVP, udv)
             cuda.syncthreads()
             for e in range(tid, nb * F, TPB):
                 i = e // F
@@ -279,12 +340,12 @@ def make_chunk_kernels(F, T, TPB, dtype):
                 dpq[s, a + i, f] = sg[i, f] * winv[i] + ddt[i] * kc[i, f]
             if j < dv:
                 for i in range(nb):
-                    xv = vt[i * DVP + j]
+                    xv = xs[i * DVP + j]
                     for f in range(F):
                         col[f] += kt[i, f] * xv
 
     @cuda.jit
-    def keys_bwd(phiq, phik, v, g, W, dD, dBn, dAn, C, dpk, dv_out):
+    def keys_bwd(phiq, phik, v, g, W, dD, dBA, C, dpk, dv_out):
         # Reverse over the chunk's tiles from the suffix state U (sum over later tokens i of
         # phi_q_i g_i^T / D_i) and a (sum of phi_q_i dD_i): for key t (queries i >= t see it)
         # dv_t = phi_k_t . U_t and dphi_k_t = v_t . U_t + a_t, U_t, a_t inclusive of t's tile.
@@ -298,10 +359,9 @@ def make_chunk_kernels(F, T, TPB, dtype):
         t1 = min(N, t0 + C)
         col = cuda.local.array(F, ty)          # column j of U after the current tile
         for f in range(F):
-            col[f] = dBn[s, c, f, j] if j < dv else zero
-        st = cuda.shared.array(STATE_SZ, ty)   # U after the tile, (F, DVP) flat
-        gt = cuda.shared.array(ROWS_SZ, ty)    # (T, DVP) flat
-        vt = cuda.shared.array(ROWS_SZ, ty)
+            col[f] = dBA[s, c, f, j] if j < dv else zero
+        vt = cuda.shared.array(ROWS_SZ, ty)    # the tile of v, (T, DVP) flat
+        xs = cuda.shared.array(XS_SZ, ty)      # the tile of g, then U after the tile (F rows)
         udv = np.uint64(dv)
         qt = cuda.shared.array((T, F), ty)     # phi_q / D
         pt = cuda.shared.array((T, F), ty)     # phi_q
@@ -312,14 +372,14 @@ def make_chunk_kernels(F, T, TPB, dtype):
         arun = cuda.shared.array(F, ty)
         ddt = cuda.shared.array(T, ty)
         if tid < F:
-            arun[tid] = dAn[s, c, tid]
+            arun[tid] = dBA[s, c, tid, dv]
         ntile = (t1 - t0 + T - 1) // T
         for m in range(ntile):
             a = t0 + (ntile - 1 - m) * T
             nb = min(t1 - a, T)
             cuda.syncthreads()
             if j < dv:
-                stage(g, v, s, a, nb, j, col, gt, vt, st)
+                stage(v, g, s, a, nb, j, col, vt, xs)
             for e in range(tid, nb * F, TPB):
                 i = e // F
                 f = e - i * F
@@ -331,21 +391,26 @@ def make_chunk_kernels(F, T, TPB, dtype):
             if tid < nb:
                 ddt[tid] = dD[s, a + tid]
             cuda.syncthreads()
+            if blocked:
+                tile_products(vt, xs, udv, tid, False, nb, vg, vu)
             for e in range(tid, nb * nb, TPB):
                 t = e // nb
                 i = e - t * nb
                 acc = zero
                 acc2 = acc
                 if i >= t:
-                    acc = dot(vt, np.uint64(t) * UDVP, gt, np.uint64(i) * UDVP, udv)
+                    if not blocked:
+                        acc = dot(vt, np.uint64(t) * UDVP, xs, np.uint64(i) * UDVP, udv)
                     for f in range(F):
                         acc2 += kt[t, f] * qt[i, f]
-                vg[t, i] = acc
+                if not blocked:
+                    vg[t, i] = acc
                 mt[t, i] = acc2
-            for e in range(tid, nb * F, TPB):
-                t = e // F
-                f = e - t * F
-                vu[t, f] = dot(st, np.uint64(f) * UDVP, vt, np.uint64(t) * UDVP, udv)
+            if not blocked:
+                for e in range(tid, nb * F, TPB):
+                    t = e // F
+                    f = e - t * F
+                    vu[t, f] = dot(xs, np.uint64(T + f) * UDVP, vt, np.uint64(t) * UDVP, udv)
             cuda.syncthreads()
             for e in range(tid, nb * F, TPB):
                 t = e // F
@@ -360,10 +425,10 @@ def make_chunk_kernels(F, T, TPB, dtype):
                     for f in range(F):
                         acc += kt[t, f] * col[f]
                     for i in range(t, nb):
-                        acc += mt[t, i] * gt[i * DVP + j]
+                        acc += mt[t, i] * xs[i * DVP + j]
                     dv_out[s, a + t, j] = acc
                 for i in range(nb):
-                    xv = gt[i * DVP + j]
+                    xv = xs[i * DVP + j]
                     for f in range(F):
                         col[f] += qt[i, f] * xv
             cuda.syncthreads()
@@ -377,16 +442,22 @@ def make_chunk_kernels(F, T, TPB, dtype):
 
 
 @functools.lru_cache(maxsize=None)
-def make_hash_kernels(L, P, dtype, simulated=False, threads=128):
-    """The soft hash and its backward with the planes' product fused in, one warp per row.
+def make_hash_kernels(L, P, dtype, simulated=False, threads=128, lanes=8):
+    """The soft hash and its backward with the planes' product fused in, ``G`` lanes per row.
 
     ``hash_rows(x, W, beta, phi, t)``: ``x (M, d)``, ``W (L * P, d)``; writes ``t = tanh(W x)``
     ``(M, L * P)`` and ``phi (M, L * 2**P)`` (:func:`racecpu.chunkwise.soft_hash`'s numbers).
     ``hash_rows_bwd(dphi, phi, t, W, beta, dx, st)``: ``dx (M, d)`` of the rows and ``st (M,)``
     each row's dbeta term (summed by the caller).  Launch with blocks of ``threads`` (whole warps);
-    any grid (the blocks stride over the rows).  The lanes read a row's ``d`` entries together
-    (coalesced) and sum the ``L * P`` projections across the warp, so there is no ``(M, L * P)``
-    GEMM output and no second pass.  Needs :func:`hash_fits`.
+    any grid (the blocks stride over the rows).  Needs :func:`hash_fits`.
+
+    A group of ``G = min(lanes, 2**P)`` lanes (a power of two dividing a table's ``2**P``
+    corners) takes a row: its lanes read the row's ``d`` entries ``G`` apart, sum the ``L * P``
+    projections by xor butterflies inside the group (every lane ends with all of them), and
+    lane ``r`` of the group owns corner ``r + G k`` of the row, so which table and plane a
+    corner reads is known when the kernel is compiled (registers, not local memory).  Against
+    a warp per row this does ``log2(G)`` exchange steps per sum instead of 5 and reads ``32 / G``
+    rows per warp load.
 
     The lanes exchange values by warp shuffles; Numba's CUDA simulator has none, so
     ``simulated=True`` builds the same kernels with the exchanges through shared memory and
@@ -396,7 +467,12 @@ def make_hash_kernels(L, P, dtype, simulated=False, threads=128):
     LP = L * P
     R = 1 << P
     F = L * R
+    G = min(int(lanes), R)
+    if G < 1 or G & (G - 1) or G > 32:
+        raise ValueError(f"lanes must be a power of two from 1 to 32, got {lanes}")
+    NE = F // G          # corners per lane
     WPB = threads // 32
+    RPB = threads // G   # rows per block
     zero = ty(0.0)
     one = ty(1.0)
     two = ty(2.0)
@@ -409,21 +485,19 @@ def make_hash_kernels(L, P, dtype, simulated=False, threads=128):
             buf[w, lane] = val
             cuda.syncthreads()
             return buf[w, lane ^ off]
-
-        @cuda.jit(device=True)
-        def lane_get(val, src, buf, w, lane):
-            cuda.syncthreads()
-            buf[w, lane] = val
-            cuda.syncthreads()
-            return buf[w, src]
     else:
         @cuda.jit(device=True)
         def xor_get(val, off, buf, w, lane):
             return cuda.shfl_xor_sync(FULL, val, off)
 
-        @cuda.jit(device=True)
-        def lane_get(val, src, buf, w, lane):
-            return cuda.shfl_sync(FULL, val, src)
+    @cuda.jit(device=True)
+    def group_sum(val, buf, w, lane):
+        """The sum of ``val`` over the row's ``G`` lanes, in every one of them."""
+        off = G >> 1
+        while off > 0:
+            val += xor_get(val, off, buf, w, lane)
+            off >>= 1
+        return val
 
     @cuda.jit(device=True)
     def sigmoid(z):
@@ -435,99 +509,79 @@ def make_hash_kernels(L, P, dtype, simulated=False, threads=128):
     @cuda.jit
     def hash_rows(x, W, beta, phi, t):
         M, d = x.shape
-        lane = cuda.threadIdx.x & 31
-        w = cuda.threadIdx.x >> 5
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        w = tid >> 5
+        sub = tid & (G - 1)
         buf = cuda.shared.array((WPB, 32), ty)
         u = cuda.local.array(LP, ty)
         b2 = ty(two * beta)  # beta arrives as float64: compute in the kernel's dtype
-        for base in range(cuda.blockIdx.x * WPB, M, cuda.gridDim.x * WPB):
-            i = base + w
+        for base in range(cuda.blockIdx.x * RPB, M, cuda.gridDim.x * RPB):
+            i = base + tid // G
             ok = i < M
             for m in range(LP):
                 u[m] = zero
             if ok:
-                for kk in range(lane, d, 32):
+                for kk in range(sub, d, G):
                     xv = x[i, kk]
                     for m in range(LP):
                         u[m] += xv * W[m, kk]
-            um = zero
             for m in range(LP):
-                val = u[m]
-                off = 16
-                while off > 0:
-                    val += xor_get(val, off, buf, w, lane)
-                    off >>= 1
-                if m == lane:
-                    um = val
-            th = math.tanh(um)          # lane m < LP: plane m
-            a = sigmoid(b2 * th)        # the plane's plus side
-            b = sigmoid(-b2 * th)
-            if ok and lane < LP:
-                t[i, lane] = th
-            for e0 in range(0, F, 32):  # lane e0 + lane: corner r of table l
-                e = e0 + lane
-                l = min(e, F - 1) // R
-                r = min(e, F - 1) - l * R
-                prod = one
-                for p in range(P):
-                    av = lane_get(a, l * P + p, buf, w, lane)
-                    bv = lane_get(b, l * P + p, buf, w, lane)
-                    prod *= av if (r >> (P - 1 - p)) & 1 else bv
-                if ok and e < F:
-                    phi[i, e] = prod
+                u[m] = math.tanh(group_sum(u[m], buf, w, lane))
+                if ok and m % G == sub:
+                    t[i, m] = u[m]
+            if ok:
+                for k in range(NE):  # corner e = G k + sub: table (G k) // R, corner bits (G k) % R + sub
+                    l = (G * k) // R
+                    r = (G * k) % R + sub
+                    prod = one
+                    for p in range(P):
+                        z = b2 * u[l * P + p]
+                        prod *= sigmoid(z if (r >> (P - 1 - p)) & 1 else -z)
+                    phi[i, G * k + sub] = prod
 
     @cuda.jit
     def hash_rows_bwd(dphi, phi, t, W, beta, dx, st):
         M, d = dx.shape
-        lane = cuda.threadIdx.x & 31
-        w = cuda.threadIdx.x >> 5
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        w = tid >> 5
+        sub = tid & (G - 1)
         buf = cuda.shared.array((WPB, 32), ty)
         du = cuda.local.array(LP, ty)
+        ph = cuda.local.array(NE, ty)
+        dp = cuda.local.array(NE, ty)
+        tdot = cuda.local.array(L, ty)
         bt = ty(beta)
-        r = lane & (R - 1)
-        for base in range(cuda.blockIdx.x * WPB, M, cuda.gridDim.x * WPB):
-            i = base + w
+        for base in range(cuda.blockIdx.x * RPB, M, cuda.gridDim.x * RPB):
+            i = base + tid // G
             ok = i < M
-            term = zero
-            for e0 in range(0, F, 32):
-                e = e0 + lane
-                valid = ok and e < F
-                ph = phi[i, e] if valid else zero
-                dp = dphi[i, e] if valid else zero
-                # the table's dot: a sum over its R lanes (aligned groups of R within the warp)
-                dot = ph * dp
-                off = R >> 1
-                while off > 0:
-                    dot += xor_get(dot, off, buf, w, lane)
-                    off >>= 1
-                dz = ph * (dp - dot)
-                l = min(e, F - 1) // R
+            for l in range(L):
+                tdot[l] = zero
+            for k in range(NE):
+                ph[k] = phi[i, G * k + sub] if ok else zero
+                dp[k] = dphi[i, G * k + sub] if ok else zero
+                tdot[(G * k) // R] += ph[k] * dp[k]
+            for l in range(L):  # each table's dot over its R corners
+                tdot[l] = group_sum(tdot[l], buf, w, lane)
+            for m in range(LP):
+                du[m] = zero
+            for k in range(NE):  # dz of the corner, then its signed share of each of its table's planes
+                l = (G * k) // R
+                r = (G * k) % R + sub
+                dz = ph[k] * (dp[k] - tdot[l])
                 for p in range(P):
-                    sv = dz if (r >> (P - 1 - p)) & 1 else -dz
-                    off = R >> 1
-                    while off > 0:
-                        sv += xor_get(sv, off, buf, w, lane)
-                        off >>= 1
-                    # lane r == p of each table holds plane p's cotangent
-                    duv = zero
-                    if valid and r == p:
-                        th = t[i, l * P + p]
-                        term += sv * th
-                        duv = bt * sv * (one - th * th)
-                    for q in range(32 // R):  # every lane gathers this pass's cotangents of plane p
-                        got = lane_get(duv, q * R + p, buf, w, lane)
-                        lq = e0 // R + q
-                        for mm in range(LP):
-                            if mm == lq * P + p:
-                                du[mm] = got
-            off = 16
-            while off > 0:
-                term += xor_get(term, off, buf, w, lane)
-                off >>= 1
+                    du[l * P + p] += dz if (r >> (P - 1 - p)) & 1 else -dz
+            term = zero
+            for m in range(LP):
+                sv = group_sum(du[m], buf, w, lane)
+                th = t[i, m] if ok else zero
+                term += sv * th
+                du[m] = bt * sv * (one - th * th)
             if ok:
-                if lane == 0:
+                if sub == 0:
                     st[i] = term
-                for kk in range(lane, d, 32):
+                for kk in range(sub, d, G):
                     acc = zero
                     for m in range(LP):
                         acc += du[m] * W[m, kk]
@@ -537,5 +591,6 @@ def make_hash_kernels(L, P, dtype, simulated=False, threads=128):
 
 
 def hash_fits(L, P):
-    """Whether :func:`make_hash_kernels` takes ``(L, P)``: a warp holds the projections and a table."""
+    """Whether :func:`make_hash_kernels` takes ``(L, P)``: each lane keeps the ``L * P``
+    projections and its corners in registers, at most 32 of each."""
     return L * P <= 32 and (1 << P) <= 32 and P >= 1
