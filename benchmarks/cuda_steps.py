@@ -177,6 +177,10 @@ def _steps(rc, chunkwise, xp, sync, sim, q1, k1, v1, g1, planes, say):
     dvo = xp.empty((1, N, d), xp.float32)
     ev("causal backward of one head (fused, to dphi)",
        lambda: ops.causal_bwd(pq[:, None], pk, v1, g1[:, None], winv[:, None], D[:, None], 64, dvo))
+    sketch = ops.attend(pq[:, None], pk, v1, False, 64, 1024, L, out, D)
+    winv = chunkwise._inverse(xp, D, L)
+    ev("non-causal backward of one head (fused, to dphi)",
+       lambda: ops.noncausal_bwd(pq[:, None], pk, v1, g1[:, None], winv[:, None], sketch, 1024, dvo))
     dxo = xp.empty((N, d), xp.float32)
     rows = (pq.reshape(-1, F), pq.reshape(-1, F), tq.reshape(-1, L * P))
     fused_hash = rc.CudaOps.FUSED_HASH

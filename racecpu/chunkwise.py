@@ -119,7 +119,9 @@ class ArrayOps:
 
         ``pq (S, group, Nq, F)``, ``pk (S, Nk, F)`` (masked keys zero), ``v (S, Nk, dv)`` in the
         compute dtype; ``out (S * group, Nq, dv)`` (any float dtype) and ``D (S * group, Nq)`` are
-        written in place (views of the caller's arrays; they alias nothing else).
+        written in place (views of the caller's arrays; they alias nothing else).  Returns the
+        non-causal sketch packed as ``(S, F, dv + 1)`` (``B`` in columns ``:dv``, the key mass
+        ``A`` in column ``dv``), a fresh array the backward reads again; None when causal.
         """
         xp = self.xp
         S, group, nq, F = pq.shape
@@ -127,8 +129,8 @@ class ArrayOps:
         if causal:
             num, Dn = _causal_fwd_slab(xp, self, pq, pk, v, chunk, _tril(xp, chunk, cdt))
         else:
-            B = _sum_chunks(xp, pk, v, sum_chunk, cdt)     # (S, F, dv)
-            A = _sum_chunks(xp, pk, None, sum_chunk, cdt)   # (S, F)
+            sketch = _sketch(xp, pk, v, sum_chunk, cdt)
+            B, A = sketch[..., :-1], sketch[..., -1]
             num = pq @ B[:, None]
             Dn = (pq @ A[:, None, :, None])[..., 0]
         Dn = Dn.reshape(S * group, nq)
@@ -136,6 +138,13 @@ class ArrayOps:
         num = num.reshape(S * group, nq, v.shape[-1])
         num *= _inverse(xp, Dn, L)[..., None]
         out[...] = num
+        return None if causal else sketch
+
+    def noncausal_bwd(self, pq, pk, v, g, winv, sketch, sum_chunk, dv_out):
+        """Non-causal ``(dphi_q, dphi_k)`` of one slab (:func:`_noncausal_bwd_slab`) from the
+        forward's ``sketch (S, F, dv + 1)`` (:meth:`attend`'s); the values' gradient is written
+        into ``dv_out (S, Nk, dv)`` (a view of the caller's result, aliasing no input)."""
+        return _noncausal_bwd_slab(self.xp, pq, pk, v, g, winv, sketch, sum_chunk, dv_out)
 
     def causal_bwd(self, pq, pk, v, g, winv, D, C, dv_out):
         """Causal ``(dphi_q, dphi_k)`` of one slab (:func:`_causal_bwd_slab`; ``D (S, group, N)`` the
@@ -189,6 +198,17 @@ def _sum_chunks(xp, phi, w, C, dtype):
     return part.sum(axis=1, dtype=np.float64).astype(dtype)
 
 
+def _sketch(xp, pk, v, C, dtype):
+    """The non-causal sketch of ``pk (S, N, F)`` and ``v (S, N, dv)`` packed as ``(S, F, dv + 1)``:
+    ``B = sum_n pk_n v_n^T`` in columns ``:dv`` and ``A = sum_n pk_n`` in column ``dv``."""
+    S, _, F = pk.shape
+    dv = v.shape[-1]
+    sketch = xp.empty((S, F, dv + 1), dtype)
+    sketch[..., :dv] = _sum_chunks(xp, pk, v, C, dtype)
+    sketch[..., dv] = _sum_chunks(xp, pk, None, C, dtype)
+    return sketch
+
+
 def _exclusive_scan(xp, part, reverse, dtype):
     """Exclusive prefix (``reverse``: suffix) sums over axis 1 of ``part (S, nc, ...)``, in float64."""
     out = xp.zeros(part.shape, np.float64)
@@ -238,8 +258,9 @@ def forward(xp, q, k, v, planes, beta, *, causal, key_mask=None, group=1, chunk=
     Returns
     -------
     out : (G, Nq, dv) of ``out_dtype``; a fresh array, aliasing no input.
-    residuals : dict of ``phiq (G, Nq, F)``, ``tq``, ``phik (Gk, Nk, F)``, ``tk``, ``D (G, Nq)``
-        (compute dtype) and the scalars; ``v`` is kept by reference.
+    residuals : dict of ``phiq (G, Nq, F)``, ``tq``, ``phik (Gk, Nk, F)``, ``tk``, ``D (G, Nq)``,
+        non-causal ``sketch (Gk, F, dv + 1)`` (None when causal; compute dtype) and the scalars;
+        ``v`` is kept by reference.
     """
     ops = ops or ArrayOps(xp)
     cdt = np.dtype(planes.dtype)
@@ -253,6 +274,7 @@ def forward(xp, q, k, v, planes, beta, *, causal, key_mask=None, group=1, chunk=
     phik = xp.empty((Gk, nk, F), cdt)
     tk = xp.empty((Gk, nk, L * P), cdt)
     D = xp.empty((G, nq), cdt)
+    sketch = None if causal else xp.empty((Gk, F, dv + 1), cdt)
     n = max(nq, nk)
     per_head = cdt.itemsize * (group * n * (chunk + 3 * dv + 2 * F) + n * (d + dv + F)
                                + 3 * (n // chunk + 1) * F * (dv + 1))
@@ -268,9 +290,11 @@ def forward(xp, q, k, v, planes, beta, *, causal, key_mask=None, group=1, chunk=
         pq, tq[h0:h1] = ops.soft_hash(q[h0:h1].astype(cdt, copy=False), planes, beta)
         phiq[h0:h1] = pq
         vs = v[g0:g1].astype(cdt, copy=False)
-        ops.attend(pq.reshape(S, group, nq, F), pk, vs, causal, chunk, sum_chunk, L, out[h0:h1], D[h0:h1])
-    return out, dict(phiq=phiq, tq=tq, phik=phik, tk=tk, D=D, v=v, planes=planes, beta=beta, causal=causal,
-                     group=group, chunk=chunk, sum_chunk=sum_chunk, workspace=workspace)
+        sk = ops.attend(pq.reshape(S, group, nq, F), pk, vs, causal, chunk, sum_chunk, L, out[h0:h1], D[h0:h1])
+        if not causal:
+            sketch[g0:g1] = sk
+    return out, dict(phiq=phiq, tq=tq, phik=phik, tk=tk, D=D, sketch=sketch, v=v, planes=planes, beta=beta,
+                     causal=causal, group=group, chunk=chunk, sum_chunk=sum_chunk, workspace=workspace)
 
 
 def _inverse(xp, Dn, L):
@@ -348,7 +372,7 @@ def backward(xp, res, grad, *, q=None, k=None, ops=None):
         if res["causal"]:
             dpq, dpk = ops.causal_bwd(pq, pk, vs, g, winv, D[h0:h1].reshape(S, group, nq), C, dV[g0:g1])
         else:
-            dpq, dpk = _noncausal_bwd_slab(xp, pq, pk, vs, g, winv, res["sum_chunk"], dV[g0:g1])
+            dpq, dpk = ops.noncausal_bwd(pq, pk, vs, g, winv, res["sketch"][g0:g1], res["sum_chunk"], dV[g0:g1])
         rows_q = (dpq.reshape(S * group * nq, F), phiq[h0:h1].reshape(-1, F), tq[h0:h1].reshape(-1, L * P))
         rows_k = (dpk.reshape(S * nk, F), pk.reshape(-1, F), tk[g0:g1].reshape(-1, L * P))
         if want_dw:  # the planes' gradient needs the projections' cotangents themselves
@@ -365,13 +389,13 @@ def backward(xp, res, grad, *, q=None, k=None, ops=None):
     return (dq, dk, dV, dbeta) + ((dW.reshape(L, P, d),) if want_dw else ())
 
 
-def _noncausal_bwd_slab(xp, pq, pk, v, g, winv, sum_chunk, dv_out):
+def _noncausal_bwd_slab(xp, pq, pk, v, g, winv, sketch, sum_chunk, dv_out):
     """Non-causal ``(dphi_q, dphi_k)`` of one slab (``pq (S, group, N, F)``, ``g (S, group, N, dv)``,
-    ``winv = 1 / D`` ``(S, group, N)``); the values' gradient is written into ``dv_out (S, N, dv)``."""
+    ``winv = 1 / D`` ``(S, group, N)``, the forward's ``sketch (S, F, dv + 1)``); the values'
+    gradient is written into ``dv_out (S, N, dv)``."""
     S, group, nq, F = pq.shape
     cdt = pk.dtype
-    B = _sum_chunks(xp, pk, v, sum_chunk, cdt)
-    A = _sum_chunks(xp, pk, None, sum_chunk, cdt)
+    B, A = sketch[..., :-1], sketch[..., -1]
     Y = g @ xp.swapaxes(B, -1, -2)[:, None]       # (S, group, nq, F): B g_i
     dD = -(pq * Y).sum(axis=-1) * winv * winv     # -(g_i . num_i) / D_i^2
     Y *= winv[..., None]

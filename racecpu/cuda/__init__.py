@@ -781,14 +781,14 @@ class CudaOps(chunkwise.ArrayOps):
         cdt = pk.dtype
         C = int(self.FUSED_CHUNK)
         if causal:
+            sketch = None
             BA = self._states(pk, None, v, None, C, dv, False)              # (S, nc, F, dv + 1)
         else:
-            BA = xp.empty((S, 1, F, dv + 1), cdt)                             # the whole sketch, packed
-            BA[:, 0, :, :dv] = chunkwise._sum_chunks(xp, pk, v, sum_chunk, cdt)
-            BA[:, 0, :, dv] = chunkwise._sum_chunks(xp, pk, None, sum_chunk, cdt)
+            sketch = chunkwise._sketch(xp, pk, v, sum_chunk, cdt)           # (S, F, dv + 1)
+            BA = sketch[:, None]
         if nq == 0 or dv == 0:
             D[...] = 0
-            return None
+            return sketch
         dst = out if out.dtype == cdt else xp.empty(out.shape, cdt)
         tpb = self._threads(dv)
         K = self._kernels(F, cdt, tpb)
@@ -796,7 +796,7 @@ class CudaOps(chunkwise.ArrayOps):
             pq.reshape(S * group, nq, F), pk, v, BA, group, C, bool(causal), L * DEN_FLOOR, dst, D)
         if dst is not out:
             out[...] = dst
-        return None
+        return sketch
 
     def _fused_bwd_fits(self, F, dv, group, dtype):
         """Whether the fused causal backward takes this shape: one query head per key/value head,
@@ -807,6 +807,27 @@ class CudaOps(chunkwise.ArrayOps):
         xs_rows = max(T + F, nq * -(-(T + F) // nq))
         shared = np.dtype(dtype).itemsize * ((xs_rows + T) * (tpb + 1) + 5 * T * F + 2 * T * T + F + 2 * T)
         return self.FUSED and group == 1 and dv <= tpb and shared <= self.SHARED_BYTES
+
+    def noncausal_bwd(self, pq, pk, v, g, winv, sketch, sum_chunk, dv_out):
+        S, group, nq, F = pq.shape
+        nk, dv = v.shape[1:]
+        cdt = pk.dtype
+        if min(nq, nk) < max(1, self.FUSED_MIN_TOKENS) or not self._fused_bwd_fits(F, dv, group, cdt):
+            return super().noncausal_bwd(pq, pk, v, g, winv, sketch, sum_chunk, dv_out)
+        xp = self.xp
+        C = int(self.FUSED_CHUNK)
+        tpb = self._threads(dv)
+        K = self._kernels(F, cdt, tpb)
+        ncq, nck = -(-nq // C), -(-nk // C)
+        dpq = xp.empty((S, nq, F), cdt)
+        dD = xp.empty((S, nq), cdt)
+        part = xp.empty((S, ncq, F, dv + 1), cdt)   # each chunk's share of (dB, dA)
+        K["nc_queries_bwd"][(ncq, S), tpb, self.dev.stream](
+            pq.reshape(S, nq, F), g.reshape(S, nq, dv), winv.reshape(S, nq), sketch[:, None], C, dpq, dD, part)
+        dBA = part.sum(axis=1, dtype=np.float64).astype(cdt)[:, None]             # (S, 1, F, dv + 1)
+        dpk = xp.empty((S, nk, F), cdt)
+        K["nc_keys_bwd"][(nck, S), tpb, self.dev.stream](pk, v, dBA, C, dpk, dv_out)
+        return dpq.reshape(S, 1, nq, F), dpk
 
     def causal_bwd(self, pq, pk, v, g, winv, D, C, dv_out):
         S, group, N, F = pq.shape

@@ -63,6 +63,13 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=True):
     ``keys_bwd(phiq, phik, v, g, W, dD, dBA, C, dpk, dv_out)``
         causal: ``dphi_k`` and ``dv`` from the suffix states ``dBA`` after each chunk
         (``dB`` and ``dA`` packed as ``BA``); grid ``(nc, S)``.
+    ``nc_queries_bwd(phiq, g, W, BA, C, dpq, dD, part)``
+        non-causal, one query head per key/value head, ``BA (S, 1, F, dv + 1)`` the forward's
+        sketch: ``dphi_q``, ``dD`` and each chunk's share ``part (S, nc, F, dv + 1)`` of
+        ``dB = sum_i phi_q_i g_i^T / D_i`` and ``dA = sum_i phi_q_i dD_i``; grid ``(nc, S)``.
+    ``nc_keys_bwd(phik, v, dBA, C, dpk, dv_out)``
+        non-causal: ``dphi_k = dB v + dA`` and ``dv = dB^T phi_k`` from the summed ``dBA
+        (S, 1, F, dv + 1)``; grid ``(nc, S)``.
     """
     ty = numba.from_dtype(np.dtype(dtype))
     DVP = TPB + 1  # shared row length of the (T, dv) tiles: odd, so a column read hits distinct banks
@@ -81,9 +88,12 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=True):
     QS = -(-TF // NQ)
     RSTEP = max(1, TPB // NQ)
     QSTEP = np.uint64(NQ * DVP)
+    # tile_proj: the same, the F outputs of the state's rows alone (QP a thread)
+    QP = -(-F // NQ)
     # a tile's rows then the state's F rows (the other side of the products), padded to NQ * QS
-    # rows so that output c of a thread sits a constant NQ * DVP after output c - 1
-    XS_SZ = max(TF, NQ * QS) * DVP
+    # rows (T + NQ * QP for tile_proj) so that output c of a thread sits a constant NQ * DVP after
+    # output c - 1
+    XS_SZ = max(TF, NQ * QS, T + NQ * QP) * DVP
 
     @cuda.jit(device=True)
     def dot(a, ia, b, ib, n):
@@ -254,6 +264,149 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=True):
                     pair[r, q] = acc[c] if keep and r < nb and q < nb else zero
                 elif q < TF:
                     proj[r, q - T] = acc[c]
+
+    @cuda.jit(device=True)
+    def tile_proj(rows, xs, udv, tid, proj):
+        """``proj[r, f] = rows_r . xs_{T + f}``, as :func:`tile_products` without the ``T`` pairs."""
+        acc = cuda.local.array(QP, ty)
+        qg = tid % NQ
+        x0 = np.uint64(T + qg) * UDVP
+        for r in range(tid // NQ, T, RSTEP):
+            for c in range(QP):
+                acc[c] = zero
+            ra = np.uint64(r) * UDVP
+            m = U0
+            while m < udv:
+                rv = rows[ra + m]
+                xm = x0 + m
+                for c in range(QP):
+                    acc[c] += rv * xs[xm + np.uint64(c) * QSTEP]
+                m += U1
+            for c in range(QP):
+                f = qg + NQ * c
+                if f < F:
+                    proj[r, f] = acc[c]
+
+    @cuda.jit
+    def nc_queries_bwd(phiq, g, W, BA, C, dpq, dD, part):
+        # Y_i = B g_i (tile_proj against the sketch's B, staged once), dD_i = -(phi_q_i . Y_i) / D_i^2,
+        # dphi_q_i = Y_i / D_i + dD_i A; and, from the same tiles, the chunk's share of dB and dA.
+        c = cuda.blockIdx.x
+        s = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        j = tid
+        N = phiq.shape[1]
+        dv = g.shape[2]
+        t0 = c * C
+        t1 = min(N, t0 + C)
+        gt = cuda.shared.array(ROWS_SZ, ty)    # the tile of g, (T, DVP) flat
+        xs = cuda.shared.array(XS_SZ, ty)      # rows T .. T + F: the sketch's B
+        udv = np.uint64(dv)
+        qt = cuda.shared.array((T, F), ty)
+        sg = cuda.shared.array((T, F), ty)
+        ab = cuda.shared.array(F, ty)
+        winv = cuda.shared.array(T, ty)
+        ddt = cuda.shared.array(T, ty)
+        acc = cuda.local.array(F, ty)          # column j of the chunk's dB
+        for f in range(F):
+            acc[f] = zero
+            if j < dv:
+                xs[(T + f) * DVP + j] = BA[s, 0, f, j]
+        if tid < F:
+            ab[tid] = BA[s, 0, tid, dv]
+        am = zero
+        for a in range(t0, t1, T):
+            nb = min(t1 - a, T)
+            cuda.syncthreads()
+            if j < dv:
+                for i in range(T):  # a constant trip count: unrolled, the tile's loads in flight together
+                    if i < nb:
+                        gt[i * DVP + j] = g[s, a + i, j]
+            for e in range(tid, nb * F, TPB):
+                i = e // F
+                f = e - i * F
+                qt[i, f] = phiq[s, a + i, f]
+            if tid < nb:
+                winv[tid] = W[s, a + tid]
+            cuda.syncthreads()
+            tile_proj(gt, xs, udv, tid, sg)
+            cuda.syncthreads()
+            if tid < nb:
+                gnum = zero
+                for f in range(F):
+                    gnum += qt[tid, f] * sg[tid, f]
+                w = winv[tid]
+                dd = -gnum * w * w
+                ddt[tid] = dd
+                dD[s, a + tid] = dd
+            cuda.syncthreads()
+            for e in range(tid, nb * F, TPB):
+                i = e // F
+                f = e - i * F
+                dpq[s, a + i, f] = sg[i, f] * winv[i] + ddt[i] * ab[f]
+            if j < dv:
+                for i in range(nb):
+                    xv = gt[i * DVP + j] * winv[i]
+                    for f in range(F):
+                        acc[f] += qt[i, f] * xv
+            if tid < F:
+                for i in range(nb):
+                    am += qt[i, tid] * ddt[i]
+        if j < dv:
+            for f in range(F):
+                part[s, c, f, j] = acc[f]
+        if tid < F:
+            part[s, c, tid, dv] = am
+
+    @cuda.jit
+    def nc_keys_bwd(phik, v, dBA, C, dpk, dv_out):
+        # dphi_k_t = dB v_t + dA (tile_proj against dB, staged once); dv_t = dB^T phi_k_t (column j
+        # of dB in registers).
+        c = cuda.blockIdx.x
+        s = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        j = tid
+        N = phik.shape[1]
+        dv = v.shape[2]
+        t0 = c * C
+        t1 = min(N, t0 + C)
+        vt = cuda.shared.array(ROWS_SZ, ty)    # the tile of v, (T, DVP) flat
+        xs = cuda.shared.array(XS_SZ, ty)      # rows T .. T + F: dB
+        udv = np.uint64(dv)
+        kt = cuda.shared.array((T, F), ty)
+        vu = cuda.shared.array((T, F), ty)
+        da = cuda.shared.array(F, ty)
+        col = cuda.local.array(F, ty)
+        for f in range(F):
+            col[f] = dBA[s, 0, f, j] if j < dv else zero
+            if j < dv:
+                xs[(T + f) * DVP + j] = col[f]
+        if tid < F:
+            da[tid] = dBA[s, 0, tid, dv]
+        for a in range(t0, t1, T):
+            nb = min(t1 - a, T)
+            cuda.syncthreads()
+            if j < dv:
+                for i in range(T):  # a constant trip count: unrolled, the tile's loads in flight together
+                    if i < nb:
+                        vt[i * DVP + j] = v[s, a + i, j]
+            for e in range(tid, nb * F, TPB):
+                i = e // F
+                f = e - i * F
+                kt[i, f] = phik[s, a + i, f]
+            cuda.syncthreads()
+            tile_proj(vt, xs, udv, tid, vu)
+            cuda.syncthreads()
+            for e in range(tid, nb * F, TPB):
+                i = e // F
+                f = e - i * F
+                dpk[s, a + i, f] = vu[i, f] + da[f]
+            if j < dv:
+                for t in range(nb):
+                    acc = zero
+                    for f in range(F):
+                        acc += kt[t, f] * col[f]
+                    dv_out[s, a + t, j] = acc
 
     @cuda.jit
     def queries_bwd(phiq, phik, v, g, W, BA, C, dpq, dD):
@@ -438,7 +591,8 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=True):
                     acc += ddt[i] * pt[i, tid]
                 arun[tid] = acc
 
-    return dict(chunk_states=chunk_states, readout=readout, queries_bwd=queries_bwd, keys_bwd=keys_bwd)
+    return dict(chunk_states=chunk_states, readout=readout, queries_bwd=queries_bwd, keys_bwd=keys_bwd,
+                nc_queries_bwd=nc_queries_bwd, nc_keys_bwd=nc_keys_bwd)
 
 
 @functools.lru_cache(maxsize=None)
