@@ -100,7 +100,8 @@ def run(log2n=22, heads=4, dim=128, reps=3, budget_s=150.0, sim=False, out=None,
 
     ops_cls = rc.CudaOps
     defaults = {name: getattr(ops_cls, name) for name in
-                ("FUSED", "FUSED_HASH", "FUSED_CHUNK", "FUSED_TILE", "FUSED_BLOCKED", "FUSED_MIN_TOKENS", "HASH_LANES")}
+                ("FUSED", "FUSED_HASH", "FUSED_CHUNK", "FUSED_TILE", "FUSED_BLOCKED", "FUSED_NONCAUSAL",
+                 "FUSED_MIN_TOKENS", "HASH_LANES")}
 
     def row(label, causal_modes=(True,), **attrs):
         for name, val in {**defaults, **attrs}.items():
@@ -121,20 +122,47 @@ def run(log2n=22, heads=4, dim=128, reps=3, budget_s=150.0, sim=False, out=None,
         res["steps_one_head_ms"] = _steps(rc, chunkwise, xp, sync, sim, q[0, :1], k[0, :1], v[0, :1], g[0, :1],
                                           planes, say)
         save()
-    variants = [("hash by cuBLAS", dict(FUSED_HASH=False)), ("hash, 4 lanes a row", dict(HASH_LANES=4)),
-                ("chunk 512", dict(FUSED_CHUNK=512)), ("chunk 256", dict(FUSED_CHUNK=256)),
-                ("products a thread per output", dict(FUSED_BLOCKED=False)),
-                ("hash, 2 lanes a row", dict(HASH_LANES=2)), ("tile 8", dict(FUSED_TILE=8)),
-                ("fused at every length", dict(FUSED_MIN_TOKENS=0)),
-                ("array expressions", dict(FUSED=False, FUSED_HASH=False))]
+    # (label, causal modes, switches): the switches not yet timed on a GPU first
+    both, causal_only = (True, False), (True,)
+    variants = [("hash fused, 8 lanes a row", both, dict(FUSED_HASH=True, HASH_LANES=8)),
+                ("products blocked", causal_only, dict(FUSED_BLOCKED=True)),
+                ("non-causal backward fused", (False,), dict(FUSED_NONCAUSAL=True)),
+                ("hash fused, 4 lanes a row", causal_only, dict(FUSED_HASH=True, HASH_LANES=4)),
+                ("chunk 512", causal_only, dict(FUSED_CHUNK=512)), ("chunk 256", causal_only, dict(FUSED_CHUNK=256)),
+                ("hash fused, 2 lanes a row", causal_only, dict(FUSED_HASH=True, HASH_LANES=2)),
+                ("tile 8", causal_only, dict(FUSED_TILE=8)),
+                ("fused at every length", both, dict(FUSED_MIN_TOKENS=0)),
+                ("array expressions", causal_only, dict(FUSED=False, FUSED_HASH=False))]
     if only is not None:
-        variants = [(label, attrs) for label, attrs in variants if label in only]
-    for label, attrs in variants[:1] if sim else variants:
+        variants = [v for v in variants if v[0] in only]
+    for label, modes, attrs in variants[:1] if sim else variants:
         if time.perf_counter() - t_start > budget_s:
             say("budget spent: left out", label)
             continue
-        row(label, **attrs)
+        row(label, modes, **attrs)
+    res["recommended"] = recommend(rows)
+    say("switches that beat the defaults by 2 % or more in forward+backward:", res["recommended"])
+    save()
     return res
+
+
+def recommend(rows, margin=1.02):
+    """The switches of the variants whose forward+backward beat the defaults' by ``margin`` or more in
+    every mode they were timed in (per switch, the value of the best such variant):
+    ``{name: {"value": ..., "gain": ...}}``, gain the defaults' time over the variant's (the smaller
+    over its modes).  Each variant is judged alone; two winners together are untimed."""
+    base = {r["causal"]: r["fwdbwd_ms"] for r in rows if r["variant"] == "defaults"}
+    by_variant = {}
+    for r in rows:
+        if r["variant"] != "defaults" and r["causal"] in base:
+            by_variant.setdefault(r["variant"], []).append(r)
+    best = {}
+    for label, rs in by_variant.items():
+        gain = min(base[r["causal"]] / r["fwdbwd_ms"] for r in rs)
+        for name, val in rs[0].items():
+            if name.isupper() and gain >= margin and gain > best.get(name, {}).get("gain", 0):
+                best[name] = dict(value=val, gain=round(gain, 3), variant=label)
+    return best
 
 
 def _steps(rc, chunkwise, xp, sync, sim, q1, k1, v1, g1, planes, say):
@@ -175,12 +203,24 @@ def _steps(rc, chunkwise, xp, sync, sim, q1, k1, v1, g1, planes, say):
     ev("attend, causal (states + readout)", lambda: ops.attend(pq[:, None], pk, v1, True, 64, 1024, L, out, D))
     winv = chunkwise._inverse(xp, D, L)
     dvo = xp.empty((1, N, d), xp.float32)
-    ev("causal backward of one head (fused, to dphi)",
-       lambda: ops.causal_bwd(pq[:, None], pk, v1, g1[:, None], winv[:, None], D[:, None], 64, dvo))
+    blocked = rc.CudaOps.FUSED_BLOCKED
+    try:
+        for on in (True, False):
+            rc.CudaOps.FUSED_BLOCKED = on
+            ev(f"causal backward of one head (fused, products {'blocked' if on else 'a thread per output'}, to dphi)",
+               lambda: ops.causal_bwd(pq[:, None], pk, v1, g1[:, None], winv[:, None], D[:, None], 64, dvo))
+    finally:
+        rc.CudaOps.FUSED_BLOCKED = blocked
     sketch = ops.attend(pq[:, None], pk, v1, False, 64, 1024, L, out, D)
     winv = chunkwise._inverse(xp, D, L)
-    ev("non-causal backward of one head (fused, to dphi)",
-       lambda: ops.noncausal_bwd(pq[:, None], pk, v1, g1[:, None], winv[:, None], sketch, 1024, dvo))
+    fused_nc = rc.CudaOps.FUSED_NONCAUSAL
+    try:
+        for on in (True, False):
+            rc.CudaOps.FUSED_NONCAUSAL = on
+            ev(f"non-causal backward of one head ({'fused' if on else 'array expressions'}, to dphi)",
+               lambda: ops.noncausal_bwd(pq[:, None], pk, v1, g1[:, None], winv[:, None], sketch, 1024, dvo))
+    finally:
+        rc.CudaOps.FUSED_NONCAUSAL = fused_nc
     dxo = xp.empty((N, d), xp.float32)
     rows = (pq.reshape(-1, F), pq.reshape(-1, F), tq.reshape(-1, L * P))
     fused_hash = rc.CudaOps.FUSED_HASH

@@ -325,3 +325,23 @@ def test_bad_impls_leave_no_output_folder_behind(tmp_path, monkeypatch, capsys):
     assert main(["bench", "--impls", "foo"]) == 2
     assert "choose from" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_cuda_steps_recommends_only_switches_that_win_in_every_mode():
+    """benchmarks/cuda_steps.py's recommendation (what the next GPU lease should switch on): a variant
+    counts only where its forward+backward beats the defaults' by 2 % in each mode it was timed in,
+    and per switch the best such variant's value."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "cuda_steps.py")
+    spec = importlib.util.spec_from_file_location("cuda_steps", path)
+    steps = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(steps)
+    rows = [dict(variant="defaults", causal=True, fwdbwd_ms=100.0), dict(variant="defaults", causal=False, fwdbwd_ms=50.0),
+            # faster causal, slower non-causal: not recommended
+            dict(variant="hash", causal=True, FUSED_HASH=True, fwdbwd_ms=80.0),
+            dict(variant="hash", causal=False, FUSED_HASH=True, fwdbwd_ms=51.0),
+            dict(variant="c512", causal=True, FUSED_CHUNK=512, fwdbwd_ms=95.0),
+            dict(variant="c256", causal=True, FUSED_CHUNK=256, fwdbwd_ms=90.0),
+            dict(variant="c128", causal=True, FUSED_CHUNK=128, fwdbwd_ms=99.0)]   # within 2 %
+    assert steps.recommend(rows) == {"FUSED_CHUNK": dict(value=256, gain=round(100 / 90, 3), variant="c256")}
+    assert steps.recommend(rows[:2]) == {}

@@ -533,12 +533,14 @@ def test_fused_chunk_kernels_match_the_array_form(rng, dtype, causal, group, blo
     """racecpu.cuda.CudaOps' fused readout and causal backward (racecpu.cuda._chunk_kernels) against
     racecpu.chunkwise's array expressions on NumPy: masked keys (some queries see no mass), a length
     that is not a whole number of chunks or tiles, grouped query heads (the backward's fallback),
+    the fused non-causal backward (off by default),
     the backward's products blocked or a thread per output, tiles of 4 (8 of tile_products'
     threads a row, 2 outputs each) and 8 (one chunk a tile, 4 outputs a thread). The hash is the
     cuBLAS one here (the fused hash has its own test below)."""
     from racecpu import chunkwise
     monkeypatch.setattr(rc.CudaOps, "FUSED_MIN_TOKENS", 0)
     monkeypatch.setattr(rc.CudaOps, "FUSED_BLOCKED", blocked)
+    monkeypatch.setattr(rc.CudaOps, "FUSED_NONCAUSAL", True)
     monkeypatch.setattr(rc.CudaOps, "FUSED_TILE", tile)
     G, N, d, dv = 2 * group, 21, 5, 3
     q = rng.standard_normal((G, N, d)).astype(dtype)

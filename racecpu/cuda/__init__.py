@@ -652,9 +652,12 @@ class CudaOps(chunkwise.ArrayOps):
     #: version lost to the array expressions at 2^16 tokens (12.5 against 8.9 ms causal fwd+bwd)
     #: and won from 2^20 (109 against 135); see the performance log's GPU section.
     FUSED_MIN_TOKENS = 2 ** 18
-    #: Whether the soft hash and its backward run as one warp-per-row kernel with the planes' product
-    #: fused in (:func:`racecpu.cuda._chunk_kernels.make_hash_kernels`), else a cuBLAS product and a pass.
-    FUSED_HASH = True
+    #: Whether the soft hash and its backward run as one kernel with the planes' product fused in
+    #: (:func:`racecpu.cuda._chunk_kernels.make_hash_kernels`, :attr:`HASH_LANES` lanes a row), else
+    #: a cuBLAS product and a pass.  Off: on an H200 the cuBLAS form took 2.22 ms a head at 2^22
+    #: against 2.85 for the first fused kernel (a warp a row); the grouped-lanes kernel that replaced
+    #: it is untimed (the performance log's GPU section), so it waits for a measurement.
+    FUSED_HASH = False
     #: Threads per block of the fused hash (whole warps).
     HASH_THREADS = 128
     #: Lanes per row of the fused hash (a power of two; at most a table's ``2**P`` corners).
@@ -666,8 +669,14 @@ class CudaOps(chunkwise.ArrayOps):
     #: Tokens per shared-memory tile inside a fused block.
     FUSED_TILE = 16
     #: Whether the fused causal backward sums over ``dv`` as register-blocked tile products
-    #: (several outputs per thread share their loads), else a thread per output.
-    FUSED_BLOCKED = True
+    #: (several outputs per thread share their loads: 1.2 shared loads an FMA against 2, at 128
+    #: registers a thread against 94-96), else a thread per output, the form timed on an H200.
+    #: Off until a GPU has timed it.
+    FUSED_BLOCKED = False
+    #: Whether the non-causal backward runs the fused kernels (``nc_queries_bwd``, ``nc_keys_bwd``:
+    #: g and v read once each), else the array expressions, the form timed on an H200.  Off until
+    #: a GPU has timed it.
+    FUSED_NONCAUSAL = False
     #: Most threads per block of the fused kernels (one per column of v; more columns: more blocks).
     FUSED_THREADS = 128
     #: Shared memory a fused backward block may take (the default static limit of a CUDA block).
@@ -812,7 +821,8 @@ class CudaOps(chunkwise.ArrayOps):
         S, group, nq, F = pq.shape
         nk, dv = v.shape[1:]
         cdt = pk.dtype
-        if min(nq, nk) < max(1, self.FUSED_MIN_TOKENS) or not self._fused_bwd_fits(F, dv, group, cdt):
+        if (not self.FUSED_NONCAUSAL or min(nq, nk) < max(1, self.FUSED_MIN_TOKENS)
+                or not self._fused_bwd_fits(F, dv, group, cdt)):
             return super().noncausal_bwd(pq, pk, v, g, winv, sketch, sum_chunk, dv_out)
         xp = self.xp
         C = int(self.FUSED_CHUNK)
