@@ -565,6 +565,33 @@ def test_fused_chunk_kernels_match_the_array_form(rng, dtype, causal, group, blo
 
 
 @_ONCE
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_kernels_take_more_features_than_threads(rng, causal, monkeypatch):
+    """F = L * 2**P = 64 features against 32 threads a block (dv = 3): the kernels' per-feature work
+    (key mass, its prefix, dA) strides over the features instead of one thread each."""
+    from racecpu import chunkwise
+    monkeypatch.setattr(rc.CudaOps, "FUSED_MIN_TOKENS", 0)
+    monkeypatch.setattr(rc.CudaOps, "FUSED_NONCAUSAL", True)
+    G, N, d, dv = 2, 13, 5, 3
+    q, k, v, g = (rng.standard_normal((G, N, e)) for e in (d, d, dv, dv))
+    planes = racecpu.hyperplanes(d, 5, 2, seed=0, dtype=np.float64)   # P = 5, L = 2
+    ops = rc.CudaOps(np, rc._Device(False))
+    assert ops._threads(dv) < 64 and ops._fused_bwd_fits(64, dv, 1, np.float64)
+    out, res = chunkwise.forward(np, q, k, v, planes, 2.0, causal=causal, chunk=4, ops=ops)
+    ref, rres = chunkwise.forward(np, q, k, v, planes, 2.0, causal=causal, chunk=4)
+    assert_close(out, ref, 1e-12, "out")
+    for name, a, b in zip(("dq", "dk", "dv"), chunkwise.backward(np, res, g, ops=ops), chunkwise.backward(np, rres, g)):
+        assert_close(a, b, 1e-12, name)
+
+
+@_ONCE
+def test_fused_tiles_longer_than_a_block_are_refused():
+    """A tile's per-token steps take a thread per token: T > TPB is a ValueError naming both."""
+    with pytest.raises(ValueError, match=r"T = 64 tokens needs 1 <= T <= TPB = 32"):
+        rc.make_chunk_kernels(8, 64, 32, "float64")
+
+
+@_ONCE
 @pytest.mark.parametrize("threshold,fused", [(22, False), (21, True)])
 def test_fused_kernels_from_fused_min_tokens(rng, monkeypatch, threshold, fused):
     """Below CudaOps.FUSED_MIN_TOKENS tokens per head the array expressions run (the first fused

@@ -71,6 +71,8 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=True):
         non-causal: ``dphi_k = dB v + dA`` and ``dv = dB^T phi_k`` from the summed ``dBA
         (S, 1, F, dv + 1)``; grid ``(nc, S)``.
     """
+    if not 1 <= T <= TPB:
+        raise ValueError(f"a tile of T = {T} tokens needs 1 <= T <= TPB = {TPB} threads (a thread per token)")
     ty = numba.from_dtype(np.dtype(dtype))
     DVP = TPB + 1  # shared row length of the (T, dv) tiles: odd, so a column read hits distinct banks
     zero = ty(0.0)
@@ -117,13 +119,15 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=True):
         dv = part.shape[3] - 1
         t0 = c * C
         t1 = min(N, t0 + C)
-        mass = tid < F and cuda.blockIdx.z == 0
+        mass = cuda.blockIdx.z == 0
         acc = cuda.local.array(F, ty)
         for f in range(F):
             acc[f] = zero
-        am = zero
         pt = cuda.shared.array((T, F), ty)
         xt = cuda.shared.array((T, TPB), ty)
+        ms = cuda.shared.array(F, ty)   # the key mass, feature f summed by thread f % TPB
+        for f in range(tid, F, TPB):
+            ms[f] = zero
         for a in range(t0, t1, T):
             nb = min(t1 - a, T)
             cuda.syncthreads()
@@ -139,11 +143,14 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=True):
                     val *= w[s, a + i]
                 pt[i, f] = val
             if mass:  # phi's rows were just read by the loop above: these loads hit L1
-                for i in range(nb):
-                    pm = phi[s, a + i, tid]
-                    if mode & 4:
-                        pm *= w2[s, a + i]
-                    am += pm
+                for f in range(tid, F, TPB):
+                    am = ms[f]
+                    for i in range(nb):
+                        pm = phi[s, a + i, f]
+                        if mode & 4:
+                            pm *= w2[s, a + i]
+                        am += pm
+                    ms[f] = am
             cuda.syncthreads()
             if j < dv:
                 for i in range(nb):
@@ -154,7 +161,8 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=True):
             for f in range(F):
                 part[s, c, f, j] = acc[f]
         if mass:
-            part[s, c, tid, dv] = am
+            for f in range(tid, F, TPB):
+                part[s, c, f, dv] = ms[f]
 
     @cuda.jit
     def readout(phiq, phik, v, BA, group, C, causal, floor_d, out, D):
@@ -177,8 +185,8 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=True):
         vt = cuda.shared.array((T, TPB), ty)
         arun = cuda.shared.array(F, ty)      # A before the tile
         winv = cuda.shared.array(T, ty)
-        if tid < F:
-            arun[tid] = BA[s, cs, tid, BA.shape[3] - 1]
+        for f in range(tid, F, TPB):  # per-feature work strides: F may exceed the threads
+            arun[f] = BA[s, cs, f, BA.shape[3] - 1]
         for a in range(t0, t1, T):
             nb = min(t1 - a, T)
             cuda.syncthreads()
@@ -193,13 +201,13 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=True):
                 if causal:
                     kt[i, f] = phik[s, a + i, f]
             cuda.syncthreads()
-            if tid < F:
-                acc = arun[tid]
+            for f in range(tid, F, TPB):
+                acc = arun[f]
                 for i in range(nb):
                     if causal:
-                        acc += kt[i, tid]
-                    kc[i, tid] = acc
-                arun[tid] = acc
+                        acc += kt[i, f]
+                    kc[i, f] = acc
+                arun[f] = acc
             cuda.syncthreads()
             if tid < nb:
                 den = zero
@@ -334,6 +342,7 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=True):
         qt = cuda.shared.array((T, F), ty)
         sg = cuda.shared.array((T, F), ty)
         ab = cuda.shared.array(F, ty)
+        ms = cuda.shared.array(F, ty)          # the chunk's dA, feature f summed by thread f % TPB
         winv = cuda.shared.array(T, ty)
         ddt = cuda.shared.array(T, ty)
         acc = cuda.local.array(F, ty)          # column j of the chunk's dB
@@ -341,9 +350,9 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=True):
             acc[f] = zero
             if j < dv:
                 xs[(T + f) * DVP + j] = BA[s, 0, f, j]
-        if tid < F:
-            ab[tid] = BA[s, 0, tid, dv]
-        am = zero
+        for f in range(tid, F, TPB):
+            ab[f] = BA[s, 0, f, dv]
+            ms[f] = zero
         for a in range(t0, t1, T):
             nb = min(t1 - a, T)
             cuda.syncthreads()
@@ -366,14 +375,16 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=True):
                     xv = gt[i * DVP + j] * winv[i]
                     for f in range(F):
                         acc[f] += qt[i, f] * xv
-            if tid < F:
+            for f in range(tid, F, TPB):
+                am = ms[f]
                 for i in range(nb):
-                    am += qt[i, tid] * ddt[i]
+                    am += qt[i, f] * ddt[i]
+                ms[f] = am
         if j < dv:
             for f in range(F):
                 part[s, c, f, j] = acc[f]
-        if tid < F:
-            part[s, c, tid, dv] = am
+        for f in range(tid, F, TPB):
+            part[s, c, f, dv] = ms[f]
 
     @cuda.jit
     def nc_keys_bwd(phik, v, dBA, C, dpk, dv_out):
@@ -398,8 +409,8 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=True):
             col[f] = dBA[s, 0, f, j] if j < dv else zero
             if j < dv:
                 xs[(T + f) * DVP + j] = col[f]
-        if tid < F:
-            da[tid] = dBA[s, 0, tid, dv]
+        for f in range(tid, F, TPB):
+            da[f] = dBA[s, 0, f, dv]
         for a in range(t0, t1, T):
             nb = min(t1 - a, T)
             cuda.syncthreads()
@@ -446,8 +457,8 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=True):
         winv = cuda.shared.array(T, ty)
         ddt = cuda.shared.array(T, ty)
         kc = cuda.shared.array((T, F), ty)     # A_i, inclusive
-        if tid < F:
-            arun[tid] = BA[s, c, tid, dv]
+        for f in range(tid, F, TPB):
+            arun[f] = BA[s, c, f, dv]
         for a in range(t0, t1, T):
             nb = min(t1 - a, T)
             cuda.syncthreads()
@@ -461,12 +472,12 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=True):
             if tid < nb:
                 winv[tid] = W[s, a + tid]
             cuda.syncthreads()
-            if tid < F:
-                acc = arun[tid]
+            for f in range(tid, F, TPB):
+                acc = arun[f]
                 for i in range(nb):
-                    acc += kt[i, tid]
-                    kc[i, tid] = acc
-                arun[tid] = acc
+                    acc += kt[i, f]
+                    kc[i, f] = acc
+                arun[f] = acc
             if blocked:
                 tile_products(gt, xs, udv, tid, True, nb, gv, sg)
             else:
@@ -529,8 +540,8 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=True):
         mt = cuda.shared.array((T, T), ty)     # phi_k_t . phi_q_i / D_i, i >= t
         arun = cuda.shared.array(F, ty)
         ddt = cuda.shared.array(T, ty)
-        if tid < F:
-            arun[tid] = dBA[s, c, tid, dv]
+        for f in range(tid, F, TPB):
+            arun[f] = dBA[s, c, f, dv]
         ntile = (t1 - t0 + T - 1) // T
         for m in range(ntile):
             a = t0 + (ntile - 1 - m) * T
@@ -590,11 +601,11 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=True):
                     for f in range(F):
                         col[f] += qt[i, f] * xv
             cuda.syncthreads()
-            if tid < F:
-                acc = arun[tid]
+            for f in range(tid, F, TPB):
+                acc = arun[f]
                 for i in range(nb):
-                    acc += ddt[i] * pt[i, tid]
-                arun[tid] = acc
+                    acc += ddt[i] * pt[i, f]
+                arun[f] = acc
 
     return dict(chunk_states=chunk_states, readout=readout, queries_bwd=queries_bwd, keys_bwd=keys_bwd,
                 nc_queries_bwd=nc_queries_bwd, nc_keys_bwd=nc_keys_bwd)
