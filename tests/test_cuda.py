@@ -425,6 +425,11 @@ _PTX = textwrap.dedent("""
                                           A(f, 3), A(f, 3))),
                 (ck["nc_queries_bwd"].py_func, (A(f, 3), A(f, 3), A(f, 2), A(f, 4), i, A(f, 3), A(f, 2), A(f, 4))),
                 (ck["nc_keys_bwd"].py_func, (A(f, 3), A(f, 3), A(f, 4), i, A(f, 3), A(f, 3)))]
+        cb = make_chunk_kernels(24, 16, 128, dtype, True)  # CudaOps.FUSED_BLOCKED's build
+        fns += [(cb["queries_bwd"].py_func, (A(f, 3), A(f, 3), A(f, 3), A(f, 3), A(f, 2), A(f, 4), i,
+                                             A(f, 3), A(f, 2))),
+                (cb["keys_bwd"].py_func, (A(f, 3), A(f, 3), A(f, 3), A(f, 3), A(f, 2), A(f, 2), A(f, 4), i,
+                                          A(f, 3), A(f, 3)))]
         hk = make_hash_kernels(3, 3, dtype)  # the shuffle build (the simulator runs the shared-memory one)
         fns += [(hk["hash_rows"].py_func, (A(f, 2), A(f, 2), d, A(f, 2), A(f, 2))),
                 (hk["hash_rows_bwd"].py_func, (A(f, 2), A(f, 2), A(f, 2), A(f, 2), d, A(f, 2), A(f, 1)))]
@@ -454,7 +459,7 @@ def test_kernels_compile_to_ptx(ptx_run):
             pytest.fail("NVVM/NVRTC not found although RACECPU_REQUIRE_PTX=1:\n" + p.stderr[-3000:])
         pytest.skip("the CUDA compiler libraries (NVVM/NVRTC) are not installed: pip install "
                     "'cuda-toolkit[nvvm,nvrtc,cudart]==13.*' (or run .ci/cuda-ptx.sh) to run this check")
-    missing = [(cc, dtype) for cc, dtype in _PTX_TARGETS if f"compiled 32 for {cc[0]}.{cc[1]}:{dtype}" not in p.stdout]
+    missing = [(cc, dtype) for cc, dtype in _PTX_TARGETS if f"compiled 34 for {cc[0]}.{cc[1]}:{dtype}" not in p.stdout]
     assert not missing, f"not compiled for {missing}:\n" + p.stdout + p.stderr[-3000:]
 
 

@@ -669,8 +669,8 @@ class CudaOps(chunkwise.ArrayOps):
     #: Tokens per shared-memory tile inside a fused block.
     FUSED_TILE = 16
     #: Whether the fused causal backward sums over ``dv`` as register-blocked tile products
-    #: (several outputs per thread share their loads: 1.2 shared loads an FMA against 2, at 128
-    #: registers a thread against 94-96), else a thread per output, the form timed on an H200.
+    #: (several outputs per thread share their loads: 1.2 shared loads an FMA against 2, at 168 / 128
+    #: registers a thread against 96 / 96), else a thread per output, the form timed on an H200.
     #: Off until a GPU has timed it.
     FUSED_BLOCKED = False
     #: Whether the non-causal backward runs the fused kernels (``nc_queries_bwd``, ``nc_keys_bwd``:

@@ -38,7 +38,7 @@ __all__ = ["make_chunk_kernels", "make_hash_kernels", "hash_fits"]
 
 
 @functools.lru_cache(maxsize=None)
-def make_chunk_kernels(F, T, TPB, dtype, blocked=True):
+def make_chunk_kernels(F, T, TPB, dtype, blocked=False):
     """The fused kernels for ``F`` features per token, tiles of ``T`` tokens, ``TPB`` threads
     per block (``TPB >= dv`` for the backward kernels) and compute ``dtype`` (float32/float64).
     ``blocked``: the backward's sums over ``dv`` as register-blocked tile products
