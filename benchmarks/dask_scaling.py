@@ -217,7 +217,8 @@ def main(argv=None):
                             for _ in range(a.rounds + 1)][1:]
                 result["dask_ns"]["2:causal fwd+bwd, rows in files"] = statistics.median(r[0] for r in runs) / th * 1e9
                 # The scan "auto" did not pick (a tree where it fused, or the reverse), for comparison.
-                other = "tree" if rd.pick_scan("auto", n // blk, H, rd.block_slots()) == "fused" else "fused"
+                picked = rd.race_attention_fwd(*inputs(n, H, a.dim, blk)[:3], W, causal=True)[1].scan
+                other = "tree" if picked == "fused" else "fused"
                 for name, causal, backward in MODES[2:]:
                     runs = [dask_run(client, n, H, a.dim, blk, causal, backward, W, other)
                             for _ in range(a.rounds + 1)][1:]

@@ -69,7 +69,7 @@ from ._checks import check_args
 from .config import DEFAULT_BETA
 
 __all__ = ["race_attention", "race_attention_fwd", "race_attention_bwd", "DaskResiduals", "WireSketch", "SpilledRows",
-           "FAN_IN", "CHAIN_BLOCKS", "SCANS", "block_slots", "pick_scan"]
+           "FAN_IN", "CHAIN_BLOCKS", "SCANS", "FUSED_MEMORY_SHARE", "block_slots", "slot_memory", "pick_scan"]
 
 #: Sketches summed per task of the tree reductions.
 FAN_IN = 8
@@ -364,6 +364,10 @@ CHAIN_BLOCKS = 8
 
 SCANS = ("auto", "fused", "tree", "chain")
 
+#: The share of a block slot's memory that the results of a fused scan's sequences may take
+#: before ``scan="auto"`` takes the tree instead (:func:`pick_scan`).
+FUSED_MEMORY_SHARE = 0.25
+
 
 def block_slots(threads=None):
     """How many block tasks the current scheduler runs at once: with a ``distributed`` client,
@@ -380,15 +384,48 @@ def block_slots(threads=None):
     return max(1, sum(1 if threads is None else max(1, n // threads) for n in nthreads.values()))
 
 
-def pick_scan(scan, blocks, sequences, slots):
+def slot_memory(threads=None):
+    """Bytes of worker memory per block slot (as :func:`block_slots` counts slots): the
+    smallest, over the ``distributed`` client's workers, of a worker's memory limit over its
+    slots; None without a client, or where a worker has no memory limit."""
+    try:
+        from distributed import get_client
+        client = get_client()
+    except (ImportError, ValueError):
+        return None
+    if getattr(client, "asynchronous", False):  # no answer here without awaiting
+        return None
+    try:
+        info = client.scheduler_info(n_workers=-1)
+    except TypeError:  # a distributed that lists every worker without being asked
+        info = client.scheduler_info()
+    per_slot = []
+    for w in info.get("workers", {}).values():
+        limit, n = w.get("memory_limit"), int(w.get("nthreads") or 1)
+        if not limit:
+            return None
+        per_slot.append(int(limit) // (1 if threads is None else max(1, n // threads)))
+    return min(per_slot) if per_slot else None
+
+
+def pick_scan(scan, blocks, sequences, slots, held=0, memory=None):
     """The causal scan ``scan="auto"`` means for ``sequences`` independent sequences of
     ``blocks`` blocks each when ``slots`` block tasks run at once: "fused" where every slot
     has a sequence of its own (no block's keys are read twice, nothing is summed across
-    blocks), else "chain" up to :data:`CHAIN_BLOCKS` blocks and "tree" beyond; another
-    ``scan`` as given."""
+    blocks) and the results a slot's sequences hold fit in :data:`FUSED_MEMORY_SHARE` of
+    ``memory``, the bytes of a slot (None: no limit); else "chain" up to
+    :data:`CHAIN_BLOCKS` blocks and "tree" beyond; another ``scan`` as given.
+
+    ``held``: the bytes of one sequence's results (out, dq, dk, dv).  Dask's
+    static order runs a fused sequence's chain of blocks before the tasks that
+    consume their results (a ``da.store`` or ``to_zarr``), so a worker holds
+    every result of its sequences until their chains end (measured in
+    docs/distributed.md, "Where a worker's time goes"); the tree's blocks are
+    independent, and their results are stored as they come."""
     if scan != "auto":
         return scan
-    if sequences >= slots:
+    per_slot = -(-sequences // max(1, slots))
+    if sequences >= slots and (memory is None or held * per_slot <= FUSED_MEMORY_SHARE * memory):
         return "fused"
     return "chain" if blocks <= CHAIN_BLOCKS else "tree"
 
@@ -560,8 +597,10 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
         after another (a critical path of one link per block) or by a
         parallel prefix (about ``2 log2(blocks)`` links); then the blocks'
         forwards run in parallel.  "auto": :func:`pick_scan` with
-        :func:`block_slots` (fused where the sequences fill the cluster's
-        slots).  The order of every sum is fixed by the blocks, so the
+        :func:`block_slots` and :func:`slot_memory` (fused where the
+        sequences fill the cluster's slots and their results fit in
+        :data:`FUSED_MEMORY_SHARE` of a slot's memory: a worker holds a fused
+        sequence's results until its chain ends).  The order of every sum is fixed by the blocks, so the
         results' bits do not depend on the number of workers or the
         schedule; the scans differ from each other by rounding.
 
@@ -581,7 +620,12 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
     nlead = qb.shape[:-2]
     dv = v.shape[-1]
     if causal:
-        scan = pick_scan(scan, qb.shape[-2], int(np.prod(nlead)), block_slots(threads) if scan == "auto" else 1)
+        if scan == "auto":
+            # A sequence's results: out, and the gradients dq, dk, dv a backward would add.
+            held = (q.shape[-2] * (dv * odt.itemsize + q.shape[-1] * q.dtype.itemsize)
+                    + k.shape[-2] * (k.shape[-1] * k.dtype.itemsize + dv * v.dtype.itemsize))
+            scan = pick_scan(scan, qb.shape[-2], int(np.prod(nlead)), block_slots(threads), held,
+                             slot_memory(threads))
     out = np.empty(qb.shape, object)
     states, outputs, forwards = {}, {}, {}
     cf, thr = bool(check_finite), threads

@@ -353,7 +353,20 @@ def test_auto_scan_fuses_where_the_sequences_fill_the_slots():
     assert rd.pick_scan("auto", 1, 1, 1) == "fused"
     for scan in ("tree", "chain", "fused"):
         assert rd.pick_scan(scan, 64, 1, 8) == scan
+        assert rd.pick_scan(scan, 64, 4, 2, held=10 ** 12, memory=1) == scan  # as asked, whatever the memory
     assert rd.block_slots() == 1 and rd.block_slots(4) == 1  # no distributed client
+    assert rd.slot_memory() is None
+
+
+def test_auto_scan_fuses_only_where_the_held_results_fit():
+    # A slot's sequences hold their results until their chains end: 3 sequences on 2 slots put 2 on one.
+    share = rd.FUSED_MEMORY_SHARE
+    fits = int(share * 1000) // 2
+    assert rd.pick_scan("auto", 64, 3, 2, held=fits, memory=1000) == "fused"
+    assert rd.pick_scan("auto", 64, 3, 2, held=fits + 1, memory=1000) == "tree"
+    assert rd.pick_scan("auto", rd.CHAIN_BLOCKS, 3, 2, held=fits + 1, memory=1000) == "chain"
+    assert rd.pick_scan("auto", 64, 2, 2, held=int(share * 1000), memory=1000) == "fused"  # one a slot
+    assert rd.pick_scan("auto", 64, 2, 2, held=10 ** 15, memory=None) == "fused"  # no limit known
 
 
 @pytest.mark.parametrize("scan", ["tree", "fused"])
@@ -477,6 +490,20 @@ def test_block_slots_of_a_cluster(rng, client):
     _, (Q, K, V, G) = _sequence_inputs(rng, 16, np.float32)
     assert rd.race_attention_fwd(Q, K, V, W, causal=True)[1].scan == "fused"
     assert rd.race_attention_fwd(Q[:1], K[:1], V[:1], W, causal=True)[1].scan == "tree"
+    # Each worker's memory limit over its one slot; results that would not fit take the tree.
+    limits = [w["memory_limit"] for w in client.scheduler_info()["workers"].values()]
+    assert rd.slot_memory() == min(limits) > 0 and rd.slot_memory(threads=1) == min(limits)
+    n, d, dv = Q.shape[-2], Q.shape[-1], V.shape[-1]
+    held = n * (dv + d) * 4 + n * (d + dv) * 4  # out and dq, dk and dv of one sequence, float32
+    share = held / min(limits) * (1 + 1e-9)  # the share at which one sequence per slot just fits
+    old = rd.FUSED_MEMORY_SHARE
+    try:
+        rd.FUSED_MEMORY_SHARE = share
+        assert rd.race_attention_fwd(Q, K, V, W, causal=True)[1].scan == "fused"
+        rd.FUSED_MEMORY_SHARE = share * 0.99
+        assert rd.race_attention_fwd(Q, K, V, W, causal=True)[1].scan == "tree"
+    finally:
+        rd.FUSED_MEMORY_SHARE = old
 
 
 def _incoming(dask_worker):
