@@ -72,6 +72,8 @@ def main(argv=None):
                 work = [da.store([dq, dk, dv], [ds._Discard()] * 3, lock=False, compute=False), dbeta]
             else:
                 work = [da.store(out, ds._Discard(), lock=False, compute=False)]
+            if rnd == 0 and causal:
+                print(f"scan: {res.scan}")
             u0, p0 = client.run(_usage), client.run(_pool)
             t0 = time.perf_counter()
             client.compute(work, sync=True)

@@ -365,8 +365,12 @@ CHAIN_BLOCKS = 8
 SCANS = ("auto", "fused", "tree", "chain")
 
 #: The share of a block slot's memory that the results of a fused scan's sequences may take
-#: before ``scan="auto"`` takes the tree instead (:func:`pick_scan`).
-FUSED_MEMORY_SHARE = 0.25
+#: before ``scan="auto"`` takes the tree instead (:func:`pick_scan`): half, the rest left to the
+#: kept rows (272 bytes per token and head at float32, beside 2,048 of results at d = dv = 128)
+#: and the pool's idle blocks.  Measured on 2 workers of 11.75 GiB (docs/distributed.md, "Where a
+#: worker's time goes"): fused faster where a worker's sequences held 3 GiB (2^20 tokens x 4 heads),
+#: the tree faster where they held 12 GiB (2^22).
+FUSED_MEMORY_SHARE = 0.5
 
 
 def block_slots(threads=None):
