@@ -7,8 +7,8 @@ mode, page faults, and racecpu's result pool.
 The inputs and cluster are those of ``benchmarks/dask_scaling.py`` (2 single-threaded worker
 processes, one cached random block per worker, results stored into a target that keeps nothing).
 For each round it prints the wall time, and per worker: the seconds its process spent in user and
-kernel (system) mode, its minor page faults, and racecpu's pool (hits, misses, trims, and the GiB
-it held at the end of the round, all idle then).  On a VM where a fresh page costs the host a
+kernel (system) mode, its minor page faults, and racecpu's pool (hits, misses, and the GiB it
+held at the end of the round, all idle then).  On a VM where a fresh page costs the host a
 fault, a worker whose pool misses pays for it in kernel time (docs/distributed.md, "where a
 worker's time goes").  The first round, which faults the pools in, is printed but is not a
 steady state.
@@ -35,15 +35,13 @@ def _usage():
 def _pool():
     from racecpu._memory import POOL
     s = POOL.stats()
-    return s["hits"], s["misses"], s.get("trims", 0), (s["live_bytes"] + s["idle_bytes"]) / 2 ** 30
+    return s["hits"], s["misses"], (s["live_bytes"] + s["idle_bytes"]) / 2 ** 30
 
 
 def main(argv=None):
+    import dask_scaling as ds
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--log2n", type=int, default=22)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--log2-block", type=int, default=18)
+    ds.add_shape_arguments(ap)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--scan", default="auto")
     ap.add_argument("--not-causal", action="store_true")
@@ -52,7 +50,6 @@ def main(argv=None):
 
     import dask.array as da
 
-    import dask_scaling as ds
     import racecpu
     import racecpu.dask as rd
     W = racecpu.hyperplanes(a.dim, 3, 3, seed=0, dtype=np.float32)
@@ -82,10 +79,10 @@ def main(argv=None):
             print(f"round {rnd}{' (first)' if rnd == 0 else ''}: wall {wall:.1f} s, {wall / (n * H) * 1e9:.0f} ns per "
                   f"token-head")
             for i, w in enumerate(sorted(u0)):
-                (ut, st, fl), (hi, mi, tr) = (b - a for a, b in zip(u0[w], u1[w])), \
-                    (b - a for a, b in zip(p0[w][:3], p1[w][:3]))
+                (ut, st, fl), (hi, mi) = (b - a for a, b in zip(u0[w], u1[w])), \
+                    (b - a for a, b in zip(p0[w][:2], p1[w][:2]))
                 print(f"  worker {i}: user {ut:6.1f} s  system {st:6.1f} s  faults {fl:9,d}   pool: hits {hi:4d} "
-                      f"misses {mi:4d} trims {tr:4d}, {p1[w][3]:.2f} GiB held")
+                      f"misses {mi:4d}, {p1[w][2]:.2f} GiB held")
     finally:
         client.close()
         c.close()
