@@ -8,7 +8,8 @@ Usage::
 What it measures (ns per token-head, float32, P = L = 3, medians over rounds):
 
 * the in-memory API (``racecpu.race_attention_fwd``/``_bwd`` on NumPy arrays, all
-  threads) at ``2**memory-log2n`` tokens x heads: the largest size whose eight
+  threads; a forward alone by ``racecpu.race_attention``, as dask's by
+  ``racecpu.dask.race_attention``: no residuals) at ``2**memory-log2n`` tokens x heads: the largest size whose eight
   arrays and residuals fit this machine's RAM comfortably; its ns per
   token-head is flat in N from ~2^17 up;
 * ``racecpu.dask`` at ``2**log2n`` tokens x heads on a ``distributed.LocalCluster``
@@ -97,7 +98,12 @@ def dask_run(client, n, heads, dim, block, causal, backward, W, scan="auto", row
     from racecpu.apps.dask_demo import _clear_log, _incoming
     client.run(_clear_log)
     q, k, v, g = inputs(n, heads, dim, block)
-    out, res = rd.race_attention_fwd(q, k, v, W, causal=causal, scan=scan, rows_dir=rows_dir)
+    if backward:
+        out, res = rd.race_attention_fwd(q, k, v, W, causal=causal, scan=scan, rows_dir=rows_dir)
+    elif scan == "auto":  # a forward that no backward follows keeps no rows (and counts only its output)
+        out = rd.race_attention(q, k, v, W, causal=causal)
+    else:
+        out = rd.race_attention_fwd(q, k, v, W, causal=causal, scan=scan, keep_rows=False)[0]
     if backward:
         dq, dk, dv, dbeta = rd.race_attention_bwd(res, g)
         work = [da.store([dq, dk, dv], [_Discard()] * 3, lock=False, compute=False), dbeta]
@@ -118,6 +124,16 @@ def dask_run(client, n, heads, dim, block, causal, backward, W, scan="auto", row
     state = W.shape[0] * 2 ** W.shape[1] * (dim + 1) * 8
     states = sketch_bytes / (-(-n // block) * heads * (2 if backward else 1) * state)
     return wall, busy, race, states
+
+
+def auto_scan(n, heads, dim, block, backward, W):
+    """The causal scan ``scan="auto"`` takes for :func:`dask_run`'s call on the current client."""
+    import racecpu.dask as rd
+    q, k, v, _ = inputs(n, heads, dim, block)
+    if backward:
+        return rd.race_attention_fwd(q, k, v, W, causal=True)[1].scan
+    keys = [key for key in dict(rd.race_attention(q, k, v, W, causal=True).__dask_graph__()) if isinstance(key, str)]
+    return "tree" if any(key.startswith("race-keys-") for key in keys) else "fused"  # the tree's keys' pass
 
 
 def chain_latency(client, links, dim, W):
@@ -153,9 +169,11 @@ def in_memory(n, heads, dim, rounds, W):
         ts = []
         for _ in range(rounds + 1):  # the first call faults pages in: not counted
             t0 = time.perf_counter()
-            out, r = racecpu.race_attention_fwd(q, k, v, W, causal=causal)
             if backward:
+                out, r = racecpu.race_attention_fwd(q, k, v, W, causal=causal)
                 racecpu.race_attention_bwd(r, g)
+            else:  # a forward that no backward follows keeps no residuals
+                out = r = racecpu.race_attention(q, k, v, W, causal=causal)
             ts.append(time.perf_counter() - t0)
             del out, r
         res[name] = statistics.median(ts[1:]) / (n * heads) * 1e9
@@ -170,12 +188,17 @@ def cluster(workers):
     return c, Client(c)
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_shape_arguments(ap):
+    """The call's shape: ``--log2n``, ``--heads``, ``--dim``, ``--log2-block`` (also dask_workers.py's)."""
     ap.add_argument("--log2n", type=int, default=22)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--log2-block", type=int, default=18)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_shape_arguments(ap)
     ap.add_argument("--overhead-blocks", default="14,16,18,20")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--memory-log2n", type=int, default=19)
@@ -217,9 +240,8 @@ def main(argv=None):
                             for _ in range(a.rounds + 1)][1:]
                 result["dask_ns"]["2:causal fwd+bwd, rows in files"] = statistics.median(r[0] for r in runs) / th * 1e9
                 # The scan "auto" did not pick (a tree where it fused, or the reverse), for comparison.
-                picked = rd.race_attention_fwd(*inputs(n, H, a.dim, blk)[:3], W, causal=True)[1].scan
-                other = "tree" if picked == "fused" else "fused"
                 for name, causal, backward in MODES[2:]:
+                    other = "tree" if auto_scan(n, H, a.dim, blk, backward, W) == "fused" else "fused"
                     runs = [dask_run(client, n, H, a.dim, blk, causal, backward, W, other)
                             for _ in range(a.rounds + 1)][1:]
                     result["dask_ns"][f"2:{name}, scan={other}"] = statistics.median(r[0] for r in runs) / th * 1e9

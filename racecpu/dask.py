@@ -368,8 +368,8 @@ SCANS = ("auto", "fused", "tree", "chain")
 #: before ``scan="auto"`` takes the tree instead (:func:`pick_scan`): half, the rest left to the
 #: kept rows (272 bytes per token and head at float32, beside 2,048 of results at d = dv = 128)
 #: and the pool's idle blocks.  Measured on 2 workers of 11.75 GiB (docs/distributed.md, "Where a
-#: worker's time goes"): fused faster where a worker's sequences held 3 GiB (2^20 tokens x 4 heads),
-#: the tree faster where they held 12 GiB (2^22).
+#: worker's time goes"): fused faster where a worker's two sequences' results came to 4 GiB
+#: (2^20 tokens x 4 heads, d = 128), the tree faster where they came to 16 GiB (2^22).
 FUSED_MEMORY_SHARE = 0.5
 
 
@@ -420,7 +420,8 @@ def pick_scan(scan, blocks, sequences, slots, held=0, memory=None):
     ``memory``, the bytes of a slot (None: no limit); else "chain" up to
     :data:`CHAIN_BLOCKS` blocks and "tree" beyond; another ``scan`` as given.
 
-    ``held``: the bytes of one sequence's results (out, dq, dk, dv).  Dask's
+    ``held``: the bytes of one sequence's results (its output, and dq, dk and dv
+    where a backward may follow).  Dask's
     static order runs a fused sequence's chain of blocks before the tasks that
     consume their results (a ``da.store`` or ``to_zarr``), so a worker holds
     every result of its sequences until their chains end (measured in
@@ -602,11 +603,14 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
         parallel prefix (about ``2 log2(blocks)`` links); then the blocks'
         forwards run in parallel.  "auto": :func:`pick_scan` with
         :func:`block_slots` and :func:`slot_memory` (fused where the
-        sequences fill the cluster's slots and their results fit in
+        sequences fill the cluster's slots and their results, the output
+        and the gradients a backward would add, fit in
         :data:`FUSED_MEMORY_SHARE` of a slot's memory: a worker holds a fused
-        sequence's results until its chain ends).  The order of every sum is fixed by the blocks, so the
-        results' bits do not depend on the number of workers or the
-        schedule; the scans differ from each other by rounding.
+        sequence's results until its chain ends; :func:`race_attention`,
+        which no backward follows, counts the output alone).  The order of
+        every sum is fixed by the blocks, so the results' bits do not depend
+        on the number of workers or the schedule; the scans differ from each
+        other by rounding.
 
     Returns
     -------
@@ -614,6 +618,13 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
         Chunks of ``q`` (last axis: one chunk); dtype as :func:`racecpu.race_attention`.
     residuals : DaskResiduals
     """
+    return _forward(q, k, v, planes, beta, causal, key_mask, check_finite, threads, keep_rows, rows_dir, scan,
+                    backward=True)
+
+
+def _forward(q, k, v, planes, beta, causal, key_mask, check_finite, threads, keep_rows, rows_dir, scan, backward):
+    """:func:`race_attention_fwd`; ``backward``: whether a backward may follow (what a fused
+    chain would hold, for ``scan="auto"``)."""
     threads = _check_threads(threads)
     if scan not in SCANS:
         raise ValueError(f"scan must be one of {SCANS}, got {scan!r}")
@@ -626,8 +637,10 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
     if causal:
         if scan == "auto":
             # A sequence's results: out, and the gradients dq, dk, dv a backward would add.
-            held = (q.shape[-2] * (dv * odt.itemsize + q.shape[-1] * q.dtype.itemsize)
-                    + k.shape[-2] * (k.shape[-1] * k.dtype.itemsize + dv * v.dtype.itemsize))
+            held = q.shape[-2] * dv * odt.itemsize
+            if backward:
+                held += (q.shape[-2] * q.shape[-1] * q.dtype.itemsize
+                         + k.shape[-2] * (k.shape[-1] * k.dtype.itemsize + dv * v.dtype.itemsize))
             scan = pick_scan(scan, qb.shape[-2], int(np.prod(nlead)), block_slots(threads), held,
                              slot_memory(threads))
     out = np.empty(qb.shape, object)
@@ -693,8 +706,8 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
     ``(..., Nq, dv)`` that equals :func:`racecpu.race_attention` on the
     computed inputs up to float rounding.
     """
-    return race_attention_fwd(q, k, v, planes, beta, causal=causal, key_mask=key_mask, check_finite=check_finite,
-                              threads=threads, keep_rows=False)[0]
+    return _forward(q, k, v, planes, beta, causal, key_mask, check_finite, threads, False, None, "auto",
+                    backward=False)[0]
 
 
 def race_attention_bwd(residuals, grad_out):

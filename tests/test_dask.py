@@ -502,8 +502,19 @@ def test_block_slots_of_a_cluster(rng, client):
         assert rd.race_attention_fwd(Q, K, V, W, causal=True)[1].scan == "fused"
         rd.FUSED_MEMORY_SHARE = share * 0.99
         assert rd.race_attention_fwd(Q, K, V, W, causal=True)[1].scan == "tree"
+        # race_attention, which no backward follows, counts its output alone
+        assert _scan_of(rd.race_attention(Q, K, V, W, causal=True)) == "fused"
+        rd.FUSED_MEMORY_SHARE = n * dv * 4 / min(limits) * 0.99
+        assert _scan_of(rd.race_attention(Q, K, V, W, causal=True)) == "tree"
     finally:
         rd.FUSED_MEMORY_SHARE = old
+
+
+def _scan_of(out):
+    """The causal scan a forward's graph runs: the tree (and chain) have a keys' pass, the fused scan none."""
+    keys = [k for k in dict(out.__dask_graph__()) if isinstance(k, str)]
+    assert any(k.startswith("race-causal-") for k in keys)
+    return "tree" if any(k.startswith("race-keys-") for k in keys) else "fused"
 
 
 def _incoming(dask_worker):
