@@ -494,6 +494,16 @@ def advance_bwd(q, k, v, grad, planes, beta, A0, B0, dA1=None, dB1=None, *, mask
     grads = _grads(cdt, G, Gk, d, dv, nc, nc, dq=dq, dk=dk, dv_=dv_, dden=work("dden", (G, n), np.float64, zero=True),
                    dbq=dbq, dbk=dbk)
     bwd = K.Backward(grad, v, step.rows, K.Hash(planes, beta), grads, _cuts(None, n, chunk))
+    if not queries_only and scan_segments(Gk, nc, n) == 1:
+        # One task per group (a Dask worker's one thread): the one-pass route, whose reverse
+        # carries start from (sA, sB) and which sums no dB total per chunk twice, as the
+        # whole call's backward runs there (docs/performance.md, "one-pass block backward").
+        dA0, dB0 = sA.copy(), np.empty_like(sB)
+        with _on_threads(G * n, chunk, n):
+            K.causal_bwd(bwd, K.Sums(step.carryA, step.carryB), K.Sums(pdA, pdB), final=dB0,
+                         ends=K.Sums(dA0, sB))
+        check_derived(check_finite, ("grad_out", grad, all_finite(dB0), sums_overflow(cdt)))
+        return dq, dk, dv_, float(dbq.sum() + dbk.sum()), dA0, dB0
     with _on_threads(G * n, chunk, n):
         K.causal_queries_bwd(bwd, K.Sums(step.carryA, step.carryB), K.Sums(pdA, pdB))
     dA0, dB0 = sA + pdA.sum(1), sB + pdB.sum(1)

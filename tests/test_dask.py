@@ -125,6 +125,36 @@ def test_causal_blocks_compose(rng, dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("lead", [(1,), (3,)])
+def test_block_backward_in_one_pass_equals_the_two_passes(rng, monkeypatch, dtype, lead):
+    """A block of several chunks on one task per group (a Dask worker's thread) runs the
+    backward in one pass from the cotangent of its final state; where the groups do not
+    share the threads evenly it runs the queries' and keys' passes apart.  Both give the
+    gradients and the cotangent of the initial state, over chunks and a key mask."""
+    import racecpu.engine as E
+    from racecpu import _kernels as K
+    W = racecpu.hyperplanes(16, dtype=dtype)
+    q, k, v, g, m = data(rng, lead, 2600, 2600, 16, 8, dtype, True)  # 3 chunks
+    st0 = S.sketch(k[..., :300, :], v[..., :300, :], W, 4.0, dtype=dtype)
+    s1 = S.sketch(q[..., :300, :], v[..., :300, :] * 0.5, W, 4.0, dtype=dtype)  # from the blocks after
+    _, _, fwd = S.causal_block(q, k, v, W, 4.0, st0, key_mask=m, keep=True)
+    routes, one_pass = [], K.causal_bwd
+    monkeypatch.setattr(K, "causal_bwd", lambda *a, **kw: routes.append("one-pass") or one_pass(*a, **kw))
+    got = {}
+    for segments in (1, 2):
+        monkeypatch.setattr(E, "scan_segments", lambda G, nc, n, s=segments: s)
+        got[segments] = S.causal_block_bwd(q, k, v, W, 4.0, g, st0, s1, key_mask=m, forward=fwd)
+    assert routes == ["one-pass"]
+    for name, x, y in zip(("dq", "dk", "dv", "dbeta"), got[1], got[2]):
+        close(x, y, dtype, name)
+    close(got[1][4].A, got[2][4].A, dtype, "dinitial A")
+    close(got[1][4].B, got[2][4].B, dtype, "dinitial B")
+    # and the cotangent of the initial state is dfinal plus what the block's outputs send back
+    part = S.causal_block_dstate(q, k, v, W, 4.0, g, st0, key_mask=m, forward=fwd)
+    close(got[1][4].B, (part + s1).B, dtype, "dinitial B = dstate + dfinal")
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_a_block_that_scans_its_state_equals_the_default(rng, dtype):
     """causal_block(scan=True), the fused Dask scan's block: its keys' pass sums only the B totals
     its segments need (none on one thread, half the chunks' on two), its scan sums the state from

@@ -374,12 +374,11 @@ def causal_keys_bwd(bwd, dcarry, final=None, segments=None):
 def _causal_bwd_chunks(bwd, carry, partd, g, cs, acc, total, last, final):
     """Chunks ``nc - 1`` down to ``cs`` of key/value head ``g`` in one pass: each one's
     queries' backward and then its keys' backward, the reverse carries summed
-    on the way as :func:`exclusive_scan` sums them (dA in ``acc``).  Chunk
-    cs's dB is left in ``total``, not carried on, unless ``last`` (cs = 0,
-    ``final`` gets the total dB)."""
+    on the way as :func:`exclusive_scan` sums them (dA in ``acc``, from its
+    value on entry; dB from ``partd.B[g, nc - 1]``'s, which the caller sets: the
+    dA and dB after the last chunk).  Chunk cs's dB is left in ``total``, not
+    carried on, unless ``last`` (cs = 0, ``final`` gets the total dB)."""
     nc = carry.A.shape[1]
-    acc[:] = 0.0
-    partd.B[g, nc - 1] = 0.0  # no dB after the last chunk
     for c in range(nc - 1, cs - 1, -1):
         _causal_queries_bwd_chunk(bwd, carry, partd, g, c, nc, nc)
         if restarts(bwd.chunks.seq, c + 1):
@@ -389,14 +388,25 @@ def _causal_bwd_chunks(bwd, carry, partd, g, cs, acc, total, last, final):
 
 
 @kernel
-def _causal_bwd_task(g, bwd, carry, partd, final):
-    """Key/value head ``g`` of :func:`causal_bwd`."""
+def _causal_bwd_task(g, bwd, carry, partd, final, ends):
+    """Key/value head ``g`` of :func:`causal_bwd`: from the dA and dB after the last chunk
+    (``ends``, or zero where it has no rows), and ``ends.A[g]`` gets the total dA."""
     F = bwd.rows.phik.shape[2]
-    _causal_bwd_chunks(bwd, carry, partd, g, 0, np.zeros(F), np.zeros((F, bwd.grad.shape[2]), bwd.grad.dtype),
+    nc = carry.A.shape[1]
+    acc = np.zeros(F)
+    given = ends.A.shape[0] > 0
+    if given:
+        copy_into(acc, ends.A[g])
+        copy_into(partd.B[g, nc - 1], ends.B[g])
+    else:
+        partd.B[g, nc - 1] = 0.0  # no dB after the last chunk
+    _causal_bwd_chunks(bwd, carry, partd, g, 0, acc, np.zeros((F, bwd.grad.shape[2]), bwd.grad.dtype),
                        final.shape[0] > 0, final)
+    if given:
+        copy_into(ends.A[g], acc)
 
 
-def causal_bwd(bwd, carry, partd, final=None):
+def causal_bwd(bwd, carry, partd, final=None, ends=None):
     """:func:`causal_queries_bwd`, :func:`exclusive_scan` of the carries and
     :func:`causal_keys_bwd` in one pass, for one segment per key/value head.
 
@@ -406,8 +416,21 @@ def causal_bwd(bwd, carry, partd, final=None):
     causal backward").  The same bits as the three calls; ``partd`` ends as
     the reverse carries.  Arguments as :func:`causal_queries_bwd`; ``bwd.grads``
     gets every output and ``final (Gk, F, dv)`` (optional) the total dB.
+
+    ``ends`` (optional, a block of a longer sequence, unpacked): ``Sums(A (Gk,
+    F), B (Gk, F, dv))`` float64, on entry the cotangent of the state after
+    the last chunk, which every reverse carry then starts from (default
+    zero; the three calls add it after the scan instead, so the carries
+    differ from theirs by rounding); on return ``ends.A`` is the total dA
+    (entry value included), and ``final`` (needed with ``ends``) the total
+    dB: the cotangent of the state before the first chunk.  ``ends.B`` is
+    read only.
     """
-    run_tasks(_causal_bwd_task, bwd.v.shape[0], bwd, carry, partd, np.zeros((0, 0, 0)) if final is None else final)
+    if ends is not None and final is None:
+        raise ValueError("causal_bwd(ends=...) writes the total dB to final: give final")
+    none = Sums(np.zeros((0, 0)), np.zeros((0, 0, 0)))
+    run_tasks(_causal_bwd_task, bwd.v.shape[0], bwd, carry, partd, np.zeros((0, 0, 0)) if final is None else final,
+              none if ends is None else ends)
 
 
 @kernel
@@ -419,6 +442,8 @@ def _causal_bwd_split_task(task, cs, bwd, carry, partd, tail):
     g = task // 2
     if task % 2 == 0:
         total = np.zeros((bwd.rows.phik.shape[2], bwd.grad.shape[2]), bwd.grad.dtype)
+        tail.A[g] = 0.0
+        partd.B[g, carry.A.shape[1] - 1] = 0.0  # no dA or dB after the last chunk
         _causal_bwd_chunks(bwd, carry, partd, g, cs, tail.A[g], total, False, tail.B)
         carry_on(partd.B, g, cs, -1, total, tail.B, restarts(bwd.chunks.seq, cs))  # tail.B[g]: the dB carry of chunk cs - 1
     else:
