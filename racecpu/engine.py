@@ -478,8 +478,8 @@ def advance_bwd(q, k, v, grad, planes, beta, A0, B0, dA1=None, dB1=None, *, mask
     cdt = q.dtype
     sA = np.zeros((Gk, F)) if dA1 is None else dA1
     sB = np.zeros((Gk, F, dv)) if dB1 is None else dB1
-    dq, dk, dv_ = (work(name, (g, n, x), cdt, zero=True) for name, g, x in (("dq", G, d), ("dk", Gk, d),
-                                                                              ("dv", Gk, dv)))
+    # the kernels write every row (on either route), as the whole call's backward relies on: no zeroing
+    dq, dk, dv_ = (work(name, (g, n, x), cdt) for name, g, x in (("dq", G, d), ("dk", Gk, d), ("dv", Gk, dv)))
     if not (G and n):
         check_array("grad_out", grad, check_finite)
         dA0, dB0 = sA.copy(), sB.copy()
