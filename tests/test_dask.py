@@ -15,6 +15,8 @@ import pytest
 import racecpu
 from racecpu import sketches as S
 
+from .util import nan_pool
+
 TOL = {np.float64: 1e-12, np.float32: 1e-5}
 
 
@@ -134,15 +136,7 @@ def test_block_backward_in_one_pass_equals_the_two_passes(rng, monkeypatch, dtyp
     value read that the kernels did not write (the result pool's new memory is NaN)."""
     import racecpu.engine as E
     from racecpu import _kernels as K
-    from racecpu._memory import POOL
-    empty = POOL.empty
-
-    def nan_empty(shape, dtype):
-        x = empty(shape, dtype)
-        if x.dtype.kind == "f":
-            x.fill(np.nan)
-        return x
-    monkeypatch.setattr(POOL, "empty", nan_empty)
+    nan_pool(monkeypatch)
     W = racecpu.hyperplanes(16, dtype=dtype)
     q, k, v, g, m = data(rng, lead, 2600, 2600, 16, 8, dtype, True)  # 3 chunks
     st0 = S.sketch(k[..., :300, :], v[..., :300, :], W, 4.0, dtype=dtype)

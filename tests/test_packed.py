@@ -13,6 +13,8 @@ import racecpu
 from racecpu import config
 from racecpu.packing import CHUNK_OVERHEAD, packed_chunks, padded_layout
 
+from .util import nan_pool
+
 
 def _offsets(lengths):
     return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
@@ -91,16 +93,8 @@ def test_packed_scans_agree_over_segments_and_backward_routes(rng, monkeypatch, 
     # in its pass; queries' and keys' passes): the same bits, equal to a call
     # per sequence, with no value read that the kernels did not write.
     from racecpu import _kernels, plan
-    from racecpu._memory import POOL
     monkeypatch.setattr(config, "CHUNK", 16)  # chunks of 16: sequences start on every few
-    empty = POOL.empty
-
-    def nan_empty(shape, dt):
-        x = empty(shape, dt)
-        if x.dtype.kind == "f":
-            x.fill(np.nan)
-        return x
-    monkeypatch.setattr(POOL, "empty", nan_empty)
+    nan_pool(monkeypatch)
     cu = _offsets([20, 16, 3, 50, 0, 31])
     n = int(cu[-1])
     q, k, v, g = (x.astype(dtype) for x in _inputs(rng, (1,), (1,), n, 6, 3))

@@ -12,7 +12,7 @@ from racecpu import config
 from racecpu._kernels.bundles import Hash
 from racecpu import reference as ref
 
-from .util import fd_check, rel_err
+from .util import fd_check, nan_pool, rel_err
 
 
 def make(rng, lead=(2,), nq=9, nk=None, d=6, dv=5, P=3, L=3, dtype=np.float64, seed=0):
@@ -133,17 +133,9 @@ def test_causal_scans_agree_bit_for_bit_over_segment_counts(rng, monkeypatch, ch
     # one short step.  group 3: grouped-query attention, three query heads
     # per key/value head scanned together (the reference: k, v repeated).
     from racecpu import _kernels, plan
-    from racecpu._memory import POOL
     assert chunk % _kernels.SCAN_BLOCK  # (a last, shorter step)
     monkeypatch.setattr(config, "CHUNK", chunk)
-    empty = POOL.empty
-
-    def nan_empty(shape, dtype):  # uninitialised memory is NaN: a value read before written shows
-        x = empty(shape, dtype)
-        if x.dtype.kind == "f":
-            x.fill(np.nan)
-        return x
-    monkeypatch.setattr(POOL, "empty", nan_empty)
+    nan_pool(monkeypatch)  # uninitialised memory is NaN: a value read before written shows
     q, k, v, W = make(rng, (3,), 124, 124, 6, 5, 3, 2, dtype)
     q = np.concatenate([q] + [make(rng, (3,), 124, 124, 6, 5, 3, 2, dtype)[0] for _ in range(group - 1)])
     mask = rng.random((3, 124)) > 0.2

@@ -3,6 +3,20 @@
 import numpy as np
 
 
+def nan_pool(monkeypatch):
+    """Make racecpu's result pool hand out float memory filled with NaN (for the rest of the
+    test), so that a value a kernel reads before it writes it shows in the results."""
+    from racecpu._memory import POOL
+    empty = POOL.empty
+
+    def nan_empty(shape, dtype=np.float64):
+        x = empty(shape, dtype)
+        if x.dtype.kind == "f":
+            x.fill(np.nan)
+        return x
+    monkeypatch.setattr(POOL, "empty", nan_empty)
+
+
 def fd_grad(f, args, i, g, eps=1e-6):
     """Central finite-difference gradient of <g, f(*args)> w.r.t. args[i] (float64)."""
     x = args[i]
