@@ -373,6 +373,12 @@ SCANS = ("auto", "fused", "tree", "chain")
 FUSED_MEMORY_SHARE = 0.5
 
 
+def _worker_slots(nthreads, threads):
+    """Block tasks a worker of ``nthreads`` threads runs at once when each takes ``threads``
+    (None: all of its worker's, so one)."""
+    return 1 if threads is None else max(1, int(nthreads) // threads)
+
+
 def block_slots(threads=None):
     """How many block tasks the current scheduler runs at once: with a ``distributed`` client,
     the sum over its workers of their threads over ``threads`` (None: a task takes all its
@@ -385,7 +391,7 @@ def block_slots(threads=None):
         return 1
     if not isinstance(nthreads, dict):  # an asynchronous client: no answer here
         return 1
-    return max(1, sum(1 if threads is None else max(1, n // threads) for n in nthreads.values()))
+    return max(1, sum(_worker_slots(n, threads) for n in nthreads.values()))
 
 
 def slot_memory(threads=None):
@@ -408,7 +414,7 @@ def slot_memory(threads=None):
         limit, n = w.get("memory_limit"), int(w.get("nthreads") or 1)
         if not limit:
             return None
-        per_slot.append(int(limit) // (1 if threads is None else max(1, n // threads)))
+        per_slot.append(int(limit) // _worker_slots(n, threads))
     return min(per_slot) if per_slot else None
 
 
