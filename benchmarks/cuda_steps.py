@@ -101,7 +101,7 @@ def run(log2n=22, heads=4, dim=128, reps=3, budget_s=150.0, sim=False, out=None,
     ops_cls = rc.CudaOps
     defaults = {name: getattr(ops_cls, name) for name in
                 ("FUSED", "FUSED_HASH", "FUSED_CHUNK", "FUSED_TILE", "FUSED_BLOCKED", "FUSED_NONCAUSAL",
-                 "FUSED_MIN_TOKENS", "HASH_LANES")}
+                 "FUSED_MIN_TOKENS", "HASH_LANES", "STATES_BY_GEMM")}
 
     def row(label, causal_modes=(True,), **attrs):
         for name, val in {**defaults, **attrs}.items():
@@ -124,11 +124,12 @@ def run(log2n=22, heads=4, dim=128, reps=3, budget_s=150.0, sim=False, out=None,
         save()
     # (label, causal modes, switches): the switches not yet timed on a GPU first
     both, causal_only = (True, False), (True,)
-    variants = [("hash fused, 8 lanes a row", both, dict(FUSED_HASH=True, HASH_LANES=8)),
+    variants = [("states by the fused kernel", causal_only, dict(STATES_BY_GEMM=False)),
+                ("hash fused, 8 lanes a row", both, dict(FUSED_HASH=True, HASH_LANES=8)),
                 ("products blocked", causal_only, dict(FUSED_BLOCKED=True)),
                 ("non-causal backward fused", (False,), dict(FUSED_NONCAUSAL=True)),
                 ("hash fused, 4 lanes a row", causal_only, dict(FUSED_HASH=True, HASH_LANES=4)),
-                ("chunk 512", causal_only, dict(FUSED_CHUNK=512)), ("chunk 256", causal_only, dict(FUSED_CHUNK=256)),
+                ("chunk 1024", causal_only, dict(FUSED_CHUNK=1024)), ("chunk 256", causal_only, dict(FUSED_CHUNK=256)),
                 ("hash fused, 2 lanes a row", causal_only, dict(FUSED_HASH=True, HASH_LANES=2)),
                 ("tile 8", causal_only, dict(FUSED_TILE=8)),
                 ("fused at every length", both, dict(FUSED_MIN_TOKENS=0)),
@@ -198,9 +199,17 @@ def _steps(rc, chunkwise, xp, sync, sim, q1, k1, v1, g1, planes, say):
     F = pq.shape[-1]
     out = xp.empty((1, N, d), xp.float32)
     D = xp.empty((1, N), xp.float32)
-    ev("chunk states B, A and their scan", lambda: ops._states(pk, None, v1, None, C, d, False))
+    by_gemm = rc.CudaOps.STATES_BY_GEMM
+    try:
+        for on in (True, False):
+            rc.CudaOps.STATES_BY_GEMM = on
+            ev(f"chunk states B, A and their scan ({'cuBLAS' if on else 'fused kernel'})",
+               lambda: ops._states(pk, None, v1, None, C, d, False))
+    finally:
+        rc.CudaOps.STATES_BY_GEMM = by_gemm
     ev("attend, non-causal (sketch + readout)", lambda: ops.attend(pq[:, None], pk, v1, False, 64, 1024, L, out, D))
     ev("attend, causal (states + readout)", lambda: ops.attend(pq[:, None], pk, v1, True, 64, 1024, L, out, D))
+    prefix = ops.attend(pq[:, None], pk, v1, True, 64, 1024, L, out, D)   # the states the backward is given
     winv = chunkwise._inverse(xp, D, L)
     dvo = xp.empty((1, N, d), xp.float32)
     blocked = rc.CudaOps.FUSED_BLOCKED
@@ -208,7 +217,8 @@ def _steps(rc, chunkwise, xp, sync, sim, q1, k1, v1, g1, planes, say):
         for on in (True, False):
             rc.CudaOps.FUSED_BLOCKED = on
             ev(f"causal backward of one head (fused, products {'blocked' if on else 'a thread per output'}, to dphi)",
-               lambda: ops.causal_bwd(pq[:, None], pk, v1, g1[:, None], winv[:, None], D[:, None], 64, dvo))
+               lambda: ops.causal_bwd(pq[:, None], pk, v1, g1[:, None], winv[:, None], D[:, None], 64, dvo,
+                                      prefix=prefix))
     finally:
         rc.CudaOps.FUSED_BLOCKED = blocked
     sketch = ops.attend(pq[:, None], pk, v1, False, 64, 1024, L, out, D)

@@ -35,11 +35,27 @@ widened one slab at a time, never whole.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import numpy as np
 
 from .config import DEN_FLOOR
 
-__all__ = ["soft_hash", "soft_hash_bwd", "forward", "backward", "slab_heads"]
+__all__ = ["soft_hash", "soft_hash_bwd", "forward", "backward", "slab_heads", "PrefixStates"]
+
+
+class PrefixStates(NamedTuple):
+    """The states a causal forward started each chunk from, kept for the backward.
+
+    ``states (S, nc, F, dv + 1)`` in the compute dtype: the exclusive prefix ``B`` in columns
+    ``:dv`` and the key mass ``A`` in column ``dv`` (packed as the fused kernels read them), over
+    chunks of ``chunk`` tokens (``nc = ceil(N / chunk)``); ``S`` key/value heads.  The backward
+    reads them instead of summing the chunks and scanning again (the same numbers: the same
+    pass made them).
+    """
+
+    states: Any
+    chunk: int
 
 
 # ---------------------------------------------------------------------------
@@ -121,7 +137,9 @@ class ArrayOps:
         compute dtype; ``out (S * group, Nq, dv)`` (any float dtype) and ``D (S * group, Nq)`` are
         written in place (views of the caller's arrays; they alias nothing else).  Returns the
         non-causal sketch packed as ``(S, F, dv + 1)`` (``B`` in columns ``:dv``, the key mass
-        ``A`` in column ``dv``), a fresh array the backward reads again; None when causal.
+        ``A`` in column ``dv``), a fresh array the backward reads again; causal, None here (a
+        backend whose causal forward keeps its chunks' states returns them as
+        :class:`PrefixStates`, which :meth:`causal_bwd` is then given).
         """
         xp = self.xp
         S, group, nq, F = pq.shape
@@ -146,10 +164,12 @@ class ArrayOps:
         into ``dv_out (S, Nk, dv)`` (a view of the caller's result, aliasing no input)."""
         return _noncausal_bwd_slab(self.xp, pq, pk, v, g, winv, sketch, sum_chunk, dv_out)
 
-    def causal_bwd(self, pq, pk, v, g, winv, D, C, dv_out):
+    def causal_bwd(self, pq, pk, v, g, winv, D, C, dv_out, prefix=None):
         """Causal ``(dphi_q, dphi_k)`` of one slab (:func:`_causal_bwd_slab`; ``D (S, group, N)`` the
         denominators that ``winv`` inverts); the values' gradient is written into ``dv_out (S, N, dv)``
-        (a view of the caller's result, aliasing no input)."""
+        (a view of the caller's result, aliasing no input).  ``prefix``: the slab's
+        :class:`PrefixStates` where :meth:`attend` returned them (unused by the array form, which
+        makes its own at chunks of ``C``)."""
         dpq, dpk, dv_out[...] = _causal_bwd_slab(self.xp, self, pq, pk, v, g, winv, C, _tril(self.xp, C, pk.dtype))
         return dpq, dpk
 
@@ -259,8 +279,9 @@ def forward(xp, q, k, v, planes, beta, *, causal, key_mask=None, group=1, chunk=
     -------
     out : (G, Nq, dv) of ``out_dtype``; a fresh array, aliasing no input.
     residuals : dict of ``phiq (G, Nq, F)``, ``tq``, ``phik (Gk, Nk, F)``, ``tk``, ``D (G, Nq)``,
-        non-causal ``sketch (Gk, F, dv + 1)`` (None when causal; compute dtype) and the scalars;
-        ``v`` is kept by reference.
+        non-causal ``sketch (Gk, F, dv + 1)`` (None when causal; compute dtype), causal
+        ``prefix`` (:class:`PrefixStates` of all ``Gk`` heads where ``ops.attend`` kept them, else
+        None) and the scalars; ``v`` is kept by reference.
     """
     ops = ops or ArrayOps(xp)
     cdt = np.dtype(planes.dtype)
@@ -275,6 +296,7 @@ def forward(xp, q, k, v, planes, beta, *, causal, key_mask=None, group=1, chunk=
     tk = xp.empty((Gk, nk, L * P), cdt)
     D = xp.empty((G, nq), cdt)
     sketch = None if causal else xp.empty((Gk, F, dv + 1), cdt)
+    prefix = None
     n = max(nq, nk)
     per_head = cdt.itemsize * (group * n * (chunk + 3 * dv + 2 * F) + n * (d + dv + F)
                                + 3 * (n // chunk + 1) * F * (dv + 1))
@@ -293,8 +315,15 @@ def forward(xp, q, k, v, planes, beta, *, causal, key_mask=None, group=1, chunk=
         sk = ops.attend(pq.reshape(S, group, nq, F), pk, vs, causal, chunk, sum_chunk, L, out[h0:h1], D[h0:h1])
         if not causal:
             sketch[g0:g1] = sk
-    return out, dict(phiq=phiq, tq=tq, phik=phik, tk=tk, D=D, sketch=sketch, v=v, planes=planes, beta=beta,
-                     causal=causal, group=group, chunk=chunk, sum_chunk=sum_chunk, workspace=workspace)
+        elif isinstance(sk, PrefixStates):
+            if g0 == 0 and g1 == Gk:
+                prefix = sk
+            else:
+                if prefix is None:
+                    prefix = PrefixStates(xp.empty((Gk,) + sk.states.shape[1:], cdt), sk.chunk)
+                prefix.states[g0:g1] = sk.states
+    return out, dict(phiq=phiq, tq=tq, phik=phik, tk=tk, D=D, sketch=sketch, prefix=prefix, v=v, planes=planes,
+                     beta=beta, causal=causal, group=group, chunk=chunk, sum_chunk=sum_chunk, workspace=workspace)
 
 
 def _inverse(xp, Dn, L):
@@ -370,7 +399,11 @@ def backward(xp, res, grad, *, q=None, k=None, ops=None):
         pk = phik[g0:g1]
         vs = v[g0:g1].astype(cdt, copy=False)
         if res["causal"]:
-            dpq, dpk = ops.causal_bwd(pq, pk, vs, g, winv, D[h0:h1].reshape(S, group, nq), C, dV[g0:g1])
+            prefix = res.get("prefix")
+            if prefix is not None:
+                prefix = PrefixStates(prefix.states[g0:g1], prefix.chunk)
+            dpq, dpk = ops.causal_bwd(pq, pk, vs, g, winv, D[h0:h1].reshape(S, group, nq), C, dV[g0:g1],
+                                      prefix=prefix)
         else:
             dpq, dpk = ops.noncausal_bwd(pq, pk, vs, g, winv, res["sketch"][g0:g1], res["sum_chunk"], dV[g0:g1])
         rows_q = (dpq.reshape(S * group * nq, F), phiq[h0:h1].reshape(-1, F), tq[h0:h1].reshape(-1, L * P))

@@ -663,9 +663,16 @@ class CudaOps(chunkwise.ArrayOps):
     #: Lanes per row of the fused hash (a power of two; at most a table's ``2**P`` corners).
     HASH_LANES = 8
     #: Tokens per block of the fused kernels (a causal chunk: one state per chunk in the scan).
-    #: 1024: on an H200 at 2^22 tokens x 4 heads causal fwd+bwd took 242 ms against 249 (512)
-    #: and 276 (256), the forward 69 against 72 and 81 (the performance log's GPU section).
-    FUSED_CHUNK = 1024
+    #: 512: on an H200 at 2^22 tokens x 4 heads, once the key mass rode with the state, causal
+    #: fwd+bwd took 219.2 ms against 219.1 (256) and 225.7 (1024), median of 3 each; 512 keeps
+    #: half the prefix states of 256 for the backward (the performance log's GPU section).
+    FUSED_CHUNK = 512
+    #: Whether each chunk's sums ``(B, A)`` of the causal states come from batched cuBLAS products
+    #: (``phi_c^T x_c``) and a column sum, else from the fused ``chunk_states`` kernel.  On an H200
+    #: at 2^22 tokens the kernel took 4.2 ms a head (ncu at 2^20: 1.28 ms, 10.5 % of the memory
+    #: bandwidth, a shared load per FMA) where the same product by cuBLAS took 1.7 (chunks of 64,
+    #: the array form's breakdown); the performance log's GPU section.
+    STATES_BY_GEMM = True
     #: Tokens per shared-memory tile inside a fused block.
     FUSED_TILE = 16
     #: Whether the fused causal backward sums over ``dv`` as register-blocked tile products
@@ -763,23 +770,46 @@ class CudaOps(chunkwise.ArrayOps):
 
     def _states(self, phi, w, x, w2, C, dv, reverse):
         """Exclusive prefix (``reverse``: suffix) states over chunks of ``C`` and their key mass,
-        from one :func:`~racecpu.cuda._chunk_kernels.make_chunk_kernels` ``chunk_states`` pass and
-        one scan: ``(S, nc, F, dv + 1)``, the state ``B`` (the sum of ``phi_t w_t x_t^T``) in
-        columns ``:dv`` and the key mass ``A`` (the sum of ``phi_t w2_t``) in column ``dv``, as
-        the fused kernels read them; ``w`` or ``w2`` None reads as ones."""
+        each chunk's sums (:meth:`_chunk_sums`) and one scan: ``(S, nc, F, dv + 1)``, the state
+        ``B`` (the sum of ``phi_t w_t x_t^T``) in columns ``:dv`` and the key mass ``A`` (the sum
+        of ``phi_t w2_t``) in column ``dv``, as the fused kernels read them; ``w`` or ``w2`` None
+        reads as ones.  ``phi (S, N, F)``, ``x (S, N, dv)``, ``w``, ``w2 (S, N)``."""
         S, N, F = phi.shape
         nc = max(1, -(-N // C))
-        tpb = self._threads(dv)
-        part = self.xp.empty((S, nc, F, dv + 1), phi.dtype)
-        if N:
-            mode = (w is not None) | 4 * (w2 is not None)
-            unread = self.xp.empty((1, 1), phi.dtype)  # the type of a real weight, so one build serves both
-            K = self._kernels(F, phi.dtype, tpb)
-            K["chunk_states"][(nc, S, max(1, -(-dv // tpb))), tpb, self.dev.stream](
-                phi, unread if w is None else w, x, unread if w2 is None else w2, C, mode, part)
-        else:
-            part[...] = 0
+        part = self._chunk_sums(phi, w, x, w2, C, dv)
         return self.exclusive_scan(part.reshape(S, nc, F * (dv + 1)), reverse, phi.dtype).reshape(S, nc, F, dv + 1)
+
+    def _chunk_sums(self, phi, w, x, w2, C, dv):
+        """Each chunk's ``(B, A)`` packed as ``(S, nc, F, dv + 1)`` (a fresh array; the arguments
+        as :meth:`_states`): by batched cuBLAS products and a column sum where
+        :attr:`STATES_BY_GEMM`, else by the fused ``chunk_states`` kernel."""
+        xp = self.xp
+        S, N, F = phi.shape
+        nc = max(1, -(-N // C))
+        part = xp.empty((S, nc, F, dv + 1), phi.dtype)
+        if not N:
+            part[...] = 0
+            return part
+        if self.STATES_BY_GEMM:
+            pw = phi if w is None else phi * w[..., None]         # (S, N, F): F columns scaled, not dv
+            pm = phi if w2 is None else phi * w2[..., None]
+            full = N // C
+            if full:  # whole chunks as views: (S, full, C, F) and (S, full, C, dv)
+                pc = pw[:, :full * C].reshape(S, full, C, F)
+                part[:, :full, :, :dv] = xp.swapaxes(pc, -1, -2) @ x[:, :full * C].reshape(S, full, C, dv)
+                part[:, :full, :, dv] = pm[:, :full * C].reshape(S, full, C, F).sum(axis=2)
+            if full < nc:  # the last chunk, shorter than C
+                a = full * C
+                part[:, full, :, :dv] = xp.swapaxes(pw[:, a:], -1, -2) @ x[:, a:]
+                part[:, full, :, dv] = pm[:, a:].sum(axis=1)
+            return part
+        tpb = self._threads(dv)
+        mode = (w is not None) | 4 * (w2 is not None)
+        unread = xp.empty((1, 1), phi.dtype)  # the type of a real weight, so one build serves both
+        K = self._kernels(F, phi.dtype, tpb)
+        K["chunk_states"][(nc, S, max(1, -(-dv // tpb))), tpb, self.dev.stream](
+            phi, unread if w is None else w, x, unread if w2 is None else w2, C, mode, part)
+        return part
 
     def attend(self, pq, pk, v, causal, chunk, sum_chunk, L, out, D):
         if not self.FUSED or max(pq.shape[2], pk.shape[1]) < self.FUSED_MIN_TOKENS:
@@ -790,14 +820,15 @@ class CudaOps(chunkwise.ArrayOps):
         cdt = pk.dtype
         C = int(self.FUSED_CHUNK)
         if causal:
-            sketch = None
             BA = self._states(pk, None, v, None, C, dv, False)              # (S, nc, F, dv + 1)
+            # kept for the fused backward, which would otherwise sum the chunks and scan again
+            kept = chunkwise.PrefixStates(BA, C) if self._fused_bwd_fits(F, dv, group, cdt) else None
         else:
-            sketch = chunkwise._sketch(xp, pk, v, sum_chunk, cdt)           # (S, F, dv + 1)
-            BA = sketch[:, None]
+            kept = chunkwise._sketch(xp, pk, v, sum_chunk, cdt)             # the sketch (S, F, dv + 1)
+            BA = kept[:, None]
         if nq == 0 or dv == 0:
             D[...] = 0
-            return sketch
+            return kept
         dst = out if out.dtype == cdt else xp.empty(out.shape, cdt)
         tpb = self._threads(dv)
         K = self._kernels(F, cdt, tpb)
@@ -805,7 +836,7 @@ class CudaOps(chunkwise.ArrayOps):
             pq.reshape(S * group, nq, F), pk, v, BA, group, C, bool(causal), L * DEN_FLOOR, dst, D)
         if dst is not out:
             out[...] = dst
-        return sketch
+        return kept
 
     def _fused_bwd_fits(self, F, dv, group, dtype):
         """Whether the fused causal backward takes this shape: one query head per key/value head,
@@ -839,7 +870,7 @@ class CudaOps(chunkwise.ArrayOps):
         K["nc_keys_bwd"][(nck, S), tpb, self.dev.stream](pk, v, dBA, C, dpk, dv_out)
         return dpq.reshape(S, 1, nq, F), dpk
 
-    def causal_bwd(self, pq, pk, v, g, winv, D, C, dv_out):
+    def causal_bwd(self, pq, pk, v, g, winv, D, C, dv_out, prefix=None):
         S, group, N, F = pq.shape
         dv = v.shape[-1]
         cdt = pk.dtype
@@ -851,7 +882,10 @@ class CudaOps(chunkwise.ArrayOps):
         pq3, g3, w3 = pq.reshape(S, N, F), g.reshape(S, N, dv), winv.reshape(S, N)
         tpb = self._threads(dv)
         K = self._kernels(F, cdt, tpb)
-        BA = self._states(pk, None, v, None, C, dv, False)                 # as the forward
+        if prefix is not None and prefix.chunk == C and prefix.states.shape == (S, nc, F, dv + 1):
+            BA = prefix.states                                              # the forward's, kept
+        else:
+            BA = self._states(pk, None, v, None, C, dv, False)             # as the forward
         dpq = xp.empty((S, N, F), cdt)
         dD = xp.empty((S, N), cdt)
         K["queries_bwd"][(nc, S), tpb, self.dev.stream](pq3, pk, v, g3, w3, BA, C, dpq, dD)
@@ -867,8 +901,9 @@ class ChunkwiseResiduals:
     """What :func:`race_attention_bwd` needs from a chunkwise forward (treat as opaque).
 
     ``state``: the residuals of :func:`racecpu.chunkwise.forward` (soft buckets, tanh
-    projections and denominators, O(N * L * R) per head; ``v`` by reference: do not
-    modify it between forward and backward).
+    projections and denominators, O(N * L * R) per head; causal with the fused kernels, the
+    chunks' prefix states, ``F * (dv + 1)`` per :attr:`CudaOps.FUSED_CHUNK` tokens; ``v`` by
+    reference: do not modify it between forward and backward).
     """
 
     backend: ClassVar[str] = "cuda"
