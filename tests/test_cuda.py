@@ -432,7 +432,8 @@ _PTX = textwrap.dedent("""
                                           A(f, 3), A(f, 3)))]
         hk = make_hash_kernels(3, 3, dtype)  # the shuffle build (the simulator runs the shared-memory one)
         fns += [(hk["hash_rows"].py_func, (A(f, 2), A(f, 2), d, A(f, 2), A(f, 2))),
-                (hk["hash_rows_bwd"].py_func, (A(f, 2), A(f, 2), A(f, 2), A(f, 2), d, A(f, 2), A(f, 1)))]
+                (hk["hash_rows_bwd"].py_func, (A(f, 2), A(f, 2), A(f, 2), A(f, 2), d, A(f, 2), A(f, 1))),
+                (hk["hash_from_u"].py_func, (A(f, 2), d, A(f, 2), A(f, 2)))]
         for fn, sig in fns:
             ptx, _ = cuda.compile_ptx(fn, sig, cc=cc)
             assert ".entry" in ptx and f".target sm_{cc[0]}{cc[1]}" in ptx, (fn.__name__, sig, cc)
@@ -459,7 +460,7 @@ def test_kernels_compile_to_ptx(ptx_run):
             pytest.fail("NVVM/NVRTC not found although RACECPU_REQUIRE_PTX=1:\n" + p.stderr[-3000:])
         pytest.skip("the CUDA compiler libraries (NVVM/NVRTC) are not installed: pip install "
                     "'cuda-toolkit[nvvm,nvrtc,cudart]==13.*' (or run .ci/cuda-ptx.sh) to run this check")
-    missing = [(cc, dtype) for cc, dtype in _PTX_TARGETS if f"compiled 34 for {cc[0]}.{cc[1]}:{dtype}" not in p.stdout]
+    missing = [(cc, dtype) for cc, dtype in _PTX_TARGETS if f"compiled 35 for {cc[0]}.{cc[1]}:{dtype}" not in p.stdout]
     assert not missing, f"not compiled for {missing}:\n" + p.stdout + p.stderr[-3000:]
 
 
@@ -526,6 +527,38 @@ def test_chunkwise_kernels_match_array_ops(rng, threads, reverse, monkeypatch):
     assert_close(t, t_r, 1e-6, "t")
     dphi = rng.standard_normal(phi.shape).astype(np.float32)
     (du, db), (du_r, db_r) = ops.hash_du(dphi, phi, t, 3.0, 2, 3), ref.hash_du(dphi, phi, t, 3.0, 2, 3)
+    assert_close(du, du_r, 1e-5, "du")
+    assert abs(float(db) - float(db_r)) <= 1e-5 * abs(float(db_r))
+
+
+@_ONCE
+@pytest.mark.parametrize("P,L,lanes", [(3, 2, 8), (3, 3, 2), (6, 1, 8), (2, 17, 4)])
+def test_hash_pass_after_cublas_matches_the_array_form(rng, P, L, lanes, monkeypatch):
+    """The soft hash's pass after cuBLAS's projections (``HASH_LANES`` lanes a row where
+    ``hash_fits``; else a thread per (row, table): 64 corners, 34 projections) and its backward
+    (a thread per (row, projection)) against the array form, into fresh arrays and into given
+    ones (the rows around them untouched); an output that is no C-contiguous view is refused."""
+    from racecpu import chunkwise
+    monkeypatch.setattr(rc.CudaOps, "HASH_LANES", lanes)
+    ops, ref = rc.CudaOps(np, rc._Device(False)), chunkwise.ArrayOps(np)
+    d, F, LP = 6, L * 2 ** P, L * P
+    planes = racecpu.hyperplanes(d, P, L, seed=1)
+    x = rng.standard_normal((2, 37, d)).astype(np.float32)       # 74 rows: the last block part full
+    phi_r, t_r = ref.soft_hash(x, planes, 3.0)
+    phi, t = ops.soft_hash(x, planes, 3.0)
+    assert phi.shape == (2, 37, F) and t.shape == (2, 37, LP)
+    assert_close(phi, phi_r, 1e-6, "phi")
+    assert_close(t, t_r, 1e-6, "t")
+    phi_o, t_o = np.full((3, 37, F), np.nan, np.float32), np.full((3, 37, LP), np.nan, np.float32)
+    got = ops.soft_hash(x, planes, 3.0, phi_out=phi_o[1:], t_out=t_o[1:])
+    assert np.shares_memory(got[0], phi_o) and np.shares_memory(got[1], t_o)
+    np.testing.assert_array_equal(phi_o[1:], phi)
+    np.testing.assert_array_equal(t_o[1:], t)
+    assert np.isnan(phi_o[0]).all() and np.isnan(t_o[0]).all()
+    with pytest.raises(ValueError, match="C-contiguous"):
+        ops.soft_hash(x, planes, 3.0, phi_out=np.empty((2, F, 37), np.float32).transpose(0, 2, 1))
+    rows = (rng.standard_normal((74, F)).astype(np.float32), phi.reshape(74, F), t.reshape(74, LP))
+    (du, db), (du_r, db_r) = ops.hash_du(*rows, 3.0, L, P), ref.hash_du(*rows, 3.0, L, P)
     assert_close(du, du_r, 1e-5, "du")
     assert abs(float(db) - float(db_r)) <= 1e-5 * abs(float(db_r))
 

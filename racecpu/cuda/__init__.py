@@ -190,6 +190,14 @@ class _Device:
         return a.copy_to_host(stream=self.stream)
 
 
+def _rows_view(a, M, E):
+    """``a`` (C-contiguous, ``M * E`` elements) as an ``(M, E)`` view that a kernel writes into."""
+    if not a.flags.c_contiguous or a.size != M * E:
+        raise ValueError(f"an output of the soft hash must be C-contiguous with {M} x {E} elements, "
+                         f"got shape {a.shape}")
+    return a.reshape(M, E)
+
+
 def _all_finite(x, dev):
     if _is_cupy(x):
         import cupy
@@ -706,29 +714,40 @@ class CudaOps(chunkwise.ArrayOps):
         rpb = int(self.HASH_THREADS) // min(int(self.HASH_LANES), 1 << P)
         return kernel[max(1, min(-(-M // rpb), 1 << 15)), int(self.HASH_THREADS), self.dev.stream]
 
-    def soft_hash(self, x, planes, beta):
+    def soft_hash(self, x, planes, beta, phi_out=None, t_out=None):
         L, P, d = planes.shape
         shp = x.shape[:-1]
+        xr = x.reshape(-1, d)
+        M, F = xr.shape[0], L * 2 ** P
+        W = planes.reshape(L * P, d)
+        phi = self.xp.empty((M, F), planes.dtype) if phi_out is None else _rows_view(phi_out, M, F)
+        t = None if t_out is None else _rows_view(t_out, M, L * P)
         if self.FUSED_HASH and hash_fits(L, P):  # the projection and the hash in one pass over x
-            xr = x.reshape(-1, d)
-            M = xr.shape[0]
-            phi = self.xp.empty((M, L * 2 ** P), planes.dtype)
-            t = self.xp.empty((M, L * P), planes.dtype)
+            t = self.xp.empty((M, L * P), planes.dtype) if t is None else t
             if M:
                 K = self._hash_kernels(L, P, planes.dtype)
-                self._rows_launch(K["hash_rows"], M, P)(xr, planes.reshape(L * P, d), beta, phi, t)
-            return phi.reshape(shp + (phi.shape[1],)), t.reshape(shp + (L * P,))
-        u = x.reshape(-1, d) @ planes.reshape(L * P, d).T   # a fresh (M, L*P) array: t in place
-        phi = self.xp.empty((u.shape[0], L * 2 ** P), u.dtype)
-        if u.shape[0]:
-            self._launch(cuda_kernels.hash_from_u, u.shape[0] * L)(u, beta, P, phi)
-        return phi.reshape(shp + (phi.shape[1],)), u.reshape(shp + (L * P,))
+                self._rows_launch(K["hash_rows"], M, P)(xr, W, beta, phi, t)
+        elif hash_fits(L, P):  # cuBLAS's projections, then a pass of HASH_LANES lanes a row
+            u = xr @ W.T
+            t = self.xp.empty((M, L * P), planes.dtype) if t is None else t
+            if M:
+                K = self._hash_kernels(L, P, planes.dtype)
+                self._rows_launch(K["hash_from_u"], M, P)(u, beta, phi, t)
+        else:  # more corners or projections than a row's lanes keep: a thread per (row, table)
+            u = xr @ W.T   # a fresh (M, L*P) array: t in place
+            if M:
+                self._launch(cuda_kernels.hash_from_u, M * L)(u, beta, P, phi)
+            if t is None:
+                t = u
+            else:
+                t[...] = u
+        return phi.reshape(shp + (F,)), t.reshape(shp + (L * P,))
 
     def hash_du(self, dphi, phi, t, beta, L, P):
         du = self.xp.empty(t.shape, t.dtype)
         st = self.xp.empty(t.shape, t.dtype)
-        if t.shape[0]:
-            self._launch(cuda_kernels.hash_du_rows, t.shape[0] * L)(dphi, phi, t, beta, P, du, st)
+        if t.size:
+            self._launch(cuda_kernels.hash_du_rows, t.size)(dphi, phi, t, beta, P, du, st)
         return du, st.sum(dtype=np.float64)
 
     def hash_dx(self, dphi, phi, t, planes, beta, dx_out):

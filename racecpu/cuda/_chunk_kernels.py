@@ -618,7 +618,9 @@ def make_hash_kernels(L, P, dtype, simulated=False, threads=128, lanes=8):
     ``hash_rows(x, W, beta, phi, t)``: ``x (M, d)``, ``W (L * P, d)``; writes ``t = tanh(W x)``
     ``(M, L * P)`` and ``phi (M, L * 2**P)`` (:func:`racecpu.chunkwise.soft_hash`'s numbers).
     ``hash_rows_bwd(dphi, phi, t, W, beta, dx, st)``: ``dx (M, d)`` of the rows and ``st (M,)``
-    each row's dbeta term (summed by the caller).  Launch with blocks of ``threads`` (whole warps);
+    each row's dbeta term (summed by the caller).  ``hash_from_u(u, beta, phi, t)``: the same
+    ``t`` and ``phi`` from the projections ``u = x W^T (M, L * P)`` (cuBLAS's; ``t`` must not
+    alias ``u``).  Launch with blocks of ``threads`` (whole warps);
     any grid (the blocks stride over the rows).  Needs :func:`hash_fits`.
 
     A group of ``G = min(lanes, 2**P)`` lanes (a power of two dividing a table's ``2**P``
@@ -676,6 +678,18 @@ def make_hash_kernels(L, P, dtype, simulated=False, threads=128, lanes=8):
         h = one / (one + e)
         return h if z >= zero else e * h
 
+    @cuda.jit(device=True)
+    def corners(th, b2, sub, i, phi):
+        """Row ``i``'s corners owned by lane ``sub`` from its ``L * P`` values ``th = tanh(u)``."""
+        for k in range(NE):  # corner e = G k + sub: table (G k) // R, corner bits (G k) % R + sub
+            l = (G * k) // R
+            r = (G * k) % R + sub
+            prod = one
+            for p in range(P):
+                z = b2 * th[l * P + p]
+                prod *= sigmoid(z if (r >> (P - 1 - p)) & 1 else -z)
+            phi[i, G * k + sub] = prod
+
     @cuda.jit
     def hash_rows(x, W, beta, phi, t):
         M, d = x.shape
@@ -701,14 +715,28 @@ def make_hash_kernels(L, P, dtype, simulated=False, threads=128, lanes=8):
                 if ok and m % G == sub:
                     t[i, m] = u[m]
             if ok:
-                for k in range(NE):  # corner e = G k + sub: table (G k) // R, corner bits (G k) % R + sub
-                    l = (G * k) // R
-                    r = (G * k) % R + sub
-                    prod = one
-                    for p in range(P):
-                        z = b2 * u[l * P + p]
-                        prod *= sigmoid(z if (r >> (P - 1 - p)) & 1 else -z)
-                    phi[i, G * k + sub] = prod
+                corners(u, b2, sub, i, phi)
+
+    @cuda.jit
+    def hash_from_u(u, beta, phi, t):
+        # The pass after cuBLAS's projections, G lanes a row, so that a warp's stores of phi are G
+        # contiguous values per row: a thread per (row, table) stored 2**P values 4 * 2**P bytes
+        # apart from its neighbours' and rewrote them P times (ncu: 88 % of the load/store units'
+        # throughput, 13.5 % of the memory bandwidth).  No exchanges: each lane takes the row's
+        # L * P tanh values itself.
+        M = u.shape[0]
+        tid = cuda.threadIdx.x
+        sub = tid & (G - 1)
+        th = cuda.local.array(LP, ty)
+        b2 = ty(two * beta)  # beta arrives as float64: compute in the kernel's dtype
+        for base in range(cuda.blockIdx.x * RPB, M, cuda.gridDim.x * RPB):
+            i = base + tid // G
+            if i < M:
+                for m in range(LP):
+                    th[m] = math.tanh(u[i, m])
+                    if m % G == sub:
+                        t[i, m] = th[m]
+                corners(th, b2, sub, i, phi)
 
     @cuda.jit
     def hash_rows_bwd(dphi, phi, t, W, beta, dx, st):
@@ -757,7 +785,7 @@ def make_hash_kernels(L, P, dtype, simulated=False, threads=128, lanes=8):
                         acc += du[m] * W[m, kk]
                     dx[i, kk] = acc
 
-    return dict(hash_rows=hash_rows, hash_rows_bwd=hash_rows_bwd)
+    return dict(hash_rows=hash_rows, hash_rows_bwd=hash_rows_bwd, hash_from_u=hash_from_u)
 
 
 def hash_fits(L, P):

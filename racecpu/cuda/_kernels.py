@@ -756,30 +756,32 @@ def hash_from_u(u, beta, P, phi):
 
 @cuda.jit
 def hash_du_rows(dphi, phi, t, beta, P, du, st):
-    """Back through the softmax over corners and tanh, one thread per (row, table):
-    ``du (M, L*P)`` the projections' cotangents, ``st (M, L*P)`` the dbeta terms (summed by the caller)."""
+    """Back through the softmax over corners and tanh, one thread per (row, projection), so that
+    a warp writes ``du`` and ``st`` in contiguous runs (a thread per (row, table) read its table's
+    corners 4 * 2**P bytes apart from its neighbours': ncu put it at 94 % of the load/store units'
+    throughput and 29 % of the memory bandwidth): ``du (M, L*P)`` the projections' cotangents,
+    ``st (M, L*P)`` the dbeta terms (summed by the caller)."""
     M, LP = t.shape
-    L = LP // P
     R = 1 << P
-    for x in range(cuda.grid(1), M * L, cuda.gridsize(1)):
-        i = x // L
-        l = x - i * L
+    for x in range(cuda.grid(1), M * LP, cuda.gridsize(1)):
+        i = x // LP
+        m = x - i * LP
+        l = m // P
+        shift = P - 1 - (m - l * P)
         base = l * R
         dot = phi[i, base] - phi[i, base]
         for r in range(R):
             dot += phi[i, base + r] * dphi[i, base + r]
-        for p in range(P):
-            shift = P - 1 - p
-            s = dot - dot
-            for r in range(R):
-                dz = phi[i, base + r] * (dphi[i, base + r] - dot)
-                if (r >> shift) & 1:
-                    s += dz
-                else:
-                    s -= dz
-            th = t[i, l * P + p]
-            st[i, l * P + p] = s * th
-            du[i, l * P + p] = beta * s * (1.0 - th * th)
+        s = dot - dot
+        for r in range(R):
+            dz = phi[i, base + r] * (dphi[i, base + r] - dot)
+            if (r >> shift) & 1:
+                s += dz
+            else:
+                s -= dz
+        th = t[i, m]
+        st[i, m] = s * th
+        du[i, m] = beta * s * (1.0 - th * th)
 
 
 @cuda.jit
