@@ -719,11 +719,10 @@ def make_hash_kernels(L, P, dtype, simulated=False, threads=128, lanes=8):
 
     @cuda.jit
     def hash_from_u(u, beta, phi, t):
-        # The pass after cuBLAS's projections, G lanes a row, so that a warp's stores of phi are G
-        # contiguous values per row: a thread per (row, table) stored 2**P values 4 * 2**P bytes
-        # apart from its neighbours' and rewrote them P times (ncu: 88 % of the load/store units'
-        # throughput, 13.5 % of the memory bandwidth).  No exchanges: each lane takes the row's
-        # L * P tanh values itself.
+        # The pass after cuBLAS's projections, G lanes a row, so that a warp's stores of phi are
+        # runs of G contiguous values (a thread per (row, table) stored its 2**P corners strided by
+        # 2**P values across the warp and rewrote them P times: bound by the load/store units, the
+        # performance log's GPU section).  No exchanges: each lane takes the row's tanh values itself.
         M = u.shape[0]
         tid = cuda.threadIdx.x
         sub = tid & (G - 1)

@@ -758,9 +758,9 @@ def hash_from_u(u, beta, P, phi):
 def hash_du_rows(dphi, phi, t, beta, P, du, st):
     """Back through the softmax over corners and tanh, one thread per (row, projection), so that
     a warp writes ``du`` and ``st`` in contiguous runs (a thread per (row, table) read its table's
-    corners 4 * 2**P bytes apart from its neighbours': ncu put it at 94 % of the load/store units'
-    throughput and 29 % of the memory bandwidth): ``du (M, L*P)`` the projections' cotangents,
-    ``st (M, L*P)`` the dbeta terms (summed by the caller)."""
+    corners strided by 2**P values across the warp: bound by the load/store units, the performance
+    log's GPU section): ``du (M, L*P)`` the projections' cotangents, ``st (M, L*P)`` the dbeta terms
+    (summed by the caller)."""
     M, LP = t.shape
     R = 1 << P
     for x in range(cuda.grid(1), M * LP, cuda.gridsize(1)):
