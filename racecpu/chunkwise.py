@@ -372,12 +372,16 @@ def _prefix_states(xp, ops, pk, v, C, cdt):
 # backward
 # ---------------------------------------------------------------------------
 
-def backward(xp, res, grad, *, q=None, k=None, ops=None):
+def backward(xp, res, grad, *, q=None, k=None, ops=None, grad_dtypes=None):
     """Gradients of :func:`forward`: ``(dq, dk, dv, dbeta)``, and ``dplanes`` when ``q`` and ``k`` are given.
 
     ``grad (G, Nq, dv)`` (any float dtype); ``dq (G, Nq, d)``, ``dk (Gk, Nk, d)``,
-    ``dv (Gk, Nk, dv)`` in the compute dtype (the key/value gradients summed over
-    each key/value head's query heads); ``dbeta`` a Python float; ``dplanes (L, P, d)``.
+    ``dv (Gk, Nk, dv)`` in ``grad_dtypes`` (three dtypes; default: the compute dtype), fresh
+    arrays (the key/value gradients summed over each key/value head's query heads); ``dbeta`` a
+    Python float; ``dplanes (L, P, d)``.  A gradient of another dtype than the compute dtype is
+    computed in the compute dtype and cast: a slab at a time where the heads take several slabs
+    (16-bit gradients of a long sequence never exist whole in float32), else once at the end
+    (then the result of another dtype is not allocated beside the slab's temporaries).
     """
     ops = ops or ArrayOps(xp)
     planes, beta, group, C = res["planes"], res["beta"], res["group"], res["chunk"]
@@ -387,9 +391,6 @@ def backward(xp, res, grad, *, q=None, k=None, ops=None):
     Gk, nk, dv = v.shape
     L, P, d = planes.shape
     W2 = planes.reshape(L * P, d)
-    dq = xp.empty((G, nq, d), cdt)
-    dk = xp.empty((Gk, nk, d), cdt)
-    dV = xp.empty((Gk, nk, dv), cdt)
     want_dw = q is not None
     dW = xp.zeros((L * P, d), cdt) if want_dw else None
     dbeta = 0.0
@@ -397,6 +398,11 @@ def backward(xp, res, grad, *, q=None, k=None, ops=None):
     per_head = cdt.itemsize * (group * n * (3 * C + 2 * dv + 4 * F) + n * (2 * dv + 2 * F)
                                + 4 * (n // C + 1) * F * (dv + 1))
     hs = slab_heads(Gk, per_head, res["workspace"])
+    want = (cdt,) * 3 if grad_dtypes is None else tuple(np.dtype(t) for t in grad_dtypes)
+    qdt, kdt, vdt = want if hs < Gk else (cdt,) * 3
+    dq = xp.empty((G, nq, d), qdt)
+    dk = xp.empty((Gk, nk, d), kdt)
+    dV = xp.empty((Gk, nk, dv), vdt)
     for g0 in range(0, Gk, hs):
         g1 = min(Gk, g0 + hs)
         h0, h1 = g0 * group, g1 * group
@@ -406,28 +412,39 @@ def backward(xp, res, grad, *, q=None, k=None, ops=None):
         pq = phiq[h0:h1].reshape(S, group, nq, F)
         pk = phik[g0:g1]
         vs = v[g0:g1].astype(cdt, copy=False)
+        dq_s, dk_s, dv_s = (_in_cdt(xp, x[a:b], cdt) for x, a, b in ((dq, h0, h1), (dk, g0, g1), (dV, g0, g1)))
         if res["causal"]:
             prefix = res.get("prefix")
             if prefix is not None:
                 prefix = PrefixStates(prefix.states[g0:g1], prefix.chunk)
-            dpq, dpk = ops.causal_bwd(pq, pk, vs, g, winv, D[h0:h1].reshape(S, group, nq), C, dV[g0:g1],
+            dpq, dpk = ops.causal_bwd(pq, pk, vs, g, winv, D[h0:h1].reshape(S, group, nq), C, dv_s,
                                       prefix=prefix)
         else:
-            dpq, dpk = ops.noncausal_bwd(pq, pk, vs, g, winv, res["sketch"][g0:g1], res["sum_chunk"], dV[g0:g1])
+            dpq, dpk = ops.noncausal_bwd(pq, pk, vs, g, winv, res["sketch"][g0:g1], res["sum_chunk"], dv_s)
         rows_q = (dpq.reshape(S * group * nq, F), phiq[h0:h1].reshape(-1, F), tq[h0:h1].reshape(-1, L * P))
         rows_k = (dpk.reshape(S * nk, F), pk.reshape(-1, F), tk[g0:g1].reshape(-1, L * P))
         if want_dw:  # the planes' gradient needs the projections' cotangents themselves
             duq, dbq = ops.hash_du(*rows_q, beta, L, P)
             duk, dbk = ops.hash_du(*rows_k, beta, L, P)
-            xp.matmul(duq, W2, out=dq[h0:h1].reshape(-1, d))
-            xp.matmul(duk, W2, out=dk[g0:g1].reshape(-1, d))
+            xp.matmul(duq, W2, out=dq_s.reshape(-1, d))
+            xp.matmul(duk, W2, out=dk_s.reshape(-1, d))
             dW += duq.T @ q[h0:h1].astype(cdt, copy=False).reshape(-1, d)
             dW += duk.T @ k[g0:g1].astype(cdt, copy=False).reshape(-1, d)
         else:
-            dbq = ops.hash_dx(*rows_q, planes, beta, dq[h0:h1].reshape(-1, d))
-            dbk = ops.hash_dx(*rows_k, planes, beta, dk[g0:g1].reshape(-1, d))
+            dbq = ops.hash_dx(*rows_q, planes, beta, dq_s.reshape(-1, d))
+            dbk = ops.hash_dx(*rows_k, planes, beta, dk_s.reshape(-1, d))
         dbeta += float(dbq) + float(dbk)
+        for x, a, b, x_s in ((dq, h0, h1, dq_s), (dk, g0, g1, dk_s), (dV, g0, g1, dv_s)):
+            if x.dtype != cdt:
+                x[a:b] = x_s   # the slab's gradient cast into its place
+    dq, dk, dV = (x.astype(t, copy=False) for x, t in zip((dq, dk, dV), want))
     return (dq, dk, dV, dbeta) + ((dW.reshape(L, P, d),) if want_dw else ())
+
+
+def _in_cdt(xp, out_slab, cdt):
+    """Where a slab's gradient is computed: ``out_slab`` itself (a view of the result) in the
+    compute dtype, else a fresh array of its shape in ``cdt`` that the caller casts into it."""
+    return out_slab if out_slab.dtype == cdt else xp.empty(out_slab.shape, cdt)
 
 
 def _noncausal_bwd_slab(xp, pq, pk, v, g, winv, sketch, sum_chunk, dv_out):

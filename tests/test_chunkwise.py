@@ -254,6 +254,29 @@ def test_float16_inputs_out_dtype_and_inputs_untouched(rng, causal):
     assert_close(out, want, 2e-3, "out (float16)")
 
 
+@pytest.mark.parametrize("workspace", [1, 2 ** 31])
+@pytest.mark.parametrize("causal", [False, True])
+def test_grad_dtypes_cast_each_slab_as_the_whole(rng, causal, workspace):
+    """``grad_dtypes``: dq, dk, dv in the given dtypes (a slab at a time with one key/value head
+    per slab, once at the end with one slab), equal to the compute dtype's gradients cast, to the
+    bit; the planes' gradient and dbeta unchanged."""
+    Gk, group, n = 3, 2, 19
+    q, k, v, mask = problem(rng, Gk * group, Gk, n, n, dtype=np.float16)
+    W = racecpu.hyperplanes(D, P, L, seed=3)
+    g = rng.standard_normal((Gk * group, n, DV)).astype(np.float16)
+    _, res = cw.forward(np, q, k, v, W, BETA, causal=causal, key_mask=mask, group=group, chunk=CHUNK,
+                        sum_chunk=SUM_CHUNK, workspace=workspace)
+    assert (cw.slab_heads(Gk, 1, workspace) < Gk) == (workspace == 1)
+    want = cw.backward(np, res, g, q=q, k=k)
+    dtypes = (np.float16, np.float64, np.float16)
+    got = cw.backward(np, res, g, q=q, k=k, grad_dtypes=dtypes)
+    for name, a, b, dt in zip(("dq", "dk", "dv"), got, want, dtypes):
+        assert a.dtype == dt, name
+        np.testing.assert_array_equal(a, b.astype(dt), err_msg=name)
+    assert got[3] == want[3]
+    np.testing.assert_array_equal(got[4], want[4])
+
+
 # ---------------------------------------------------------------------------
 # 5. the DEN_FLOOR rule
 # ---------------------------------------------------------------------------

@@ -965,11 +965,11 @@ def _chunkwise_bwd(r, grad_out):
     xp = _xp()
     G, n, _ = r.state["phiq"].shape
     g = _as_xp(xp, _to_device(g, None, (G, n, gshape[-1]), dev))
-    dq, dk, dv, dbeta = chunkwise.backward(xp, r.state, g, ops=CudaOps(xp, dev))
-    qdt, kdt, vdt = r.in_dtypes
-    return (_from_xp(xp, dq.astype(qdt, copy=False).reshape(r.lead + dq.shape[1:]), dev),
-            _from_xp(xp, dk.astype(kdt, copy=False).reshape(r.kv_lead + dk.shape[1:]), dev),
-            _from_xp(xp, dv.astype(vdt, copy=False).reshape(r.kv_lead + dv.shape[1:]), dev),
+    # the gradients in the inputs' dtypes, a slab at a time: 16-bit ones never whole in float32
+    dq, dk, dv, dbeta = chunkwise.backward(xp, r.state, g, ops=CudaOps(xp, dev), grad_dtypes=r.in_dtypes)
+    return (_from_xp(xp, dq.reshape(r.lead + dq.shape[1:]), dev),
+            _from_xp(xp, dk.reshape(r.kv_lead + dk.shape[1:]), dev),
+            _from_xp(xp, dv.reshape(r.kv_lead + dv.shape[1:]), dev),
             float(dbeta))
 
 
