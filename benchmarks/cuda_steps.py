@@ -101,7 +101,7 @@ def run(log2n=22, heads=4, dim=128, reps=3, budget_s=150.0, sim=False, out=None,
     ops_cls = rc.CudaOps
     defaults = {name: getattr(ops_cls, name) for name in
                 ("FUSED", "FUSED_HASH", "FUSED_CHUNK", "FUSED_TILE", "FUSED_BLOCKED", "FUSED_NONCAUSAL",
-                 "FUSED_MIN_TOKENS", "HASH_LANES", "STATES_BY_GEMM")}
+                 "FUSED_MIN_TOKENS", "HASH_LANES", "STATES_BY_GEMM", "READOUT_BY_GEMM")}
 
     def row(label, causal_modes=(True,), **attrs):
         for name, val in {**defaults, **attrs}.items():
@@ -125,6 +125,7 @@ def run(log2n=22, heads=4, dim=128, reps=3, budget_s=150.0, sim=False, out=None,
     # (label, causal modes, switches): the switches not yet timed on a GPU first
     both, causal_only = (True, False), (True,)
     variants = [("states by the fused kernel", causal_only, dict(STATES_BY_GEMM=False)),
+                ("non-causal readout by the fused kernel", (False,), dict(READOUT_BY_GEMM=False)),
                 ("hash fused, 8 lanes a row", both, dict(FUSED_HASH=True, HASH_LANES=8)),
                 ("products blocked", causal_only, dict(FUSED_BLOCKED=True)),
                 ("non-causal backward fused", (False,), dict(FUSED_NONCAUSAL=True)),
@@ -207,7 +208,14 @@ def _steps(rc, chunkwise, xp, sync, sim, q1, k1, v1, g1, planes, say):
                lambda: ops._states(pk, None, v1, None, C, d, False))
     finally:
         rc.CudaOps.STATES_BY_GEMM = by_gemm
-    ev("attend, non-causal (sketch + readout)", lambda: ops.attend(pq[:, None], pk, v1, False, 64, 1024, L, out, D))
+    by_gemm = rc.CudaOps.READOUT_BY_GEMM
+    try:
+        for on in (True, False):
+            rc.CudaOps.READOUT_BY_GEMM = on
+            ev(f"attend, non-causal (sketch + readout by {'cuBLAS' if on else 'the fused kernel'})",
+               lambda: ops.attend(pq[:, None], pk, v1, False, 64, 1024, L, out, D))
+    finally:
+        rc.CudaOps.READOUT_BY_GEMM = by_gemm
     ev("attend, causal (states + readout)", lambda: ops.attend(pq[:, None], pk, v1, True, 64, 1024, L, out, D))
     prefix = ops.attend(pq[:, None], pk, v1, True, 64, 1024, L, out, D)   # the states the backward is given
     winv = chunkwise._inverse(xp, D, L)

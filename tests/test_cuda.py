@@ -568,7 +568,8 @@ def test_hash_pass_after_cublas_matches_the_array_form(rng, P, L, lanes, monkeyp
                          [(dt, c, gr, True, 4, True) for dt in (np.float64, np.float32) for c in (False, True)
                           for gr in (1, 2)]
                          + [(np.float64, True, 1, False, 4, True), (np.float64, True, 1, True, 8, True)]
-                         + [(dt, True, 1, True, 4, False) for dt in (np.float64, np.float32)])
+                         + [(dt, c, gr, True, 4, False) for dt, gr in ((np.float64, 1), (np.float32, 2))
+                            for c in (False, True)])
 def test_fused_chunk_kernels_match_the_array_form(rng, dtype, causal, group, blocked, tile, gemm, monkeypatch):
     """racecpu.cuda.CudaOps' fused readout and causal backward (racecpu.cuda._chunk_kernels) against
     racecpu.chunkwise's array expressions on NumPy: masked keys (some queries see no mass), a length
@@ -576,11 +577,13 @@ def test_fused_chunk_kernels_match_the_array_form(rng, dtype, causal, group, blo
     the fused non-causal backward (off by default),
     the backward's products blocked or a thread per output, tiles of 4 (8 of tile_products'
     threads a row, 2 outputs each) and 8 (one chunk a tile, 4 outputs a thread), the chunks'
-    states by batched products (``gemm``) or by the ``chunk_states`` kernel. The hash is the
+    states and the non-causal readout by batched products (``gemm``) or by the ``chunk_states``
+    and ``readout`` kernels, and a float16 ``out`` (the compute dtype's, cast). The hash is the
     cuBLAS one here (the fused hash has its own test below)."""
     from racecpu import chunkwise
     monkeypatch.setattr(rc.CudaOps, "FUSED_MIN_TOKENS", 0)
     monkeypatch.setattr(rc.CudaOps, "STATES_BY_GEMM", gemm)
+    monkeypatch.setattr(rc.CudaOps, "READOUT_BY_GEMM", gemm)
     monkeypatch.setattr(rc.CudaOps, "FUSED_BLOCKED", blocked)
     monkeypatch.setattr(rc.CudaOps, "FUSED_NONCAUSAL", True)
     monkeypatch.setattr(rc.CudaOps, "FUSED_TILE", tile)
@@ -600,6 +603,8 @@ def test_fused_chunk_kernels_match_the_array_form(rng, dtype, causal, group, blo
     tol = TOL[dtype] / 10
     assert_close(out, ref, tol, "out")
     assert_close(res["D"], rres["D"], tol, "D")
+    out16, _ = chunkwise.forward(np, q, k, v, planes, 2.0, ops=ops, out_dtype=np.float16, **kw)
+    np.testing.assert_array_equal(out16, out.astype(np.float16))
     got, want = chunkwise.backward(np, res, g, ops=ops), chunkwise.backward(np, rres, g)
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         assert_close(a, b, tol, name)

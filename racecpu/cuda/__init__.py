@@ -681,6 +681,10 @@ class CudaOps(chunkwise.ArrayOps):
     #: bandwidth, a shared load per FMA) where the same product by cuBLAS took 1.7 (chunks of 64,
     #: the array form's breakdown); the performance log's GPU section.
     STATES_BY_GEMM = True
+    #: Whether the non-causal readout is a batched cuBLAS product of the 1 / D-scaled ``phi_q``
+    #: with the sketch, else the fused ``readout`` kernel (a shared load per FMA: 0.64 ms a head at
+    #: 2^20 on an H200 by ncu, where cuBLAS wrote an (N, 128) product of the same size in 0.28).
+    READOUT_BY_GEMM = True
     #: Tokens per shared-memory tile inside a fused block.
     FUSED_TILE = 16
     #: Whether the fused causal backward sums over ``dv`` as register-blocked tile products
@@ -847,6 +851,18 @@ class CudaOps(chunkwise.ArrayOps):
             BA = kept[:, None]
         if nq == 0 or dv == 0:
             D[...] = 0
+            return kept
+        if not causal and self.READOUT_BY_GEMM:
+            # out = (phi_q / D) B: the 1 / D scales the F-wide rows, then one batched product
+            # writes out, with no dv-wide temporary where out is in the compute dtype
+            Dn = (pq @ kept[:, None, :, dv, None])[..., 0]                  # (S, group, nq)
+            D[...] = Dn.reshape(S * group, nq)
+            pw = pq * chunkwise._inverse(xp, Dn, L)[..., None]
+            dst = out.reshape(S, group, nq, dv)
+            if out.dtype == cdt:
+                xp.matmul(pw, kept[:, None, :, :dv], out=dst)
+            else:
+                dst[...] = pw @ kept[:, None, :, :dv]
             return kept
         dst = out if out.dtype == cdt else xp.empty(out.shape, cdt)
         tpb = self._threads(dv)
