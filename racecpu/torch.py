@@ -182,7 +182,7 @@ def _race_attention_bwd_op(handle: torch.Tensor, grad_out: torch.Tensor, q: torc
     with _torch_threads_kept():
         if dplanes:
             dq, dk, dv, dbeta, dW = backend_of(res).backward(res, to_array(grad_out), dplanes=True)
-            dW = _from_numpy(np.ascontiguousarray(dW), planes.dtype, dev)
+            dW = _from_numpy(np.ascontiguousarray(dW) if isinstance(dW, np.ndarray) else dW, planes.dtype, dev)
         else:
             dq, dk, dv, dbeta = backend_of(res).backward(res, to_array(grad_out))
             dW = planes.new_zeros(())  # a placeholder: autograd is given None
@@ -240,7 +240,8 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
         Hyperplanes (:func:`racecpu.hyperplanes`); cast to the compute
         dtype.  A tensor that requires grad (learnable planes) gets the
         gradient of :func:`racecpu.race_attention_bwd`'s ``dplanes=True``,
-        in its own dtype (CPU only: on CUDA it raises ``NotImplementedError``).
+        in its own dtype (on CUDA, from :mod:`racecpu.cuda`'s chunkwise form:
+        not with ``cu_seqlens``, which raises ``NotImplementedError``).
     beta : float or Tensor with one element
         Soft-hash temperature (> 0).  A tensor that requires grad gets the
         gradient summed over every batch, head and token, in its own dtype
@@ -272,9 +273,9 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
     """
     if not isinstance(planes, torch.Tensor):
         planes = torch.as_tensor(np.asarray(planes), device=q.device)
-    if planes.requires_grad and q.device.type != "cpu" and torch.is_grad_enabled():
-        raise NotImplementedError("the planes' gradient runs on the CPU only (racecpu.cuda has no kernel for "
-                                  "it yet); pass planes.detach() on the GPU")
+    if planes.requires_grad and q.device.type != "cpu" and torch.is_grad_enabled() and cu_seqlens is not None:
+        raise NotImplementedError("the planes' gradient of packed sequences runs on the CPU only (racecpu.cuda "
+                                  "runs them on its tile kernels, which have none); pass planes.detach()")
     if not isinstance(beta, torch.Tensor):
         beta = torch.tensor(float(beta), dtype=torch.float64)
     if beta.numel() != 1:

@@ -256,8 +256,9 @@ def test_numpy_api_sends_cupy_input_and_gpu_residuals_to_the_gpu(rng, monkeypatc
     for name, a, b in zip(("dq", "dk", "dv"), grads, ref):
         assert_close(a, b, TOL[np.float64], name)
     assert abs(grads[3] - ref[3]) <= 1e-9 * max(1.0, abs(ref[3]))
-    with pytest.raises(NotImplementedError, match="dplanes"):
-        racecpu.race_attention_bwd(res, cuda.to_device(g), dplanes=True)
+    if rc.PATH == "tiles":  # the tile kernels have no planes' gradient
+        with pytest.raises(NotImplementedError, match="dplanes"):
+            racecpu.race_attention_bwd(res, cuda.to_device(g), dplanes=True)
     with pytest.raises(TypeError, match="out is for NumPy"):
         racecpu.race_attention_bwd(res, cuda.to_device(g), out=(q, k, v))
 
@@ -529,6 +530,33 @@ def test_chunkwise_kernels_match_array_ops(rng, threads, reverse, monkeypatch):
     (du, db), (du_r, db_r) = ops.hash_du(dphi, phi, t, 3.0, 2, 3), ref.hash_du(dphi, phi, t, 3.0, 2, 3)
     assert_close(du, du_r, 1e-5, "du")
     assert abs(float(db) - float(db_r)) <= 1e-5 * abs(float(db_r))
+
+
+@_ONCE
+@pytest.mark.parametrize("causal", [False, True])
+def test_planes_gradient_matches_cpu(rng, causal, monkeypatch):
+    """dplanes=True on the GPU (the chunkwise form: grouped heads, a key mask, float16 q with
+    float32 k and v, float64 planes given for float32 compute) against the CPU's, with dq, dk,
+    dv, dbeta unchanged by asking for it; q and k kept by reference, not copied (the tile kernels,
+    which packed sequences run, refuse it: test_numpy_api_sends_cupy_input_and_gpu_residuals_to_the_gpu)."""
+    monkeypatch.setattr(rc.CudaOps, "FUSED_MIN_TOKENS", 0)   # the fused kernels' path too
+    q, k, v, mask = problem(rng, (2, 2), 13, 13, 4, 3, np.float32)
+    k, v, mask = (np.ascontiguousarray(x[:, :1]) for x in (k, v, mask))   # two query heads a key/value head
+    q = q.astype(np.float16)
+    planes = racecpu.hyperplanes(4, 2, 2, seed=3, dtype=np.float64)
+    g = rng.standard_normal(q.shape[:-1] + (3,)).astype(np.float32)
+    dev = [cuda.to_device(x) for x in (q, k, v)]
+    out, res = rc.race_attention_fwd(*dev, planes, 2.0, causal=causal, key_mask=mask)
+    assert res.state["q_in"] is dev[0] and res.state["k_in"] is dev[1]
+    got = racecpu.race_attention_bwd(res, cuda.to_device(g), dplanes=True)
+    plain = racecpu.race_attention_bwd(res, cuda.to_device(g))
+    _, rres = racecpu.race_attention_fwd(q, k, v, planes.astype(np.float32), 2.0, causal=causal, key_mask=mask)
+    want = racecpu.race_attention_bwd(rres, g, dplanes=True)
+    assert len(got) == 5 and host(got[4]).dtype == np.float64 and got[4].shape == planes.shape
+    assert_close(got[4], want[4], 1e-4, "dplanes")
+    for name, a, b in zip(("dq", "dk", "dv"), got, plain):
+        np.testing.assert_array_equal(host(a), host(b), err_msg=name)
+    assert got[3] == plain[3]
 
 
 @_ONCE

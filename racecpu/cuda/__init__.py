@@ -521,7 +521,7 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
     return _output(lay.unpack(out, dev), a.out_dtype, res.out_shape, dev), res
 
 
-def race_attention_bwd(residuals, grad_out):
+def race_attention_bwd(residuals, grad_out, *, dplanes=False):
     """RACE attention backward on the GPU; see :func:`racecpu.race_attention_bwd`.
 
     Returns
@@ -529,12 +529,19 @@ def race_attention_bwd(residuals, grad_out):
     dq, dk, dv : device arrays (CuPy if the forward's ``q`` was CuPy)
         Each in the dtype of its input.
     dbeta : float
+    dplanes : device array (L, P, d)
+        Only with ``dplanes=True``: the planes' gradient, in the planes' dtype (the compute dtype
+        for integer planes), from the chunkwise form's residuals (not those of packed sequences,
+        which the tile kernels ran).
     """
     r = residuals
     if isinstance(r, ChunkwiseResiduals):
-        return _chunkwise_bwd(r, grad_out)
+        return _chunkwise_bwd(r, grad_out, dplanes)
     if not isinstance(r, Residuals):
         raise TypeError(f"residuals must come from racecpu.cuda.race_attention_fwd, got {type(r).__name__}")
+    if dplanes:
+        raise NotImplementedError("dplanes=True on the GPU needs the chunkwise form's forward (racecpu.cuda.PATH "
+                                  "'auto' or 'chunkwise', no cu_seqlens); this forward ran the tile kernels")
     dev = _Device(r.cupy_out)
     g, _, _ = _check_array("grad_out", grad_out, r.check_finite, dev)
     gshape = tuple(int(s) for s in g.shape)
@@ -968,11 +975,14 @@ def _chunkwise_fwd(q, k, v, planes, beta, causal, key_mask, check_finite, dev):
                                    key_mask=mask, group=a.group, chunk=int(SCAN_CHUNK), sum_chunk=int(SUM_CHUNK),
                                    workspace=int(WORKSPACE), out_dtype=a.out_dtype, ops=CudaOps(xp, dev))
     kv_lead = a.lead[:-1] + (a.lead[-1] // a.group,) if a.group > 1 else a.lead
+    # the caller's q and k by reference (as v), read again only for the planes' gradient
+    pdt = np.dtype(_proxy(planes).dtype if _on_device(planes) else np.asarray(planes).dtype)
+    state.update(q_in=q, k_in=k, planes_dtype=pdt if pdt.kind == "f" else a.cdt)
     res = ChunkwiseResiduals(state, a.lead, kv_lead, n, a.in_dtypes, a.out_dtype, bool(check_finite), dev.cupy)
     return _from_xp(xp, out.reshape(a.lead + (n, v_.shape[2])), dev), res
 
 
-def _chunkwise_bwd(r, grad_out):
+def _chunkwise_bwd(r, grad_out, dplanes=False):
     dev = _Device(r.cupy_out)
     g, _, _ = _check_array("grad_out", grad_out, r.check_finite, dev)
     gshape = tuple(int(s) for s in g.shape)
@@ -981,12 +991,22 @@ def _chunkwise_bwd(r, grad_out):
     xp = _xp()
     G, n, _ = r.state["phiq"].shape
     g = _as_xp(xp, _to_device(g, None, (G, n, gshape[-1]), dev))
+    kw = {}
+    if dplanes:  # q and k as the forward read them (no copy where they are contiguous device arrays)
+        st = r.state
+        d = st["planes"].shape[-1]
+        kw = dict(q=_as_xp(xp, _to_device(st["q_in"], None, st["phiq"].shape[:2] + (d,), dev)),
+                  k=_as_xp(xp, _to_device(st["k_in"], None, st["phik"].shape[:2] + (d,), dev)))
     # the gradients in the inputs' dtypes, a slab at a time: 16-bit ones never whole in float32
-    dq, dk, dv, dbeta = chunkwise.backward(xp, r.state, g, ops=CudaOps(xp, dev), grad_dtypes=r.in_dtypes)
-    return (_from_xp(xp, dq.reshape(r.lead + dq.shape[1:]), dev),
-            _from_xp(xp, dk.reshape(r.kv_lead + dk.shape[1:]), dev),
-            _from_xp(xp, dv.reshape(r.kv_lead + dv.shape[1:]), dev),
-            float(dbeta))
+    dq, dk, dv, dbeta, *dW = chunkwise.backward(xp, r.state, g, ops=CudaOps(xp, dev), grad_dtypes=r.in_dtypes,
+                                                **kw)
+    grads = (_from_xp(xp, dq.reshape(r.lead + dq.shape[1:]), dev),
+             _from_xp(xp, dk.reshape(r.kv_lead + dk.shape[1:]), dev),
+             _from_xp(xp, dv.reshape(r.kv_lead + dv.shape[1:]), dev),
+             float(dbeta))
+    if dplanes:
+        grads += (_from_xp(xp, dW[0].astype(r.state["planes_dtype"], copy=False), dev),)
+    return grads
 
 
 def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None, check_finite=True,
@@ -1022,13 +1042,10 @@ class CudaBackend:
         return race_attention(q, k, v, planes, beta, **kw), None
 
     def backward(self, residuals, grad_out, *, out=None, dplanes=False):
-        """:func:`race_attention_bwd`; ``out`` buffers and the planes' gradient are the CPU's alone."""
-        if dplanes:
-            raise NotImplementedError("dplanes=True is not implemented on the GPU (racecpu.cuda) yet; "
-                                      "run the forward and backward on NumPy arrays for the planes' gradient")
+        """:func:`race_attention_bwd`; ``out`` buffers are the CPU's alone."""
         if out is not None:
             raise TypeError("out is for NumPy arrays; CuPy's memory pool already reuses device memory")
-        return race_attention_bwd(residuals, grad_out)
+        return race_attention_bwd(residuals, grad_out, dplanes=dplanes)
 
     def __repr__(self):
         return "racecpu.cuda.BACKEND"
