@@ -944,8 +944,9 @@ class ChunkwiseResiduals:
 
     ``state``: the residuals of :func:`racecpu.chunkwise.forward` (soft buckets, tanh
     projections and denominators, O(N * L * R) per head; causal with the fused kernels, the
-    chunks' prefix states, ``F * (dv + 1)`` per :attr:`CudaOps.FUSED_CHUNK` tokens; ``v`` by
-    reference: do not modify it between forward and backward).
+    chunks' prefix states, ``F * (dv + 1)`` per :attr:`CudaOps.FUSED_CHUNK` tokens; ``v``, and the
+    caller's ``q`` and ``k`` for the planes' gradient, by reference: do not modify them between
+    forward and backward).
     """
 
     backend: ClassVar[str] = "cuda"
