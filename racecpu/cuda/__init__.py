@@ -862,14 +862,16 @@ class CudaOps(chunkwise.ArrayOps):
         if not causal and self.READOUT_BY_GEMM:
             # out = (phi_q / D) B: the 1 / D scales the F-wide rows, then one batched product
             # writes out, with no dv-wide temporary where out is in the compute dtype
-            Dn = (pq @ kept[:, None, :, dv, None])[..., 0]                  # (S, group, nq)
+            # (S, group * nq, F) rows against (S, F, .): batched products, no broadcast batch axes
+            rows = pq.reshape(S, group * nq, F)
+            Dn = (rows @ kept[:, :, dv:])[..., 0]                             # (S, group * nq)
             D[...] = Dn.reshape(S * group, nq)
-            pw = pq * chunkwise._inverse(xp, Dn, L)[..., None]
-            dst = out.reshape(S, group, nq, dv)
+            pw = rows * chunkwise._inverse(xp, Dn, L)[..., None]
+            dst = out.reshape(S, group * nq, dv)
             if out.dtype == cdt:
-                xp.matmul(pw, kept[:, None, :, :dv], out=dst)
+                xp.matmul(pw, kept[..., :dv], out=dst)
             else:
-                dst[...] = pw @ kept[:, None, :, :dv]
+                dst[...] = pw @ kept[..., :dv]
             return kept
         dst = out if out.dtype == cdt else xp.empty(out.shape, cdt)
         tpb = self._threads(dv)
