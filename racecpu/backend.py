@@ -42,7 +42,9 @@ class Backend(Protocol):
 
     ``forward`` takes :func:`racecpu.race_attention_fwd`'s arguments (and
     ``residuals``: False computes the output alone, as
-    :func:`racecpu.race_attention`) and returns ``(out, residuals or None)``;
+    :func:`racecpu.race_attention`; ``planes_grad``: False promises that the
+    backward will not ask for the planes' gradient, so that the residuals
+    need not keep ``q`` and ``k``) and returns ``(out, residuals or None)``;
     the residuals it returns record its ``name`` (their ``backend``
     attribute).  ``backward`` takes :func:`racecpu.race_attention_bwd`'s.
     Either raises TypeError or NotImplementedError for what it cannot do
@@ -55,7 +57,7 @@ class Backend(Protocol):
     def chunk_model(self) -> ChunkModel: ...
 
     def forward(self, q, k, v, planes, beta, *, causal, key_mask, check_finite, cu_seqlens, out, residuals,
-                estimator) -> tuple: ...
+                estimator, planes_grad) -> tuple: ...
 
     def backward(self, residuals, grad_out, *, out, dplanes) -> tuple: ...
 
@@ -78,8 +80,9 @@ class CpuBackend:
         return cpu_chunk_model()
 
     def forward(self, q, k, v, planes, beta, *, causal=False, key_mask=None, check_finite=True, cu_seqlens=None,
-                out=None, residuals=True, estimator="ratio"):
-        """:func:`racecpu.race_attention_fwd` (``residuals=False``: :func:`racecpu.race_attention`)."""
+                out=None, residuals=True, estimator="ratio", planes_grad=True):
+        """:func:`racecpu.race_attention_fwd` (``residuals=False``: :func:`racecpu.race_attention`);
+        ``planes_grad`` changes nothing here (the residuals hold views of ``q`` and ``k``, no copies)."""
         return ESTIMATORS[check_estimator(estimator)].forward(
             q, k, v, planes, beta, causal=causal, key_mask=key_mask, check_finite=check_finite, out=out,
             cu_seqlens=cu_seqlens, residuals=residuals)

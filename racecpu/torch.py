@@ -141,15 +141,15 @@ def _drop(key):
 @torch.library.custom_op("racecpu::race_attention", mutates_args=())
 def _race_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, planes: torch.Tensor,
                        beta: torch.Tensor, causal: bool, key_mask: Optional[torch.Tensor],
-                       keep_residuals: bool, cu_seqlens: Optional[torch.Tensor] = None, estimator: str = "ratio"
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       keep_residuals: bool, cu_seqlens: Optional[torch.Tensor] = None, estimator: str = "ratio",
+                       planes_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     backend, to_array = _backend(q)
     args = (to_array(q), to_array(k), to_array(v), to_array(planes), float(beta))
     kw = {"causal": causal, "key_mask": None if key_mask is None else to_array(key_mask), "estimator": estimator}
     if cu_seqlens is not None:  # offsets: read on the host on either device
         kw["cu_seqlens"] = cu_seqlens.detach().cpu().numpy()
     with _torch_threads_kept():
-        out, res = backend.forward(*args, residuals=keep_residuals, **kw)
+        out, res = backend.forward(*args, residuals=keep_residuals, planes_grad=planes_grad, **kw)
     if keep_residuals:
         with _LOCK:
             key = next(_KEYS)
@@ -162,7 +162,7 @@ def _race_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, planes
 
 
 @_race_attention_op.register_fake
-def _(q, k, v, planes, beta, causal, key_mask, keep_residuals, cu_seqlens=None, estimator="ratio"):
+def _(q, k, v, planes, beta, causal, key_mask, keep_residuals, cu_seqlens=None, estimator="ratio", planes_grad=True):
     out = q.new_empty(q.shape[:-1] + v.shape[-1:], dtype=v.dtype)  # C-contiguous, as the real one
     return out, torch.empty((), dtype=torch.int64)
 
@@ -214,7 +214,7 @@ def _backward(ctx, grad_out, _grad_handle):
     shape, dtype = ctx.beta_meta
     dbeta = dbeta.reshape(shape).to(dtype) if need[4] else None
     return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
-            dW if need[3] else None, dbeta, None, None, None, None, None)
+            dW if need[3] else None, dbeta, None, None, None, None, None, None)
 
 
 _race_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -285,8 +285,10 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
     keep = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, planes, beta))
     if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
         cu_seqlens = torch.as_tensor(np.asarray(cu_seqlens))
+    # planes_grad: without learnable planes the GPU's residuals need not keep q and k (on CUDA,
+    # bfloat16 ones are float32 copies made for racecpu.cuda)
     out, _ = _race_attention_op(q, k, v, planes, beta, bool(causal), key_mask, keep, cu_seqlens,
-                                check_estimator(estimator))
+                                check_estimator(estimator), bool(planes.requires_grad))
     return out
 
 

@@ -537,8 +537,9 @@ def test_chunkwise_kernels_match_array_ops(rng, threads, reverse, monkeypatch):
 def test_planes_gradient_matches_cpu(rng, causal, monkeypatch):
     """dplanes=True on the GPU (the chunkwise form: grouped heads, a key mask, float16 q with
     float32 k and v, float64 planes given for float32 compute) against the CPU's, with dq, dk,
-    dv, dbeta unchanged by asking for it; q and k kept by reference, not copied (the tile kernels,
-    which packed sequences run, refuse it: test_numpy_api_sends_cupy_input_and_gpu_residuals_to_the_gpu)."""
+    dv, dbeta unchanged by asking for it; q and k kept by reference, not copied, and not kept at
+    all after ``planes_grad=False`` (the tile kernels, which packed sequences run, refuse it:
+    test_numpy_api_sends_cupy_input_and_gpu_residuals_to_the_gpu)."""
     monkeypatch.setattr(rc.CudaOps, "FUSED_MIN_TOKENS", 0)   # the fused kernels' path too
     q, k, v, mask = problem(rng, (2, 2), 13, 13, 4, 3, np.float32)
     k, v, mask = (np.ascontiguousarray(x[:, :1]) for x in (k, v, mask))   # two query heads a key/value head
@@ -557,6 +558,13 @@ def test_planes_gradient_matches_cpu(rng, causal, monkeypatch):
     for name, a, b in zip(("dq", "dk", "dv"), got, plain):
         np.testing.assert_array_equal(host(a), host(b), err_msg=name)
     assert got[3] == plain[3]
+    # a forward told that no planes' gradient will be asked keeps no q, k (racecpu.torch's hint)
+    _, lean = rc.BACKEND.forward(*dev, planes, 2.0, causal=causal, key_mask=mask, planes_grad=False)
+    assert lean.state["q_in"] is None and lean.state["k_in"] is None
+    for a, b in zip(rc.BACKEND.backward(lean, cuda.to_device(g))[:3], plain):
+        np.testing.assert_array_equal(host(a), host(b))
+    with pytest.raises(ValueError, match="planes_grad=False"):
+        rc.BACKEND.backward(lean, cuda.to_device(g), dplanes=True)
 
 
 @_ONCE

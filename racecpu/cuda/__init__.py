@@ -995,6 +995,9 @@ def _chunkwise_bwd(r, grad_out, dplanes=False):
     G, n, _ = r.state["phiq"].shape
     g = _as_xp(xp, _to_device(g, None, (G, n, gshape[-1]), dev))
     kw = {}
+    if dplanes and r.state["q_in"] is None:
+        raise ValueError("these residuals keep no q and k: their forward was told the planes' gradient would not "
+                         "be asked for (planes_grad=False)")
     if dplanes:  # q and k as the forward read them (no copy where they are contiguous device arrays)
         st = r.state
         d = st["planes"].shape[-1]
@@ -1032,8 +1035,10 @@ class CudaBackend:
         return chunk_model()
 
     def forward(self, q, k, v, planes, beta, *, causal=False, key_mask=None, check_finite=True, cu_seqlens=None,
-                out=None, residuals=True, estimator="ratio"):
-        """:func:`race_attention_fwd` (``residuals=False``: :func:`race_attention`, ``(out, None)``)."""
+                out=None, residuals=True, estimator="ratio", planes_grad=True):
+        """:func:`race_attention_fwd` (``residuals=False``: :func:`race_attention`, ``(out, None)``;
+        ``planes_grad=False``: the residuals keep no reference to ``q`` and ``k``, which may be a
+        caller's conversions, such as racecpu.torch's float32 copies of bfloat16 tensors)."""
         if estimator != "ratio":
             raise NotImplementedError(f"racecpu.cuda computes the ratio estimator only, not {estimator!r}; run it "
                                       f"on NumPy arrays")
@@ -1041,7 +1046,10 @@ class CudaBackend:
             raise TypeError("out is for NumPy arrays; CuPy's memory pool already reuses device memory")
         kw = dict(causal=causal, key_mask=key_mask, check_finite=check_finite, cu_seqlens=cu_seqlens)
         if residuals:
-            return race_attention_fwd(q, k, v, planes, beta, **kw)
+            out, res = race_attention_fwd(q, k, v, planes, beta, **kw)
+            if not planes_grad and isinstance(res, ChunkwiseResiduals):
+                res.state.update(q_in=None, k_in=None)
+            return out, res
         return race_attention(q, k, v, planes, beta, **kw), None
 
     def backward(self, residuals, grad_out, *, out=None, dplanes=False):
