@@ -4,13 +4,14 @@ of a causal forward+backward on k machines of w single-threaded Dask workers.
 
 Usage::
 
-    python benchmarks/dask_model.py [benchmarks/results/dask-scaling.json] [--heads 4] [--workers 32]
-                                    [--task-ms 1.0] [--tasks-per-block 23]
+    python benchmarks/dask_model.py [benchmarks/results/dask-scaling-one-pass.json] [--heads 4]
+                                    [--workers 32] [--task-ms 1.0] [--tasks-per-block 21.7]
 
 ``t`` (per token-head on one worker) is twice the 2-worker wall time per token-head of the
 causal forward+backward, ``ell`` the measured latency of one scan link; ``--task-ms`` is the
-scheduler's time per task and ``--tasks-per-block`` the tasks of one block and head
-(1,452 for 64 blocks with the tree scan, counted from the graph).
+scheduler's time per task and ``--tasks-per-block`` the tasks of one block and head (1,387 for
+64 blocks of a causal forward+backward with the tree scan, inputs included, counted from the
+graph on 2026-11-30).  A results file of several runs (``{"runs": [...]}``) gives a table per run.
 """
 
 from __future__ import annotations
@@ -26,14 +27,22 @@ ROWS = ((1e8, 1, 18), (1e8, 8, 18), (1e9, 1, 18), (1e9, 8, 20), (1e9, 64, 20), (
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("result", nargs="?",
-                    default=os.path.join(os.path.dirname(__file__), "results", "dask-scaling.json"))
+                    default=os.path.join(os.path.dirname(__file__), "results", "dask-scaling-one-pass.json"))
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--workers", type=int, default=32, help="single-threaded workers per machine")
     ap.add_argument("--task-ms", type=float, default=1.0)
-    ap.add_argument("--tasks-per-block", type=float, default=23)
+    ap.add_argument("--tasks-per-block", type=float, default=21.7)
     a = ap.parse_args(argv)
     with open(a.result) as f:
         r = json.load(f)
+    for i, run in enumerate(r.get("runs", [r])):
+        if "runs" in r:
+            print(f"run {i + 1} of {len(r['runs'])} ({run.get('date', '')}):")
+        table(run, a)
+
+
+def table(r, a):
+    """The model's table (markdown) for one dask_scaling result ``r``."""
     t = 2 * r["dask_ns"]["2:causal fwd+bwd"] * 1e-9
     ell = r["chain_link_s"]
     dv = r["dim"]
