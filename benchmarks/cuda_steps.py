@@ -7,6 +7,8 @@ For one N (default 2**22, 4 heads, d = 128, float32, P = L = 3, beta = 8), on Cu
   ``racecpu.cuda.CudaOps`` switches (``FUSED_CHUNK`` / ``FUSED_TILE``, the fused hash off or
   with other ``HASH_LANES``, the fused kernels off, i.e. the array expressions of
   ``racecpu.chunkwise``);
+* at a shorter N (``--short-log2n``, default 2^16), the defaults (the array form below
+  ``FUSED_MIN_TOKENS``) against the fused kernels at every length, both modes;
 * one head's steps, each alone, timed with CUDA events (median of 5): the soft hash, chunk
   states and scans, the readout, the two backward kernels, the hash's backward, and a copy
   of ``q`` for scale (what one pass over an (N, d) array costs on this card).
@@ -31,9 +33,11 @@ import numpy as np
 
 
 def run(log2n=22, heads=4, dim=128, reps=3, budget_s=150.0, sim=False, out=None, progress=True, only=None,
-        steps=True):
+        steps=True, short_log2n=16):
     """Measure; returns ``{"rows": [...], "steps_one_head_ms": {...}, ...}`` (also written to ``out``).
-    ``only``: the labels of the variants to time (all when None); ``steps``: time one head's steps."""
+    ``only``: the labels of the variants to time (all when None); ``steps``: time one head's steps;
+    ``short_log2n``: also time the defaults against the fused kernels at every length at this
+    shorter N (rows marked ``short``, which ``recommend`` leaves out; None: not)."""
     if sim:
         import numba.core.config
         numba.core.config.ENABLE_CUDASIM = 1
@@ -89,13 +93,15 @@ def run(log2n=22, heads=4, dim=128, reps=3, budget_s=150.0, sim=False, out=None,
             ts.append(time.perf_counter() - t)
         return float(np.median(ts)) * 1e3
 
+    inputs = [(q, k, v, g)]   # [0]: the arrays the rows time (the short N swaps them in)
+
     def fwd(causal):
-        return lambda: rc.race_attention(q, k, v, planes, 8.0, causal=causal, check_finite=False)
+        return lambda: rc.race_attention(*inputs[0][:3], planes, 8.0, causal=causal, check_finite=False)
 
     def fwdbwd(causal):
         def f():
-            _, r = rc.race_attention_fwd(q, k, v, planes, 8.0, causal=causal, check_finite=False)
-            rc.race_attention_bwd(r, g)
+            _, r = rc.race_attention_fwd(*inputs[0][:3], planes, 8.0, causal=causal, check_finite=False)
+            rc.race_attention_bwd(r, inputs[0][3])
         return f
 
     ops_cls = rc.CudaOps
@@ -103,13 +109,15 @@ def run(log2n=22, heads=4, dim=128, reps=3, budget_s=150.0, sim=False, out=None,
                 ("FUSED", "FUSED_HASH", "FUSED_CHUNK", "FUSED_TILE", "FUSED_BLOCKED", "FUSED_NONCAUSAL",
                  "FUSED_MIN_TOKENS", "HASH_LANES", "STATES_BY_GEMM", "READOUT_BY_GEMM")}
 
-    def row(label, causal_modes=(True,), **attrs):
+    def row(label, causal_modes=(True,), short=False, **attrs):
         for name, val in {**defaults, **attrs}.items():
             setattr(ops_cls, name, val)
         try:
             for causal in causal_modes:
                 r = dict(variant=label, causal=causal, **attrs, fwd_ms=timeit(fwd(causal)),
                          fwdbwd_ms=timeit(fwdbwd(causal)))
+                if short:
+                    r.update(short=True, N=inputs[0][0].shape[2])
                 rows.append(r)
                 say(r)
                 save()
@@ -133,7 +141,6 @@ def run(log2n=22, heads=4, dim=128, reps=3, budget_s=150.0, sim=False, out=None,
                 ("chunk 1024", causal_only, dict(FUSED_CHUNK=1024)), ("chunk 256", causal_only, dict(FUSED_CHUNK=256)),
                 ("hash fused, 2 lanes a row", causal_only, dict(FUSED_HASH=True, HASH_LANES=2)),
                 ("tile 8", causal_only, dict(FUSED_TILE=8)),
-                ("fused at every length", both, dict(FUSED_MIN_TOKENS=0)),
                 ("array expressions", causal_only, dict(FUSED=False, FUSED_HASH=False))]
     if only is not None:
         variants = [v for v in variants if v[0] in only]
@@ -142,6 +149,12 @@ def run(log2n=22, heads=4, dim=128, reps=3, budget_s=150.0, sim=False, out=None,
             say("budget spent: left out", label)
             continue
         row(label, modes, **attrs)
+    if short_log2n is not None and time.perf_counter() - t_start <= budget_s:
+        ns = 2 ** short_log2n   # the array form below FUSED_MIN_TOKENS against the fused kernels there
+        inputs[0] = tuple(x[:, :, :ns].copy() for x in (q, k, v, g))
+        row(f"2^{short_log2n}: defaults", both, short=True)
+        row(f"2^{short_log2n}: fused kernels at every length", both, short=True, FUSED_MIN_TOKENS=0)
+        inputs[0] = (q, k, v, g)
     res["recommended"] = recommend(rows)
     say("switches that beat the defaults by 2 % or more in forward+backward:", res["recommended"])
     save()
@@ -153,6 +166,7 @@ def recommend(rows, margin=1.02):
     every mode they were timed in (per switch, the value of the best such variant):
     ``{name: {"value": ..., "gain": ...}}``, gain the defaults' time over the variant's (the smaller
     over its modes).  Each variant is judged alone; two winners together are untimed."""
+    rows = [r for r in rows if not r.get("short")]   # another N: not against the defaults' times
     base = {r["causal"]: r["fwdbwd_ms"] for r in rows if r["variant"] == "defaults"}
     by_variant = {}
     for r in rows:
@@ -267,11 +281,14 @@ def main(argv=None):
     p.add_argument("--sim", action="store_true", help="NumPy under Numba's CUDA simulator (tiny sizes)")
     p.add_argument("--variants", default=None, help="comma-separated labels of the variants to time (default: all)")
     p.add_argument("--no-steps", action="store_true", help="leave out one head's steps")
+    p.add_argument("--short-log2n", type=int, default=16,
+                   help="also time the defaults against the fused kernels at every length at this N (0: not)")
     a = p.parse_args(argv)
     if a.sim:
         os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
     only = None if a.variants is None else [x.strip() for x in a.variants.split(",")]
-    run(a.log2n, a.heads, a.dim, a.reps, a.budget_s, a.sim, a.out, only=only, steps=not a.no_steps)
+    run(a.log2n, a.heads, a.dim, a.reps, a.budget_s, a.sim, a.out, only=only, steps=not a.no_steps,
+        short_log2n=a.short_log2n or None)
 
 
 if __name__ == "__main__":

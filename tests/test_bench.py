@@ -342,6 +342,9 @@ def test_cuda_steps_recommends_only_switches_that_win_in_every_mode():
             dict(variant="hash", causal=False, FUSED_HASH=True, fwdbwd_ms=51.0),
             dict(variant="c512", causal=True, FUSED_CHUNK=512, fwdbwd_ms=95.0),
             dict(variant="c256", causal=True, FUSED_CHUNK=256, fwdbwd_ms=90.0),
-            dict(variant="c128", causal=True, FUSED_CHUNK=128, fwdbwd_ms=99.0)]   # within 2 %
+            dict(variant="c128", causal=True, FUSED_CHUNK=128, fwdbwd_ms=99.0),   # within 2 %
+            # another N (the short rows): never against the defaults' times
+            dict(variant="2^16: fused", causal=True, short=True, FUSED_MIN_TOKENS=0, fwdbwd_ms=5.0),
+            dict(variant="2^16: fused", causal=False, short=True, FUSED_MIN_TOKENS=0, fwdbwd_ms=5.0)]
     assert steps.recommend(rows) == {"FUSED_CHUNK": dict(value=256, gain=round(100 / 90, 3), variant="c256")}
     assert steps.recommend(rows[:2]) == {}
