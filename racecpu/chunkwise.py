@@ -152,19 +152,17 @@ class ArrayOps:
         xp = self.xp
         S, group, nq, F = pq.shape
         cdt = pk.dtype
-        if causal:
-            num, Dn = _causal_fwd_slab(xp, self, pq, pk, v, chunk, _tril(xp, chunk, cdt))
-        else:
+        if not causal:
             sketch = _sketch(xp, pk, v, sum_chunk, cdt)
-            B, A = sketch[..., :-1], sketch[..., -1]
-            num = pq @ B[:, None]
-            Dn = (pq @ A[:, None, :, None])[..., 0]
+            _noncausal_readout(xp, pq, sketch, L, out, D)
+            return sketch
+        num, Dn = _causal_fwd_slab(xp, self, pq, pk, v, chunk, _tril(xp, chunk, cdt))
         Dn = Dn.reshape(S * group, nq)
         D[...] = Dn
         num = num.reshape(S * group, nq, v.shape[-1])
         num *= _inverse(xp, Dn, L)[..., None]
         out[...] = num
-        return None if causal else sketch
+        return None
 
     def noncausal_bwd(self, pq, pk, v, g, winv, sketch, sum_chunk, dv_out):
         """Non-causal ``(dphi_q, dphi_k)`` of one slab (:func:`_noncausal_bwd_slab`) from the
@@ -332,6 +330,25 @@ def forward(xp, q, k, v, planes, beta, *, causal, key_mask=None, group=1, chunk=
                 prefix.states[g0:g1] = sk.states
     return out, dict(phiq=phiq, tq=tq, phik=phik, tk=tk, D=D, sketch=sketch, prefix=prefix, v=v, planes=planes,
                      beta=beta, causal=causal, group=group, chunk=chunk, sum_chunk=sum_chunk, workspace=workspace)
+
+
+def _noncausal_readout(xp, pq, sketch, L, out, D):
+    """``out[...] = (phi_q / D) B`` and ``D[...] = phi_q . A`` from the packed ``sketch (S, F, dv + 1)``
+    (``pq (S, group, nq, F)``; ``out (S * group, nq, dv)``, ``D (S * group, nq)`` views to write).
+    The 1 / D scales the F-wide rows before the product, which then writes ``out`` itself where it
+    is in the compute dtype: no dv-wide temporary, no second pass over it.  Batched products of
+    ``(S, group * nq, F)`` rows against ``(S, F, .)`` (no broadcast batch axes under ``out=``)."""
+    S, group, nq, F = pq.shape
+    dv = sketch.shape[-1] - 1
+    rows = pq.reshape(S, group * nq, F)
+    Dn = (rows @ sketch[:, :, dv:])[..., 0]                         # (S, group * nq)
+    D[...] = Dn.reshape(S * group, nq)
+    pw = rows * _inverse(xp, Dn, L)[..., None]
+    dst = out.reshape(S, group * nq, dv)
+    if out.dtype == pq.dtype:
+        xp.matmul(pw, sketch[..., :dv], out=dst)
+    else:
+        dst[...] = pw @ sketch[..., :dv]
 
 
 def _inverse(xp, Dn, L):

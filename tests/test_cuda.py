@@ -267,7 +267,7 @@ def test_numpy_api_sends_cupy_input_and_gpu_residuals_to_the_gpu(rng, monkeypatc
     monkeypatch.setattr(rc, "race_attention_fwd", lambda *a, **kw: calls.append((a, kw)) or ("out", "res"))
     assert racecpu.race_attention_fwd(stand_in, k, v, planes, 2.0, causal=True) == ("out", "res")
     assert calls == [((stand_in, k, v, planes, 2.0), dict(causal=True, key_mask=None, check_finite=True,
-                                                          cu_seqlens=None))]
+                                                          cu_seqlens=None, planes_grad=True))]
     with pytest.raises(TypeError, match="out is for NumPy"):
         racecpu.race_attention_fwd(stand_in, k, v, planes, out=np.empty(3))
 

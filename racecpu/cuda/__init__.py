@@ -464,11 +464,14 @@ class Residuals:
 
 
 def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None, check_finite=True,
-                       cu_seqlens=None):
+                       cu_seqlens=None, planes_grad=True):
     """RACE attention forward on the GPU; returns ``(out, residuals)``.
 
     Arguments and results as :func:`racecpu.race_attention_fwd`; arrays are
-    on the device (see the module docstring).  Grouped-query k and v are
+    on the device (see the module docstring).  ``planes_grad=False``: the
+    backward will not be asked for the planes' gradient, and the residuals
+    keep no reference to ``q`` and ``k`` (which may be a caller's
+    conversions, such as racecpu.torch's float32 copies of bfloat16 tensors).  Grouped-query k and v are
     hashed and sketched once per key/value head, as on the CPU, and the
     causal scans run one thread block per key/value head and chunk, whose
     state its query heads read in turn.  Packed sequences (``cu_seqlens``)
@@ -476,7 +479,7 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
     """
     dev = _Device(_is_cupy(q))
     if _use_chunkwise(cu_seqlens):
-        return _chunkwise_fwd(q, k, v, planes, beta, causal, key_mask, check_finite, dev)
+        return _chunkwise_fwd(q, k, v, planes, beta, causal, key_mask, check_finite, dev, planes_grad)
     a = _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, dev)
     G, n_given, d = a.q.shape
     nk, dv = a.v.shape[1:]
@@ -688,8 +691,8 @@ class CudaOps(chunkwise.ArrayOps):
     #: bandwidth, a shared load per FMA) where the same product by cuBLAS took 1.7 (chunks of 64,
     #: the array form's breakdown); the performance log's GPU section.
     STATES_BY_GEMM = True
-    #: Whether the non-causal readout is a batched cuBLAS product of the 1 / D-scaled ``phi_q``
-    #: with the sketch, else the fused ``readout`` kernel (a shared load per FMA: 0.64 ms a head at
+    #: Whether the non-causal forward is the array form's (its readout a batched cuBLAS product of
+    #: the 1 / D-scaled ``phi_q`` with the sketch), else the fused ``readout`` kernel (a shared load per FMA: 0.64 ms a head at
     #: 2^20 on an H200 by ncu, where cuBLAS wrote an (N, 128) product of the same size in 0.28).
     READOUT_BY_GEMM = True
     #: Tokens per shared-memory tile inside a fused block.
@@ -733,17 +736,14 @@ class CudaOps(chunkwise.ArrayOps):
         W = planes.reshape(L * P, d)
         phi = self.xp.empty((M, F), planes.dtype) if phi_out is None else _rows_view(phi_out, M, F)
         t = None if t_out is None else _rows_view(t_out, M, L * P)
-        if self.FUSED_HASH and hash_fits(L, P):  # the projection and the hash in one pass over x
+        if hash_fits(L, P):  # HASH_LANES lanes a row
             t = self.xp.empty((M, L * P), planes.dtype) if t is None else t
             if M:
                 K = self._hash_kernels(L, P, planes.dtype)
-                self._rows_launch(K["hash_rows"], M, P)(xr, W, beta, phi, t)
-        elif hash_fits(L, P):  # cuBLAS's projections, then a pass of HASH_LANES lanes a row
-            u = xr @ W.T
-            t = self.xp.empty((M, L * P), planes.dtype) if t is None else t
-            if M:
-                K = self._hash_kernels(L, P, planes.dtype)
-                self._rows_launch(K["hash_from_u"], M, P)(u, beta, phi, t)
+                if self.FUSED_HASH:  # the projection and the hash in one pass over x
+                    self._rows_launch(K["hash_rows"], M, P)(xr, W, beta, phi, t)
+                else:  # cuBLAS's projections, then the pass
+                    self._rows_launch(K["hash_from_u"], M, P)(xr @ W.T, beta, phi, t)
         else:  # more corners or projections than a row's lanes keep: a thread per (row, table)
             u = xr @ W.T   # a fresh (M, L*P) array: t in place
             if M:
@@ -842,7 +842,8 @@ class CudaOps(chunkwise.ArrayOps):
         return part
 
     def attend(self, pq, pk, v, causal, chunk, sum_chunk, L, out, D):
-        if not self.FUSED or max(pq.shape[2], pk.shape[1]) < self.FUSED_MIN_TOKENS:
+        if (not self.FUSED or max(pq.shape[2], pk.shape[1]) < self.FUSED_MIN_TOKENS
+                or (not causal and self.READOUT_BY_GEMM)):  # the array form's sketch and products
             return super().attend(pq, pk, v, causal, chunk, sum_chunk, L, out, D)
         xp = self.xp
         S, group, nq, F = pq.shape
@@ -858,20 +859,6 @@ class CudaOps(chunkwise.ArrayOps):
             BA = kept[:, None]
         if nq == 0 or dv == 0:
             D[...] = 0
-            return kept
-        if not causal and self.READOUT_BY_GEMM:
-            # out = (phi_q / D) B: the 1 / D scales the F-wide rows, then one batched product
-            # writes out, with no dv-wide temporary where out is in the compute dtype
-            # (S, group * nq, F) rows against (S, F, .): batched products, no broadcast batch axes
-            rows = pq.reshape(S, group * nq, F)
-            Dn = (rows @ kept[:, :, dv:])[..., 0]                             # (S, group * nq)
-            D[...] = Dn.reshape(S * group, nq)
-            pw = rows * chunkwise._inverse(xp, Dn, L)[..., None]
-            dst = out.reshape(S, group * nq, dv)
-            if out.dtype == cdt:
-                xp.matmul(pw, kept[..., :dv], out=dst)
-            else:
-                dst[...] = pw @ kept[..., :dv]
             return kept
         dst = out if out.dtype == cdt else xp.empty(out.shape, cdt)
         tpb = self._threads(dv)
@@ -968,7 +955,7 @@ class ChunkwiseResiduals:
         return self.lead + (self.tokens, self.state["v"].shape[2])
 
 
-def _chunkwise_fwd(q, k, v, planes, beta, causal, key_mask, check_finite, dev):
+def _chunkwise_fwd(q, k, v, planes, beta, causal, key_mask, check_finite, dev, planes_grad=True):
     a = _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, dev, widen=False)
     xp = _xp()
     n = a.q.shape[1]
@@ -980,7 +967,8 @@ def _chunkwise_fwd(q, k, v, planes, beta, causal, key_mask, check_finite, dev):
     kv_lead = a.lead[:-1] + (a.lead[-1] // a.group,) if a.group > 1 else a.lead
     # the caller's q and k by reference (as v), read again only for the planes' gradient
     pdt = np.dtype(_proxy(planes).dtype if _on_device(planes) else np.asarray(planes).dtype)
-    state.update(q_in=q, k_in=k, planes_dtype=pdt if pdt.kind == "f" else a.cdt)
+    state.update(q_in=q if planes_grad else None, k_in=k if planes_grad else None,
+                 planes_dtype=pdt if pdt.kind == "f" else a.cdt)
     res = ChunkwiseResiduals(state, a.lead, kv_lead, n, a.in_dtypes, a.out_dtype, bool(check_finite), dev.cupy)
     return _from_xp(xp, out.reshape(a.lead + (n, v_.shape[2])), dev), res
 
@@ -995,11 +983,11 @@ def _chunkwise_bwd(r, grad_out, dplanes=False):
     G, n, _ = r.state["phiq"].shape
     g = _as_xp(xp, _to_device(g, None, (G, n, gshape[-1]), dev))
     kw = {}
-    if dplanes and r.state["q_in"] is None:
-        raise ValueError("these residuals keep no q and k: their forward was told the planes' gradient would not "
-                         "be asked for (planes_grad=False)")
     if dplanes:  # q and k as the forward read them (no copy where they are contiguous device arrays)
         st = r.state
+        if st["q_in"] is None:
+            raise ValueError("these residuals keep no q and k: their forward was told the planes' gradient would "
+                             "not be asked for (planes_grad=False)")
         d = st["planes"].shape[-1]
         kw = dict(q=_as_xp(xp, _to_device(st["q_in"], None, st["phiq"].shape[:2] + (d,), dev)),
                   k=_as_xp(xp, _to_device(st["k_in"], None, st["phik"].shape[:2] + (d,), dev)))
@@ -1036,9 +1024,7 @@ class CudaBackend:
 
     def forward(self, q, k, v, planes, beta, *, causal=False, key_mask=None, check_finite=True, cu_seqlens=None,
                 out=None, residuals=True, estimator="ratio", planes_grad=True):
-        """:func:`race_attention_fwd` (``residuals=False``: :func:`race_attention`, ``(out, None)``;
-        ``planes_grad=False``: the residuals keep no reference to ``q`` and ``k``, which may be a
-        caller's conversions, such as racecpu.torch's float32 copies of bfloat16 tensors)."""
+        """:func:`race_attention_fwd` (``residuals=False``: :func:`race_attention`, ``(out, None)``)."""
         if estimator != "ratio":
             raise NotImplementedError(f"racecpu.cuda computes the ratio estimator only, not {estimator!r}; run it "
                                       f"on NumPy arrays")
@@ -1046,10 +1032,7 @@ class CudaBackend:
             raise TypeError("out is for NumPy arrays; CuPy's memory pool already reuses device memory")
         kw = dict(causal=causal, key_mask=key_mask, check_finite=check_finite, cu_seqlens=cu_seqlens)
         if residuals:
-            out, res = race_attention_fwd(q, k, v, planes, beta, **kw)
-            if not planes_grad and isinstance(res, ChunkwiseResiduals):
-                res.state.update(q_in=None, k_in=None)
-            return out, res
+            return race_attention_fwd(q, k, v, planes, beta, planes_grad=planes_grad, **kw)
         return race_attention(q, k, v, planes, beta, **kw), None
 
     def backward(self, residuals, grad_out, *, out=None, dplanes=False):
