@@ -57,6 +57,33 @@ def test_demo_dask_runs_at_any_tokens_with_4_heads(scheduler, tmp_path, capsys, 
     assert not os.path.exists(os.path.join(d, "rows"))
 
 
+
+@pytest.mark.parametrize("scan", ["fused", "tree"])
+def test_demo_dask_runs_every_block_task_once(scheduler, tmp_path, scan):
+    """Several blocks per head: every block's forward task and backward task run once in the whole
+    demo, with either scan (a fused scan run through the tree's four phases ran each chain two or
+    three times: an earlier phase kept its carries but not its outputs or gradients), and every
+    token's out and dq equal the in-memory API's."""
+    tokens, block, heads = 2500, 1024, 2  # three blocks per head, the last one short
+    with distributed.Client(scheduler) as client, distributed.get_task_stream(client) as ts:
+        m = dask_demo.demo(tokens=tokens, heads=heads, dim=16, directory=str(tmp_path / "dd"), scheduler=scheduler,
+                           block=block, progress=False, scan=scan)
+    runs = collections.Counter()
+    for t in ts.data:
+        name = t["key"] if isinstance(t["key"], str) else t["key"][0]
+        kind = ("backward" if name.startswith("race-causal-bwd-") else "forward" if name.startswith("race-causal-")
+                else None)
+        if kind is not None:
+            runs[kind] += sum(s["action"] == "compute" for s in t["startstops"])
+    blocks = heads * 3
+    assert m["scan"] == scan and m["blocks"] == blocks
+    assert runs == {"forward": blocks, "backward": blocks}
+    assert [label for label, _ in m["phases"]] == (["outputs", "gradients"] if scan == "fused" else [
+        "forward states", "outputs, dstates", "reverse carries", "gradients"])
+    assert m["seconds_total"] >= sum(sec for _, sec in m["phases"]) > 0
+    assert m["check_tokens"] == tokens
+    assert m["check_max_abs_err_out"] < 1e-5 and m["check_max_abs_err_dq"] < 1e-5
+
 def test_pick_block():
     B = dask_demo.MAX_BLOCK
     assert [dask_demo.pick_block(n) for n in (1, 1000, B, B + 1, 3 * B - 5)] == [1, 1000, B, B // 2 + 1, B - 1]

@@ -15,6 +15,13 @@ def test_seeded_array_is_slice_independent():
     np.testing.assert_array_equal(np.concatenate([a.rows(0, 0, 129), a.rows(0, 129, 1000)]), full[0, 0])
     assert abs(float(full.std()) - 1.0) < 0.05
     assert not np.array_equal(np.asarray(SeededArray((1, 50, 4), seed=8)), np.asarray(SeededArray((1, 50, 4), seed=9)))
+    # into a given array (the Dask demo's block), a view with strides of its own included
+    into = np.full((2, 417, 4), np.nan, np.float32)
+    assert np.shares_memory(a.rows(4, 100, 517, out=into[1]), into)  # returned: out itself
+    np.testing.assert_array_equal(into[1], full[1, 1, 100:517])
+    assert np.isnan(into[0]).all()  # nothing written outside out
+    with pytest.raises(ValueError, match="shape"):
+        a.rows(4, 100, 517, out=np.empty((416, 4), np.float32))
 
 
 @pytest.mark.parametrize("causal", [True, False])

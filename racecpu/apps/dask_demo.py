@@ -8,7 +8,8 @@ stored: every block is generated on the worker that uses it, from a seed
 (:class:`racecpu.apps.ooc_demo.SeededArray`), and the results ``out, dq, dk,
 dv`` go into zarr arrays on disk, one zarr chunk per block.
 
-The graph runs in four phases, each of which keeps its small results (the
+Where the carries between blocks are scanned (a tree or a chain), the
+graph runs in four phases, each of which keeps its small results (the
 sketches, float64, ``L * 2**P * (dv + 1)`` numbers per head) in the cluster's
 memory for the next: (1) the forward's carried-in states, (2) the outputs
 and, from each block's output, the cotangent it sends back to its state, (3)
@@ -16,12 +17,16 @@ the backward's reverse carries (a scan of additions of those), (4) the
 gradients.  Within a phase every
 block depends only on its own rows and those small states, so a worker holds
 a few blocks' rows at a time whatever the length; computing the graph in one
-go would let the scheduler hold every block's rows across the scans.  The
-rows each block's backward reads (272 bytes per token and head at float32)
-go from phase (2) to phase (4) in files (``directory/rows``, deleted at the
-end: :func:`rows_needed` bytes), so no block's forward runs twice.
-With one block per head (``tokens <= block``) phases (1) and (3) have
-nothing to compute.
+go would let the scheduler hold every block's rows across the scans.
+Where the scan is fused (``scan="auto"`` fuses where every worker has a
+sequence of its own and their results fit, :func:`racecpu.dask.pick_scan`),
+a block's forward task gives its output, carry and rows at once, and its
+backward task its gradients and reverse carry, so the graph runs in two
+phases, the outputs and the gradients.  The rows each block's backward
+reads (272 bytes per token and head at float32) go from the forward to the
+gradients in files (``directory/rows``, deleted at the end:
+:func:`rows_needed` bytes), so no block's forward runs twice.  With one
+block per head (``tokens <= block``) there are no carries.
 
 The results take :func:`disk_needed` bytes (about ``16 * tokens * dim``
 per head: four float32 arrays) in ``directory``, which stay there for the
@@ -69,7 +74,7 @@ def _seeded_block(shape, seed, block_info=None):
     out = np.empty((a1 - a0, h1 - h0, n1 - n0, shape[-1]), np.float32)
     for a in range(a0, a1):
         for h in range(h0, h1):
-            out[a - a0, h - h0] = src.rows(a * H + h, n0, n1)
+            src.rows(a * H + h, n0, n1, out=out[a - a0, h - h0])  # no row copy of its own
     return out
 
 
@@ -298,7 +303,7 @@ def _wait(futures, progress, label):
 
 def demo(tokens=2 ** 24, heads=4, dim=128, directory="racecpu-dask", scheduler=None, *, seed=0,
          num_planes=3, num_tables=3, beta=None, block=None, check=True, progress=True, disk_margin=DISK_MARGIN,
-         n_workers=None):
+         n_workers=None, scan="auto"):
     """One causal RACE forward + backward over ``tokens`` tokens on a Dask cluster; returns metrics.
 
     Parameters
@@ -329,11 +334,20 @@ def demo(tokens=2 ** 24, heads=4, dim=128, directory="racecpu-dask", scheduler=N
         Dask's progress bar for each phase.
     disk_margin : int, default :data:`DISK_MARGIN` (4 GiB)
         Refuse to start unless this much disk stays free after the results.
+    n_workers : int, optional
+        Worker processes of the demo's own ``LocalCluster`` (default one per core).
+    scan : {"auto", "fused", "tree", "chain"}, default "auto"
+        How the carries between blocks are computed
+        (:func:`racecpu.dask.race_attention_fwd`); a fused scan runs in two
+        phases, the others in four (see the module's docstring).
 
     Returns
     -------
     dict
-        tokens, heads, dim, block, workers, seconds per phase and in total,
+        tokens, heads, dim, block, workers, the scan, ``phases`` (each phase's
+        label and seconds; ``seconds_states``, ``seconds_forward``,
+        ``seconds_reverse``, ``seconds_backward`` name the four of a scanned
+        run, 0 for a phase a fused run does not have) and the total,
         ns_per_token_head, peak RSS per worker, bytes moved between workers
         (racecpu's sketches and other keys, e.g. rows of a task that Dask's
         work stealing moved), one block's state bytes, disk bytes (measured
@@ -348,7 +362,7 @@ def demo(tokens=2 ** 24, heads=4, dim=128, directory="racecpu-dask", scheduler=N
         anything is written or started.
     """
     import zarr
-    from distributed import Client, futures_of
+    from distributed import Client
 
     from .. import dask as rd
     from ..attention import race_attention_bwd, race_attention_fwd
@@ -383,40 +397,20 @@ def demo(tokens=2 ** 24, heads=4, dim=128, directory="racecpu-dask", scheduler=N
         client.run(_reset_peak)
 
         Q, K, V, G, src = seeded_inputs(tokens, heads, dim, block, seed)
-        t = {}
         t0 = time.perf_counter()
-        # Each block's forward writes the rows its backward reads to rows_dir (phase 2) and hands on the
-        # file's path, which phase 4 reads: no forward runs twice and no worker holds rows between phases.
-        out, res = rd.race_attention_fwd(Q, K, V, W, beta, causal=True, rows_dir=rows_dir)
-        # The first block of a head has no carried-in state: with one block per head there are none,
-        # and distributed's persist refuses an empty list ("No collections provided").
-        carries = [c for b in res.states.values() for c in b if c is not None]
-        kept = client.persist(carries) if carries else []
-        _wait(futures_of(kept), progress, "1/4 forward: block totals and carried-in states")
-        t["states"] = time.perf_counter() - t0
+        # Each block's forward writes the rows its backward reads to rows_dir and hands on the file's path,
+        # which the gradients' phase reads: no forward runs twice and no worker holds rows between phases.
+        out, res = rd.race_attention_fwd(Q, K, V, W, beta, causal=True, rows_dir=rows_dir, scan=scan)
         dq, dk, dv, dbeta = rd.race_attention_bwd(res, G)
-        t1 = time.perf_counter()
-        # With the outputs, each block's cotangent to its state (the dstate tasks read the block's output,
-        # which is then computed once); both are submitted at once so that they share the forward's tasks.
-        f_out = client.compute(da_store(out, stores[0]))
-        graph, keys = _keys(dq, ("race-dstate-", "race-rcarry-", "race-fwd-"))
-        dkeys = [k for k in keys if k.startswith(("race-dstate-", "race-fwd-"))]  # and the paths of the rows
-        dfut = client.get(graph, dkeys, sync=False) if dkeys else []
-        _wait([f_out] + list(dfut), progress, "2/4 forward: outputs, and what they send back to the states")
-        rows_bytes = _results_bytes(directory, ("rows",))
-        t["forward"] = time.perf_counter() - t1
-        t2 = time.perf_counter()
-        rkeys = [k for k in keys if k.startswith("race-rcarry-")]
-        rfut = client.get(graph, rkeys, sync=False) if rkeys else []
-        _wait(list(rfut), progress, "3/4 backward: reverse carries")
-        t["reverse"] = time.perf_counter() - t2
-        t3 = time.perf_counter()
-        f_grads = client.compute([da_store(x, s) for x, s in zip((dq, dk, dv), stores[1:])] + [dbeta])
-        _wait(f_grads, progress, "4/4 backward: gradients")
-        t["backward"] = time.perf_counter() - t3
+        if res.scan == "fused":
+            t, kept, rows_bytes, f_grads = _fused_phases(client, res, out, (dq, dk, dv, dbeta), stores, directory,
+                                                         progress)
+        else:
+            t, kept, rows_bytes, f_grads = _scanned_phases(client, res, out, (dq, dk, dv, dbeta), stores, directory,
+                                                           progress)
         total = time.perf_counter() - t0
         db = float(f_grads[-1].result())
-        del kept, dfut, rfut, f_out, f_grads
+        del kept, f_grads
         shutil.rmtree(rows_dir, ignore_errors=True)
         peaks = client.run(_peak)
         moved = client.run(_incoming)
@@ -426,8 +420,9 @@ def demo(tokens=2 ** 24, heads=4, dim=128, directory="racecpu-dask", scheduler=N
             cluster.close()
 
     m = dict(tokens=tokens, heads=heads, dim=dim, block=block, workers=workers, num_planes=num_planes,
-             num_tables=num_tables, beta=beta, seconds_states=t["states"], seconds_forward=t["forward"],
-             seconds_reverse=t["reverse"], seconds_backward=t["backward"], seconds_total=total,
+             num_tables=num_tables, beta=beta, scan=res.scan, phases=[(label, sec) for _, label, sec in t],
+             **{f"seconds_{key}": sum(sec for k, _, sec in t if k == key)
+                for key in ("states", "forward", "reverse", "backward")}, seconds_total=total,
              ns_per_token_head=total / (tokens * heads) * 1e9, peak_rss_bytes=dict(peaks),
              bytes_moved_sketches=sum(a for a, _ in moved.values()),
              bytes_moved_other=sum(b for _, b in moved.values()),
@@ -443,6 +438,73 @@ def demo(tokens=2 ** 24, heads=4, dim=128, directory="racecpu-dask", scheduler=N
         m["check_max_abs_err_out"] = float(np.abs(stores[0][:, :n] - o).max())
         m["check_max_abs_err_dq"] = float(np.abs(stores[1][:, :n] - dq0).max())
     return m
+
+
+
+
+def _fused_phases(client, res, out, grads, stores, directory, progress):
+    """The demo's graph in two phases when the scan is fused: each block's forward task gives its
+    output, the carry its successor starts from and the path of its rows at once, and its
+    backward task its gradients and the cotangent its predecessor starts from, so the outputs are
+    stored with the carries and rows kept, then the gradients, and every block task runs once
+    (four phases, as :func:`_scanned_phases`, ran each chain again for what an earlier phase had
+    not kept).  Returns the phases' ``(key, label, seconds)`` (the keys of :func:`demo`'s
+    ``seconds_*``), the futures kept to the end, the bytes of the rows' files and the gradients'
+    futures (dbeta last)."""
+    from distributed import futures_of
+
+    dq, dk, dv, dbeta = grads
+    t0 = time.perf_counter()
+    f_out = client.compute(da_store(out, stores[0]))
+    # submitted with the store, so that they share its block tasks
+    small = [x for b in res.states for x in res.states[b] + res.forwards[b] if x is not None]
+    kept = client.persist(small) if small else []
+    _wait([f_out] + futures_of(kept), progress, "1/2 forward: outputs, and each block's carry and rows")
+    rows_bytes = _results_bytes(directory, ("rows",))
+    t1 = time.perf_counter()
+    f_grads = client.compute([da_store(x, s) for x, s in zip((dq, dk, dv), stores[1:])] + [dbeta])
+    _wait(f_grads, progress, "2/2 backward: gradients")
+    return ([("forward", "outputs", t1 - t0), ("backward", "gradients", time.perf_counter() - t1)], kept, rows_bytes,
+            f_grads)
+
+
+def _scanned_phases(client, res, out, grads, stores, directory, progress):
+    """The demo's graph in four phases when the carries are scanned (tree or chain), each keeping
+    only states for the next: (1) the forward's carried-in states, (2) the outputs and, from each
+    block's output, the cotangent it sends back to its state, (3) the backward's reverse carries,
+    (4) the gradients.  Within a phase every block depends only on its own rows and those small
+    states, so a worker holds a few blocks' rows at a time whatever the length (computing the
+    graph in one go would let the scheduler hold every block's rows across the scans).  Returns
+    as :func:`_fused_phases`."""
+    from distributed import futures_of
+
+    dq, dk, dv, dbeta = grads
+    t0 = time.perf_counter()
+    # The first block of a head has no carried-in state: with one block per head there are none,
+    # and distributed's persist refuses an empty list ("No collections provided").
+    carries = [c for b in res.states.values() for c in b if c is not None]
+    kept = client.persist(carries) if carries else []
+    _wait(futures_of(kept), progress, "1/4 forward: block totals and carried-in states")
+    t1 = time.perf_counter()
+    # With the outputs, each block's cotangent to its state (the dstate tasks read the block's output,
+    # which is then computed once); both are submitted at once so that they share the forward's tasks.
+    f_out = client.compute(da_store(out, stores[0]))
+    graph, keys = _keys(dq, ("race-dstate-", "race-rcarry-", "race-fwd-"))
+    dkeys = [k for k in keys if k.startswith(("race-dstate-", "race-fwd-"))]  # and the paths of the rows
+    dfut = client.get(graph, dkeys, sync=False) if dkeys else []
+    _wait([f_out] + list(dfut), progress, "2/4 forward: outputs, and what they send back to the states")
+    rows_bytes = _results_bytes(directory, ("rows",))
+    t2 = time.perf_counter()
+    rkeys = [k for k in keys if k.startswith("race-rcarry-")]
+    rfut = client.get(graph, rkeys, sync=False) if rkeys else []
+    _wait(list(rfut), progress, "3/4 backward: reverse carries")
+    t3 = time.perf_counter()
+    f_grads = client.compute([da_store(x, s) for x, s in zip((dq, dk, dv), stores[1:])] + [dbeta])
+    _wait(f_grads, progress, "4/4 backward: gradients")
+    t4 = time.perf_counter()
+    return ([("states", "forward states", t1 - t0), ("forward", "outputs, dstates", t2 - t1),
+             ("reverse", "reverse carries", t3 - t2), ("backward", "gradients", t4 - t3)],
+            [kept, list(dfut), list(rfut)], rows_bytes, f_grads)
 
 
 def _warm(W, beta):

@@ -189,10 +189,9 @@ def _run_dask(args):
                        scheduler=scheduler, seed=args.seed, num_planes=args.num_planes, num_tables=args.num_tables,
                        beta=args.beta, block=block, progress=args.progress)
     th = m["tokens"] * m["heads"]
-    print(f"heads {m['heads']}, workers {m['workers']}, {m['blocks']} blocks")
-    for label, key in (("forward states", "seconds_states"), ("outputs, dstates", "seconds_forward"),
-                       ("reverse carries", "seconds_reverse"), ("gradients", "seconds_backward")):
-        print(f"{label:18}{m[key]:8.1f} s")
+    print(f"heads {m['heads']}, workers {m['workers']}, {m['blocks']} blocks, scan {m['scan']}")
+    for label, seconds in m["phases"]:  # four where the carries are scanned, two where the scan is fused
+        print(f"{label:18}{seconds:8.1f} s")
     print(f"{'total':18}{m['seconds_total']:8.1f} s   {m['ns_per_token_head']:8.1f} ns per token-head "
           f"({th:,} token-heads)")
     for w, b in sorted(m["peak_rss_bytes"].items()):

@@ -78,11 +78,15 @@ class SeededArray:
         off = int(np.random.default_rng([self.seed, g, t]).integers(self.pool))
         return self._values[off:off + rows * d].reshape(rows, d)
 
-    def rows(self, g, lo, hi):
-        """Rows ``lo:hi`` of flat group ``g`` as an ndarray (hi - lo, d)."""
+    def rows(self, g, lo, hi, out=None):
+        """Rows ``lo:hi`` of flat group ``g`` as an ndarray (hi - lo, d), written into ``out``
+        (an array of that shape, any dtype; returned) where given, else a new array."""
         n, d = self.shape[-2:]
         lo, hi = max(0, lo), min(n, hi)
-        out = np.empty((max(hi - lo, 0), d), self.dtype)
+        if out is None:
+            out = np.empty((max(hi - lo, 0), d), self.dtype)
+        elif out.shape != (max(hi - lo, 0), d):
+            raise ValueError(f"out must have shape {(max(hi - lo, 0), d)}, got {out.shape}")
         for t in range(lo // self.tile, -(-hi // self.tile)):
             a, b = max(lo, t * self.tile), min(hi, (t + 1) * self.tile)
             out[a - lo:b - lo] = self._tile(g, t)[a - t * self.tile:b - t * self.tile]
