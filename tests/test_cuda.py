@@ -480,6 +480,53 @@ def test_gpu_benchmark_runs_and_checks(capsys):
     assert "fwd+bwd" in bench.format_rows(rows)
 
 
+_FAKE_AUTHORS = textwrap.dedent("""
+    import torch
+
+    class RaceCausalCuda(torch.nn.Module):  # their constructor and buffer; a dense causal stand-in
+        def __init__(self, d_k, Kbits, L, M, device="cuda", seed=0):
+            super().__init__()
+            self.register_buffer("planes_T", torch.zeros((d_k, L * Kbits), device=device))
+
+        def forward(self, Q, K, V):
+            S = torch.tanh(Q @ self.planes_T) @ torch.tanh(K @ self.planes_T).transpose(-1, -2)
+            return torch.softmax(S.masked_fill(torch.ones_like(S).triu(1).bool(), -1e9), -1) @ V
+""")
+
+
+def test_gpu_benchmark_times_the_authors_module(tmp_path):
+    """--authors: their files found (or named when missing), their module timed at each causal N on
+    racecpu's planes, and each causal racecpu row given its speed-up (a CPU stand-in for their
+    module: their kernels need a GPU and nvcc)."""
+    torch = pytest.importorskip("torch")
+    from racecpu.apps import cuda_bench as bench
+    with pytest.raises(FileNotFoundError, match="race_cuda_binding.cpp"):
+        bench.load_authors(tmp_path)
+    with pytest.raises(SystemExit) as stop:  # the command line says so before timing anything
+        bench.main(["--authors", str(tmp_path), "--log2n", "4"])
+    assert stop.value.code == 2
+    for f in bench.AUTHORS_FILES:
+        (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / f).write_text(_FAKE_AUTHORS if f.endswith("race_causal_cuda.py") else "")
+    sys.modules.pop("race_causal_cuda", None)
+    try:
+        mod = bench.load_authors(tmp_path)
+        times, peak = bench.time_authors(mod, 16, heads=1, head_dim=4, repeats=2, device="cpu")
+        assert len(times) == 2 and min(times) > 0 and peak is None
+        rows = bench.run_benchmark(log2ns=(4,), heads=1, head_dim=4, causal=(False, True), repeats=1, sdpa=False,
+                                   check=False, progress=False, authors=mod, authors_device="cpu")
+    finally:
+        sys.modules.pop("race_causal_cuda", None)
+        sys.path.remove(str(tmp_path / "scaling"))
+    assert [(r["impl"], r["causal"]) for r in rows] == [("race-cuda", False), ("race-cuda", True),
+                                                        ("authors-cuda", True)], rows
+    assert "x_authors" not in rows[0] and rows[1]["x_authors"] == rows[2]["median_ms"] / rows[1]["median_ms"]
+    assert "the authors' module" in bench.format_rows(rows)
+    planes = racecpu.hyperplanes(4)  # their layout of racecpu's planes, as time_authors copies them
+    m = mod.RaceCausalCuda(4, 3, 3, 1, device="cpu")
+    m.planes_T.copy_(torch.from_numpy(np.ascontiguousarray(planes.reshape(-1, 4).T)))
+    assert np.array_equal(m.planes_T.numpy()[:, 3 + 1], planes[1, 1])  # column l * P + p is plane (l, p)
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_grouped_kv_matches_cpu(rng, causal):
     """Grouped-query k, v (4 query heads over 2): the CPU's results, gradients in k's and v's shapes."""
