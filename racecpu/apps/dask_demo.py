@@ -451,15 +451,13 @@ def _fused_phases(client, res, out, grads, stores, directory, progress):
     not kept).  Returns the phases' ``(key, label, seconds)`` (the keys of :func:`demo`'s
     ``seconds_*``), the futures kept to the end, the bytes of the rows' files and the gradients'
     futures (dbeta last)."""
-    from distributed import futures_of
-
     dq, dk, dv, dbeta = grads
     t0 = time.perf_counter()
-    f_out = client.compute(da_store(out, stores[0]))
-    # submitted with the store, so that they share its block tasks
+    # One submission: a block task whose output had been stored before a second submission
+    # asked for its carry would have been released, and computed again.
     small = [x for b in res.states for x in res.states[b] + res.forwards[b] if x is not None]
-    kept = client.persist(small) if small else []
-    _wait([f_out] + futures_of(kept), progress, "1/2 forward: outputs, and each block's carry and rows")
+    f_out, *kept = client.compute([da_store(out, stores[0])] + small)
+    _wait([f_out] + kept, progress, "1/2 forward: outputs, and each block's carry and rows")
     rows_bytes = _results_bytes(directory, ("rows",))
     t1 = time.perf_counter()
     f_grads = client.compute([da_store(x, s) for x, s in zip((dq, dk, dv), stores[1:])] + [dbeta])
@@ -476,6 +474,7 @@ def _scanned_phases(client, res, out, grads, stores, directory, progress):
     states, so a worker holds a few blocks' rows at a time whatever the length (computing the
     graph in one go would let the scheduler hold every block's rows across the scans).  Returns
     as :func:`_fused_phases`."""
+    from dask.delayed import Delayed
     from distributed import futures_of
 
     dq, dk, dv, dbeta = grads
@@ -487,12 +486,11 @@ def _scanned_phases(client, res, out, grads, stores, directory, progress):
     _wait(futures_of(kept), progress, "1/4 forward: block totals and carried-in states")
     t1 = time.perf_counter()
     # With the outputs, each block's cotangent to its state (the dstate tasks read the block's output,
-    # which is then computed once); both are submitted at once so that they share the forward's tasks.
-    f_out = client.compute(da_store(out, stores[0]))
+    # which is then computed once), in one submission so that they share the forward's tasks.
     graph, keys = _keys(dq, ("race-dstate-", "race-rcarry-", "race-fwd-"))
     dkeys = [k for k in keys if k.startswith(("race-dstate-", "race-fwd-"))]  # and the paths of the rows
-    dfut = client.get(graph, dkeys, sync=False) if dkeys else []
-    _wait([f_out] + list(dfut), progress, "2/4 forward: outputs, and what they send back to the states")
+    f_out, *dfut = client.compute([da_store(out, stores[0])] + [Delayed(k, graph) for k in dkeys])
+    _wait([f_out] + dfut, progress, "2/4 forward: outputs, and what they send back to the states")
     rows_bytes = _results_bytes(directory, ("rows",))
     t2 = time.perf_counter()
     rkeys = [k for k in keys if k.startswith("race-rcarry-")]
@@ -504,7 +502,7 @@ def _scanned_phases(client, res, out, grads, stores, directory, progress):
     t4 = time.perf_counter()
     return ([("states", "forward states", t1 - t0), ("forward", "outputs, dstates", t2 - t1),
              ("reverse", "reverse carries", t3 - t2), ("backward", "gradients", t4 - t3)],
-            [kept, list(dfut), list(rfut)], rows_bytes, f_grads)
+            [kept, dfut, list(rfut)], rows_bytes, f_grads)
 
 
 def _warm(W, beta):
