@@ -34,11 +34,11 @@ bfloat16 (the FlashAttention backend; float32 has no flash kernel) up to
 extrapolated as ``t * (N / N_max)**2`` and marked so.  Its peak is
 ``torch.cuda.max_memory_allocated``.
 
-Targets (issue 6): forward+backward <= 60 ms at N = 2**22 on an H100 (4
-heads, d = 128, float32), and N = 2**23 at 4 heads within 80 GB.  Note that
-q, k, v, out, grad_out, dq, dk, dv at N = 2**23, 4 heads, d = 128 in float32
-are 8 x 17.2 GB = 137 GB on their own, so the second target can only hold for
-the forward (q, k, v, out = 69 GB plus ~9 GB of residuals) or in 16-bit.
+Targets (issue 55, on an H100 or H200): forward+backward at N = 2**22, 4
+heads, d = 128, float32, <= 100 ms causal and <= 60 ms non-causal; causal
+forward+backward <= 10 ms at N = 2**16; >= 10x the authors' causal module
+at 2**20 and 2**22 (``--authors``); peak device memory <= 1.15x the eight
+arrays.  What was measured: ``docs/performance.md``, "GPU".
 """
 
 from __future__ import annotations
