@@ -527,6 +527,7 @@ def test_gpu_benchmark_times_the_authors_module(tmp_path):
     m.planes_T.copy_(torch.from_numpy(np.ascontiguousarray(planes.reshape(-1, 4).T)))
     assert np.array_equal(m.planes_T.numpy()[:, 3 + 1], planes[1, 1])  # column l * P + p is plane (l, p)
 
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_grouped_kv_matches_cpu(rng, causal):
     """Grouped-query k, v (4 query heads over 2): the CPU's results, gradients in k's and v's shapes."""

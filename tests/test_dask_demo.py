@@ -57,7 +57,6 @@ def test_demo_dask_runs_at_any_tokens_with_4_heads(scheduler, tmp_path, capsys, 
     assert not os.path.exists(os.path.join(d, "rows"))
 
 
-
 @pytest.mark.parametrize("scan", ["fused", "tree"])
 def test_demo_dask_runs_every_block_task_once(scheduler, tmp_path, scan):
     """Several blocks per head: every block's forward task and backward task run once in the whole
@@ -85,6 +84,7 @@ def test_demo_dask_runs_every_block_task_once(scheduler, tmp_path, scan):
     assert m["seconds_total"] >= sum(sec for _, sec in m["phases"]) > 0
     assert m["check_tokens"] == tokens
     assert m["check_max_abs_err_out"] < 1e-5 and m["check_max_abs_err_dq"] < 1e-5
+
 
 def test_pick_block():
     B = dask_demo.MAX_BLOCK
