@@ -19,7 +19,8 @@ from ..config import BLAS_ROWS, SCORE_TILE_F
 from ._jit import kernel
 from .tiles import (COMB_ROWS, COMB_VECTORS, TILE_ROWS, TN_ACC, VECTOR_BYTES, comb_tile, comb_tile_lines,
                     comb_tile_pieces, comb_vec, comb_vec_lines, comb_vec_pieces, dot_tile_cols, dot_tile_cols1,
-                    dot_tile_rows, prefetch_lines, tn_row2, tn_row4, tn_row8, tn_tile2, tn_tile4, tn_tile8)
+                    dot_tile_rows, prefetch_lines, tn_add2_row, tn_add2_tile, tn_add_row, tn_add_tile, tn_row2,
+                    tn_row4, tn_row8, tn_tile2, tn_tile4, tn_tile8)
 
 
 @kernel
@@ -329,6 +330,14 @@ def step_product(w, x, out):
             tn_tile2(w, x, out, f, c)
         for f in range(f1, F):
             tn_row2(w, x, out, f, c)
+    _product_columns(w, x, out, c1)
+
+
+@kernel
+def _product_columns(w, x, out, c1):
+    """out[:, c1:] = w^T x[:, c1:] by loops (the columns past :func:`step_product`'s tiles)."""
+    m, F = w.shape
+    dv = x.shape[1]
     for f in range(F):
         for c in range(c1, dv):
             out[f, c] = 0.0
@@ -340,22 +349,54 @@ def step_product(w, x, out):
 
 @kernel(by_address=True, readonly=("w", "x"))
 def add_product(w, x, S, tmp, total, track):
-    """S += w^T x (one scan step's state update; ``tmp`` (F, dv) holds the
-    product), and ``total`` += the same product when ``track`` (one chunk's
-    sum, in the compute dtype as S: a float64 total's 24 KB pushed the
-    step's arrays out of L1; docs/performance.md, "chunk totals in the
-    compute dtype")."""
-    step_product(w, x, tmp)
-    F, dv = S.shape
+    """S += w^T x (one scan step's state update), and ``total`` += the same
+    product when ``track`` (one chunk's sum, in the compute dtype as S: a
+    float64 total's 24 KB pushed the step's arrays out of L1;
+    docs/performance.md, "chunk totals in the compute dtype").
+
+    The product's bits are :func:`step_product`'s, each element rounded
+    before it is added.  Below BLAS_ROWS rows its tiles add their sums to S
+    (and total) in registers (:func:`racecpu._kernels.tiles.tn_add_tile`
+    and siblings) instead of storing them in ``tmp (F, dv)`` and reading them
+    back; ``tmp`` takes the columns past the tiles and every product from
+    BLAS_ROWS rows.  ``total`` may be ``tmp`` when not ``track``; neither
+    may alias S, w or x.
+    """
+    m, F = w.shape
+    dv = x.shape[1]
+    width = 2 * (VECTOR_BYTES // w.itemsize)
+    c1 = dv - dv % width  # columns in tiles
+    if (m >= BLAS_ROWS or x.strides[1] != x.itemsize or S.strides[1] != S.itemsize
+            or (track and total.strides[1] != total.itemsize)):
+        c1 = 0
+    if c1 == 0:
+        step_product(w, x, tmp)
+    else:
+        tall = TN_ACC // 2
+        f1 = F - F % tall
+        for c in range(0, c1, width):
+            for f in range(0, f1, tall):
+                if track:
+                    tn_add2_tile(w, x, S, total, f, c)
+                else:
+                    tn_add_tile(w, x, S, S, f, c)
+            for f in range(f1, F):
+                if track:
+                    tn_add2_row(w, x, S, total, f, c)
+                else:
+                    tn_add_row(w, x, S, S, f, c)
+        if c1 == dv:
+            return
+        _product_columns(w, x, tmp, c1)
     if track:  # one pass over tmp for both sums
         for f in range(F):
-            for c in range(dv):
+            for c in range(c1, dv):
                 t = tmp[f, c]
                 S[f, c] += t
                 total[f, c] += t
     else:
         for f in range(F):
-            for c in range(dv):
+            for c in range(c1, dv):
                 S[f, c] += tmp[f, c]
 
 
@@ -406,8 +447,7 @@ def span_totals(w, x, span, reverse, total, tmp):
         bi = nb - 1 - b if reverse else b
         j0 = bi * span
         j1 = min(j0 + span, n)
-        step_product(w[j0:j1], x[j0:j1], tmp)
-        add_into(acc, tmp)
+        add_product(w[j0:j1], x[j0:j1], acc, tmp, tmp, False)
     for f in range(F):
         for c in range(dv):
             total[f, c] = acc[f, c]
@@ -428,8 +468,7 @@ def group_span_totals(w, x, h0, lo, span, total, tmp):
         j0 = (nb - 1 - b) * span
         j1 = min(j0 + span, n)
         for hl in range(group):
-            step_product(w[hl, j0:j1], x[h0 + hl, lo + j0:lo + j1], tmp)
-            add_into(acc, tmp)
+            add_product(w[hl, j0:j1], x[h0 + hl, lo + j0:lo + j1], acc, tmp, tmp, False)
     for f in range(F):
         for c in range(dv):
             total[f, c] = acc[f, c]

@@ -328,6 +328,69 @@ tn_row4 = _comb_tile(1, "plain", 4, True)
 tn_row2 = _comb_tile(1, "plain", 2, True)
 
 
+def _tn_add_tile(rows, targets):
+    """Intrinsic ``tile(w, x, S, T, f0, c0)``: the transposed combine tile two
+    vectors wide, ``t = w[:, f0 + r]^T x[:, c0:c0 + 2 lanes]`` for r < ``rows``
+    (summed from zero over w's rows in order, as ``tn_tile2`` sums it), added
+    to ``S[f0 + r, c0:...]`` and, with ``targets`` 2, to ``T``'s same elements,
+    in their dtype: a scan step's state update and its chunk total
+    (:func:`racecpu._kernels.products.add_product`) without storing ``t`` and
+    reading it back, the same bits as ``tn_tile2`` then ``S += t``."""
+
+    @intrinsic
+    def tile(typingctx, w, x, S, T, f0, c0):
+        if not all(isinstance(a, types.Array) and isinstance(a.dtype, types.Float) for a in (w, x, S, T)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            arr = _Arrays(context, builder, sig.args[:4], args[:4])
+            f0v, c0v = args[4], args[5]
+            fty = _float(context, sig.args[0].dtype)
+            n = _lanes(sig.args[0].dtype)
+            vty = ir.VectorType(fty, n)
+            xty = ir.VectorType(_float(context, sig.args[1].dtype), n)
+            fma = _fma(builder, vty)
+            acc = _accumulators(builder, vty, rows * 2)
+            K = cgutils.unpack_tuple(builder, arr.arrays[0].shape)[0]
+            undef = ir.Constant(vty, ir.Undefined)
+            splat = ir.Constant(ir.VectorType(ir.IntType(32), n), [0] * n)
+            with cgutils.for_range(builder, K) as loop:
+                k = loop.index
+                xs = [_convert(builder, builder.load(arr.ptr(1, k, builder.add(c0v, arr.const(v * n)), xty), align=1),
+                               vty) for v in range(2)]
+                for r in range(rows):
+                    wk = builder.load(arr.ptr(0, k, builder.add(f0v, arr.const(r)), fty))
+                    wb = builder.shuffle_vector(builder.insert_element(undef, wk, ir.Constant(ir.IntType(32), 0)),
+                                                undef, splat)
+                    for v in range(2):
+                        a = acc[r * 2 + v]
+                        builder.store(builder.call(fma, [wb, xs[v], builder.load(a)]), a)
+            for r in range(rows):
+                row = builder.add(f0v, arr.const(r))
+                for v in range(2):
+                    col = builder.add(c0v, arr.const(v * n))
+                    t = builder.load(acc[r * 2 + v])
+                    for i in range(2, 2 + targets):
+                        oty = ir.VectorType(_float(context, sig.args[i].dtype), n)
+                        p = arr.ptr(i, row, col, oty)
+                        old = builder.load(p, align=1)
+                        tt = _convert(builder, t, oty)
+                        builder.store(builder.fadd(old, tt), p, align=1)
+            return context.get_dummy_value()
+
+        return types.void(w, x, S, T, types.intp, types.intp), codegen
+
+    return tile
+
+
+#: ``tn_tile2`` and ``tn_row2`` whose product is added to one array (``S``; ``T`` unused) or to two
+#: (``S`` and ``T``) instead of stored: see :func:`_tn_add_tile`.
+tn_add_tile = _tn_add_tile(TN_ACC // 2, 1)
+tn_add_row = _tn_add_tile(1, 1)
+tn_add2_tile = _tn_add_tile(TN_ACC // 2, 2)
+tn_add2_row = _tn_add_tile(1, 2)
+
+
 #: Bytes of the blocks :func:`transpose_tile` moves (8 float32 or 4 float64 a side): 32, not
 #: VECTOR_BYTES, so the hash's F = 24 soft buckets (P = 3) take whole blocks on AVX-512 too.
 TRANSPOSE_BYTES = 32
