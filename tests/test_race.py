@@ -698,6 +698,39 @@ def test_step_product_matches_numpy(rng, dtype):
                     np.testing.assert_allclose(out, want, rtol=tol, atol=tol, err_msg=f"m={m} F={F} dv={dv}")
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_add_product_adds_the_step_product_bit_for_bit(rng, dtype):
+    # S += w^T x, and total += the same when tracked (racecpu._kernels.products.add_product):
+    # the add tiles keep each element's sum in a register and add it to S (and total),
+    # and must give the bits of step_product's rounded product added after it, which
+    # the causal scans' carries rely on (the same bits however many segments). The
+    # tiles ADD_ROWS rows tall, one-row tiles for the last rows (F = 6, 25), loops past
+    # the last tile's columns (dv = 33, 72), strided rows of x, a strided w, no rows,
+    # and BLAS from BLAS_ROWS rows; S and total left alone outside F x dv.
+    from racecpu._kernels.products import add_product, step_product
+    from racecpu.config import BLAS_ROWS
+
+    for m in (0, 1, 5, 8, BLAS_ROWS):
+        for F in (1, 6, 24, 25, 128):
+            for dv in (1, 33, 64, 72):
+                w = rng.standard_normal((m, 2 * F)).astype(dtype)[:, ::2]
+                x = rng.standard_normal((m, dv)).astype(dtype)
+                for xs in (x, np.repeat(x, 2, axis=1)[:, ::2]):
+                    product = np.empty((F, dv), dtype)
+                    step_product(w, xs, product)
+                    for track in (False, True):
+                        S0 = rng.standard_normal((F, dv)).astype(dtype)
+                        T0 = rng.standard_normal((F, dv)).astype(dtype)
+                        S, T, tmp = S0.copy(), T0.copy(), np.full((F, dv), np.nan, dtype)
+                        add_product(w, xs, S, tmp, T if track else tmp, track)
+                        where = f"m={m} F={F} dv={dv} track={track} x contiguous={xs is x}"
+                        np.testing.assert_array_equal(S, S0 + product, err_msg=where)
+                        np.testing.assert_array_equal(T, T0 + product if track else T0, err_msg=where)
+                        want = S0.astype(np.float64) + w.T.astype(np.float64) @ x.astype(np.float64)
+                        np.testing.assert_allclose(S, want, rtol=1e-4 if dtype == np.float32 else 1e-12,
+                                                   atol=1e-4 if dtype == np.float32 else 1e-12, err_msg=where)
+
+
 @pytest.mark.parametrize("m", [1, 3, 5, 8])
 @pytest.mark.parametrize("F", [1, 6, 24, 40, 128])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

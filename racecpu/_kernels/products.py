@@ -17,7 +17,7 @@ import numpy as np
 
 from ..config import BLAS_ROWS, SCORE_TILE_F
 from ._jit import kernel
-from .tiles import (COMB_ROWS, COMB_VECTORS, TILE_ROWS, TN_ACC, VECTOR_BYTES, comb_tile, comb_tile_lines,
+from .tiles import (ADD_ROWS, COMB_ROWS, COMB_VECTORS, TILE_ROWS, TN_ACC, VECTOR_BYTES, comb_tile, comb_tile_lines,
                     comb_tile_pieces, comb_vec, comb_vec_lines, comb_vec_pieces, dot_tile_cols, dot_tile_cols1,
                     dot_tile_rows, prefetch_lines, tn_add2_row, tn_add2_tile, tn_add_row, tn_add_tile, tn_row2,
                     tn_row4, tn_row8, tn_tile2, tn_tile4, tn_tile8)
@@ -355,11 +355,12 @@ def add_product(w, x, S, tmp, total, track):
     docs/performance.md, "chunk totals in the compute dtype").
 
     The product's bits are :func:`step_product`'s, each element rounded
-    before it is added.  Below BLAS_ROWS rows its tiles add their sums to S
-    (and total) in registers (:func:`racecpu._kernels.tiles.tn_add_tile`
-    and siblings) instead of storing them in ``tmp (F, dv)`` and reading them
-    back; ``tmp`` takes the columns past the tiles and every product from
-    BLAS_ROWS rows.  ``total`` may be ``tmp`` when not ``track``; neither
+    before it is added.  Below BLAS_ROWS rows, tiles ADD_ROWS rows of S tall
+    add their sums to S (and total) in registers
+    (:func:`racecpu._kernels.tiles.tn_add_tile` and siblings) instead of
+    storing them in ``tmp (F, dv)`` and reading them back (docs/performance.md,
+    "add tiles"); ``tmp`` takes the columns past the tiles and every product
+    from BLAS_ROWS rows.  ``total`` may be ``tmp`` when not ``track``; neither
     may alias S, w or x.
     """
     m, F = w.shape
@@ -372,7 +373,7 @@ def add_product(w, x, S, tmp, total, track):
     if c1 == 0:
         step_product(w, x, tmp)
     else:
-        tall = TN_ACC // 2
+        tall = ADD_ROWS
         f1 = F - F % tall
         for c in range(0, c1, width):
             for f in range(0, f1, tall):

@@ -329,9 +329,9 @@ tn_row2 = _comb_tile(1, "plain", 2, True)
 
 
 def _tn_add_tile(rows, targets):
-    """Intrinsic ``tile(w, x, S, T, f0, c0)``: the transposed combine tile two
+    """Intrinsic ``tile(w, x, S, T, f0, c0)``: a transposed combine tile two
     vectors wide, ``t = w[:, f0 + r]^T x[:, c0:c0 + 2 lanes]`` for r < ``rows``
-    (summed from zero over w's rows in order, as ``tn_tile2`` sums it), added
+    (each element summed from zero over w's rows in order, as ``tn_tile2`` sums it), added
     to ``S[f0 + r, c0:...]`` and, with ``targets`` 2, to ``T``'s same elements,
     in their dtype: a scan step's state update and its chunk total
     (:func:`racecpu._kernels.products.add_product`) without storing ``t`` and
@@ -383,11 +383,16 @@ def _tn_add_tile(rows, targets):
     return tile
 
 
-#: ``tn_tile2`` and ``tn_row2`` whose product is added to one array (``S``; ``T`` unused) or to two
-#: (``S`` and ``T``) instead of stored: see :func:`_tn_add_tile`.
-tn_add_tile = _tn_add_tile(TN_ACC // 2, 1)
+#: Rows of an add tile (two vectors wide): 12 accumulators of AVX2's 16 vector registers (two
+#: more hold the row of x, one the broadcast), a third more work per load of x than the 8 of
+#: ``tn_tile2``, with a scan step's 8 FMAs per accumulator (docs/performance.md, "add tiles");
+#: 16 of AVX-512's 32.
+ADD_ROWS = 8 if VECTOR_BYTES == 64 else 6
+#: Transposed tiles whose product is added to one array (``S``; ``T`` unused) or to two (``S``
+#: and ``T``) instead of stored, ADD_ROWS rows or one: see :func:`_tn_add_tile`.
+tn_add_tile = _tn_add_tile(ADD_ROWS, 1)
 tn_add_row = _tn_add_tile(1, 1)
-tn_add2_tile = _tn_add_tile(TN_ACC // 2, 2)
+tn_add2_tile = _tn_add_tile(ADD_ROWS, 2)
 tn_add2_row = _tn_add_tile(1, 2)
 
 
