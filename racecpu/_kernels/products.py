@@ -17,8 +17,8 @@ import numpy as np
 
 from ..config import BLAS_ROWS, SCORE_TILE_F
 from ._jit import kernel
-from .tiles import (ADD_ROWS, COMB_ROWS, COMB_VECTORS, TILE_ROWS, TN_ACC, VECTOR_BYTES, comb_tile, comb_tile_lines,
-                    comb_tile_pieces, comb_vec, comb_vec_lines, comb_vec_pieces, dot_tile_cols, dot_tile_cols1,
+from .tiles import (ADD_ROWS, COMB_ROWS, COMB_VECTORS, TILE_ROWS, TN_ACC, VEC_ROWS, VECTOR_BYTES, comb_tile,
+                    comb_tile_lines, comb_tile_pieces, comb_vec, comb_vec_lines, comb_vec_pieces, comb_vec_tall, dot_tile_cols, dot_tile_cols1,
                     dot_tile_rows, prefetch_lines, tn_add2_row, tn_add2_tile, tn_add_row, tn_add_tile, tn_row2,
                     tn_row4, tn_row8, tn_tile2, tn_tile4, tn_tile8)
 
@@ -92,10 +92,21 @@ def combine_rows(X, S, out, stream=False, ahead=0, lines=0):
             for i in range(0, n1, COMB_ROWS):
                 for c in range(0, c1, width):
                     comb_tile(X, S, out, i, c)
-                    done = prefetch_to(ahead, done, lines * ((i // COMB_ROWS) * (c1 // width) + c // width + 1)
-                                        // tiles)
+                    if lines > 0:  # (an integer division per tile, which a small product notices)
+                        done = prefetch_to(ahead, done, lines * ((i // COMB_ROWS) * (c1 // width) + c // width + 1)
+                                            // tiles)
+            # The one-vector columns: VEC_ROWS rows a tile (COMB_ROWS' 2 accumulators wait on
+            # each other's FMAs), then COMB_ROWS.
+            nv = n1 - n1 % VEC_ROWS
+            i = 0
+            while i < n1:
+                tall = i < nv
                 for c in range(c1, c2, lanes):
-                    comb_vec(X, S, out, i, c)
+                    if tall:
+                        comb_vec_tall(X, S, out, i, c)
+                    else:
+                        comb_vec(X, S, out, i, c)
+                i += VEC_ROWS if tall else COMB_ROWS
     if n1 == 0:
         _combine_rows_loop(X, S, out, 0, n, 0)
         return

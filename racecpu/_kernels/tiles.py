@@ -307,6 +307,11 @@ comb_tile_lines = _comb_tile(COMB_ROWS, "lines")
 #: F = 24 values (the causal steps' ``M Phik``) are no tile wide, and LLVM's
 #: vectoriser, unrolled four vectors deep, left a loop that short scalar.
 comb_vec = _comb_tile(COMB_ROWS, "plain", 1)
+#: Rows of X in a taller one-vector tile: 8 accumulators, as many FMAs in flight as a whole
+#: combine tile has, where COMB_ROWS' 2 (AVX2) each wait on the last FMA's result
+#: (docs/performance.md, "tall one-vector tiles").
+VEC_ROWS = 8
+comb_vec_tall = _comb_tile(VEC_ROWS, "plain", 1)
 comb_vec_pieces = _comb_tile(2, "pieces", 1)
 comb_vec_lines = _comb_tile(COMB_ROWS, "lines", 1)
 
