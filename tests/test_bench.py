@@ -279,6 +279,31 @@ def test_ab_script_compares_two_checkouts():
     assert bad.returncode != 0 and "not a racecpu checkout" in bad.stderr
 
 
+
+@pytest.mark.slow
+def test_step_products_ab_compares_two_checkouts():
+    # benchmarks/step_products.py --against this checkout itself: the same products in two
+    # modules, so every row must say the same bits (a side whose loop did not call its product
+    # would leave the output as it was), with both sides' times and their ratio.
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    script = root / "benchmarks" / "step_products.py"
+    run = subprocess.run([sys.executable, str(script), "--against", str(root), "--rounds", "2", "--calls", "10"],
+                         capture_output=True, text=True, timeout=900, cwd=root)
+    assert run.returncode == 0, run.stderr
+    rows = [line for line in run.stdout.splitlines() if line.startswith(("combine_rows", "dot_rows", "add_product",
+                                                                         "step_scores"))]
+    assert len(rows) == 7, run.stdout
+    for line in rows:
+        m = re.search(r"([0-9.]+) +([0-9.]+)  ([0-9.]+) \(([0-9.]+)\.\.([0-9.]+)\) +(same|DIFFER)$", line)
+        assert m and m.group(6) == "same", line
+        a, b, median, q1, q3 = (float(m.group(i)) for i in range(1, 6))
+        assert a > 0 and b > 0 and q1 <= median <= q3, line
+
 def test_profile_script_names_compiled_functions(tmp_path):
     # benchmarks/perf_profile.py's part that does not need perf: Numba's mangled names shortened,
     # and a perf JIT map with the address of every function compiled for a module's dispatchers.
