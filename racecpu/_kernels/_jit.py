@@ -395,7 +395,8 @@ def _kernel_compilation():
         _compiling -= 1
 
 
-def kernel(fn=None, *, parallel=False, inline="never", cache=True, by_address=False, readonly=(), any_layout=()):
+def kernel(fn=None, *, parallel=False, inline="never", cache=True, by_address=False, readonly=(), any_layout=(),
+           refcounts=True, _nrt=True):
     """``numba.njit`` with the kernels' options (:data:`OPTIONS`) and racecpu's cache.
 
     Use as ``@kernel`` or ``@kernel(parallel=True)`` / ``@kernel(inline="always")``.
@@ -404,19 +405,27 @@ def kernel(fn=None, *, parallel=False, inline="never", cache=True, by_address=Fa
     again inside every caller (:mod:`._link`); ``readonly`` names the array parameters it
     only reads, passed read-only whatever the caller has (one compilation for both), and
     ``any_layout`` those passed in layout 'A' whatever the caller has.
+
+    ``refcounts=False`` (with ``by_address``): compiled without Numba's reference counts
+    (``_nrt=False``), for a leaf that allocates nothing and keeps no array past its return:
+    its arrays are its caller's, borrowed for the call, and counting each of them up on
+    entry and down on exit cost atomics on every call (docs/performance.md, "no reference
+    counts in the products").  An allocation in it fails to compile.
     """
+    if not refcounts and not by_address:
+        raise ValueError("refcounts=False applies to kernels made with by_address=True")
     if not by_address and (readonly or any_layout):
         raise ValueError("readonly= and any_layout= apply to kernels made with by_address=True")
     if by_address and inline != "never":
         raise ValueError("a kernel called through its symbol cannot be inlined: by_address=True with inline=")
     if by_address:
         def wrap_by_address(f):
-            impl = kernel(f, parallel=parallel, cache=cache)
+            impl = kernel(f, parallel=parallel, cache=cache, _nrt=refcounts)
             return _link.by_address(impl, numba.njit(inline="always", **OPTIONS), readonly, any_layout)
         return wrap_by_address if fn is None else wrap_by_address(fn)
 
     def wrap(f):
-        disp = numba.njit(parallel=parallel, inline=inline, **OPTIONS)(f)
+        disp = numba.njit(parallel=parallel, inline=inline, **OPTIONS, **({} if _nrt else {"_nrt": False}))(f)
         cached = cache and cache_dir() is not None
         if cached:
             disp._cache = _KernelCache(f)  # announces the compilations it cannot spare

@@ -40,7 +40,7 @@ def add_rows(A, rows):
             A[f] += rows[j, f]
 
 
-@kernel(by_address=True, readonly=("X", "S"))
+@kernel(by_address=True, readonly=("X", "S"), refcounts=False)
 def combine_rows(X, S, out, stream=False, ahead=0, lines=0):
     """out[j] = sum_f X[j, f] S[f, :] for every row j, overwriting ``out``.
 
@@ -116,7 +116,7 @@ def combine_rows(X, S, out, stream=False, ahead=0, lines=0):
         _combine_rows_loop(X, S, out, n1, n, 0)
 
 
-@kernel(by_address=True, readonly=("X", "S"))
+@kernel(by_address=True, readonly=("X", "S"), refcounts=False)
 def _combine_rows_loop(X, S, out, j0, j1, c0):
     """:func:`combine_rows` by loops for rows j0..j1 and columns c0.. of out:
     eight rows of S per sweep over out[j], the first sweep assigning, so that
@@ -216,7 +216,7 @@ def _tn_product_loop(U, X, out):
             out[i, c] = acc[i, c]
 
 
-@kernel(by_address=True, readonly=("S", "X"), any_layout=("Y",))
+@kernel(by_address=True, readonly=("S", "X"), any_layout=("Y",), refcounts=False)
 def dot_rows(S, X, Y):
     """Y[j, f] = S[f, :] . X[j, :] for every row j of ``X (n, dv)`` and f of ``S (F, dv)``.
 
@@ -256,7 +256,7 @@ def dot_rows(S, X, Y):
         _dot_rows_loop(S, X[n1:], Y[n1:])
 
 
-@kernel(by_address=True, readonly=("S", "X"), any_layout=("Y",))
+@kernel(by_address=True, readonly=("S", "X"), any_layout=("Y",), refcounts=False)
 def _dot_rows_loop(S, X, Y):
     """:func:`dot_rows` by loops.  Two rows of X and four of S per sweep, each product with
     its own accumulator: every load feeds two FMAs and the horizontal sums
@@ -504,7 +504,7 @@ def zero_below(M):
             M[i, j] = 0.0
 
 
-@kernel(by_address=True, readonly=("X", "Y"))
+@kernel(by_address=True, readonly=("X", "Y"), refcounts=False)
 def step_scores(X, Y, out, lower):
     """out[i, j] = X[i] . Y[j] where j <= i (``lower``) or j >= i (not), 0 elsewhere.
 
