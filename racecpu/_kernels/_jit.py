@@ -410,7 +410,10 @@ def kernel(fn=None, *, parallel=False, inline="never", cache=True, by_address=Fa
     (``_nrt=False``), for a leaf that allocates nothing and keeps no array past its return:
     its arrays are its caller's, borrowed for the call, and counting each of them up on
     entry and down on exit cost atomics on every call (docs/performance.md, "no reference
-    counts in the products").  An allocation in it fails to compile.
+    counts in the products").  An allocation in it fails to compile, and so does one in
+    anything it calls that compiles first from it: Numba compiles a callee under its first
+    caller's flags (``add_product``, whose sgemm path returns an array, keeps its counts).
+    ``_nrt`` is that flag for the plain kernel behind a ``by_address`` one (internal).
     """
     if not refcounts and not by_address:
         raise ValueError("refcounts=False applies to kernels made with by_address=True")
