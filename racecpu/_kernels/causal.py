@@ -96,12 +96,13 @@ def _causal_fwd_task(task, segments, keep, fwd, carry, final, nan):
         A = carryA[gk, c].copy()
         S = carryB[gk, c].astype(v.dtype)  # the carried-in state, in the compute dtype
         st = step_buffers(v, F, min(SCAN_BLOCK, hi - lo))
+        H, X, dS = st.M, st.X, st.dS  # (once, not per step: every new view counts a reference)
         for i0 in range(lo, hi, SCAN_BLOCK):
             i1 = min(i0 + SCAN_BLOCK, hi)
             m = i1 - i0
-            if m != st.M.shape[0]:  # the chunk's last, shorter step
+            if m != H.shape[0]:  # the chunk's last, shorter step
                 st = step_buffers(v, F, m)
-            H, X, dS = st.M, st.X, st.dS
+                H, X, dS = st.M, st.X, st.dS
             Pk, V = phik[gk, i0:i1], v[gk, i0:i1]
             for hl in range(group):  # every query head of the group reads the one state
                 phi, dnc = head_rows(rows.phiq, phis, h0 + hl, hl, lo, hi), head_rows(rows.den, dens, h0 + hl, hl,
@@ -180,16 +181,17 @@ def _causal_queries_bwd_chunk(bwd, carry, partd, gk, c, t0, t1):
     wblock = np.empty((group, hi - lo, F), grad.dtype)
     DPHI = np.empty((group, hi - lo, F))  # the hash backward runs once per chunk, SIMD over tokens
     st = step_buffers(v, F, min(SCAN_BLOCK, hi - lo))
+    M, Y, Z, dS = st.M, st.Y, st.Z, st.dS  # (once, not per step: every new view counts a reference)
     for i0 in range(lo, hi, SCAN_BLOCK):
         i1 = min(i0 + SCAN_BLOCK, hi)
         m = i1 - i0
-        if m != st.M.shape[0]:  # the chunk's last, shorter step
+        if m != M.shape[0]:  # the chunk's last, shorter step
             st = step_buffers(v, F, m)
-        M, Y, Z, dS = st.M, st.Y, st.Z, st.dS
+            M, Y, Z, dS = st.M, st.Y, st.Z, st.dS
         Pk, V = phik[gk, i0:i1], v[gk, i0:i1]
         for hl in range(group):  # every query head of the group reads the one rebuilt state
             h = h0 + hl
-            Pq, Gb = phiq[h, i0:i1], grad[h, i0:i1]
+            Pq, Gb, dphi = phiq[h, i0:i1], grad[h, i0:i1], DPHI[hl]
             if dv > 0:  # y_i = B_i g_i = B g_i + sum_{j<=i} phik_j (v_j . g_i)
                 dot_rows(S, Gb, Y)
                 dot_rows(V, Gb, M)  # M_ij = g_i . v_j, kept for j <= i
@@ -197,11 +199,11 @@ def _causal_queries_bwd_chunk(bwd, carry, partd, gk, c, t0, t1):
                 combine_rows(M, Pk, Z)
             copy_into(Ah, A)
             for i in range(m):
-                dphi = DPHI[hl, i0 + i - lo]
+                r = i0 + i - lo  # rows by index, not views: a view per token counted a reference
                 for f in range(F):
                     Ah[f] += Pk[i, f]
-                    dphi[f] = Y[i, f] + Z[i, f]
-                dden = dphi_from_y(Pq[i], Ah, den[h, i0 + i], L, dphi, wq)
+                    dphi[r, f] = Y[i, f] + Z[i, f]
+                dden = dphi_from_y(Pq, i, Ah, den[h, i0 + i], L, dphi, r, wq)
                 grads.dden[h, i0 + i] = dden
                 for f in range(F):
                     dA[f] += Pq[i, f] * dden / L
@@ -275,13 +277,14 @@ def _causal_keys_bwd_chunk(bwd, dcarry, gk, c, c0, track, last, final, total):
     DPHI = np.empty((hi - lo, F), np.float64)
     nb = (hi - lo + SCAN_BLOCK - 1) // SCAN_BLOCK
     st = step_buffers(grad, F, min(SCAN_BLOCK, hi - lo))
+    M, M2, _, Y, Z, X, dS = st  # (once, not per step: every new view counts a reference)
     for bi in range(nb - 1, -1, -1):
         i0 = lo + bi * SCAN_BLOCK
         i1 = min(i0 + SCAN_BLOCK, hi)
         m = i1 - i0
-        if m != st.M.shape[0]:  # the chunk's last, shorter step
+        if m != M.shape[0]:  # the chunk's last, shorter step
             st = step_buffers(grad, F, m)
-        M, M2, _, Y, Z, X, dS = st
+            M, M2, _, Y, Z, X, dS = st
         Pk, V, dV = phik[gk, i0:i1], v[gk, i0:i1], grads.dv[gk, i0:i1]
         for hl in range(group):
             h = h0 + hl

@@ -152,8 +152,9 @@ def _queries_bwd_task(task, bwd, sketch, partd):
     scratch = query_bwd_buffers(grad, F, hi - lo)
     wq, wblock, dA, DPHI = scratch
     dot_rows(B[g, s], grad[g, lo:hi], DPHI)  # y_i = B g_i, turned into dphi_i in place
+    rows, As = phiq[g], A[g, s]  # (rows by index below, not a view per token)
     for i in range(lo, hi):
-        dden = dphi_from_y(phiq[g, i], A[g, s], den[g, i], L, DPHI[i - lo], wq)
+        dden = dphi_from_y(rows, i, As, den[g, i], L, DPHI, i - lo, wq)
         for f in range(F):
             dA[f] += phiq[g, i, f] * dden / L
             wblock[i - lo, f] = wq[f]

@@ -91,28 +91,29 @@ def step_readout(Pq, A, H, X, L, den, O):
 
 
 @kernel
-def dphi_from_y(phiq, A, den, L, dphi, wq):
-    """Cotangent of one row of :func:`readout_rows` w.r.t. phiq, once ``dphi``
-    (float64) holds y = S g; returns dden.
+def dphi_from_y(phiq, i, A, den, L, dphi, r, wq):
+    """Cotangent of row ``i`` of :func:`readout_rows` (``phiq (n, F)``) w.r.t. phiq,
+    once row ``r`` of ``dphi (n', F)`` (float64) holds y = S g; returns dden.
 
-    dden = -(phiq . y) / (L den^2),  dphiq = y / (L den) + A dden / L
-    (overwriting ``dphi``), and the weights ``wq = phiq / (L den)`` with which
-    g enters dB (dB += wq g^T).  Rows at the DEN_FLOOR get zeros.
+    dden = -(phiq_i . y) / (L den^2),  dphiq_i = y / (L den) + A dden / L
+    (overwriting ``dphi[r]``), and the weights ``wq = phiq_i / (L den)`` with which
+    g enters dB (dB += wq g^T).  Rows at the DEN_FLOOR get zeros.  Rows by index,
+    not views: the callers run it per token, and a view counts a reference.
     """
-    F = phiq.shape[0]
+    F = phiq.shape[1]
     if den <= DEN_FLOOR:
         for f in range(F):
-            dphi[f] = 0.0
+            dphi[r, f] = 0.0
             wq[f] = 0.0
         return 0.0
     inv = 1.0 / (L * den)
     phiy = 0.0
     for f in range(F):
-        phiy += phiq[f] * dphi[f]
+        phiy += phiq[i, f] * dphi[r, f]
     dden = -phiy * inv / den
     for f in range(F):
-        dphi[f] = dphi[f] * inv + A[f] * dden / L
-        wq[f] = phiq[f] * inv
+        dphi[r, f] = dphi[r, f] * inv + A[f] * dden / L
+        wq[f] = phiq[i, f] * inv
     return dden
 
 
