@@ -410,10 +410,10 @@ def kernel(fn=None, *, parallel=False, inline="never", cache=True, by_address=Fa
     (``_nrt=False``), for a leaf that allocates nothing and keeps no array past its return:
     its arrays are its caller's, borrowed for the call, and counting each of them up on
     entry and down on exit cost atomics on every call (docs/performance.md, "no reference
-    counts in the products").  An allocation in it fails to compile, and so does one in
-    anything it calls that compiles first from it: Numba compiles a callee under its first
-    caller's flags (``add_product``, whose sgemm path returns an array, keeps its counts).
-    ``_nrt`` is that flag for the plain kernel behind a ``by_address`` one (internal).
+    counts in the products").  An allocation in it fails to compile; the kernels it calls
+    keep their own counts (every kernel sets the flag, so none inherits it from its first
+    caller, as Numba would otherwise have it).  ``_nrt`` is that flag for the plain kernel
+    behind a ``by_address`` one (internal).
     """
     if not refcounts and not by_address:
         raise ValueError("refcounts=False applies to kernels made with by_address=True")
@@ -428,7 +428,9 @@ def kernel(fn=None, *, parallel=False, inline="never", cache=True, by_address=Fa
         return wrap_by_address if fn is None else wrap_by_address(fn)
 
     def wrap(f):
-        disp = numba.njit(parallel=parallel, inline=inline, **OPTIONS, **({} if _nrt else {"_nrt": False}))(f)
+        # _nrt always given: Numba lets a kernel that does not set it inherit it from the kernel
+        # that compiles it first, so one without reference counts would pass that on.
+        disp = numba.njit(parallel=parallel, inline=inline, _nrt=_nrt, **OPTIONS)(f)
         cached = cache and cache_dir() is not None
         if cached:
             disp._cache = _KernelCache(f)  # announces the compilations it cannot spare

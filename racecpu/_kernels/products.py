@@ -358,7 +358,7 @@ def _product_columns(w, x, out, c1):
                 out[f, c] += wk * x[k, c]
 
 
-@kernel(by_address=True, readonly=("w", "x"))
+@kernel(by_address=True, readonly=("w", "x"), refcounts=False)
 def add_product(w, x, S, tmp, total, track):
     """S += w^T x (one scan step's state update), and ``total`` += the same
     product when ``track`` (one chunk's sum, in the compute dtype as S: a
