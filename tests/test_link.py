@@ -81,3 +81,58 @@ def test_a_compiled_library_names_the_kernels_it_calls_by_symbol():
     _link.relink(callees)  # what a cache load does: nothing to compile, the same symbol
     with pytest.raises(LookupError):  # an entry whose symbol this process would name otherwise
         _link.relink([(sym + "x", module, qualname, argtypes)])
+
+
+
+@_jit.kernel(cache=False)
+def _allocating_total(n):
+    """The sum of a fresh array of n ones: needs Numba's reference counts (an allocation)."""
+    return np.ones(n).sum()
+
+
+@_jit.kernel(by_address=True, cache=False)
+def _rows_counted(a, t):
+    """a[i, :] += t for every row, through a view of each row (a view counts a reference)."""
+    for i in range(a.shape[0]):
+        row = a[i]
+        for j in range(row.shape[0]):
+            row[j] += t
+
+
+@_jit.kernel(by_address=True, refcounts=False, cache=False)
+def _rows_uncounted(a, t):
+    """:func:`_rows_counted` without reference counts (a symbol names one function: two kernels
+    made from one Python function would share it)."""
+    for i in range(a.shape[0]):
+        row = a[i]
+        for j in range(row.shape[0]):
+            row[j] += t
+
+
+@_jit.kernel(by_address=True, refcounts=False, cache=False)
+def _uncounted_leaf(a, n):
+    """a[i, :] += the sum of n ones, for every row, without reference counts of its own."""
+    _rows_uncounted(a, _allocating_total(n))
+
+
+@_jit.kernel(cache=False)
+def _calls_both(a, n):
+    _uncounted_leaf(a, n)
+    _rows_counted(a, 1.0)
+    return a.sum()
+
+
+def test_a_kernel_without_reference_counts_calls_one_that_keeps_them():
+    # kernel(refcounts=False) compiles a leaf with _nrt=False: its own views count nothing (the
+    # same code with counts does). A kernel it compiles first (here one that allocates) keeps its
+    # counts: every kernel sets the flag, else Numba would pass the caller's False on and the
+    # allocation would not compile.
+    a = np.zeros((2, 3))
+    assert _calls_both(a, 3) == 24.0
+    np.testing.assert_array_equal(a, 4.0)
+    uncounted = next(iter(_rows_uncounted.impl.inspect_llvm().values()))
+    counted = next(iter(_rows_counted.impl.inspect_llvm().values()))
+    assert "NRT_incref" in counted or "NRT_decref" in counted
+    assert "NRT_incref" not in uncounted and "NRT_decref" not in uncounted
+    with pytest.raises(ValueError, match="by_address"):
+        _jit.kernel(refcounts=False)(lambda a: a)
