@@ -95,14 +95,13 @@ def _rows_counted(a, t):
     """a[i, :] += t for every row, through a view of each row (a view counts a reference)."""
     for i in range(a.shape[0]):
         row = a[i]
-        for j in range(row.shape[0]):
-            row[j] += t
+        row += t
 
 
 @_jit.kernel(by_address=True, refcounts=False, cache=False)
 def _rows_uncounted(a, t):
-    """:func:`_rows_counted` without reference counts (a symbol names one function: two kernels
-    made from one Python function would share it)."""
+    """:func:`_rows_counted` without reference counts, element by element (a symbol names one
+    function: two kernels made from one Python function would share it)."""
     for i in range(a.shape[0]):
         row = a[i]
         for j in range(row.shape[0]):
