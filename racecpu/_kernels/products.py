@@ -18,9 +18,9 @@ import numpy as np
 from ..config import BLAS_ROWS, SCORE_TILE_F
 from ._jit import kernel
 from .tiles import (ADD_ROWS, COMB_ROWS, COMB_VECTORS, TILE_ROWS, TN_ACC, VEC_ROWS, VECTOR_BYTES, comb_tile,
-                    comb_tile_lines, comb_tile_pieces, comb_vec, comb_vec_lines, comb_vec_pieces, comb_vec_tall, dot_tile_cols, dot_tile_cols1,
-                    dot_tile_rows, prefetch_lines, tn_add2_row, tn_add2_tile, tn_add_row, tn_add_tile, tn_row2,
-                    tn_row4, tn_row8, tn_tile2, tn_tile4, tn_tile8)
+                    comb_tile_lines, comb_tile_pieces, comb_vec, comb_vec_lines, comb_vec_pieces, comb_vec_tall,
+                    dot_tile_cols, dot_tile_cols1, dot_tile_rows, prefetch_lines, tn_add2_row, tn_add2_tile,
+                    tn_add_row, tn_add_tile, tn_row2, tn_row4, tn_row8, tn_tile2, tn_tile4, tn_tile8)
 
 
 @kernel
