@@ -396,7 +396,7 @@ def _kernel_compilation():
 
 
 def kernel(fn=None, *, parallel=False, inline="never", cache=True, by_address=False, readonly=(), any_layout=(),
-           refcounts=True, _nrt=True):
+           refcounts=True):
     """``numba.njit`` with the kernels' options (:data:`OPTIONS`) and racecpu's cache.
 
     Use as ``@kernel`` or ``@kernel(parallel=True)`` / ``@kernel(inline="always")``.
@@ -412,8 +412,7 @@ def kernel(fn=None, *, parallel=False, inline="never", cache=True, by_address=Fa
     entry and down on exit cost atomics on every call (docs/performance.md, "no reference
     counts in the products").  An allocation in it fails to compile; the kernels it calls
     keep their own counts (every kernel sets the flag, so none inherits it from its first
-    caller, as Numba would otherwise have it).  ``_nrt`` is that flag for the plain kernel
-    behind a ``by_address`` one (internal).
+    caller, as Numba would otherwise have it).
     """
     if not refcounts and not by_address:
         raise ValueError("refcounts=False applies to kernels made with by_address=True")
@@ -423,27 +422,33 @@ def kernel(fn=None, *, parallel=False, inline="never", cache=True, by_address=Fa
         raise ValueError("a kernel called through its symbol cannot be inlined: by_address=True with inline=")
     if by_address:
         def wrap_by_address(f):
-            impl = kernel(f, parallel=parallel, cache=cache, _nrt=refcounts)
+            impl = _compiled_kernel(f, parallel, "never", cache, refcounts)
             return _link.by_address(impl, numba.njit(inline="always", **OPTIONS), readonly, any_layout)
         return wrap_by_address if fn is None else wrap_by_address(fn)
 
     def wrap(f):
-        # _nrt always given: Numba lets a kernel that does not set it inherit it from the kernel
-        # that compiles it first, so one without reference counts would pass that on.
-        disp = numba.njit(parallel=parallel, inline=inline, _nrt=_nrt, **OPTIONS)(f)
-        cached = cache and cache_dir() is not None
-        if cached:
-            disp._cache = _KernelCache(f)  # announces the compilations it cannot spare
-        compile_ = disp.compile
-
-        def compile_kernel(sig):
-            if not cached:
-                args, _ = sigutils.normalize_signature(sig)
-                if tuple(args) not in disp.overloads:
-                    announce_compilation(args)
-            with _kernel_compilation():
-                return compile_(sig)
-        disp.compile = compile_kernel
-        return disp
+        return _compiled_kernel(f, parallel, inline, cache, True)
 
     return wrap if fn is None else wrap(fn)
+
+
+def _compiled_kernel(f, parallel, inline, cache, nrt):
+    """The dispatcher of :func:`kernel`: ``f`` jitted with OPTIONS and Numba's ``_nrt`` flag
+    ``nrt`` (reference counts), cached in racecpu's cache and announcing its compilations."""
+    # _nrt always given: Numba lets a kernel that does not set it inherit it from the kernel
+    # that compiles it first, so one without reference counts would pass that on.
+    disp = numba.njit(parallel=parallel, inline=inline, _nrt=nrt, **OPTIONS)(f)
+    cached = cache and cache_dir() is not None
+    if cached:
+        disp._cache = _KernelCache(f)  # announces the compilations it cannot spare
+    compile_ = disp.compile
+
+    def compile_kernel(sig):
+        if not cached:
+            args, _ = sigutils.normalize_signature(sig)
+            if tuple(args) not in disp.overloads:
+                announce_compilation(args)
+        with _kernel_compilation():
+            return compile_(sig)
+    disp.compile = compile_kernel
+    return disp

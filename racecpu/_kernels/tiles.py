@@ -244,6 +244,34 @@ def _store_stream(builder, arr, i, row, col, value, whole):
         builder.store(part, p, align=align).set_metadata("nontemporal", nontemporal)
 
 
+def _combine_sums(context, builder, sig, arr, i0v, c0v, rows, cols, transposed):
+    """The sums of a combine tile (:func:`_comb_tile`) over arrays 0 (X) and 1 (S) of ``arr``,
+    in X's dtype: ``rows * cols`` accumulators (row-major, promoted to registers) and the lanes
+    of a vector.  Each element is a chain of FMAs from zero over S's rows in order."""
+    fty = _float(context, sig.args[0].dtype)
+    n = _lanes(sig.args[0].dtype)
+    vty = ir.VectorType(fty, n)
+    sty = ir.VectorType(_float(context, sig.args[1].dtype), n)
+    fma = _fma(builder, vty)
+    acc = _accumulators(builder, vty, rows * cols)
+    K = cgutils.unpack_tuple(builder, arr.arrays[0].shape)[0 if transposed else 1]
+    undef = ir.Constant(vty, ir.Undefined)
+    splat = ir.Constant(ir.VectorType(ir.IntType(32), n), [0] * n)
+    with cgutils.for_range(builder, K) as loop:
+        k = loop.index
+        s = [_convert(builder, builder.load(arr.ptr(1, k, builder.add(c0v, arr.const(v * n)), sty), align=1),
+                      vty) for v in range(cols)]
+        for r in range(rows):
+            i = builder.add(i0v, arr.const(r))
+            x = builder.load(arr.ptr(0, k, i, fty) if transposed else arr.ptr(0, i, k, fty))
+            xb = builder.shuffle_vector(builder.insert_element(undef, x, ir.Constant(ir.IntType(32), 0)),
+                                        undef, splat)
+            for v in range(cols):
+                a = acc[r * cols + v]
+                builder.store(builder.call(fma, [xb, s[v], builder.load(a)]), a)
+    return acc, n
+
+
 def _comb_tile(rows, store, cols=COMB_VECTORS, transposed=False):
     """Intrinsic ``tile(X, S, out, i0, c0)``: out[i0 + r, c0:c0 + w] = X[i0 + r, :] S[:, c0:c0 + w]
     for r < ``rows``, w = ``cols`` vectors (overwriting): per row of S, its w
@@ -263,28 +291,8 @@ def _comb_tile(rows, store, cols=COMB_VECTORS, transposed=False):
     """
 
     def emit(context, builder, sig, arr, i0v, c0v):  # arrays X, S, out
-        fty = _float(context, sig.args[0].dtype)
-        n = _lanes(sig.args[0].dtype)
-        vty = ir.VectorType(fty, n)
-        sty = ir.VectorType(_float(context, sig.args[1].dtype), n)
+        acc, n = _combine_sums(context, builder, sig, arr, i0v, c0v, rows, cols, transposed)
         oty = ir.VectorType(_float(context, sig.args[2].dtype), n)
-        fma = _fma(builder, vty)
-        acc = _accumulators(builder, vty, rows * cols)
-        K = cgutils.unpack_tuple(builder, arr.arrays[0].shape)[0 if transposed else 1]
-        undef = ir.Constant(vty, ir.Undefined)
-        splat = ir.Constant(ir.VectorType(ir.IntType(32), n), [0] * n)
-        with cgutils.for_range(builder, K) as loop:
-            k = loop.index
-            s = [_convert(builder, builder.load(arr.ptr(1, k, builder.add(c0v, arr.const(v * n)), sty), align=1),
-                          vty) for v in range(cols)]
-            for r in range(rows):
-                i = builder.add(i0v, arr.const(r))
-                x = builder.load(arr.ptr(0, k, i, fty) if transposed else arr.ptr(0, i, k, fty))
-                xb = builder.shuffle_vector(builder.insert_element(undef, x, ir.Constant(ir.IntType(32), 0)),
-                                            undef, splat)
-                for v in range(cols):
-                    a = acc[r * cols + v]
-                    builder.store(builder.call(fma, [xb, s[v], builder.load(a)]), a)
         for r in range(rows):
             row = builder.add(i0v, arr.const(r))
             for v in range(cols):
@@ -350,26 +358,7 @@ def _tn_add_tile(rows, targets):
         def codegen(context, builder, sig, args):
             arr = _Arrays(context, builder, sig.args[:4], args[:4])
             f0v, c0v = args[4], args[5]
-            fty = _float(context, sig.args[0].dtype)
-            n = _lanes(sig.args[0].dtype)
-            vty = ir.VectorType(fty, n)
-            xty = ir.VectorType(_float(context, sig.args[1].dtype), n)
-            fma = _fma(builder, vty)
-            acc = _accumulators(builder, vty, rows * 2)
-            K = cgutils.unpack_tuple(builder, arr.arrays[0].shape)[0]
-            undef = ir.Constant(vty, ir.Undefined)
-            splat = ir.Constant(ir.VectorType(ir.IntType(32), n), [0] * n)
-            with cgutils.for_range(builder, K) as loop:
-                k = loop.index
-                xs = [_convert(builder, builder.load(arr.ptr(1, k, builder.add(c0v, arr.const(v * n)), xty), align=1),
-                               vty) for v in range(2)]
-                for r in range(rows):
-                    wk = builder.load(arr.ptr(0, k, builder.add(f0v, arr.const(r)), fty))
-                    wb = builder.shuffle_vector(builder.insert_element(undef, wk, ir.Constant(ir.IntType(32), 0)),
-                                                undef, splat)
-                    for v in range(2):
-                        a = acc[r * 2 + v]
-                        builder.store(builder.call(fma, [wb, xs[v], builder.load(a)]), a)
+            acc, n = _combine_sums(context, builder, sig, arr, f0v, c0v, rows, 2, True)
             for r in range(rows):
                 row = builder.add(f0v, arr.const(r))
                 for v in range(2):

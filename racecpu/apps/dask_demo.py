@@ -440,8 +440,6 @@ def demo(tokens=2 ** 24, heads=4, dim=128, directory="racecpu-dask", scheduler=N
     return m
 
 
-
-
 def _fused_phases(client, res, out, grads, stores, directory, progress):
     """The demo's graph in two phases when the scan is fused: each block's forward task gives its
     output, the carry its successor starts from and the path of its rows at once, and its
@@ -451,7 +449,6 @@ def _fused_phases(client, res, out, grads, stores, directory, progress):
     not kept).  Returns the phases' ``(key, label, seconds)`` (the keys of :func:`demo`'s
     ``seconds_*``), the futures kept to the end, the bytes of the rows' files and the gradients'
     futures (dbeta last)."""
-    dq, dk, dv, dbeta = grads
     t0 = time.perf_counter()
     # One submission: a block task whose output had been stored before a second submission
     # asked for its carry would have been released, and computed again.
@@ -460,10 +457,18 @@ def _fused_phases(client, res, out, grads, stores, directory, progress):
     _wait([f_out] + kept, progress, "1/2 forward: outputs, and each block's carry and rows")
     rows_bytes = _results_bytes(directory, ("rows",))
     t1 = time.perf_counter()
-    f_grads = client.compute([da_store(x, s) for x, s in zip((dq, dk, dv), stores[1:])] + [dbeta])
-    _wait(f_grads, progress, "2/2 backward: gradients")
+    f_grads = _gradients(client, grads, stores, progress, "2/2 backward: gradients")
     return ([("forward", "outputs", t1 - t0), ("backward", "gradients", time.perf_counter() - t1)], kept, rows_bytes,
             f_grads)
+
+
+def _gradients(client, grads, stores, progress, label):
+    """The last phase of either flow: dq, dk, dv stored (``stores[1:]``) and dbeta computed;
+    their futures, dbeta last, once done."""
+    dq, dk, dv, dbeta = grads
+    f_grads = client.compute([da_store(x, s) for x, s in zip((dq, dk, dv), stores[1:])] + [dbeta])
+    _wait(f_grads, progress, label)
+    return f_grads
 
 
 def _scanned_phases(client, res, out, grads, stores, directory, progress):
@@ -477,7 +482,7 @@ def _scanned_phases(client, res, out, grads, stores, directory, progress):
     from dask.delayed import Delayed
     from distributed import futures_of
 
-    dq, dk, dv, dbeta = grads
+    dq = grads[0]  # its graph holds the dstate, reverse-carry and forward keys
     t0 = time.perf_counter()
     # The first block of a head has no carried-in state: with one block per head there are none,
     # and distributed's persist refuses an empty list ("No collections provided").
@@ -497,8 +502,7 @@ def _scanned_phases(client, res, out, grads, stores, directory, progress):
     rfut = client.get(graph, rkeys, sync=False) if rkeys else []
     _wait(list(rfut), progress, "3/4 backward: reverse carries")
     t3 = time.perf_counter()
-    f_grads = client.compute([da_store(x, s) for x, s in zip((dq, dk, dv), stores[1:])] + [dbeta])
-    _wait(f_grads, progress, "4/4 backward: gradients")
+    f_grads = _gradients(client, grads, stores, progress, "4/4 backward: gradients")
     t4 = time.perf_counter()
     return ([("states", "forward states", t1 - t0), ("forward", "outputs, dstates", t2 - t1),
              ("reverse", "reverse carries", t3 - t2), ("backward", "gradients", t4 - t3)],
