@@ -92,6 +92,18 @@ def test_pick_block():
     assert dask_demo.pick_block(1000, 4096) == 1000 and dask_demo.pick_block(20000, 4096) == 4096
 
 
+def test_result_arrays_write_every_chunk_without_comparing_it(tmp_path):
+    """The demo's zarr arrays write a chunk as given: zarr's default compares every chunk with the
+    fill value first (a temporary as large as the chunk) and writes none of an all-zero one."""
+    z = dask_demo._zarr_array(zarr, str(tmp_path / "z"), (1, 8, 4), (1, 4, 4))
+    z[:, :4] = 0.0
+    z[:, 4:] = 1.5
+    back = zarr.open_array(str(tmp_path / "z"), mode="r")
+    assert back[0, :4].tolist() == [[0.0] * 4] * 4 and (back[0, 4:] == 1.5).all()
+    chunks = [f for _, _, files in os.walk(tmp_path / "z") for f in files if f != "zarr.json" and f != ".zarray"]
+    assert len(chunks) == 2  # the zero chunk is on disk too
+
+
 def test_disk_needed_counts_the_padded_last_chunk():
     one = dask_demo.disk_needed(4096, 1, 16, 4096)[0]
     padded = dask_demo.disk_needed(4097, 1, 16, 4096)[0]
