@@ -70,8 +70,7 @@ from ._checks import check_args
 from .config import DEFAULT_BETA
 
 __all__ = ["race_attention", "race_attention_fwd", "race_attention_bwd", "DaskResiduals", "WireSketch", "SpilledRows",
-           "FAN_IN", "CHAIN_BLOCKS", "CHAIN_TOKENS", "SCANS", "FUSED_MEMORY_SHARE", "block_slots", "slot_memory",
-           "pick_scan"]
+           "FAN_IN", "CHAIN_BLOCKS", "CHAIN_TOKENS", "SCANS", "FUSED_MEMORY_SHARE", "block_slots", "slot_memory", "pick_scan"]
 
 #: Sketches summed per task of the tree reductions.
 FAN_IN = 8
