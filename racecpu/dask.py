@@ -14,8 +14,7 @@ scalars, never rows:
 * causal forward: per block one pass over its keys that sums its state and
   keeps their soft buckets (:func:`racecpu.sketches.causal_block_keys`), an
   exclusive scan of the states across blocks (a parallel-prefix tree of
-  additions of sketches, or a chain where the blocks' keys' passes hide its
-  links: ``scan``), then every
+  additions of sketches, or a chain for a few blocks: ``scan``), then every
   block's queries from its carried-in state and its keys' pass
   (:func:`racecpu.sketches.causal_block`), which keeps the rows the block's
   backward reads (``keep_rows``; in memory, or in files: ``rows_dir``);
@@ -70,7 +69,7 @@ from ._checks import check_args
 from .config import DEFAULT_BETA
 
 __all__ = ["race_attention", "race_attention_fwd", "race_attention_bwd", "DaskResiduals", "WireSketch", "SpilledRows",
-           "FAN_IN", "CHAIN_BLOCKS", "CHAIN_TOKENS", "SCANS", "FUSED_MEMORY_SHARE", "block_slots", "slot_memory", "pick_scan"]
+           "FAN_IN", "CHAIN_BLOCKS", "SCANS", "FUSED_MEMORY_SHARE", "block_slots", "slot_memory", "pick_scan"]
 
 #: Sketches summed per task of the tree reductions.
 FAN_IN = 8
@@ -358,20 +357,10 @@ def _exclusive_scan(items, name, method):
     return [prefix[i // 2] if i % 2 == 0 else _add(name, prefix[i // 2], items[i - 1]) for i in range(len(items))]
 
 
-#: The most sequence blocks per head whose carries ``scan="auto"`` adds as a chain whatever their
-#: length, where it does not fuse them; a chain has fewer tasks, a tree a shorter critical path
+#: The most sequence blocks per head whose carries ``scan="auto"`` adds as a chain (more: a tree),
+#: where it does not fuse them; a chain has fewer tasks, a tree a shorter critical path
 #: (docs/distributed.md).
 CHAIN_BLOCKS = 8
-
-#: Tokens of its sequences' keys per block slot that hide one link of a chain (``scan="auto"``
-#: takes the chain where ``slots * CHAIN_TOKENS <= sequences * tokens per block``): a link, one
-#: addition whose carry crosses between worker processes, took 5-10 ms on one machine, and a
-#: block's keys' pass, which the links trail, ~350 ns per token at d = 128 on one core, so the
-#: chain's B links end with the pass over B blocks where each slot has that much of it per link.
-#: At 2 slots and 1-4 sequences in blocks of 2^16-2^18 tokens the chain took 0.7-1.2x the tree's
-#: time and moved fewer states (docs/distributed.md, "chain or tree"); on many machines the slots
-#: outgrow the sequences' work per link and the tree's ~2 log2(B) links take over.
-CHAIN_TOKENS = 2 ** 15
 
 SCANS = ("auto", "fused", "tree", "chain")
 
@@ -429,15 +418,13 @@ def slot_memory(threads=None):
     return min(per_slot) if per_slot else None
 
 
-def pick_scan(scan, blocks, sequences, slots, held=0, memory=None, block_tokens=None):
+def pick_scan(scan, blocks, sequences, slots, held=0, memory=None):
     """The causal scan ``scan="auto"`` means for ``sequences`` independent sequences of
     ``blocks`` blocks each when ``slots`` block tasks run at once: "fused" where every slot
     has a sequence of its own (no block's keys are read twice, nothing is summed across
     blocks) and the results a slot's sequences hold fit in :data:`FUSED_MEMORY_SHARE` of
     ``memory``, the bytes of a slot (None: no limit); else "chain" up to
-    :data:`CHAIN_BLOCKS` blocks, or where the keys' passes hide its links
-    (``slots * CHAIN_TOKENS <= sequences * block_tokens``, :data:`CHAIN_TOKENS`; ``block_tokens``
-    None: not considered), and "tree" beyond; another ``scan`` as given.
+    :data:`CHAIN_BLOCKS` blocks and "tree" beyond; another ``scan`` as given.
 
     ``held``: the bytes of one sequence's results (its output, and dq, dk and dv
     where a backward may follow).  Dask's
@@ -451,8 +438,7 @@ def pick_scan(scan, blocks, sequences, slots, held=0, memory=None, block_tokens=
     per_slot = -(-sequences // max(1, slots))
     if sequences >= slots and (memory is None or held * per_slot <= FUSED_MEMORY_SHARE * memory):
         return "fused"
-    hidden = block_tokens is not None and max(1, slots) * CHAIN_TOKENS <= sequences * block_tokens
-    return "chain" if blocks <= CHAIN_BLOCKS or hidden else "tree"
+    return "chain" if blocks <= CHAIN_BLOCKS else "tree"
 
 
 def _stand_in(x):
@@ -627,9 +613,7 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
         and the gradients a backward would add, fit in
         :data:`FUSED_MEMORY_SHARE` of a slot's memory: a worker holds a fused
         sequence's results until its chain ends; :func:`race_attention`,
-        which no backward follows, counts the output alone; else the chain
-        where the blocks' keys' passes hide its links, :data:`CHAIN_TOKENS`,
-        and the tree beyond).  The order of
+        which no backward follows, counts the output alone).  The order of
         every sum is fixed by the blocks, so the results' bits do not depend
         on the number of workers or the schedule; the scans differ from each
         other by rounding.
@@ -664,7 +648,7 @@ def _forward(q, k, v, planes, beta, causal, key_mask, check_finite, threads, kee
                 held += (q.shape[-2] * q.shape[-1] * q.dtype.itemsize
                          + k.shape[-2] * (k.shape[-1] * k.dtype.itemsize + dv * v.dtype.itemsize))
             scan = pick_scan(scan, qb.shape[-2], int(np.prod(nlead)), block_slots(threads), held,
-                             slot_memory(threads), q.shape[-2] // max(1, qb.shape[-2]))
+                             slot_memory(threads))
     out = np.empty(qb.shape, object)
     states, outputs, forwards = {}, {}, {}
     cf, thr = bool(check_finite), threads

@@ -392,30 +392,6 @@ def test_auto_scan_fuses_where_the_sequences_fill_the_slots():
     assert rd.slot_memory() is None
 
 
-def test_auto_scan_chains_where_the_keys_passes_hide_its_links():
-    # slots * CHAIN_TOKENS <= sequences * tokens per block: the chain, however many blocks
-    t = rd.CHAIN_TOKENS
-    assert rd.pick_scan("auto", 64, 1, 2, block_tokens=2 * t) == "chain"
-    assert rd.pick_scan("auto", 64, 1, 2, block_tokens=2 * t - 1) == "tree"
-    assert rd.pick_scan("auto", 1024, 4, 256, block_tokens=2 ** 20) == "tree"  # 8 machines of 32 slots
-    assert rd.pick_scan("auto", 1024, 3, 8, block_tokens=3 * t) == "chain"
-    assert rd.pick_scan("auto", 1024, 3, 10, block_tokens=3 * t) == "tree"
-    assert rd.pick_scan("auto", 64, 1, 2, block_tokens=None) == "tree"  # tokens unknown: the block count alone
-    assert rd.pick_scan("auto", rd.CHAIN_BLOCKS, 1, 64, block_tokens=1) == "chain"
-    assert rd.pick_scan("auto", 64, 2, 2, block_tokens=1) == "fused"  # fusing comes first
-    assert rd.pick_scan("tree", 64, 1, 2, block_tokens=2 ** 30) == "tree"  # as asked
-
-
-def test_auto_scan_chains_long_blocks_on_a_cluster(client):
-    """2 single-threaded workers, 1 sequence of 16 blocks: blocks of 2 * CHAIN_TOKENS tokens take the
-    chain, blocks of 16 tokens the tree (the graph alone: nothing is computed)."""
-    assert rd.block_slots() == 2
-    W = racecpu.hyperplanes(16)
-    for per_block, want in ((2 * rd.CHAIN_TOKENS, "chain"), (16, "tree")):
-        x = da.zeros((1, 16 * per_block, 16), chunks=(1, per_block, 16), dtype=np.float32)
-        assert rd.race_attention_fwd(x, x, x, W, causal=True)[1].scan == want
-
-
 def test_auto_scan_fuses_only_where_the_held_results_fit():
     # A slot's sequences hold their results until their chains end: 3 sequences on 2 slots put 2 on one.
     share = rd.FUSED_MEMORY_SHARE
