@@ -135,7 +135,8 @@ def auto_scan(n, heads, dim, block, backward, W):
         return rd.race_attention_fwd(q, k, v, W, causal=True)[1].scan
     # race_attention's own choice (it counts only the output against a slot's memory; a chain and a
     # tree both have a keys' pass, so the graph's keys do not tell them apart)
-    return rd._forward(q, k, v, W, DEFAULT_BETA, True, None, True, None, False, None, "auto", backward=False)[1].scan
+    return rd._forward(q, k, v, W, DEFAULT_BETA, causal=True, key_mask=None, check_finite=True, threads=None,
+                       keep_rows=False, rows_dir=None, scan="auto", backward=False)[1].scan
 
 
 def chain_latency(client, links, dim, W):
