@@ -213,7 +213,7 @@ def readout(q, A, B, planes, beta, *, check_finite=False, work=pool_work):
 
 
 def readout_bwd(q, A, B, grad, planes, beta, *, check_finite=False, work=pool_work):
-    """Backward of :func:`readout` (its forward recomputed): ``(dq (G, n, d), dA (G, F),
+    """Backward of :func:`readout` (the queries' hash and den recomputed): ``(dq (G, n, d), dA (G, F),
     dB (G, F, dv), dbeta)``, dq from ``work("dq")``, dA and dB new float64 arrays.
 
     ``grad (G, n, dv)``: the cotangent of the output.  ``check_finite``: q's and grad's
@@ -232,7 +232,8 @@ def readout_bwd(q, A, B, grad, planes, beta, *, check_finite=False, work=pool_wo
     nc = -(-nq // chunk)
     hsh, Bc = K.Hash(planes, beta), B.astype(cdt)
     rows = _rows(G, G, nq, 0, F, L * P, cdt, work, keep=("phiq", "tq", "den"))
-    _check_hash(check_finite, "q", q, _readout_rows(q, A, Bc, hsh, chunk, rows, work("out", (G, nq, dv), cdt)))
+    # the queries' hash and den only: their backward reads y = B g, not the output (no F x dv product per row)
+    _check_hash(check_finite, "q", q, _readout_rows(q, A, Bc, hsh, chunk, rows, np.empty((G, 0, dv), cdt)))
     pdA, pdB = work("pdA", (G, nc, F), np.float64, zero=True), work("pdB", (G, nc, F, dv), np.float64)
     dbq = work("dbq", (G, nc), np.float64, zero=True)
     chunks = _cuts(None, nq, chunk)

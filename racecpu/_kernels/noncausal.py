@@ -22,7 +22,7 @@ from ._jit import kernel
 from .bundles import QueryScratch
 from .hash import hash_bwd_rows_dw, hash_chunk, residual_rows
 from .products import combine_rows, copy_into, dot_rows, span_totals
-from .readout import dphi_from_y, readout_rows
+from .readout import den_rows, dphi_from_y, readout_rows
 from .runtime import read_only, run_tasks
 from .scan import task_bounds
 
@@ -78,7 +78,11 @@ def _queries_fwd_task(task, keep, q, hsh, chunks, sketch, rows, out, nan):
     g, c, lo, hi = task_bounds(task, chunks)
     phi, _, nan[task] = hash_chunk(q, g, lo, hi, hsh, keep[lo:hi], rows.tq, rows.phiq)
     s = chunks.seq[c]  # the chunk's packed sequence, whose sketch its queries read
-    readout_rows(phi, sketch.A[g, s], sketch.B[g, s], L, residual_rows(rows.den, g, lo, hi), out[g, lo:hi])
+    den = residual_rows(rows.den, g, lo, hi)
+    if out.shape[1] == 0:  # a backward's recomputed rows: its y = B g stands in for the output
+        den_rows(phi, sketch.A[g, s], L, den)
+    else:
+        readout_rows(phi, sketch.A[g, s], sketch.B[g, s], L, den, out[g, lo:hi])
 
 
 def queries_fwd(q, hsh, chunks, sketch, rows, out):
@@ -96,8 +100,10 @@ def queries_fwd(q, hsh, chunks, sketch, rows, out):
         dtype, one per packed sequence (S = 1 unpacked).
     rows : Rows
         Out: ``phiq``, ``tq``, ``den`` (each may have no rows: not kept).
-    out : (G, Nq, dv)
-        Out, compute dtype; every row written (streamed).
+    out : (G, Nq, dv) or (G, 0, dv)
+        Out, compute dtype; every row written (streamed).  With no rows,
+        only ``rows`` are computed (the hash and ``den``: what
+        :func:`queries_bwd` reads), not the output.
 
     Returns
     -------

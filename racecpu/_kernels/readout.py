@@ -9,7 +9,8 @@ sections 1.2 and 3.1): with a query's soft buckets ``phiq`` and the sums
 and a query whose ``den`` is at most DEN_FLOOR outputs zeros and passes no
 gradient.  Every kernel that reads a sketch or a causal state calls the
 functions here for that, and nothing else in the kernels knows the ratio or
-the floor: the non-causal readout (:func:`readout_rows`), the rows of a
+the floor: the non-causal readout (:func:`readout_rows`, and its
+den alone: :func:`den_rows`), the rows of a
 causal scan step (:func:`step_readout`), the cotangent of a row's
 readout (:func:`dphi_from_y`), the causal keys' share of it
 (:func:`ratio_inverse`, :func:`den_share`) and the cotangent a block's
@@ -41,6 +42,19 @@ def ratio_inverse(den, L):
 def den_share(dden, den, L):
     """``dden / L``, the weight with which a query's ``phiq`` enters ``dA``; 0 at the floor."""
     return dden / L if den > DEN_FLOOR else 0.0
+
+
+@kernel(inline="always")
+def den_rows(phiq, A, L, den):
+    """den_i = phiq_i . A / L, every row: :func:`readout_rows`' den without its output, for a
+    backward that recomputes only what the queries' cotangents read (their ``y = B g`` replaces
+    the output, :func:`dphi_from_y`).  The same sums in the same order as :func:`readout_rows`."""
+    n, F = phiq.shape
+    for i in range(n):
+        dn = 0.0
+        for f in range(F):
+            dn += phiq[i, f] * A[f]
+        den[i] = dn / L
 
 
 @kernel(inline="always")
