@@ -188,9 +188,16 @@ def _t_readout_bwd(threads, q, sk, g, planes, cf):
     return dq, _wire(dsk), dbeta
 
 
-def _t_sketch_bwd(threads, k, v, dsk, mask, planes, cdt, cf):
+def _t_sketch_kept(threads, k, v, mask, planes, beta, cdt, cf):
+    """A non-causal block's keys hashed once: ``(sketch, keys)`` (wire sketch, KeptKeys for its backward)."""
     _set_threads(threads)
-    return S.sketch_bwd(k, v, _sketch(dsk, planes), key_mask=mask, dtype=cdt, check_finite=cf)
+    sk, keys = S.sketch_kept(k, v, planes, beta, key_mask=mask, dtype=cdt, check_finite=cf)
+    return _wire(sk), keys
+
+
+def _t_sketch_bwd(threads, k, v, dsk, mask, planes, cdt, cf, keys=None):
+    _set_threads(threads)
+    return S.sketch_bwd(k, v, _sketch(dsk, planes), key_mask=mask, dtype=cdt, check_finite=cf, keys=keys)
 
 
 def _t_keys(threads, k, v, mask, planes, beta, cdt, keep, cf):
@@ -583,12 +590,15 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
         read (soft buckets, projections, denominators: 272 bytes per token
         and head at float32, P = L = 3, held by the worker from the forward
         task to the block's gradient task), so that no block's forward runs
-        twice in a forward+backward.  False: the gradient tasks recompute
-        their block's forward (about one more forward in all), and a worker
-        holds no rows between tasks; :func:`race_attention` (no backward)
-        keeps none.  Non-causal graphs keep no rows either way.
+        twice in a forward+backward.  Non-causal: each block's sketch task
+        keeps its keys' soft buckets and projections (132 bytes per key and
+        head at float32, held in the worker's memory until the block's
+        gradient task), so that no key is hashed twice.  False: the gradient
+        tasks recompute their block's forward (about one more forward in
+        all), and a worker holds no rows between tasks;
+        :func:`race_attention` (no backward) keeps none.
     rows_dir : str or path, optional
-        With ``keep_rows``: each causal forward task writes its rows to a
+        Causal, with ``keep_rows``: each forward task writes its rows to a
         file there (``<task key>.npz``, 272 bytes per token and head at
         float32) and hands on the path, so that the workers hold no rows
         between the forward and the backward (a driver that computes them
@@ -636,6 +646,7 @@ def _forward(q, k, v, planes, beta, causal, key_mask, check_finite, threads, kee
         raise ValueError(f"scan must be one of {SCANS}, got {scan!r}")
     q, k, v, m, W, beta, cdt, odt = _prepare(q, k, v, planes, beta, causal, key_mask)
     keep = bool(keep_rows) and bool(causal)
+    keep_keys = bool(keep_rows) and not causal  # a non-causal block's keys' soft buckets, for its backward
     spill_dir = None if rows_dir is None or not keep else os.fspath(rows_dir)
     qb, kb, vb, mb = _blocks(q), _blocks(k), _blocks(v), _blocks(m)
     nlead = qb.shape[:-2]
@@ -688,8 +699,14 @@ def _forward(q, k, v, planes, beta, causal, key_mask, check_finite, threads, kee
             # each block's rows under a key of their own: a backward computed later reads them, not the outputs
             forwards[b] = [_part("fwd", _outputs(t, 2)[1]) if keep else None for t in outputs[b]]
         else:
-            tot = [_call("sketch", _t_sketch, thr, kb[b + (j, 0)], vb[b + (j, 0)], mask(j), W, beta, cdt, cf)
-                   for j in range(kb.shape[-2])]
+            if keep_keys:  # each block's keys hashed once: its sketch task hands their soft buckets to its backward
+                kept = [_outputs(_call("keys", _t_sketch_kept, thr, kb[b + (j, 0)], vb[b + (j, 0)], mask(j), W, beta,
+                                       cdt, cf), 2) for j in range(kb.shape[-2])]
+                tot = [_part("sketch", t[0]) for t in kept]
+                forwards[b] = [_part("fwd", t[1]) for t in kept]
+            else:
+                tot = [_call("sketch", _t_sketch, thr, kb[b + (j, 0)], vb[b + (j, 0)], mask(j), W, beta, cdt, cf)
+                       for j in range(kb.shape[-2])]
             total = _tree_sum(tot, "sum") if tot else _call("zeros", _zero_sketch, W, beta,
                                                               tuple(c[i] for c, i in zip(q.chunks, b)), dv, cdt)
             states[b] = total
@@ -787,8 +804,9 @@ def race_attention_bwd(residuals, grad_out):
                 dbetas.append(_part("dbeta-part", d_beta))
             dsk = _tree_sum(parts, "dsum")  # every dask array has a block, even of no rows
             for j in range(kb.shape[-2]):
+                kept = r.forwards[b][j] if r.forwards and r.forwards.get(b) else None
                 t = _call("sketch-bwd", _t_sketch_bwd, thr, kb[b + (j, 0)], vb[b + (j, 0)], dsk, mask(j), W, r.cdt,
-                          cf)
+                          cf, kept)
                 dk[b + (j, 0)], dv[b + (j, 0)], d_beta = _outputs(t, 3)
                 dbetas.append(_part("dbeta-part", d_beta))
     return (_assemble(dq, r.q.chunks, r.q.dtype, "dq"), _assemble(dk, r.k.chunks, r.k.dtype, "dk"),

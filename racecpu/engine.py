@@ -53,8 +53,8 @@ from ._memory import POOL
 from .packing import sequence_sums
 from .plan import Plan, cpu_chunk_model, make_plan, scan_segments
 
-__all__ = ["forward", "backward", "Residuals", "Advanced", "soft_hash", "group_sum", "sketch_keys", "readout",
-           "readout_bwd", "keys_bwd", "KeyPass", "advance_keys",
+__all__ = ["forward", "backward", "Residuals", "Advanced", "KeyRows", "soft_hash", "group_sum", "sketch_keys",
+           "readout", "readout_bwd", "keys_bwd", "KeyPass", "advance_keys",
            "state_after", "advance", "advance_bwd", "state_cotangent", "pool_work"]
 
 #: The rows a causal block's backward reads besides ``phik`` (which every causal forward keeps):
@@ -161,29 +161,42 @@ def group_sum(x, group):
     return K.group_sum(x, group)
 
 
-def sketch_keys(k, v, mask, planes, beta, *, check_finite=False):
-    """The non-causal sketch of a block of keys: ``(A (Gk, F), B (Gk, F, dv))`` float64, new arrays.
+class KeyRows(NamedTuple):
+    """A non-causal block of keys' rows as :func:`sketch_keys` (``keep=True``) hashed them and
+    :func:`keys_bwd` reads them: soft buckets ``phik (Gk, n, F)`` and projections ``tk (Gk, n,
+    L P)``, k's compute dtype (``2 (F + L P) * itemsize`` bytes a key: 132 at float32, P = L = 3)."""
 
-    Summed per task of the whole call's forward (:attr:`racecpu.plan.Plan.task`), no rows
-    kept; ``mask (Gk, n)`` bool leaves keys out.  ``check_finite``: k's NaN/Inf, and v's
-    (from B), raise ValueError.
+    phik: np.ndarray
+    tk: np.ndarray
+
+
+def sketch_keys(k, v, mask, planes, beta, *, check_finite=False, keep=False, work=pool_work):
+    """The non-causal sketch of a block of keys: ``(A (Gk, F), B (Gk, F, dv), rows)``, A and B
+    float64 new arrays.
+
+    Summed per task of the whole call's forward (:attr:`racecpu.plan.Plan.task`); ``mask
+    (Gk, n)`` bool leaves keys out.  ``keep``: ``rows`` are the keys' soft buckets ``phik
+    (Gk, n, F)`` and projections ``tk (Gk, n, L P)`` in k's dtype, from ``work``, which
+    :func:`keys_bwd` reads instead of hashing the keys again; else ``rows`` is None.
+    ``check_finite``: k's NaN/Inf, and v's (from B), raise ValueError.
     """
     Gk, nk, d = k.shape
     dv = v.shape[2]
     L, P, _ = planes.shape
     plan = make_plan(G=Gk, group=1, nq=0, nk=nk, d=d, dv=dv, L=L, P=P, causal=False)
     F = plan.F
+    rows = _rows(Gk, Gk, 0, nk if keep else 0, F, plan.LP, k.dtype, work, keep=("phik", "tk") if keep else ())
+    kept = KeyRows(rows.phik, rows.tk) if keep else None
     if not (Gk and nk):
-        return np.zeros((Gk, F)), np.zeros((Gk, F, dv))
+        return np.zeros((Gk, F)), np.zeros((Gk, F, dv)), kept
     partA, partB = np.zeros((Gk, plan.nck_task, F)), np.empty((Gk, plan.nck_task, F, dv))
-    rows = _rows(Gk, Gk, 0, 0, F, plan.LP, k.dtype, pool_work, keep=())
     with _on_threads(Gk * nk, plan.task, nk):
         nan = K.sketch_chunks(k, v, mask, K.Hash(planes, beta), _cuts(None, nk, plan.task), rows,
                               K.Sums(partA, partB), span=K.SKETCH_FUSED)
     A, B = partA.sum(1), partB.sum(1)
     check_derived(check_finite, ("k", k, nan == 0, PROJECTIONS_OVERFLOW.format(k.dtype)),
                   ("v", v, all_finite(B), sums_overflow(k.dtype)))
-    return A, B
+    return A, B, kept
 
 
 def _readout_rows(q, A, Bc, hsh, chunk, rows, out):
@@ -257,10 +270,14 @@ def _hash_keys(k, v, mask, hsh, chunk, rows):
                                totals=(0, 0))
 
 
-def keys_bwd(k, v, mask, dA, dB, planes, beta, *, check_finite=False, work=pool_work):
+def keys_bwd(k, v, mask, dA, dB, planes, beta, *, check_finite=False, work=pool_work, rows=None):
     """Backward of a block of keys' sketch: ``(dk (Gk, n, d), dv (Gk, n, dv), dbeta)`` from the
     sketch's cotangent ``dA (Gk, F)``, ``dB (Gk, F, dv)`` (float64), from ``work("dk")``,
     ``work("dv")``.  Masked keys get zeros.  ``check_finite``: k's NaN/Inf raise ValueError.
+
+    ``rows``: the :class:`KeyRows` that :func:`sketch_keys` (``keep=True``)
+    made of the same ``k``, ``mask`` and planes, read instead of hashing the keys again (the
+    same bits); k's values are then not read (its NaN/Inf were checked by that sketch).
     """
     Gk, nk, d = k.shape
     dv = v.shape[2]
@@ -275,8 +292,14 @@ def keys_bwd(k, v, mask, dA, dB, planes, beta, *, check_finite=False, work=pool_
     chunk = cpu_chunk_model().length(nk, Gk, F, dv)
     nc = -(-nk // chunk)
     hsh = K.Hash(planes, beta)
-    rows = _rows(Gk, Gk, 0, nk, F, L * P, cdt, work, keep=("phik", "tk"))
-    _check_hash(check_finite, "k", k, _hash_keys(k, v, mask, hsh, chunk, rows))
+    if rows is None:
+        rows = _rows(Gk, Gk, 0, nk, F, L * P, cdt, work, keep=("phik", "tk"))
+        _check_hash(check_finite, "k", k, _hash_keys(k, v, mask, hsh, chunk, rows))
+    else:
+        if rows.phik.shape != (Gk, nk, F) or rows.tk.shape != (Gk, nk, L * P) or rows.phik.dtype != cdt:
+            raise ValueError(f"the kept rows are of {rows.phik.shape[:2]} keys in {rows.phik.dtype}, not of this "
+                             f"block's {(Gk, nk)} in {cdt}")
+        rows = _rows(Gk, Gk, 0, 0, F, L * P, cdt, work, keep=())._replace(phik=rows.phik, tk=rows.tk)
     dbk = work("dbk", (Gk, nc), np.float64, zero=True)
     with _on_threads(Gk * nk, chunk, nk):
         K.keys_bwd(v, rows, _sketch_per_sequence(dA, dB.astype(cdt)), hsh, _cuts(None, nk, chunk),

@@ -228,7 +228,7 @@ def race_attention_fwd_ooc(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, 
             n = hi - lo
             kb = blocks.load_block(k, "k", klead, lo, hi, bufs, cdt, check_finite)
             vb = blocks.load_block(v, "v", klead, lo, hi, bufs, cdt, check_finite)
-            A, B = engine.sketch_keys(kb, vb, ones[:Gk * n].reshape(Gk, n), planes, beta)
+            A, B, _ = engine.sketch_keys(kb, vb, ones[:Gk * n].reshape(Gk, n), planes, beta)
             return (state[0] + A, state[1] + B), 0.0
 
         scan = blocks.Scan(ckdir, "fwd_sketch", key, -(-nk // block), shapes, commit_every)

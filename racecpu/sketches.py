@@ -28,7 +28,9 @@ public:
 * :func:`state_from_sketch` / :func:`sketch_from_state` -- conversions to
   and from :class:`racecpu.RaceState` for streaming decode;
 * for drivers that hand a block's work from task to task (:mod:`racecpu.dask`):
-  :func:`causal_block_keys` (a causal block's keys hashed once: its sketch,
+  :func:`sketch_kept` (a block's sketch and its keys' soft buckets,
+  :class:`KeptKeys`, which ``sketch_bwd(..., keys=)`` reads instead of
+  hashing the keys again), :func:`causal_block_keys` (a causal block's keys hashed once: its sketch,
   and what ``causal_block(..., keys=)`` reads) and :class:`BlockForward`
   (``causal_block(..., keep=True)``'s rows, which ``causal_block_bwd`` and
   ``causal_block_dstate`` read with ``forward=`` instead of recomputing the
@@ -60,9 +62,9 @@ from ._memory import POOL
 from .config import DEFAULT_BETA
 from .streaming import RaceState
 
-__all__ = ["Sketch", "sketch", "readout", "readout_bwd", "sketch_bwd", "causal_block", "causal_block_bwd",
-           "causal_block_dstate", "causal_block_keys", "BlockForward", "state_from_sketch", "sketch_from_state",
-           "planes_digest"]
+__all__ = ["Sketch", "sketch", "sketch_kept", "KeptKeys", "readout", "readout_bwd", "sketch_bwd", "causal_block",
+           "causal_block_bwd", "causal_block_dstate", "causal_block_keys", "BlockForward", "state_from_sketch",
+           "sketch_from_state", "planes_digest"]
 
 
 def planes_digest(planes):
@@ -283,9 +285,45 @@ def sketch(k: ArrayLike, v: ArrayLike, planes: ArrayLike, beta: float = DEFAULT_
     k, v, mask, W, beta, lead, cdt, in_dt = _keys(k, v, planes, beta, key_mask, check_finite, dtype)
     dv = v.shape[2]
     L, P, _ = W.shape
-    A, B = engine.sketch_keys(k, v, mask, W, beta, check_finite=check_finite)
+    A, B, _ = engine.sketch_keys(k, v, mask, W, beta, check_finite=check_finite)
     R = 2 ** P
     return Sketch(A.reshape(lead + (L, R)), B.reshape(lead + (L, R, dv)), np.asarray(planes), beta, cdt, in_dt)
+
+
+@dataclass(frozen=True, eq=False)
+class KeptKeys:
+    """A block of keys as :func:`sketch_kept` hashed them, for :func:`sketch_bwd` (``keys=``) to
+    read instead of hashing them again.  Treat as opaque (:mod:`racecpu.dask` hands them from a
+    block's forward task to its backward task); use one only with the keys, key mask, planes and
+    dtype it was made from.  Holds ``2 (F + L P) * itemsize`` bytes per key and group (132 at
+    float32, P = L = 3)."""
+
+    rows: engine.KeyRows
+    lead: tuple
+
+    @property
+    def nbytes(self):
+        """Bytes of the arrays it holds (what it costs a worker to keep it)."""
+        return sum(x.nbytes for x in self.rows)
+
+
+def sketch_kept(k: ArrayLike, v: ArrayLike, planes: ArrayLike, beta: float = DEFAULT_BETA, *,
+                key_mask: ArrayLike | None = None, dtype: DTypeLike | None = None,
+                check_finite: bool = True) -> tuple[Sketch, KeptKeys]:
+    """:func:`sketch`, and the keys' soft buckets that :func:`sketch_bwd` reads: ``(sketch, keys)``.
+
+    Arguments and ``sketch`` as :func:`sketch` (the same bits); pass ``keys`` to
+    ``sketch_bwd(k, v, dsketch, keys=keys)`` with the same ``k``, ``v``, ``key_mask`` and
+    ``dtype``, which then does not hash the keys again (the same bits as without it).
+    """
+    POOL.tick()
+    k, v, mask, W, beta, lead, cdt, in_dt = _keys(k, v, planes, beta, key_mask, check_finite, dtype)
+    dv = v.shape[2]
+    L, P, _ = W.shape
+    A, B, rows = engine.sketch_keys(k, v, mask, W, beta, check_finite=check_finite, keep=True)
+    R = 2 ** P
+    st = Sketch(A.reshape(lead + (L, R)), B.reshape(lead + (L, R, dv)), np.asarray(planes), beta, cdt, in_dt)
+    return st, KeptKeys(rows, lead)
 
 
 def _queries(q, sk):
@@ -369,7 +407,8 @@ def readout_bwd(q: ArrayLike, sketch: Sketch, grad_out: ArrayLike, *,
 
 
 def sketch_bwd(k: ArrayLike, v: ArrayLike, dsketch: Sketch, *, key_mask: ArrayLike | None = None,
-               dtype: DTypeLike | None = None, check_finite: bool = True) -> tuple[np.ndarray, np.ndarray, float]:
+               dtype: DTypeLike | None = None, check_finite: bool = True,
+               keys: KeptKeys | None = None) -> tuple[np.ndarray, np.ndarray, float]:
     """Backward of :func:`sketch`: the keys' and values' cotangents from the sketch's.
 
     Parameters
@@ -379,6 +418,9 @@ def sketch_bwd(k: ArrayLike, v: ArrayLike, dsketch: Sketch, *, key_mask: ArrayLi
     dsketch : Sketch
         Cotangent of the sketch (e.g. the sum of :func:`readout_bwd`'s over
         every query block).
+    keys : KeptKeys, optional
+        What :func:`sketch_kept` made of the same keys: read instead of
+        hashing them again (the same bits).
 
     Returns
     -------
@@ -396,7 +438,13 @@ def sketch_bwd(k: ArrayLike, v: ArrayLike, dsketch: Sketch, *, key_mask: ArrayLi
     dv = v.shape[2]
     _check_state(dsketch, "dsketch", W, beta, lead, dv)
     dA, dB = dsketch._flat()
-    dk, dv_, dbeta = engine.keys_bwd(k, v, mask, dA, dB, W, beta, check_finite=check_finite)
+    if keys is not None:
+        if not isinstance(keys, KeptKeys):
+            raise TypeError(f"keys must be a racecpu.sketches.KeptKeys, got {type(keys).__name__}")
+        if keys.lead != lead:
+            raise ValueError(f"keys were kept for leading dims {keys.lead}, not {lead}")
+    dk, dv_, dbeta = engine.keys_bwd(k, v, mask, dA, dB, W, beta, check_finite=check_finite,
+                                     rows=None if keys is None else keys.rows)
     return (dk.reshape(lead + (nk, d)).astype(kdt if kdt.kind == "f" else cdt, copy=False),
             dv_.reshape(lead + (nk, dv)).astype(vdt if vdt.kind == "f" else cdt, copy=False), dbeta)
 

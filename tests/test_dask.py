@@ -436,6 +436,54 @@ def test_no_block_forward_runs_twice(rng, monkeypatch, tmp_path, keep_rows, spil
         close(x, y, np.float32)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_non_causal_keys_are_hashed_once(rng, monkeypatch, dtype):
+    """A non-causal forward+backward graph hashes each block's keys once: the sketch task keeps
+    their soft buckets for the block's gradient task (the same bits as hashing them again, with a
+    key mask), and without kept rows each gradient task hashes its keys again."""
+    from racecpu import engine
+    hashed = []
+
+    def counted(*a, _f=engine._hash_keys, **kw):
+        hashed.append(a[0].shape)
+        return _f(*a, **kw)
+    monkeypatch.setattr(engine, "_hash_keys", counted)
+    W = racecpu.hyperplanes(16, dtype=dtype)
+    q, k, v, g, m = data(rng, (2,), 60, 90, 16, 8, dtype, True)
+    Q, K, V, G = (da.from_array(x, chunks=(1, 30, x.shape[-1])) for x in (q, k, v, g))
+    M = da.from_array(m, chunks=(1, 30))
+    got = {}
+    for keep in (True, False):
+        hashed.clear()
+        out, res = rd.race_attention_fwd(Q, K, V, W, key_mask=M, keep_rows=keep)
+        with dask.config.set(scheduler="sync"):
+            got[keep] = dask.compute(out, *rd.race_attention_bwd(res, G))
+        assert len(hashed) == (0 if keep else 2 * 3), hashed  # 2 heads x 3 key blocks hashed again
+    for x, y in zip(got[True], got[False]):
+        np.testing.assert_array_equal(x, y)
+    ref, r = racecpu.race_attention_fwd(q, k, v, W, key_mask=m)
+    for x, y in zip(got[True], (ref,) + racecpu.race_attention_bwd(r, g)):
+        close(x, y, dtype)
+
+
+def test_kept_keys_are_checked(rng):
+    """``sketch_bwd(keys=)`` takes only what ``sketch_kept`` made of keys of the same shape."""
+    W = racecpu.hyperplanes(16)
+    k, v = rng.standard_normal((2, 2, 40, 16)).astype(np.float32), rng.standard_normal((2, 2, 40, 8)).astype(np.float32)
+    sk, keys = S.sketch_kept(k, v, W)
+    ref = S.sketch(k, v, W)
+    np.testing.assert_array_equal(sk.A, ref.A)
+    np.testing.assert_array_equal(sk.B, ref.B)
+    assert keys.nbytes == 2 * 2 * 40 * (24 + 9) * 4
+    np.testing.assert_array_equal(S.sketch_bwd(k, v, sk, keys=keys)[0], S.sketch_bwd(k, v, sk)[0])
+    with pytest.raises(TypeError, match="KeptKeys"):
+        S.sketch_bwd(k, v, sk, keys=sk)
+    with pytest.raises(ValueError, match="leading dims"):
+        S.sketch_bwd(k[0], v[0], S.sketch(k[0], v[0], W), keys=keys)
+    with pytest.raises(ValueError, match="kept rows"):
+        S.sketch_bwd(k[:, :, :30], v[:, :, :30], sk, keys=keys)
+
+
 def test_sketches_travel_without_their_planes(rng):
     """What crosses between tasks is a sketch's sums and a digest of its planes; a task given
     other planes than the sketch's refuses it."""
