@@ -9,7 +9,9 @@ the sequence axis and the leading axes) plus small float64 sketches
 values that cross between tasks of different blocks are sketches and
 scalars, never rows:
 
-* non-causal forward: a sketch per key block, summed by a tree of additions
+* non-causal forward: a sketch per key block (with ``keep_rows``, keeping its
+  keys' soft buckets for the block's gradient task:
+  :func:`racecpu.sketches.sketch_kept`), summed by a tree of additions
   (fan-in :data:`FAN_IN`), then a readout per query block;
 * causal forward: per block one pass over its keys that sums its state and
   keeps their soft buckets (:func:`racecpu.sketches.causal_block_keys`), an
