@@ -595,7 +595,8 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
         twice in a forward+backward.  Non-causal: each block's sketch task
         keeps its keys' soft buckets and projections (132 bytes per key and
         head at float32, held in the worker's memory until the block's
-        gradient task), so that no key is hashed twice.  False: the gradient
+        gradient task: every key block's at once), so that no key is hashed
+        twice.  False: the gradient
         tasks recompute their block's forward (about one more forward in
         all), and a worker holds no rows between tasks;
         :func:`race_attention` (no backward) keeps none.
