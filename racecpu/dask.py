@@ -596,10 +596,10 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
         keeps its keys' soft buckets and projections (132 bytes per key and
         head at float32, held in the worker's memory until the block's
         gradient task: every key block's at once), so that no key is hashed
-        twice.  False: the gradient
-        tasks recompute their block's forward (about one more forward in
-        all), and a worker holds no rows between tasks;
-        :func:`race_attention` (no backward) keeps none.
+        twice.  False: the gradient tasks recompute their block's forward
+        (about one more forward in all; non-causal: the keys' hash), and a
+        worker holds no rows between tasks; :func:`race_attention` (no
+        backward) keeps none.
     rows_dir : str or path, optional
         Causal, with ``keep_rows``: each forward task writes its rows to a
         file there (``<task key>.npz``, 272 bytes per token and head at
