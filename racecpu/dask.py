@@ -144,6 +144,14 @@ def _sizeof_wire(s):
     return s.nbytes + 300
 
 
+@dask.sizeof.sizeof.register(S.KeptKeys)
+@dask.sizeof.sizeof.register(S.BlockForward)
+def _sizeof_rows(rows):
+    """A block's kept rows at their arrays' size: Dask's default (``sys.getsizeof``) counts a
+    dataclass as a few dozen bytes, so its memory accounting and transfer costs left them out."""
+    return rows.nbytes + 300
+
+
 def _wire(sk):
     """What a task sends for sketch ``sk`` (None for None)."""
     return None if sk is None else WireSketch(sk.A, sk.B, sk.beta, sk.dtype, sk.in_dtype, sk.digest)

@@ -30,8 +30,8 @@ public:
 * for drivers that hand a block's work from task to task (:mod:`racecpu.dask`):
   :func:`sketch_kept` (a block's sketch and its keys' soft buckets,
   :class:`KeptKeys`, which ``sketch_bwd(..., keys=)`` reads instead of
-  hashing the keys again), :func:`causal_block_keys` (a causal block's keys hashed once: its sketch,
-  and what ``causal_block(..., keys=)`` reads) and :class:`BlockForward`
+  hashing the keys again), :func:`causal_block_keys` (a causal block's
+  keys hashed once: its sketch, and what ``causal_block(..., keys=)`` reads) and :class:`BlockForward`
   (``causal_block(..., keep=True)``'s rows, which ``causal_block_bwd`` and
   ``causal_block_dstate`` read with ``forward=`` instead of recomputing the
   forward; saved to and loaded from ``.npz`` files).
@@ -420,7 +420,7 @@ def sketch_bwd(k: ArrayLike, v: ArrayLike, dsketch: Sketch, *, key_mask: ArrayLi
         every query block).
     keys : KeptKeys, optional
         What :func:`sketch_kept` made of the same keys: read instead of
-        hashing them again (the same bits).
+        hashing them again (the same bits; k's NaN/Inf were checked there).
 
     Returns
     -------

@@ -466,6 +466,19 @@ def test_non_causal_keys_are_hashed_once(rng, monkeypatch, dtype):
         close(x, y, dtype)
 
 
+def test_kept_rows_are_sized_by_their_arrays(rng):
+    """Dask's memory accounting sees a block's kept rows at their arrays' size, not as a small object."""
+    from dask.sizeof import sizeof
+    W = racecpu.hyperplanes(16)
+    k, v = rng.standard_normal((2, 64, 16)).astype(np.float32), rng.standard_normal((2, 64, 8)).astype(np.float32)
+    _, keys = S.sketch_kept(k, v, W)
+    _, fwd = S.causal_block_keys(k, v, W)
+    for rows in (keys, fwd):
+        assert rows.nbytes > 2 * 64 * 24 * 4
+        assert rows.nbytes <= sizeof(rows) <= rows.nbytes + 1000
+        assert sizeof((None, rows)) >= rows.nbytes  # as a task's tuple of results
+
+
 def test_kept_keys_are_checked(rng):
     """``sketch_bwd(keys=)`` takes only what ``sketch_kept`` made of keys of the same shape."""
     W = racecpu.hyperplanes(16)
