@@ -814,10 +814,10 @@ def race_attention_bwd(residuals, grad_out):
                 parts.append(_part("dsketch-part", d_sketch))
                 dbetas.append(_part("dbeta-part", d_beta))
             dsk = _tree_sum(parts, "dsum")  # every dask array has a block, even of no rows
+            kept = r.forwards.get(b) or [None] * kb.shape[-2]  # the keys' soft buckets, where the forward kept them
             for j in range(kb.shape[-2]):
-                kept = r.forwards[b][j] if r.forwards and r.forwards.get(b) else None
                 t = _call("sketch-bwd", _t_sketch_bwd, thr, kb[b + (j, 0)], vb[b + (j, 0)], dsk, mask(j), W, r.cdt,
-                          cf, kept)
+                          cf, kept[j])
                 dk[b + (j, 0)], dv[b + (j, 0)], d_beta = _outputs(t, 3)
                 dbetas.append(_part("dbeta-part", d_beta))
     return (_assemble(dq, r.q.chunks, r.q.dtype, "dq"), _assemble(dk, r.k.chunks, r.k.dtype, "dk"),

@@ -281,13 +281,19 @@ def sketch(k: ArrayLike, v: ArrayLike, planes: ArrayLike, beta: float = DEFAULT_
         New float64 arrays ``A (..., L, R)``, ``B (..., L, R, dv)``; nothing
         aliases the inputs.
     """
+    return _sketch_keys(k, v, planes, beta, key_mask, dtype, check_finite, False)[0]
+
+
+def _sketch_keys(k, v, planes, beta, key_mask, dtype, check_finite, keep):
+    """:func:`sketch`, and with ``keep`` the keys' :class:`KeptKeys` (else None)."""
     POOL.tick()  # a public call: the pool ages its idle blocks, as racecpu.race_attention's calls do
     k, v, mask, W, beta, lead, cdt, in_dt = _keys(k, v, planes, beta, key_mask, check_finite, dtype)
     dv = v.shape[2]
     L, P, _ = W.shape
-    A, B, _ = engine.sketch_keys(k, v, mask, W, beta, check_finite=check_finite)
+    A, B, rows = engine.sketch_keys(k, v, mask, W, beta, check_finite=check_finite, keep=keep)
     R = 2 ** P
-    return Sketch(A.reshape(lead + (L, R)), B.reshape(lead + (L, R, dv)), np.asarray(planes), beta, cdt, in_dt)
+    st = Sketch(A.reshape(lead + (L, R)), B.reshape(lead + (L, R, dv)), np.asarray(planes), beta, cdt, in_dt)
+    return st, (KeptKeys(rows, lead) if keep else None)
 
 
 @dataclass(frozen=True, eq=False)
@@ -316,14 +322,7 @@ def sketch_kept(k: ArrayLike, v: ArrayLike, planes: ArrayLike, beta: float = DEF
     ``sketch_bwd(k, v, dsketch, keys=keys)`` with the same ``k``, ``v``, ``key_mask`` and
     ``dtype``, which then does not hash the keys again (the same bits as without it).
     """
-    POOL.tick()
-    k, v, mask, W, beta, lead, cdt, in_dt = _keys(k, v, planes, beta, key_mask, check_finite, dtype)
-    dv = v.shape[2]
-    L, P, _ = W.shape
-    A, B, rows = engine.sketch_keys(k, v, mask, W, beta, check_finite=check_finite, keep=True)
-    R = 2 ** P
-    st = Sketch(A.reshape(lead + (L, R)), B.reshape(lead + (L, R, dv)), np.asarray(planes), beta, cdt, in_dt)
-    return st, KeptKeys(rows, lead)
+    return _sketch_keys(k, v, planes, beta, key_mask, dtype, check_finite, True)
 
 
 def _queries(q, sk):

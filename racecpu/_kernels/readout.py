@@ -48,7 +48,7 @@ def den_share(dden, den, L):
 def den_rows(phiq, A, L, den):
     """den_i = phiq_i . A / L, every row: :func:`readout_rows`' den without its output, for a
     backward that recomputes only what the queries' cotangents read (their ``y = B g`` replaces
-    the output, :func:`dphi_from_y`).  The same sums in the same order as :func:`readout_rows`."""
+    the output, :func:`dphi_from_y`); :func:`readout_rows` computes its den with it."""
     n, F = phiq.shape
     for i in range(n):
         dn = 0.0
@@ -68,13 +68,9 @@ def readout_rows(phiq, A, S, L, den, out):
     """
     n, F = phiq.shape
     w = np.empty((n, F), phiq.dtype)
+    den_rows(phiq, A, L, den)
     for i in range(n):
-        dn = 0.0
-        for f in range(F):
-            dn += phiq[i, f] * A[f]
-        dn /= L
-        den[i] = dn
-        inv = ratio_inverse(dn, L)
+        inv = ratio_inverse(den[i], L)
         for f in range(F):
             w[i, f] = phiq[i, f] * inv
     combine_rows(w, S, out, True)
