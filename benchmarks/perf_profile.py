@@ -74,8 +74,8 @@ def compiled_functions(modules, dispatchers=()):
                     if fn.is_declaration:
                         continue
                     addr = lib.get_pointer_to_function(fn.name)
-                    if addr:
-                        found[addr] = fn.name
+                    if addr:  # Numba's runtime has a copy in every library: name its owner
+                        found[addr] = f"{fn.name}@{lib.name}" if fn.name.startswith("NRT_") else fn.name
     return found
 
 
