@@ -299,6 +299,48 @@ def test_run_tasks_runs_every_task_through_one_parallel_loop():
     assert len(runtime._run_tasks.impl.overloads) == 1
 
 
+def test_tasks_borrow_their_arrays_without_counting_references():
+    # run_tasks hands each task its arrays with a null meminfo (runtime._meminfo_slots): Numba then
+    # counts no references on them (atomics that both threads would fight over), views of them
+    # borrow too, and what a task allocates keeps its own count.  The caller's arrays are untouched.
+    import sys
+    from collections import namedtuple
+
+    from llvmlite import ir
+    from numba import njit, types
+    from numba.extending import intrinsic
+    from racecpu._kernels import run_tasks
+
+    @intrinsic
+    def meminfo_of(typingctx, arr):
+        def codegen(context, builder, sig, args):
+            ary = context.make_array(sig.args[0])(context, builder, args[0])
+            return builder.ptrtoint(ary.meminfo, ir.IntType(64))
+        return types.int64(arr), codegen
+
+    Pair = namedtuple("Pair", "src dst")
+
+    @njit
+    def task(t, pair, seen):
+        row = pair.src[t]  # a view: borrowed as well
+        own = np.ones(3)  # allocated by the task: counted
+        seen[t, 0] = meminfo_of(pair.src)
+        seen[t, 1] = meminfo_of(row)
+        seen[t, 2] = meminfo_of(own) != 0
+        seen[t, 3] = meminfo_of(seen)
+        pair.dst[t] = row.sum() + own.sum()
+
+    src = np.arange(12.0).reshape(4, 3)
+    dst = np.zeros(4)
+    seen = np.full((4, 4), -1, np.int64)
+    counts = [sys.getrefcount(a) for a in (src, dst, seen)]
+    run_tasks(task, 4, Pair(src, dst), seen)
+    np.testing.assert_array_equal(seen, [[0, 0, 1, 0]] * 4)
+    np.testing.assert_array_equal(dst, src.sum(axis=1) + 3)
+    np.testing.assert_array_equal(src, np.arange(12.0).reshape(4, 3))
+    assert [sys.getrefcount(a) for a in (src, dst, seen)] == counts
+
+
 def test_run_tasks_tells_apart_long_argument_lists():
     # Many arguments in a bundle, the strided one first: Numba 0.59's compute_fingerprint
     # garbled the first bytes of a key this long, and a strided call after a contiguous

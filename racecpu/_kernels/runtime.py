@@ -324,6 +324,8 @@ def _trampoline(task_addr, argtypes, flat_types):
     builder = ir.IRBuilder(fn.append_basic_block())
     slot = builder.inttoptr(address, ir.LiteralStructType(packed).as_pointer())
     vals = [builder.load(cgutils.gep_inbounds(builder, slot, 0, i)) for i in range(len(packed))]
+    for i in _meminfo_slots(context, flat_types):  # the task borrows every array: no counts on them
+        vals[i] = ir.Constant(packed[i], None)
     task = builder.inttoptr(ir.Constant(ir.IntType(64), task_addr), task_type.as_pointer())
     builder.ret(builder.call(task, [ret, excinfo, t, *vals]))
     with global_compiler_lock:  # Numba's code generation is not thread-safe
@@ -331,6 +333,26 @@ def _trampoline(task_addr, argtypes, flat_types):
         library.add_ir_module(module)
         library.finalize()
         return library, library.get_pointer_to_function(name)
+
+
+def _meminfo_slots(context, flat_types):
+    """The positions of the arrays' meminfo pointers among the flattened arguments of ``flat_types``.
+
+    Numba counts references to an array through its meminfo, with an atomic on every new view
+    (each step's rows) and at every call that keeps one; the tasks of one call on all threads
+    count on the same few meminfos, and each atomic then moves their cache line between cores
+    (docs/performance.md, "tasks borrow their arrays").  A task returns nothing and keeps no
+    array past its return, and :func:`run_tasks`' caller holds every argument until the tasks
+    end, so a task may take them with a null meminfo, which Numba's counting skips; what a task
+    allocates keeps its own.  (An array's members flatten to the meminfo first, then the rest.)
+    """
+    slots, pos = [], 0
+    for ty in flat_types:
+        if isinstance(ty, types.Array):
+            assert isinstance(context.get_arg_packer((ty,)).argument_types[0], ir.PointerType)
+            slots.append(pos)
+        pos += len(context.get_arg_packer((ty,)).argument_types)
+    return slots
 
 
 _task_runners = {}  # (task, key of the argument types) -> (trampoline address, compiled _launch, library)
