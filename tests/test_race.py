@@ -647,7 +647,7 @@ def test_exp_neg_matches_numpy_in_its_dtype(dtype, lo, tol):
 
 @pytest.mark.parametrize("n", [1, 2, 7, 40])
 @pytest.mark.parametrize("F", [1, 3, 8, 9, 24])
-@pytest.mark.parametrize("d", [24, 33, 56, 128])
+@pytest.mark.parametrize("d", [24, 29, 33, 56, 128])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_block_products_match_numpy(rng, n, F, d, dtype):
     # The kernels' small products: dot_rows (Y = X S^T) and combine_rows (X S, plain
@@ -655,7 +655,9 @@ def test_block_products_match_numpy(rng, n, F, d, dtype):
     # at the edges: rows of X past the last tile (n = 7, 40 not a multiple of 4), rows
     # of S past it (F = 9); rows not a whole number of vectors (d = 33) and too few
     # rows for any tile (n = 1, F = 1) go to the loops; columns past the last tile in
-    # one-vector tiles (d = 24: no whole tile, d = 56: one and some vectors); into outputs strided both ways,
+    # one-vector tiles (d = 24: no whole tile, d = 56: one and some vectors), a half vector past
+    # the last whole one (float32 at 16 lanes: d = 24, 56, and 29 with 5 columns past it for the
+    # loops; a half of 8 lanes: AVX-512 only); into outputs strided both ways,
     # of another dtype, and (streamed) with rows on 64 bytes (whole-vector stores),
     # on 16 bytes only (16-byte pieces, 2-row tiles) and not on 16 bytes.
     from racecpu._kernels import combine_rows, dot_rows

@@ -17,8 +17,9 @@ import numpy as np
 
 from ..config import BLAS_ROWS, SCORE_TILE_F
 from ._jit import kernel
-from .tiles import (ADD_ROWS, COMB_ROWS, COMB_VECTORS, TILE_ROWS, TN_ACC, VEC_ROWS, VECTOR_BYTES, comb_tile,
-                    comb_tile_lines, comb_tile_pieces, comb_vec, comb_vec_lines, comb_vec_pieces, comb_vec_tall,
+from .tiles import (ADD_ROWS, COMB_ROWS, COMB_VECTORS, TILE_ROWS, TN_ACC, VEC_ROWS, VECTOR_BYTES, comb_half,
+                    comb_half_tall, comb_tile, comb_tile_lines, comb_tile_pieces, comb_vec, comb_vec_lines,
+                    comb_vec_pieces, comb_vec_tall,
                     dot_tile_cols, dot_tile_cols1, dot_tile_rows, prefetch_lines, tn_add2_row, tn_add2_tile,
                     tn_add_row, tn_add_tile, tn_row2, tn_row4, tn_row8, tn_tile2, tn_tile4, tn_tile8)
 
@@ -46,7 +47,8 @@ def combine_rows(X, S, out, stream=False, ahead=0, lines=0):
 
     Register tiles (:func:`racecpu._kernels.tiles.comb_tile`: COMB_ROWS rows of X by
     COMB_VECTORS vectors of S's columns, then one vector, ``comb_vec``, for
-    the columns past the last whole tile) where S's and out's rows are
+    the columns past the last whole tile, then half a vector where 8 lanes
+    or more are left, ``comb_half``, plain stores) where S's and out's rows are
     contiguous (X's elements are read one at a time), and
     :func:`_combine_rows_loop` at the edges (the last rows; the columns
     past the last whole vector).  ``stream``: a result that
@@ -68,6 +70,7 @@ def combine_rows(X, S, out, stream=False, ahead=0, lines=0):
     width = COMB_VECTORS * lanes
     c1 = dv - dv % width  # columns in whole tiles
     c2 = dv - dv % lanes  # and in whole vectors: c1..c2 by one-vector tiles
+    c3 = c2  # and c2..c3 by half-vector tiles (plain stores, at least 8 lanes a half)
     n1 = 0  # rows done by tiles
     if c2 > 0 and S.strides[1] == S.itemsize and out.strides[1] == out.itemsize:
         line = lanes * out.itemsize  # bytes of one stored vector
@@ -107,11 +110,22 @@ def combine_rows(X, S, out, stream=False, ahead=0, lines=0):
                     else:
                         comb_vec(X, S, out, i, c)
                 i += VEC_ROWS if tall else COMB_ROWS
+            half = lanes // 2
+            if half >= 8 and c2 + half <= dv:
+                c3 = c2 + half
+                i = 0
+                while i < n1:
+                    if i < nv:
+                        comb_half_tall(X, S, out, i, c2)
+                        i += VEC_ROWS
+                    else:
+                        comb_half(X, S, out, i, c2)
+                        i += COMB_ROWS
     if n1 == 0:
         _combine_rows_loop(X, S, out, 0, n, 0)
         return
-    if c2 < dv:
-        _combine_rows_loop(X, S, out, 0, n1, c2)
+    if c3 < dv:
+        _combine_rows_loop(X, S, out, 0, n1, c3)
     if n1 < n:
         _combine_rows_loop(X, S, out, n1, n, 0)
 

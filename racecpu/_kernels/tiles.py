@@ -244,12 +244,13 @@ def _store_stream(builder, arr, i, row, col, value, whole):
         builder.store(part, p, align=align).set_metadata("nontemporal", nontemporal)
 
 
-def _combine_sums(context, builder, sig, arr, i0v, c0v, rows, cols, transposed):
+def _combine_sums(context, builder, sig, arr, i0v, c0v, rows, cols, transposed, split=1):
     """The sums of a combine tile (:func:`_comb_tile`) over arrays 0 (X) and 1 (S) of ``arr``,
     in X's dtype: ``rows * cols`` accumulators (row-major, promoted to registers) and the lanes
-    of a vector.  Each element is a chain of FMAs from zero over S's rows in order."""
+    of a vector (of 1/``split`` of VECTOR_BYTES).  Each element is a chain of FMAs from zero
+    over S's rows in order."""
     fty = _float(context, sig.args[0].dtype)
-    n = _lanes(sig.args[0].dtype)
+    n = _lanes(sig.args[0].dtype) // split
     vty = ir.VectorType(fty, n)
     sty = ir.VectorType(_float(context, sig.args[1].dtype), n)
     fma = _fma(builder, vty)
@@ -272,7 +273,7 @@ def _combine_sums(context, builder, sig, arr, i0v, c0v, rows, cols, transposed):
     return acc, n
 
 
-def _comb_tile(rows, store, cols=COMB_VECTORS, transposed=False):
+def _comb_tile(rows, store, cols=COMB_VECTORS, transposed=False, split=1):
     """Intrinsic ``tile(X, S, out, i0, c0)``: out[i0 + r, c0:c0 + w] = X[i0 + r, :] S[:, c0:c0 + w]
     for r < ``rows``, w = ``cols`` vectors (overwriting): per row of S, its w
     columns are loaded once and feed every row.  ``transposed``: X is read
@@ -287,11 +288,12 @@ def _comb_tile(rows, store, cols=COMB_VECTORS, transposed=False):
     before writing it, so a result that is only written, not read again
     soon, goes out faster.  Pieces leave lines part-written while a tile's
     rows are in flight, so they take 2-row tiles; whole aligned vectors
-    complete a line per store (docs/performance.md, "streamed stores").
+    complete a line per store (docs/performance.md, "streamed stores").  ``split``: vectors of
+    1/split of VECTOR_BYTES (the half vector past a row's last whole one).
     """
 
     def emit(context, builder, sig, arr, i0v, c0v):  # arrays X, S, out
-        acc, n = _combine_sums(context, builder, sig, arr, i0v, c0v, rows, cols, transposed)
+        acc, n = _combine_sums(context, builder, sig, arr, i0v, c0v, rows, cols, transposed, split)
         oty = ir.VectorType(_float(context, sig.args[2].dtype), n)
         for r in range(rows):
             row = builder.add(i0v, arr.const(r))
@@ -320,6 +322,10 @@ comb_vec = _comb_tile(COMB_ROWS, "plain", 1)
 #: (docs/performance.md, "tall one-vector tiles").
 VEC_ROWS = 8
 comb_vec_tall = _comb_tile(VEC_ROWS, "plain", 1)
+#: Half-vector tiles, for a row's half vector past its last whole one: F = 24 float32 columns are
+#: 16 + 8 at AVX-512's 16 lanes, and the loops took the 8 one value at a time.
+comb_half_tall = _comb_tile(VEC_ROWS, "plain", 1, split=2)
+comb_half = _comb_tile(COMB_ROWS, "plain", 1, split=2)
 comb_vec_pieces = _comb_tile(2, "pieces", 1)
 comb_vec_lines = _comb_tile(COMB_ROWS, "lines", 1)
 
