@@ -2,7 +2,8 @@
 
 :func:`run_tasks` runs ``task(t, *args)`` for every task ``t`` in one
 ``prange`` loop, with subnormal floats flushed to zero while a task runs
-(:data:`FLUSH_SUBNORMALS`); :func:`task_threads` is where a kernel call runs:
+(:data:`FLUSH_SUBNORMALS`) and its arrays borrowed from the caller (no
+reference counts on them: :func:`_meminfo_slots`); :func:`task_threads` is where a kernel call runs:
 with BLAS on one thread inside its tasks, and calls on fewer than
 ``config.SERIAL_TOKENS`` tokens on the calling thread alone.  Also the
 parallel NaN/Inf count of the input check (:func:`count_nonfinite`).
@@ -389,7 +390,9 @@ def run_tasks(task, ntasks, *args):
     Parameters
     ----------
     task : Numba dispatcher
-        Compiled for ``(int64, *types of args)``; returns nothing.
+        Compiled for ``(int64, *types of args)``; returns nothing and keeps no
+        array of ``args`` (nor a view of one) past its return: it gets them
+        borrowed, with no reference counted (:func:`_meminfo_slots`).
     ntasks : int
     *args
         Arrays, scalars and (named) tuples of them (:mod:`racecpu._kernels.bundles`).
