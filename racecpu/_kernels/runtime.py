@@ -349,10 +349,12 @@ def _meminfo_slots(context, flat_types):
     """
     slots, pos = [], 0
     for ty in flat_types:
+        members = context.get_arg_packer((ty,)).argument_types
         if isinstance(ty, types.Array):
-            assert isinstance(context.get_arg_packer((ty,)).argument_types[0], ir.PointerType)
+            if not isinstance(members[0], ir.PointerType):  # never expected: a crash otherwise
+                raise TypeError(f"{ty} does not flatten to its meminfo first: {members}")
             slots.append(pos)
-        pos += len(context.get_arg_packer((ty,)).argument_types)
+        pos += len(members)
     return slots
 
 
