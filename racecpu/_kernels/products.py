@@ -98,8 +98,10 @@ def combine_rows(X, S, out, stream=False, ahead=0, lines=0):
                     if lines > 0:  # (an integer division per tile, which a small product notices)
                         done = prefetch_to(ahead, done, lines * ((i // COMB_ROWS) * (c1 // width) + c // width + 1)
                                             // tiles)
-            # The one-vector columns: VEC_ROWS rows a tile (COMB_ROWS' 2 accumulators wait on
-            # each other's FMAs), then COMB_ROWS.
+            # The one-vector columns, then the half vector: VEC_ROWS rows a tile (COMB_ROWS' 2
+            # accumulators wait on each other's FMAs), then COMB_ROWS.
+            if lanes // 2 >= 8 and c2 + lanes // 2 <= dv:
+                c3 = c2 + lanes // 2
             nv = n1 - n1 % VEC_ROWS
             i = 0
             while i < n1:
@@ -109,18 +111,12 @@ def combine_rows(X, S, out, stream=False, ahead=0, lines=0):
                         comb_vec_tall(X, S, out, i, c)
                     else:
                         comb_vec(X, S, out, i, c)
-                i += VEC_ROWS if tall else COMB_ROWS
-            half = lanes // 2
-            if half >= 8 and c2 + half <= dv:
-                c3 = c2 + half
-                i = 0
-                while i < n1:
-                    if i < nv:
+                if c3 > c2:
+                    if tall:
                         comb_half_tall(X, S, out, i, c2)
-                        i += VEC_ROWS
                     else:
                         comb_half(X, S, out, i, c2)
-                        i += COMB_ROWS
+                i += VEC_ROWS if tall else COMB_ROWS
     if n1 == 0:
         _combine_rows_loop(X, S, out, 0, n, 0)
         return
