@@ -64,7 +64,7 @@ def compiled_functions(modules, dispatchers=()):
     callees linked into it)."""
     from numba.core.registry import CPUDispatcher
 
-    found = {}
+    found, owners = {}, {}
     objs = [obj for mod in modules for obj in vars(mod).values()] + list(dispatchers)
     for obj in objs:
         if isinstance(obj, CPUDispatcher):
@@ -74,18 +74,28 @@ def compiled_functions(modules, dispatchers=()):
                     if fn.is_declaration:
                         continue
                     addr = lib.get_pointer_to_function(fn.name)
-                    if addr:  # Numba's runtime has a copy in every library: name its owner
-                        found[addr] = f"{fn.name}@{lib.name}" if fn.name.startswith("NRT_") else fn.name
+                    if addr:
+                        found[addr] = fn.name
+                        if fn.name.startswith("NRT_"):
+                            owners.setdefault(addr, set()).add(lib.name)
+    # Numba's runtime has a copy in every library: name its owner.  A name several libraries
+    # export resolves to one copy for all of them (the first loaded), which none owns alone.
+    for addr, libs in owners.items():
+        found[addr] += f"@{next(iter(libs))}" if len(libs) == 1 else "@shared"
     return found
 
 
 def write_perf_map(functions, path):
     """Write ``functions`` ({address: name}) as perf's JIT symbol map: ``start size name``
-    per line, each function taken to end where the next one starts (at most 1 MiB)."""
+    per line, each function taken to end where the next one starts (at most 1 MiB; Numba's
+    runtime functions at most 256 bytes: they are a few instructions, and code after one that
+    this map does not name, such as a function loaded from the cache, was counted as theirs)."""
     addrs = sorted(functions)
     with open(path, "w") as f:
         for i, a in enumerate(addrs):
             size = addrs[i + 1] - a if i + 1 < len(addrs) and addrs[i + 1] - a < 1 << 20 else 4096
+            if functions[a].startswith("NRT_"):
+                size = min(size, 256)
             f.write(f"{a:x} {size:x} {functions[a]}\n")
     return len(addrs)
 

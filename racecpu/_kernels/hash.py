@@ -22,7 +22,7 @@ from .runtime import read_only, run_tasks
 from .tiles import TRANSPOSE_BYTES, transpose_tile
 
 
-@kernel(by_address=True, readonly=("x", "keep"))
+@kernel(by_address=True, readonly=("x", "keep"), refcounts=False)
 def hash_block(x, hsh, keep, scratch, t, phi, ahead=0, lines=0):
     """phi_l(x) and t = tanh(W_l x) of a block of rows, every table.
 
@@ -67,10 +67,9 @@ def hash_block(x, hsh, keep, scratch, t, phi, ahead=0, lines=0):
     R = 1 << P
     LP = L * P
     # Constants in the scratch dtype: a float64 literal would promote float32 math.
-    c = np.empty(8, U.dtype)
-    c[0], c[1], c[2], c[3] = -2.0, -2.0 * beta, 1.0, TANH_SERIES_MAX
-    c[4], c[5], c[6], c[7] = -1 / 3, 2 / 15, -17 / 315, 62 / 2835
-    m2, m2beta, one, small, c3, c5, c7, c9 = c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]
+    as_u = U.dtype.type
+    m2, m2beta, one, small = as_u(-2.0), as_u(-2.0 * beta), as_u(1.0), as_u(TANH_SERIES_MAX)
+    c3, c5, c7, c9 = as_u(-1 / 3), as_u(2 / 15), as_u(-17 / 315), as_u(62 / 2835)
     dot_rows(W.reshape(LP, d), x, U[:LP * T].reshape(LP, T).T)  # plane-major: U[m * T + j]
     done = 0  # lines prefetched so far (schedule: PREFETCH_MATH, PREFETCH_T, PREFETCH_CORNERS)
     n = T * LP
