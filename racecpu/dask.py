@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import numbers
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -535,7 +535,7 @@ class DaskResiduals:
     outputs: dict
     keep_rows: bool = False
     scan: str = "auto"
-    forwards: dict = None
+    forwards: dict = field(default_factory=dict)  # per leading block: its blocks' kept rows (or None each)
 
 
 def _check_threads(threads):
