@@ -71,7 +71,8 @@ from ._checks import check_args
 from .config import DEFAULT_BETA
 
 __all__ = ["race_attention", "race_attention_fwd", "race_attention_bwd", "DaskResiduals", "WireSketch", "SpilledRows",
-           "FAN_IN", "CHAIN_BLOCKS", "SCANS", "FUSED_MEMORY_SHARE", "block_slots", "slot_memory", "pick_scan"]
+           "FAN_IN", "CHAIN_BLOCKS", "SCANS", "FUSED_MEMORY_SHARE", "block_slots", "slot_memory", "pick_scan",
+           "BlockPlacement", "block_placement"]
 
 #: Sketches summed per task of the tree reductions.
 FAN_IN = 8
@@ -294,6 +295,113 @@ ROW_KEYS = ("race-keys-", "race-fwd-", "race-causal-", "race-readout-", "race-sk
 def holds_rows(name):
     """Whether the key named ``name`` (a str key, or a tuple key's first item) holds a block's rows."""
     return name.startswith(ROW_KEYS)
+
+
+def _reads_rows_of(key):
+    """Whether a task that reads ``key`` reads a block's rows through it: any key but racecpu's
+    keys that hold a sketch, a marker or a scalar (:data:`ROW_KEYS`)."""
+    name = key[0] if isinstance(key, tuple) else key
+    return not isinstance(name, str) or not name.startswith("race-") or holds_rows(name)
+
+
+class BlockPlacement:
+    """Where :func:`block_placement` puts each task and in which order a worker runs its blocks.
+
+    Picklable, for ``dask.annotate(workers=placement, priority=placement.priority,
+    allow_other_workers=True)``: the scheduler calls both with every key it is
+    given; a key they were not built with may run on any of ``workers``, at
+    Dask's default priority.
+    """
+
+    def __init__(self, where, rank, workers):
+        self.where = dict(where)
+        self.rank = dict(rank)
+        self.workers = list(workers)
+
+    def __call__(self, key):
+        return self.where.get(key, self.workers)
+
+    def priority(self, key):
+        """Dask's user priority (higher first): a block's tasks before the later blocks' (``-rank``);
+        0, before any block, for a task of no one block (a sum of sketches, which others wait for)."""
+        return -self.rank.get(key, 0)
+
+
+def block_placement(graph, block_of, workers):
+    """Keep every block's tasks on one worker, the blocks in one contiguous run per worker.
+
+    Dask places a task near the data it reads; the sketches of a scan over
+    blocks are small, so where a graph runs in several submissions (the
+    demo's phases) a block's carried-in state ends up on either worker about
+    as often as not, and crosses (docs/distributed.md, "the demo's blocks
+    placed"). Placed this way a sketch crosses only where a scan passes
+    from one worker's run of blocks to the next.
+
+    Parameters
+    ----------
+    graph : mapping
+        A Dask graph (key -> task), e.g. the union of ``dict(x.__dask_graph__())``
+        over the collections that will be computed, in any number of submissions.
+    block_of : mapping
+        The root keys that define the blocks (the input chunks a block's tasks
+        read) -> their position (sortable: e.g. ``(sequence, block)``).
+    workers : sequence of str
+        Worker addresses; the blocks, in position order, are split into
+        ``len(workers)`` contiguous runs of (nearly) equal length.
+
+    Returns
+    -------
+    BlockPlacement
+        Its priorities run a worker's blocks one after another: restricted
+        tasks are not queued by the scheduler, so without them a worker would
+        be handed every block's first task at once and, in Dask's order, run
+        them all before any block's next (every block's inputs in memory).
+        A task that reads the rows of one block (directly or through tasks
+        that hold rows; a sketch it reads ties it to no block) runs on that
+        block's worker; a sum of sketches, or a task of several blocks or
+        none, where the fewest values cross: the worker most often among its
+        placed inputs and the nearest tasks that read it and have one block (on
+        a tie, the readers' choice, then the first worker), or anywhere if it
+        has neither.
+    """
+    from dask.core import get_deps, toposort
+
+    workers = list(workers)
+    if not workers:
+        raise ValueError("block_placement needs at least one worker")
+    deps, dependents = get_deps(graph)
+    missing = [k for k in block_of if k not in graph]
+    if missing:
+        raise ValueError(f"block_of names keys that are not in the graph: {missing[:3]}")
+    order = sorted(set(block_of.values()))
+    index = {b: i for i, b in enumerate(order)}
+    rank = {b: i * len(workers) // len(order) for i, b in enumerate(order)}  # position -> worker index
+    home, first = {}, {}  # key -> the worker index of its one block, and the block's index
+    blocks = {}  # key -> the blocks it reads, not through a sum
+    for key in toposort(graph, dependencies=deps):
+        if key in block_of:
+            mine = {block_of[key]}
+        else:  # a sketch read (a carry, a sum) ties the task to no block
+            mine = set().union(*(blocks[d] for d in deps[key] if _reads_rows_of(d)))
+        blocks[key] = mine
+        if len(mine) == 1:
+            b = next(iter(mine))
+            home[key], first[key] = rank[b], index[b] + 1
+    where = {}  # key -> worker index
+    for key in toposort(graph, dependencies=deps):
+        if key in home:
+            where[key] = home[key]
+            continue
+        readers, seen, level = [], {key}, set(dependents[key])  # the nearest readers with one block
+        while level and not readers:
+            readers = [home[k] for k in level if k in home]
+            seen |= level
+            level = {d for k in level for d in dependents[k]} - seen
+        inputs = [where[d] for d in deps[key] if d in where]
+        votes = readers + inputs  # each a sketch or a value that would cross if placed elsewhere
+        if votes:  # the most votes; on a tie, the readers' choice, then the lower worker
+            where[key] = max(set(votes), key=lambda r: (votes.count(r), readers.count(r), -r))
+    return BlockPlacement({k: [workers[r]] for k, r in where.items()}, first, workers)
 
 
 # ---------------------------------------------------------------------------
