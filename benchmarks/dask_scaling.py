@@ -87,10 +87,15 @@ def inputs(n, heads, dim, block):
     return tuple(stacked_view(X, i) for i in range(4))
 
 
-def dask_run(client, n, heads, dim, block, causal, backward, W, scan="auto", rows_dir=None):
+def dask_run(client, n, heads, dim, block, causal, backward, W, scan="auto", rows_dir=None, placed=False):
     """One call on the cluster; returns (wall seconds, sum of every task's compute seconds, of
     racecpu's tasks alone, sketch bytes that crossed between workers per block and pass in
-    units of one block's state: ``L 2**P (dv + 1)`` float64)."""
+    units of one block's state: ``L 2**P (dv + 1)`` float64).  ``placed``: every block's tasks
+    on one worker, the blocks split evenly (``racecpu.dask.block_placement``; slower in one
+    submission: docs/distributed.md, "the demo's blocks placed")."""
+    import contextlib
+
+    import dask
     import dask.array as da
     from distributed import get_task_stream
 
@@ -109,7 +114,16 @@ def dask_run(client, n, heads, dim, block, causal, backward, W, scan="auto", row
         work = [da.store([dq, dk, dv], [_Discard()] * 3, lock=False, compute=False), dbeta]
     else:
         work = [da.store(out, _Discard(), lock=False, compute=False)]
-    with get_task_stream(client) as ts:
+    where = contextlib.nullcontext()
+    if placed:
+        graph = {}
+        for x in dask.core.flatten(work, container=(list, tuple)):  # a store of several arrays: a tuple
+            graph.update(dict(x.__dask_graph__()))
+        stacked = next(iter(q.dask.dependencies[q.name]))  # q is a view of the stacked inputs' blocks
+        block_of = {key: key[2:4] for key in graph if isinstance(key, tuple) and key[0] == stacked}
+        placement = rd.block_placement(graph, block_of, sorted(client.scheduler_info()["workers"]))
+        where = dask.annotate(workers=placement, allow_other_workers=True)
+    with get_task_stream(client) as ts, where:
         t0 = time.perf_counter()
         client.compute(work, sync=True)
         wall = time.perf_counter() - t0

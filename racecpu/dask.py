@@ -313,18 +313,18 @@ class BlockPlacement:
     Dask's default priority.
     """
 
-    def __init__(self, where, rank, workers):
-        self.where = dict(where)
-        self.rank = dict(rank)
+    def __init__(self, where, turn, workers):
+        self.where = dict(where)  # key -> [worker]
+        self.turn = dict(turn)  # key -> its block's turn, 1 for the first block
         self.workers = list(workers)
 
     def __call__(self, key):
         return self.where.get(key, self.workers)
 
     def priority(self, key):
-        """Dask's user priority (higher first): a block's tasks before the later blocks' (``-rank``);
+        """Dask's user priority (higher first): a block's tasks before the later blocks' (``-turn``);
         0, before any block, for a task of no one block (a sum of sketches, which others wait for)."""
-        return -self.rank.get(key, 0)
+        return -self.turn.get(key, 0)
 
 
 def block_placement(graph, block_of, workers):
@@ -335,7 +335,10 @@ def block_placement(graph, block_of, workers):
     demo's phases) a block's carried-in state ends up on either worker about
     as often as not, and crosses (docs/distributed.md, "the demo's blocks
     placed"). Placed this way a sketch crosses only where a scan passes
-    from one worker's run of blocks to the next.
+    from one worker's run of blocks to the next.  Not for a graph computed
+    in one submission: placed tasks are not queued, so a worker would run
+    every block's forward before any backward and hold all their rows
+    (measured there); Dask's own placement is the better one then.
 
     Parameters
     ----------
@@ -376,9 +379,10 @@ def block_placement(graph, block_of, workers):
     order = sorted(set(block_of.values()))
     index = {b: i for i, b in enumerate(order)}
     rank = {b: i * len(workers) // len(order) for i, b in enumerate(order)}  # position -> worker index
-    home, first = {}, {}  # key -> the worker index of its one block, and the block's index
+    home, turn = {}, {}  # key -> the worker index of its one block, and that block's turn (1, 2, ...)
     blocks = {}  # key -> the blocks it reads, not through a sum
-    for key in toposort(graph, dependencies=deps):
+    ordered = toposort(graph, dependencies=deps)
+    for key in ordered:
         if key in block_of:
             mine = {block_of[key]}
         else:  # a sketch read (a carry, a sum) ties the task to no block
@@ -386,9 +390,9 @@ def block_placement(graph, block_of, workers):
         blocks[key] = mine
         if len(mine) == 1:
             b = next(iter(mine))
-            home[key], first[key] = rank[b], index[b] + 1
+            home[key], turn[key] = rank[b], index[b] + 1
     where = {}  # key -> worker index
-    for key in toposort(graph, dependencies=deps):
+    for key in ordered:
         if key in home:
             where[key] = home[key]
             continue
@@ -401,7 +405,7 @@ def block_placement(graph, block_of, workers):
         votes = readers + inputs  # each a sketch or a value that would cross if placed elsewhere
         if votes:  # the most votes; on a tie, the readers' choice, then the lower worker
             where[key] = max(set(votes), key=lambda r: (votes.count(r), readers.count(r), -r))
-    return BlockPlacement({k: [workers[r]] for k, r in where.items()}, first, workers)
+    return BlockPlacement({k: [workers[r]] for k, r in where.items()}, turn, workers)
 
 
 # ---------------------------------------------------------------------------

@@ -152,20 +152,19 @@ def _keys(collection, prefixes):
 
 
 #: Workers that never spill, pause or restart for memory: racecpu's tasks bound their own rows,
-#: and spilling would write blocks to the disk the results go to.  No work stealing either: the
-#: demo places every block's tasks (:func:`_placement`), so a stolen task would only pull its rows.
-LOCAL_CLUSTER_CONFIG = {"distributed.worker.memory.target": False, "distributed.worker.memory.spill": False,
-                        "distributed.worker.memory.pause": False, "distributed.worker.memory.terminate": False,
-                        "distributed.scheduler.work-stealing": False}
+#: and spilling would write blocks to the disk the results go to.
+NO_SPILL = {"distributed.worker.memory.target": False, "distributed.worker.memory.spill": False,
+            "distributed.worker.memory.pause": False, "distributed.worker.memory.terminate": False}
 
 
-def local_cluster(n_workers=None):
+def local_cluster(n_workers=None, stealing=True):
     """A ``LocalCluster`` of ``n_workers`` (default: one per core) single-threaded worker processes
-    configured with :data:`LOCAL_CLUSTER_CONFIG`."""
+    configured with :data:`NO_SPILL`; ``stealing=False``: the scheduler steals no work (the demo
+    places every block's tasks itself, so a stolen task would only pull its rows)."""
     import dask
     from distributed import LocalCluster
 
-    with dask.config.set(LOCAL_CLUSTER_CONFIG):
+    with dask.config.set({**NO_SPILL, "distributed.scheduler.work-stealing": bool(stealing)}):
         return LocalCluster(n_workers=n_workers or os.cpu_count() or 1, threads_per_worker=1, processes=True,
                             dashboard_address=None)
 
@@ -422,7 +421,7 @@ def demo(tokens=2 ** 24, heads=4, dim=128, directory="racecpu-dask", scheduler=N
               for n in _OUTPUTS]
 
     # Every phase's rows are bounded by construction: the workers of a local cluster never spill.
-    cluster = local_cluster(n_workers) if scheduler is None else None
+    cluster = local_cluster(n_workers, stealing=False) if scheduler is None else None
     client = Client(cluster if cluster is not None else scheduler)
     try:
         workers = len(client.scheduler_info()["workers"])
