@@ -297,6 +297,10 @@ def holds_rows(name):
     return name.startswith(ROW_KEYS)
 
 
+# ---------------------------------------------------------------------------
+# placement: a block's tasks on one worker (for graphs computed in parts)
+# ---------------------------------------------------------------------------
+
 def _reads_rows_of(key):
     """Whether a task that reads ``key`` reads a block's rows through it: any key but racecpu's
     keys that hold a sketch, a marker or a scalar (:data:`ROW_KEYS`)."""
