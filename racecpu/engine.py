@@ -38,6 +38,7 @@ NumPy), chosen by the CPU backend (:data:`racecpu.backend.ESTIMATORS`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
@@ -110,6 +111,13 @@ def _cuts(packing, n, length):
     if packing is not None:
         return K.Chunks(*packing.chunks)
     return K.even_chunks(n, length)
+
+
+def _chunk_sum(part):
+    """``part (G, nc, ...)`` summed over its chunks (axis 1), in chunk order.  With one chunk,
+    the view of it: a sum of one value is that value (the same bits), and the reduction and
+    the fresh result it wrote were a visible share of a short call's fixed cost."""
+    return part[:, 0] if part.shape[1] == 1 else part.sum(1)
 
 
 def _on_threads(tokens, chunk, n):
@@ -193,7 +201,7 @@ def sketch_keys(k, v, mask, planes, beta, *, check_finite=False, keep=False, wor
     with _on_threads(Gk * nk, plan.task, nk):
         nan = K.sketch_chunks(k, v, mask, K.Hash(planes, beta), _cuts(None, nk, plan.task), rows,
                               K.Sums(partA, partB), span=K.SKETCH_FUSED)
-    A, B = partA.sum(1), partB.sum(1)
+    A, B = _chunk_sum(partA), _chunk_sum(partB)
     check_derived(check_finite, ("k", k, nan == 0, PROJECTIONS_OVERFLOW.format(k.dtype)),
                   ("v", v, all_finite(B), sums_overflow(k.dtype)))
     return A, B, kept
@@ -254,7 +262,7 @@ def readout_bwd(q, A, B, grad, planes, beta, *, check_finite=False, work=pool_wo
     with _on_threads(G * nq, chunk, nq):
         K.queries_bwd(K.Backward(grad, _none(G, cdt, dv), rows, hsh, grads, chunks), _sketch_per_sequence(A, Bc),
                       K.Sums(pdA, pdB))
-    dA, dB = pdA.sum(1), pdB.sum(1)
+    dA, dB = pdA.sum(1), pdB.sum(1)  # fresh arrays: pdA and pdB are the workspace's, reused by the next call
     check_derived(check_finite, ("grad_out", grad, all_finite(dB), sums_overflow(cdt)))
     return dq, dA, dB, float(dbq.sum())
 
@@ -407,7 +415,7 @@ def state_after(keys, A0, B0):
     one chunk: its total itself, as :func:`advance` adds it)."""
     if keys.partA.shape[1] == 1:
         return A0 + keys.partA[:, 0], B0 + keys.partB[:, 0]
-    return A0 + keys.partA.sum(1), B0 + keys.partB.sum(1)
+    return A0 + _chunk_sum(keys.partA), B0 + _chunk_sum(keys.partB)
 
 
 def advance(q, k, v, planes, beta, A0, B0, out, *, mask=None, keep=BACKWARD_ROWS,
@@ -465,7 +473,7 @@ def advance(q, k, v, planes, beta, A0, B0, out, *, mask=None, keep=BACKWARD_ROWS
         nan_q = K.causal_fwd(K.Forward(q, v, K.Hash(planes, beta), rows, out, keys.chunks), K.Sums(carryA, carryB),
                              final=B1, segments=seg)
     if scan:  # B: the scan's; A: as state_after sums it
-        A1 = A0 + (partA[:, 0] if nc == 1 else partA.sum(1))
+        A1 = A0 + _chunk_sum(partA)
     else:
         A1, B1 = state_after(keys, A0, B0)  # the chunk totals' float64 sum
     if check_finite:
@@ -530,7 +538,7 @@ def advance_bwd(q, k, v, grad, planes, beta, A0, B0, dA1=None, dB1=None, *, mask
         return dq, dk, dv_, float(dbq.sum() + dbk.sum()), dA0, dB0
     with _on_threads(G * n, chunk, n):
         K.causal_queries_bwd(bwd, K.Sums(step.carryA, step.carryB), K.Sums(pdA, pdB))
-    dA0, dB0 = sA + pdA.sum(1), sB + pdB.sum(1)
+    dA0, dB0 = sA + _chunk_sum(pdA), sB + _chunk_sum(pdB)
     check_derived(check_finite, ("grad_out", grad, all_finite(dB0), sums_overflow(cdt)))
     if queries_only:
         return dA0, dB0
@@ -700,7 +708,10 @@ def forward(q, k, v, planes, beta, *, causal=False, key_mask=None, check_finite=
                                      segments=seg)
     else:
         # packed: a sketch per sequence, (Gk, S, F) and (Gk, S, F, dv)
-        A, B = (partA.sum(1), partB.sum(1)) if pk is None else (sequence_sums(partA, pk), sequence_sums(partB, pk))
+        if pk is None:
+            A, B = _chunk_sum(partA), _chunk_sum(partB)
+        else:
+            A, B = sequence_sums(partA, pk), sequence_sums(partB, pk)
         sums_v = B
         if G and nq:  # grouped-query attention: each query head reads its key/value head's sketch
             sketch = K.Sums(_repeat(A, group), _repeat(B.astype(cdt), group))
@@ -710,10 +721,10 @@ def forward(q, k, v, planes, beta, *, causal=False, key_mask=None, check_finite=
                 nan_q = K.queries_fwd(a.q, hsh, qchunks, sketch, rows, o)
     overflow = PROJECTIONS_OVERFLOW.format(cdt)
     # packed and causal: the scan restarts, its total is the last sequence's; the output shows the others'
-    finite_v = all_finite(sums_v) and not (causal and pk is not None and not all_finite(o))
+    v_sums = max_abs(sums_v)  # finite exactly where the sums are: one pass serves both checks
+    finite_v = math.isfinite(v_sums) and not (causal and pk is not None and not all_finite(o))
     check_derived(a.check_finite, ("q", a.q, nan_q == 0, overflow), ("k", a.k, nan_k == 0, overflow),
                   ("v", a.v, finite_v, sums_overflow(cdt)))
-    v_sums = max_abs(sums_v)
     check_results(a.check_finite, (("v", a.v, v_sums),), cdt, plan.L, (o,))
     y = deliver(o, out, a.lead + (nq, dv), a.out_dtype)
     xp = namespace_of(q)  # results in q's array type (torch, JAX, ...), unless written into out
@@ -780,7 +791,8 @@ def backward(residuals, grad_out, *, out=None, dplanes=False):
             _causal_backward(plan, K.Backward(g, v, rows, hsh, grads, chunks), K.Sums(r.A, r.B),
                              K.Sums(partdA, partdB), dB)
             # packed: the reverse scan restarts, its total is the first sequence's; dv shows the others'
-            finite = all_finite(dB) and (pk is None or all_finite(dv_))
+            db_max = max_abs(dB)
+            finite = math.isfinite(db_max) and (pk is None or all_finite(dv_))
             check_derived(r.check_finite, ("grad_out", g, finite, sums_overflow(cdt)))
         else:
             grads = _grads(cdt, G, Gk, d, dv, ncq, nck, dq=dq, dk=dk, dv_=dv_, dbq=dbq, dbk=dbk, planes=pg)
@@ -790,16 +802,17 @@ def backward(residuals, grad_out, *, out=None, dplanes=False):
             with _on_threads(G * nq, chunk, nq):
                 K.queries_bwd(K.Backward(g, v, rows, hsh, grads, chunks), sketch, K.Sums(partdA, partdB))
             # a key/value head's sketch was read by its whole group (packed: one sketch per sequence)
-            per_seq = (lambda x: x.sum(1)) if pk is None else (lambda x: sequence_sums(x, pk))
+            per_seq = _chunk_sum if pk is None else (lambda x: sequence_sums(x, pk))
             dB = K.group_sum(per_seq(partdB), plan.group)
-            check_derived(r.check_finite, ("grad_out", g, all_finite(dB), sums_overflow(cdt)))  # before the keys' backward
+            db_max = max_abs(dB)
+            # before the keys' backward
+            check_derived(r.check_finite, ("grad_out", g, math.isfinite(db_max), sums_overflow(cdt)))
             dsum = K.Sums(K.group_sum(per_seq(partdA), plan.group), dB.astype(cdt))
             if pk is None:
                 dsum = _sketch_per_sequence(*dsum)
             with _on_threads(Gk * nk, chunk, nk):
                 K.keys_bwd(v, rows, dsum, hsh, _cuts(pk, nk, chunk), grads)
         # the backward multiplies v's sums by grad_out (y = B g): their product near the limit counts too
-        db_max = max_abs(dB)
         check_results(r.check_finite, (("v", r.v, r.sums_max), ("grad_out", g, db_max),
                                        ("grad_out", g, r.sums_max * db_max * OVERFLOW_MARGIN)), cdt, plan.L,
                       (dq, dk, dv_))

@@ -125,6 +125,23 @@ def test_results_kept_by_the_caller_are_never_overwritten(rng):
     assert POOL.stats()["hits"] > 0
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_residuals_kept_while_later_calls_run_give_the_same_backward(rng, causal):
+    # A forward of one chunk keeps its sketch as a view of the chunk totals (no sum of one
+    # value); those are 1 MiB here (G F dv float64), so they come from the pool, and the
+    # later calls of the same shape must not get the memory the residuals still read.
+    G, n, d, dv = 16, 48, 8, 64
+    q, k, g = rng.standard_normal((G, n, d)), rng.standard_normal((G, n, d)), rng.standard_normal((G, n, dv))
+    v = rng.standard_normal((G, n, dv))
+    W = racecpu.hyperplanes(d, 5, 4, seed=1, dtype=np.float64)  # F = 128
+    out, res = racecpu.race_attention_fwd(q, k, v, W, causal=causal)
+    want = [x.copy() for x in racecpu.race_attention_bwd(res, g)[:3]]
+    for i in range(3):
+        racecpu.race_attention_bwd(racecpu.race_attention_fwd(-q, 2 * k, v + i, W, causal=causal)[1], g)
+    for x, w in zip(racecpu.race_attention_bwd(res, g)[:3], want):
+        np.testing.assert_array_equal(x, w)
+
+
 def test_public_limit_and_release(monkeypatch):
     monkeypatch.setattr(POOL, "limit", POOL.limit)
     monkeypatch.setattr(POOL, "_blocks", [])

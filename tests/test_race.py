@@ -1,6 +1,7 @@
 """RACE attention kernels against the dense O(N^2) reference, finite differences and properties."""
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -1122,6 +1123,22 @@ def test_bad_inputs(rng):
         racecpu.race_attention_bwd(res, g)
     with pytest.raises(TypeError, match="residuals must come from race_attention_fwd"):
         racecpu.race_attention_bwd((1, 2), out)
+
+
+@given(st.lists(st.sampled_from([0.0, -0.0, 1.5, -2.25, 3e38, -3e38, np.inf, -np.inf, np.nan]), max_size=12),
+       st.integers(0, 2**31 - 1))
+def test_max_abs_is_the_largest_magnitude_and_shows_nonfinite_values(values, seed):
+    # What the overflow checks compare and what the derived NaN/Inf checks read
+    # (math.isfinite of it is all_finite), taken without np.abs's copy.
+    from racecpu._checks import all_finite, max_abs
+    x = np.random.default_rng(seed).standard_normal(len(values) + 3)
+    x[:len(values)] = values
+    x = x[np.random.default_rng(seed).permutation(x.size)].reshape(-1, 1)
+    got = max_abs(x)
+    want = float(np.abs(x).max())
+    assert got == want or (np.isnan(got) and np.isnan(want))
+    assert math.isfinite(got) == all_finite(x)
+    assert max_abs(np.empty((0, 3))) == 0.0
 
 
 def _forward_with_residuals(*args, **kw):

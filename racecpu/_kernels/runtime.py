@@ -116,7 +116,18 @@ def threads(n: int):
 
 _blas_lock = threading.Lock()
 _blas_users = 0
-_blas_limiter = None
+_blas_saved = ()  # (controller, thread count found) of each BLAS the first call in limited
+
+
+def _blas_libraries():
+    """threadpoolctl's controllers of the BLAS libraries loaded, found on first use."""
+    global _blas_controller
+    if _blas_controller is None:
+        # Imported on first use: importing threadpoolctl sets an environment
+        # variable (KMP_DUPLICATE_LIB_OK), which importing racecpu must not.
+        from threadpoolctl import ThreadpoolController
+        _blas_controller = ThreadpoolController().select(user_api="blas").lib_controllers
+    return _blas_controller
 
 
 @contextlib.contextmanager
@@ -126,18 +137,21 @@ def _blas_on_one_thread():
     threadpoolctl's limit restores what it found on entry, so two calls that
     overlap in two threads would leave BLAS on one thread for good (the
     second finds the first one's limit and restores it last).  The limit is
-    taken by the first call in and given back by the last one out.
+    taken by the first call in and given back by the last one out.  Through
+    the libraries' controllers directly (a few microseconds), where
+    threadpoolctl's ``limit`` re-read every library's state (info, version)
+    on each of a call's eight kernels (docs/performance.md, "a call's fixed cost").
     """
-    global _blas_users, _blas_limiter, _blas_controller
+    global _blas_users, _blas_saved
     with _blas_lock:
         if _blas_users == 0:
-            if _blas_controller is None:
-                # Imported on first use: importing threadpoolctl sets an
-                # environment variable (KMP_DUPLICATE_LIB_OK), which
-                # importing racecpu must not.
-                from threadpoolctl import ThreadpoolController
-                _blas_controller = ThreadpoolController()
-            _blas_limiter = _blas_controller.limit(limits=1, user_api="blas")
+            saved = []
+            for lib in _blas_libraries():
+                n = lib.get_num_threads()
+                if n != 1:
+                    lib.set_num_threads(1)
+                    saved.append((lib, n))
+            _blas_saved = tuple(saved)
         _blas_users += 1
     try:
         yield
@@ -145,8 +159,9 @@ def _blas_on_one_thread():
         with _blas_lock:
             _blas_users -= 1
             if _blas_users == 0:
-                _blas_limiter.restore_original_limits()
-                _blas_limiter = None
+                for lib, n in _blas_saved:
+                    lib.set_num_threads(n)
+                _blas_saved = ()
 
 
 _launch_lock = threading.Lock()
