@@ -107,7 +107,10 @@ class BufferPool:
     """
 
     MIN_BYTES = 1 << 20
-    MAX_IDLE_CALLS = 4
+    #: A training step of L layers makes 2 L calls, and a layer's blocks wait idle for about a step
+    #: (freed by its backward, asked for again by its next forward): at 4, a 12-layer step faulted
+    #: ~55 of its blocks in afresh (docs/performance.md, "idle calls").  The limit still bounds them.
+    MAX_IDLE_CALLS = 128
 
     def __init__(self, limit=None):
         self._limit = None if limit is None else int(limit)
@@ -241,8 +244,8 @@ def set_pool_limit(nbytes: int) -> int:
     racecpu keeps the memory of the large arrays it returns (outputs,
     gradients, residuals) after you drop them, so that the next call on
     inputs of about the same size does not fault fresh pages in (README,
-    "Memory").  Idle memory unused for four calls is released at the next
-    call.  The default limit is half the physical memory, or the environment
+    "Memory").  Idle memory unused for 128 calls (a step of 64 layers) is
+    released at the next call.  The default limit is half the physical memory, or the environment
     variable ``RACECPU_POOL_BYTES`` read at first use (a bad value is
     warned about and ignored).
 

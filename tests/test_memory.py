@@ -82,6 +82,24 @@ def test_idle_blocks_age_out_and_respect_the_limit():
     assert pool.stats()["idle_bytes"] == 3 << 20
 
 
+def test_a_training_step_of_many_layers_reuses_every_block():
+    # Each layer's forward keeps a block (its residuals) until its backward, in reverse order,
+    # one call each: a block waits idle for about a step (2 L calls) before the same layer
+    # asks for it again.  After the first step nothing is faulted in afresh.
+    layers = 24
+    pool = BufferPool(1 << 40)
+    for step in range(3):
+        kept = []
+        for _ in range(layers):
+            pool.tick()
+            kept.append(pool.empty((1 << 20,), np.uint8))
+        for _ in range(layers):
+            pool.tick()
+            kept.pop()
+        assert pool.stats()["misses"] == layers, step
+    assert pool.stats()["hits"] == 2 * layers
+
+
 def test_without_ageing_by_calls_only_the_limit_releases():
     pool = BufferPool(3 << 20)
     pool.age_by_calls = False
