@@ -13,7 +13,6 @@ that import them (``docs/design.md``, "Map of the engine").
 from __future__ import annotations
 
 import math
-
 import numbers
 import os
 import sys

@@ -244,10 +244,10 @@ def set_pool_limit(nbytes: int) -> int:
     racecpu keeps the memory of the large arrays it returns (outputs,
     gradients, residuals) after you drop them, so that the next call on
     inputs of about the same size does not fault fresh pages in (README,
-    "Memory").  Idle memory unused for 128 calls (a step of 64 layers) is
-    released at the next call.  The default limit is half the physical memory, or the environment
-    variable ``RACECPU_POOL_BYTES`` read at first use (a bad value is
-    warned about and ignored).
+    "Memory").  Idle memory unused for 128 calls (a training step of 64
+    layers) is released at the next call.  The default limit is half the
+    physical memory, or the environment variable ``RACECPU_POOL_BYTES`` read
+    at first use (a bad value is warned about and ignored).
 
     Parameters
     ----------

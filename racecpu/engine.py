@@ -413,8 +413,6 @@ def advance_keys(k, v, planes, beta, G, *, mask=None, keep=BACKWARD_ROWS, check_
 def state_after(keys, A0, B0):
     """The state after a causal block, ``A0 + sum of its chunks`` (new float64 arrays;
     one chunk: its total itself, as :func:`advance` adds it)."""
-    if keys.partA.shape[1] == 1:
-        return A0 + keys.partA[:, 0], B0 + keys.partB[:, 0]
     return A0 + _chunk_sum(keys.partA), B0 + _chunk_sum(keys.partB)
 
 
