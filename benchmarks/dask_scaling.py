@@ -116,9 +116,7 @@ def dask_run(client, n, heads, dim, block, causal, backward, W, scan="auto", row
         work = [da.store(out, _Discard(), lock=False, compute=False)]
     where = contextlib.nullcontext()
     if placed:
-        graph = {}
-        for x in dask.core.flatten(work, container=(list, tuple)):  # a store of several arrays: a tuple
-            graph.update(dict(x.__dask_graph__()))
+        graph = rd.graph_of(work)
         stacked = next(iter(q.dask.dependencies[q.name]))  # q is a view of the stacked inputs' blocks
         block_of = {key: key[2:4] for key in graph if isinstance(key, tuple) and key[0] == stacked}
         placement = rd.block_placement(graph, block_of, sorted(client.scheduler_info()["workers"]))

@@ -72,7 +72,7 @@ from .config import DEFAULT_BETA
 
 __all__ = ["race_attention", "race_attention_fwd", "race_attention_bwd", "DaskResiduals", "WireSketch", "SpilledRows",
            "FAN_IN", "CHAIN_BLOCKS", "SCANS", "FUSED_MEMORY_SHARE", "block_slots", "slot_memory", "pick_scan",
-           "BlockPlacement", "block_placement"]
+           "BlockPlacement", "block_placement", "graph_of"]
 
 #: Sketches summed per task of the tree reductions.
 FAN_IN = 8
@@ -331,6 +331,17 @@ class BlockPlacement:
         return -self.turn.get(key, 0)
 
 
+def graph_of(collections):
+    """The union of the Dask graphs of ``collections`` (nested lists and tuples of Dask
+    collections, as ``dask.compute`` takes them): the ``graph`` of :func:`block_placement`."""
+    from dask.core import flatten
+
+    graph = {}
+    for x in flatten(collections, container=(list, tuple)):
+        graph.update(dict(x.__dask_graph__()))
+    return graph
+
+
 def block_placement(graph, block_of, workers):
     """Keep every block's tasks on one worker, the blocks in one contiguous run per worker.
 
@@ -347,8 +358,8 @@ def block_placement(graph, block_of, workers):
     Parameters
     ----------
     graph : mapping
-        A Dask graph (key -> task), e.g. the union of ``dict(x.__dask_graph__())``
-        over the collections that will be computed, in any number of submissions.
+        A Dask graph (key -> task): :func:`graph_of` the collections that will be
+        computed, in any number of submissions.
     block_of : mapping
         The root keys that define the blocks (the input chunks a block's tasks
         read) -> their position (sortable: e.g. ``(sequence, block)``).

@@ -119,9 +119,7 @@ def _placement(collections, tokens, heads, dim, block, seed, workers):
     the next (docs/distributed.md, "the demo's blocks placed")."""
     from .. import dask as rd
 
-    graph = {}
-    for x in collections:
-        graph.update(dict(x.__dask_graph__()))
+    graph = rd.graph_of(collections)
     names = {_seeded_name(tokens, heads, dim, block, seed, a) for a in range(4)}
     block_of = {k: (k[1], k[2]) for k in graph if isinstance(k, tuple) and k[0] in names}
     return rd.block_placement(graph, block_of, workers)
