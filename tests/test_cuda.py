@@ -651,7 +651,8 @@ def test_hash_pass_after_cublas_matches_the_array_form(rng, P, L, lanes, monkeyp
 @pytest.mark.parametrize("dtype,causal,group,blocked,tile,gemm",
                          [(dt, c, gr, True, 4, True) for dt in (np.float64, np.float32) for c in (False, True)
                           for gr in (1, 2)]
-                         + [(np.float64, True, 1, False, 4, True), (np.float64, True, 1, True, 8, True)]
+                         + [(np.float64, True, 1, False, 4, True), (np.float64, True, 1, True, 8, True),
+                            (np.float32, True, 1, True, 16, True)]
                          + [(dt, c, gr, True, 4, False) for dt, gr in ((np.float64, 1), (np.float32, 2))
                             for c in (False, True)])
 def test_fused_chunk_kernels_match_the_array_form(rng, dtype, causal, group, blocked, tile, gemm, monkeypatch):
@@ -696,6 +697,27 @@ def test_fused_chunk_kernels_match_the_array_form(rng, dtype, causal, group, blo
     # relative error is the arrays' times a cancellation factor (1.04e-6 in float32 on an H200,
     # where the fused multiply-adds round otherwise than NumPy), so it gets the unreduced TOL
     assert abs(got[3] - want[3]) <= TOL[dtype] * abs(want[3])
+
+
+@pytest.mark.parametrize("F,T,tpb", [(F, T, tpb) for F in (6, 8, 24, 32, 64) for T in (1, 3, 4, 8, 16, 32)
+                                      for tpb in (32, 64, 128) if T <= tpb])
+def test_tile_blocks_cover_every_output_within_the_buffers(F, T, tpb):
+    """tile_products' and tile_proj's register blocks (racecpu.cuda._chunk_kernels.tile_layout):
+    every (row, output) pair of a tile product in exactly one block, blocks of at most 24 sums,
+    the rows they read within the shared xs (its padding included) and their partial sums within
+    the shared buffer; as many blocks as the threads take at once where the 24 sums allow."""
+    from racecpu.cuda._chunk_kernels import KSPLIT, tile_layout
+    pair, proj, xs_rows, red = tile_layout(F, T, tpb)
+    for (RB, QB, NR, NQB, RS), Q0, Q in ((pair, 0, T + F), (proj, T, F)):
+        assert RB * NR == T and RB * QB <= 24 and NQB * QB >= Q > (NQB - 1) * QB
+        covered = np.zeros((T, Q), np.int64)
+        for blk in range(NR * NQB):
+            r0, q0 = (blk % NR) * RB, (blk // NR) * QB
+            covered[r0:r0 + RB, q0:min(q0 + QB, Q)] += 1
+            assert Q0 + q0 + QB <= xs_rows                        # the rows of xs a block reads
+            assert (r0 + RB - 1) * RS + (q0 + QB - 1) * KSPLIT + KSPLIT - 1 < red
+        assert (covered == 1).all()
+        assert NR * NQB <= tpb // KSPLIT or RB * QB * 2 > 24 or QB == 1
 
 
 @_ONCE

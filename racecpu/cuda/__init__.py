@@ -62,7 +62,7 @@ from ..hashing import DEFAULT_BETA, DEN_FLOOR
 from .. import chunkwise
 from ..plan import ChunkModel, make_plan
 from . import _kernels as cuda_kernels
-from ._chunk_kernels import hash_fits, make_chunk_kernels, make_hash_kernels
+from ._chunk_kernels import backward_shared_items, hash_fits, make_chunk_kernels, make_hash_kernels
 
 __all__ = ["soft_buckets", "race_attention", "race_attention_fwd", "race_attention_bwd", "Residuals",
            "ChunkwiseResiduals", "is_available", "BACKEND", "THREADS", "CHUNK", "PATH", "SCAN_CHUNK",
@@ -698,9 +698,11 @@ class CudaOps(chunkwise.ArrayOps):
     #: Tokens per shared-memory tile inside a fused block.
     FUSED_TILE = 16
     #: Whether the fused causal backward sums over ``dv`` as register-blocked tile products
-    #: (several outputs per thread share their loads: 1.2 shared loads an FMA against 2, at 168 / 128
-    #: registers a thread against 96 / 96), else a thread per output, the form timed on an H200.
-    #: Off until a GPU has timed it.
+    #: (``tile_products``: blocks of 4 rows by 3 outputs, each over every other column, two threads'
+    #: partial sums added after: 0.58 shared loads an FMA against 2, at 96 registers a thread as the
+    #: other form under the kernels' launch bounds), else a thread per output, the form timed on an
+    #: H200.  Off until a GPU has timed it (a first blocked form, 1.2 loads an FMA at 168
+    #: registers, lost: 230.5 against 225.7 ms at 2^22).
     FUSED_BLOCKED = False
     #: Whether the non-causal backward runs the fused kernels (``nc_queries_bwd``, ``nc_keys_bwd``:
     #: g and v read once each), else the array expressions, the form timed on an H200.  Off until
@@ -873,10 +875,7 @@ class CudaOps(chunkwise.ArrayOps):
         """Whether the fused causal backward takes this shape: one query head per key/value head,
         ``dv`` columns in one block, its shared tiles within :attr:`SHARED_BYTES`."""
         tpb = self._threads(dv)
-        T = int(self.FUSED_TILE)
-        nq = max(1, tpb // T)  # tile_products' xs rows: T + F, padded to a whole number of nq
-        xs_rows = max(T + F, nq * -(-(T + F) // nq))
-        shared = np.dtype(dtype).itemsize * ((xs_rows + T) * (tpb + 1) + 5 * T * F + 2 * T * T + F + 2 * T)
+        shared = np.dtype(dtype).itemsize * backward_shared_items(int(F), int(self.FUSED_TILE), tpb)
         return self.FUSED and group == 1 and dv <= tpb and shared <= self.SHARED_BYTES
 
     def noncausal_bwd(self, pq, pk, v, g, winv, sketch, sum_chunk, dv_out):

@@ -12,7 +12,13 @@ that walks its chunk in tiles of ``T`` tokens:
   reduction across threads (``fused_recurrent`` in flash-linear-attention's terms);
 * token work: the sums over ``dv`` that a backward needs for each token
   (``sum_j S[f, j] g[i, j]`` and the ``T x T`` products ``g_i . v_t``) run as small
-  products over the tile in shared memory, thread per output.
+  products over the tile in shared memory: a thread per output (2 shared loads an
+  FMA), or with ``blocked`` register blocks of several rows by several outputs whose
+  partial sums over alternate columns two threads add (``tile_products``).
+
+A column thread's loops over the ``F`` features of a token are unrolled, and the
+``(T, F)`` tiles sit on 16 bytes, so its broadcast reads of a feature row are 16-byte
+loads (a quarter of the instructions).
 
 The chunk states come from :func:`chunk_states` (a thread per column sums
 ``phi^T v`` over the chunk), and the exclusive float64 scan over chunks is
@@ -34,7 +40,49 @@ import numba
 import numpy as np
 from numba import cuda
 
-__all__ = ["make_chunk_kernels", "make_hash_kernels", "hash_fits"]
+__all__ = ["make_chunk_kernels", "make_hash_kernels", "hash_fits", "backward_shared_items"]
+
+
+#: Threads that share each register block of ``tile_products`` / ``tile_proj``, each summing every
+#: KSPLIT-th column: more makes the blocks larger for the same threads, and the partial sums'
+#: shared buffer (``T * (T + F) * KSPLIT`` numbers) larger too.
+KSPLIT = 2
+#: Blocks of the fused backward kernels that share a streaming multiprocessor (their launch bounds).
+BACKWARD_BLOCKS = 5
+
+
+def tile_blocks(T, Q, TPB, KS):
+    """Register blocks of the ``(T, Q)`` outputs of a tile product for ``TPB`` threads in groups of
+    ``KS``: ``(RB, QB, NR, NQB)``, blocks of ``RB`` rows (dividing ``T``) by ``QB`` outputs, ``NR``
+    blocks down and ``NQB`` across (the last may reach past ``Q``), as many blocks as the threads
+    take at once (``TPB // KS``) where that keeps a block within 24 sums."""
+    RB = next(r for r in (4, 2, 1) if T % r == 0)
+    NR = T // RB
+    QB = max(1, min(-(-Q // max(1, TPB // KS // NR)), max(1, 24 // RB)))
+    return RB, QB, NR, -(-Q // QB)
+
+
+def tile_layout(F, T, TPB):
+    """The shapes of the backward's tile products: ``(RB, QB, NR, NQB, RS)`` of the tile's
+    ``(T, T + F)`` products and of its ``(T, F)`` projections (:func:`tile_blocks`, and ``RS`` the
+    row length of their partial sums: ``+ 2`` spreads a warp's stores over the banks), the rows of
+    the shared ``xs`` (a tile's ``T`` rows then the state's ``F``, padded to whole blocks: the
+    padding rows are read, never summed into an output) and the length of the partial sums'
+    buffer."""
+    pair = tile_blocks(T, T + F, TPB, KSPLIT)
+    proj = tile_blocks(T, F, TPB, KSPLIT)
+    pair += (pair[3] * pair[1] * KSPLIT + 2,)
+    proj += (proj[3] * proj[1] * KSPLIT + 2,)
+    xs_rows = max(T + F, pair[3] * pair[1], T + proj[3] * proj[1])
+    return pair, proj, xs_rows, T * max(pair[4], proj[4])
+
+
+def backward_shared_items(F, T, TPB):
+    """Shared-memory numbers of the largest fused backward block (``keys_bwd`` with the
+    blocked products, or a non-causal one): the ``(T, TPB + 1)`` tile and ``xs``, five
+    ``(T, F)`` and two ``(T, T)`` tiles, the partial sums and a few vectors."""
+    _, _, xs_rows, red = tile_layout(F, T, TPB)
+    return (xs_rows + T) * (TPB + 1) + 5 * T * F + 2 * T * T + F + 2 * T + red
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,18 +132,22 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=False):
     U0 = np.uint64(0)
     U1 = np.uint64(1)
     ROWS_SZ = T * DVP
-    # tile_products: NQ threads share a row of the left side, each summing QS outputs of it
+    # tile_products / tile_proj: register blocks of RB rows by QB outputs, each summed over every
+    # KS-th column by KS threads (KSPLIT) and the KS partial sums added from shared memory after
     TF = T + F
-    NQ = max(1, TPB // T)
-    QS = -(-TF // NQ)
-    RSTEP = max(1, TPB // NQ)
-    QSTEP = np.uint64(NQ * DVP)
-    # tile_proj: the same, the F outputs of the state's rows alone (QP a thread)
-    QP = -(-F // NQ)
-    # a tile's rows then the state's F rows (the other side of the products), padded to NQ * QS
-    # rows (T + NQ * QP for tile_proj) so that output c of a thread sits a constant NQ * DVP after
-    # output c - 1
-    XS_SZ = max(TF, NQ * QS, T + NQ * QP) * DVP
+    KS = KSPLIT
+    (RB, QB, NR, NQB, RS), (RBP, QBP, NRP, NQBP, RSP), xs_rows, RED_SZ = tile_layout(F, T, TPB)
+    RED_BLOCKED = RED_SZ if blocked else 1
+    XS_SZ = xs_rows * DVP
+
+    # Shared (T, F) rows and F vectors on 16 bytes: NVVM then loads 4 features at once where an
+    # unrolled loop reads consecutive ones (ld.shared.v4: 6 loads, not 24, for a row of F = 24).
+    # The simulator takes no alignment.
+    ALIGN = None if numba.config.ENABLE_CUDASIM else 16
+    # The backward kernels at most 65536 / (5 * TPB) registers a thread, so that five blocks share an
+    # SM (their shared tiles allow five on an H100 / H200): ptxas gave the blocked build 127 and
+    # 153, which leave four and three; bounded, 96 and no spills (sm_90, float32, TPB = 128).
+    backward_jit = cuda.jit if numba.config.ENABLE_CUDASIM else cuda.jit(launch_bounds=(TPB, BACKWARD_BLOCKS))
 
     @cuda.jit(device=True)
     def dot(a, ia, b, ib, n):
@@ -123,9 +175,9 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=False):
         acc = cuda.local.array(F, ty)
         for f in range(F):
             acc[f] = zero
-        pt = cuda.shared.array((T, F), ty)
+        pt = cuda.shared.array((T, F), ty, alignment=ALIGN)
         xt = cuda.shared.array((T, TPB), ty)
-        ms = cuda.shared.array(F, ty)   # the key mass, feature f summed by thread f % TPB
+        ms = cuda.shared.array(F, ty, alignment=ALIGN)   # the key mass, feature f summed by thread f % TPB
         for f in range(tid, F, TPB):
             ms[f] = zero
         for a in range(t0, t1, T):
@@ -179,11 +231,11 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=False):
         col = cuda.local.array(F, ty)        # column j of the state: B (causal: running)
         for f in range(F):
             col[f] = BA[s, cs, f, j] if j < dv else zero
-        qt = cuda.shared.array((T, F), ty)
-        kt = cuda.shared.array((T, F), ty)
-        kc = cuda.shared.array((T, F), ty)   # A_i: the state's key mass up to token i of the tile
+        qt = cuda.shared.array((T, F), ty, alignment=ALIGN)
+        kt = cuda.shared.array((T, F), ty, alignment=ALIGN)
+        kc = cuda.shared.array((T, F), ty, alignment=ALIGN)   # A_i: the state's key mass up to token i of the tile
         vt = cuda.shared.array((T, TPB), ty)
-        arun = cuda.shared.array(F, ty)      # A before the tile
+        arun = cuda.shared.array(F, ty, alignment=ALIGN)      # A before the tile
         winv = cuda.shared.array(T, ty)
         for f in range(tid, F, TPB):  # per-feature work strides: F may exceed the threads
             arun[f] = BA[s, cs, f, BA.shape[3] - 1]
@@ -229,6 +281,17 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=False):
                     out[h, a + i, j] = num * winv[i]
 
     @cuda.jit(device=True)
+    def clear_tiles(rows, xs, tid):
+        """Zero the shared ``rows (ROWS_SZ,)`` and ``xs (XS_SZ,)`` and synchronise: a short tile and
+        ``xs``' padding rows are read by the tile products (into outputs nobody reads), and
+        values left in shared memory by another kernel may not be finite."""
+        for e in range(tid, ROWS_SZ, TPB):
+            rows[e] = zero
+        for e in range(tid, XS_SZ, TPB):
+            xs[e] = zero
+        cuda.syncthreads()
+
+    @cuda.jit(device=True)
     def load_rows(x, s, a, nb, j, dst):
         """Column ``j`` of rows ``a .. a + nb`` of ``x[s]`` into the flat shared ``dst`` (``(T, DVP)``)."""
         for i in range(T):  # a constant trip count: unrolled, the tile's loads in flight together
@@ -256,60 +319,85 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=False):
         for f in range(F):
             xs[(T + f) * DVP + j] = col[f]
 
-    def row_sums_from(Q0, QN):
-        """A device function ``(rows, xs, udv, r, qg, acc)``: ``acc[c] = rows_r . xs_{Q0 + qg + NQ c}``
-        for ``c < QN``, sums over ``udv`` columns: per column one load of the row and ``QN`` loads
-        of ``xs`` at constant offsets feed ``QN`` FMAs (a thread per output loads twice an FMA)."""
+    def block_sums_from(Q0, RBk, QBk, NRk, NQBk, RSk):
+        """A device function ``(rows, xs, udv, tid, red)``: the partial sums
+        ``red[r * RSk + q * KS + k] = sum_{m = k mod KS} rows_r[m] xs_{Q0 + q}[m]`` over ``udv``
+        columns, for every row ``r < T`` and output ``q < NQBk * QBk``, by blocks of ``RBk`` rows
+        by ``QBk`` outputs: thread ``tid`` takes slice ``k = tid % KS`` of block ``tid // KS``
+        (more blocks than threads: every ``TPB // KS``-th).  Per column it loads ``RBk + QBk``
+        values for ``RBk * QBk`` FMAs (a thread per output: 2 loads an FMA).  Adjacent threads
+        take adjacent columns and rows ``RBk * DVP`` apart (``DVP`` odd), so a warp's loads fall
+        in distinct banks or broadcast."""
+        NB = NRk * NQBk
+        NACC = RBk * QBk  # a constant: local array sizes must be literal
         @cuda.jit(device=True)
-        def row_sums(rows, xs, udv, r, qg, acc):
-            for c in range(QN):
-                acc[c] = zero
-            ra = np.uint64(r) * UDVP
-            xm = np.uint64(Q0 + qg) * UDVP
-            m = U0
-            while m < udv:
-                rv = rows[ra + m]
-                for c in range(QN):  # constant offsets from xm: no register per output's address
-                    acc[c] += rv * xs[xm + np.uint64(c) * QSTEP]
-                m += U1
-                xm += U1
-        return row_sums
+        def block_sums(rows, xs, udv, tid, red):
+            acc = cuda.local.array(NACC, ty)
+            rv = cuda.local.array(RBk, ty)
+            xv = cuda.local.array(QBk, ty)
+            k = tid % KS
+            for blk in range(tid // KS, NB, TPB // KS):
+                r0 = (blk % NRk) * RBk
+                q0 = (blk // NRk) * QBk
+                for c in range(NACC):
+                    acc[c] = zero
+                ra = np.uint64(r0) * UDVP + np.uint64(k)
+                xa = np.uint64(Q0 + q0) * UDVP + np.uint64(k)
+                m = np.uint64(k)
+                while m < udv:
+                    for ri in range(RBk):  # constant offsets from ra and xa: unrolled
+                        rv[ri] = rows[ra + np.uint64(ri) * UDVP]
+                    for qi in range(QBk):
+                        xv[qi] = xs[xa + np.uint64(qi) * UDVP]
+                    for ri in range(RBk):
+                        for qi in range(QBk):
+                            acc[ri * QBk + qi] += rv[ri] * xv[qi]
+                    m += UKS
+                    ra += UKS
+                    xa += UKS
+                for ri in range(RBk):
+                    for qi in range(QBk):
+                        red[(r0 + ri) * RSk + (q0 + qi) * KS + k] = acc[ri * QBk + qi]
+        return block_sums
 
-    sums_all = row_sums_from(0, QS)
-    sums_state = row_sums_from(T, QP)
+    UKS = np.uint64(KS)
+    sums_all = block_sums_from(0, RB, QB, NR, NQB, RS)
+    sums_state = block_sums_from(T, RBP, QBP, NRP, NQBP, RSP)
 
     @cuda.jit(device=True)
-    def tile_products(rows, xs, udv, tid, lower, nb, pair, proj):
+    def tile_products(rows, xs, udv, tid, lower, nb, pair, proj, red):
         """``pair[r, q] = rows_r . xs_q`` for ``q < T`` (0 unless ``q <= r``, or ``q >= r`` when
-        not ``lower``) and ``proj[r, f] = rows_r . xs_{T + f}``: sums over ``udv`` columns.
-
-        Thread ``tid`` takes row ``tid // NQ`` and the ``QS`` outputs ``q = tid % NQ + NQ c``
-        (``row_sums``: shared loads, not FMAs, bound these sums).  Rows and outputs past the
-        tile's ``nb`` tokens, and ``xs``' padding rows, hold stale values nobody reads.
-        """
-        acc = cuda.local.array(QS, ty)
-        qg = tid % NQ
-        for r in range(tid // NQ, T, RSTEP):
-            sums_all(rows, xs, udv, r, qg, acc)
-            for c in range(QS):
-                q = qg + NQ * c
-                if q < T:
-                    keep = (q <= r) if lower else (q >= r)
-                    pair[r, q] = acc[c] if keep and r < nb and q < nb else zero
-                elif q < TF:
-                    proj[r, q - T] = acc[c]
+        not ``lower``) and ``proj[r, f] = rows_r . xs_{T + f}``: sums over ``udv`` columns, every
+        row ``r < T``.  Register blocks of partial sums (``block_sums``) into ``red (RED_SZ,)``,
+        then a thread per output adds its ``KS`` partials; every thread of the block calls it (it
+        synchronises).  Rows and outputs past the tile's ``nb`` tokens hold stale values nobody
+        reads."""
+        sums_all(rows, xs, udv, tid, red)
+        cuda.syncthreads()
+        for e in range(tid, T * TF, TPB):
+            r = e // TF
+            q = e - r * TF
+            acc = zero
+            for k in range(KS):
+                acc += red[r * RS + q * KS + k]
+            if q < T:
+                keep = (q <= r) if lower else (q >= r)
+                pair[r, q] = acc if keep and r < nb and q < nb else zero
+            else:
+                proj[r, q - T] = acc
 
     @cuda.jit(device=True)
-    def tile_proj(rows, xs, udv, tid, proj):
+    def tile_proj(rows, xs, udv, tid, proj, red):
         """``proj[r, f] = rows_r . xs_{T + f}``, as :func:`tile_products` without the ``T`` pairs."""
-        acc = cuda.local.array(QP, ty)
-        qg = tid % NQ
-        for r in range(tid // NQ, T, RSTEP):
-            sums_state(rows, xs, udv, r, qg, acc)
-            for c in range(QP):
-                f = qg + NQ * c
-                if f < F:
-                    proj[r, f] = acc[c]
+        sums_state(rows, xs, udv, tid, red)
+        cuda.syncthreads()
+        for e in range(tid, T * F, TPB):
+            r = e // F
+            f = e - r * F
+            acc = zero
+            for k in range(KS):
+                acc += red[r * RSP + f * KS + k]
+            proj[r, f] = acc
 
     @cuda.jit(device=True)
     def denominator_grad(qt, sg, winv, ddt, dD, s, a, tid, nb):
@@ -324,7 +412,7 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=False):
             ddt[tid] = dd
             dD[s, a + tid] = dd
 
-    @cuda.jit
+    @backward_jit
     def nc_queries_bwd(phiq, g, W, BA, C, dpq, dD, part):
         # Y_i = B g_i (tile_proj against the sketch's B, staged once), dD_i = -(phi_q_i . Y_i) / D_i^2,
         # dphi_q_i = Y_i / D_i + dD_i A; and, from the same tiles, the chunk's share of dB and dA.
@@ -338,11 +426,13 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=False):
         t1 = min(N, t0 + C)
         gt = cuda.shared.array(ROWS_SZ, ty)    # the tile of g, (T, DVP) flat
         xs = cuda.shared.array(XS_SZ, ty)      # rows T .. T + F: the sketch's B
+        red = cuda.shared.array(RED_SZ, ty)    # tile_proj's partial sums
+        clear_tiles(gt, xs, tid)
         udv = np.uint64(dv)
-        qt = cuda.shared.array((T, F), ty)
-        sg = cuda.shared.array((T, F), ty)
-        ab = cuda.shared.array(F, ty)
-        ms = cuda.shared.array(F, ty)          # the chunk's dA, feature f summed by thread f % TPB
+        qt = cuda.shared.array((T, F), ty, alignment=ALIGN)
+        sg = cuda.shared.array((T, F), ty, alignment=ALIGN)
+        ab = cuda.shared.array(F, ty, alignment=ALIGN)
+        ms = cuda.shared.array(F, ty, alignment=ALIGN)          # the chunk's dA, feature f summed by thread f % TPB
         winv = cuda.shared.array(T, ty)
         ddt = cuda.shared.array(T, ty)
         acc = cuda.local.array(F, ty)          # column j of the chunk's dB
@@ -362,7 +452,7 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=False):
             if tid < nb:
                 winv[tid] = W[s, a + tid]
             cuda.syncthreads()
-            tile_proj(gt, xs, udv, tid, sg)
+            tile_proj(gt, xs, udv, tid, sg, red)
             cuda.syncthreads()
             denominator_grad(qt, sg, winv, ddt, dD, s, a, tid, nb)
             cuda.syncthreads()
@@ -386,7 +476,7 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=False):
         for f in range(tid, F, TPB):
             part[s, c, f, dv] = ms[f]
 
-    @cuda.jit
+    @backward_jit
     def nc_keys_bwd(phik, v, dBA, C, dpk, dv_out):
         # dphi_k_t = dB v_t + dA (tile_proj against dB, staged once); dv_t = dB^T phi_k_t (column j
         # of dB in registers).
@@ -400,10 +490,12 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=False):
         t1 = min(N, t0 + C)
         vt = cuda.shared.array(ROWS_SZ, ty)    # the tile of v, (T, DVP) flat
         xs = cuda.shared.array(XS_SZ, ty)      # rows T .. T + F: dB
+        red = cuda.shared.array(RED_SZ, ty)    # tile_proj's partial sums
+        clear_tiles(vt, xs, tid)
         udv = np.uint64(dv)
-        kt = cuda.shared.array((T, F), ty)
-        vu = cuda.shared.array((T, F), ty)
-        da = cuda.shared.array(F, ty)
+        kt = cuda.shared.array((T, F), ty, alignment=ALIGN)
+        vu = cuda.shared.array((T, F), ty, alignment=ALIGN)
+        da = cuda.shared.array(F, ty, alignment=ALIGN)
         col = cuda.local.array(F, ty)
         for f in range(F):
             col[f] = dBA[s, 0, f, j] if j < dv else zero
@@ -418,7 +510,7 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=False):
                 load_rows(v, s, a, nb, j, vt)
             load_features(phik, s, a, nb, tid, kt)
             cuda.syncthreads()
-            tile_proj(vt, xs, udv, tid, vu)
+            tile_proj(vt, xs, udv, tid, vu, red)
             cuda.syncthreads()
             for e in range(tid, nb * F, TPB):
                 i = e // F
@@ -431,7 +523,7 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=False):
                         acc += kt[t, f] * col[f]
                     dv_out[s, a + t, j] = acc
 
-    @cuda.jit
+    @backward_jit
     def queries_bwd(phiq, phik, v, g, W, BA, C, dpq, dD):
         # SG_i[f] = sum_j S_i[f, j] g_ij with S_i the inclusive state, split as
         # S_prev^T g_i (the tile-start state, from shared) + sum_{t <= i in tile} (g_i . v_t) phi_k_t.
@@ -448,15 +540,17 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=False):
             col[f] = BA[s, c, f, j] if j < dv else zero
         gt = cuda.shared.array(ROWS_SZ, ty)    # the tile of g, (T, DVP) flat
         xs = cuda.shared.array(XS_SZ, ty)      # the tile of v, then the tile-start state S_prev (F rows)
+        red = cuda.shared.array(RED_BLOCKED, ty)  # tile_products' partial sums (blocked)
+        clear_tiles(gt, xs, tid)
         udv = np.uint64(dv)
-        qt = cuda.shared.array((T, F), ty)
-        kt = cuda.shared.array((T, F), ty)
-        sg = cuda.shared.array((T, F), ty)
+        qt = cuda.shared.array((T, F), ty, alignment=ALIGN)
+        kt = cuda.shared.array((T, F), ty, alignment=ALIGN)
+        sg = cuda.shared.array((T, F), ty, alignment=ALIGN)
         gv = cuda.shared.array((T, T), ty)
-        arun = cuda.shared.array(F, ty)
+        arun = cuda.shared.array(F, ty, alignment=ALIGN)
         winv = cuda.shared.array(T, ty)
         ddt = cuda.shared.array(T, ty)
-        kc = cuda.shared.array((T, F), ty)     # A_i, inclusive
+        kc = cuda.shared.array((T, F), ty, alignment=ALIGN)     # A_i, inclusive
         for f in range(tid, F, TPB):
             arun[f] = BA[s, c, f, dv]
         for a in range(t0, t1, T):
@@ -479,7 +573,7 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=False):
                     kc[i, f] = acc
                 arun[f] = acc
             if blocked:
-                tile_products(gt, xs, udv, tid, True, nb, gv, sg)
+                tile_products(gt, xs, udv, tid, True, nb, gv, sg, red)
             else:
                 for e in range(tid, nb * nb, TPB):
                     i = e // nb
@@ -513,7 +607,7 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=False):
                     for f in range(F):
                         col[f] += kt[i, f] * xv
 
-    @cuda.jit
+    @backward_jit
     def keys_bwd(phiq, phik, v, g, W, dD, dBA, C, dpk, dv_out):
         # Reverse over the chunk's tiles from the suffix state U (sum over later tokens i of
         # phi_q_i g_i^T / D_i) and a (sum of phi_q_i dD_i): for key t (queries i >= t see it)
@@ -531,14 +625,19 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=False):
             col[f] = dBA[s, c, f, j] if j < dv else zero
         vt = cuda.shared.array(ROWS_SZ, ty)    # the tile of v, (T, DVP) flat
         xs = cuda.shared.array(XS_SZ, ty)      # the tile of g, then U after the tile (F rows)
+        red = cuda.shared.array(RED_BLOCKED, ty)  # tile_products' partial sums (blocked)
+        clear_tiles(vt, xs, tid)
         udv = np.uint64(dv)
-        qt = cuda.shared.array((T, F), ty)     # phi_q / D
-        pt = cuda.shared.array((T, F), ty)     # phi_q
-        kt = cuda.shared.array((T, F), ty)
-        vu = cuda.shared.array((T, F), ty)
+        qt = cuda.shared.array((T, F), ty, alignment=ALIGN)     # phi_q / D
+        pt = cuda.shared.array((T, F), ty, alignment=ALIGN)     # phi_q
+        kt = cuda.shared.array((T, F), ty, alignment=ALIGN)
+        vu = cuda.shared.array((T, F), ty, alignment=ALIGN)
         vg = cuda.shared.array((T, T), ty)     # v_t . g_i / D_i, i >= t
-        mt = cuda.shared.array((T, T), ty)     # phi_k_t . phi_q_i / D_i, i >= t
-        arun = cuda.shared.array(F, ty)
+        mt = cuda.shared.array((T, T), ty, alignment=ALIGN)  # phi_k_t . phi_q_i / D_i, i >= t (else 0)
+        xcol = cuda.local.array(T, ty)
+        for e in range(tid, T * T, TPB):  # rows past a short tile's nb are read (times 0): finite
+            mt[e // T, e % T] = zero
+        arun = cuda.shared.array(F, ty, alignment=ALIGN)
         ddt = cuda.shared.array(T, ty)
         for f in range(tid, F, TPB):
             arun[f] = dBA[s, c, f, dv]
@@ -561,7 +660,7 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=False):
                 ddt[tid] = dD[s, a + tid]
             cuda.syncthreads()
             if blocked:
-                tile_products(vt, xs, udv, tid, False, nb, vg, vu)
+                tile_products(vt, xs, udv, tid, False, nb, vg, vu, red)
             for e in range(tid, nb * nb, TPB):
                 t = e // nb
                 i = e - t * nb
@@ -589,17 +688,23 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=False):
                     acc += vg[t, i] * qt[i, f] + ddt[i] * pt[i, f]
                 dpk[s, a + t, f] = acc
             if j < dv:
+                # column j of the tile of g in registers (0 past nb) and whole rows of mt (0 below
+                # the diagonal; finite past nb): loops of constant trip count, unrolled, whose
+                # shared loads of mt, kt and qt rows combine into 16-byte ones
+                for i in range(T):
+                    xcol[i] = xs[i * DVP + j] if i < nb else zero
                 for t in range(nb):
                     acc = zero
                     for f in range(F):
                         acc += kt[t, f] * col[f]
-                    for i in range(t, nb):
-                        acc += mt[t, i] * xs[i * DVP + j]
+                    for i in range(T):
+                        acc += mt[t, i] * xcol[i]
                     dv_out[s, a + t, j] = acc
-                for i in range(nb):
-                    xv = xs[i * DVP + j]
-                    for f in range(F):
-                        col[f] += qt[i, f] * xv
+                for i in range(T):
+                    if i < nb:
+                        xv = xcol[i]
+                        for f in range(F):
+                            col[f] += qt[i, f] * xv
             cuda.syncthreads()
             for f in range(tid, F, TPB):
                 acc = arun[f]
