@@ -699,6 +699,34 @@ def test_fused_chunk_kernels_match_the_array_form(rng, dtype, causal, group, blo
     assert abs(got[3] - want[3]) <= TOL[dtype] * abs(want[3])
 
 
+@pytest.mark.slow
+@_ONCE
+@pytest.mark.parametrize("blocked", [False, True])
+def test_fused_backward_at_the_gpus_block_shape(rng, blocked, monkeypatch):
+    """The fused causal kernels at the shape a GPU runs them (F = 24 from P = L = 3, dv = 128: a
+    block of 128 threads, tiles of 16; tile_products' blocks of 4 rows by 3 outputs), which the
+    small cases above never build: against racecpu.chunkwise's array form, float32, with a last
+    tile of 8 tokens and two chunks of 32."""
+    from racecpu import chunkwise
+    monkeypatch.setattr(rc.CudaOps, "FUSED_MIN_TOKENS", 0)
+    monkeypatch.setattr(rc.CudaOps, "FUSED_BLOCKED", blocked)
+    monkeypatch.setattr(rc.CudaOps, "FUSED_CHUNK", 32)
+    monkeypatch.setattr(rc.CudaOps, "FUSED_TILE", 16)  # the default, which small_tiles sets to 4
+    N, d, dv = 56, 8, 128
+    q, k = (rng.standard_normal((1, N, d)).astype(np.float32) for _ in range(2))
+    v, g = (rng.standard_normal((1, N, dv)).astype(np.float32) for _ in range(2))
+    planes = racecpu.hyperplanes(d, 3, 3, seed=0, dtype=np.float32)
+    ops = rc.CudaOps(np, rc._Device(False))
+    assert ops._threads(dv) == 128 and rc.CudaOps.FUSED_TILE == 16
+    kw = dict(causal=True, chunk=8)
+    out, res = chunkwise.forward(np, q, k, v, planes, 2.0, ops=ops, **kw)
+    ref, rres = chunkwise.forward(np, q, k, v, planes, 2.0, **kw)
+    assert_close(out, ref, TOL[np.float32] / 10, "out")
+    got, want = chunkwise.backward(np, res, g, ops=ops), chunkwise.backward(np, rres, g)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert_close(a, b, TOL[np.float32] / 10, name)
+
+
 @pytest.mark.parametrize("F,T,tpb", [(F, T, tpb) for F in (6, 8, 24, 32, 64) for T in (1, 3, 4, 8, 16, 32)
                                       for tpb in (32, 64, 128) if T <= tpb])
 def test_tile_blocks_cover_every_output_within_the_buffers(F, T, tpb):
