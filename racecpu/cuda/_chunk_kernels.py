@@ -365,6 +365,14 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=False):
     sums_state = block_sums_from(T, RBP, QBP, NRP, NQBP, RSP)
 
     @cuda.jit(device=True)
+    def added(red, at):
+        """The ``KS`` partial sums of one output, ``red[at : at + KS]``, added."""
+        acc = zero
+        for k in range(KS):
+            acc += red[at + k]
+        return acc
+
+    @cuda.jit(device=True)
     def tile_products(rows, xs, udv, tid, lower, nb, pair, proj, red):
         """``pair[r, q] = rows_r . xs_q`` for ``q < T`` (0 unless ``q <= r``, or ``q >= r`` when
         not ``lower``) and ``proj[r, f] = rows_r . xs_{T + f}``: sums over ``udv`` columns, every
@@ -377,9 +385,7 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=False):
         for e in range(tid, T * TF, TPB):
             r = e // TF
             q = e - r * TF
-            acc = zero
-            for k in range(KS):
-                acc += red[r * RS + q * KS + k]
+            acc = added(red, r * RS + q * KS)
             if q < T:
                 keep = (q <= r) if lower else (q >= r)
                 pair[r, q] = acc if keep and r < nb and q < nb else zero
@@ -393,11 +399,7 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=False):
         cuda.syncthreads()
         for e in range(tid, T * F, TPB):
             r = e // F
-            f = e - r * F
-            acc = zero
-            for k in range(KS):
-                acc += red[r * RSP + f * KS + k]
-            proj[r, f] = acc
+            proj[r, e - r * F] = added(red, r * RSP + (e - r * F) * KS)
 
     @cuda.jit(device=True)
     def denominator_grad(qt, sg, winv, ddt, dD, s, a, tid, nb):
