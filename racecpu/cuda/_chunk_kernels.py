@@ -543,7 +543,8 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=False):
         gt = cuda.shared.array(ROWS_SZ, ty)    # the tile of g, (T, DVP) flat
         xs = cuda.shared.array(XS_SZ, ty)      # the tile of v, then the tile-start state S_prev (F rows)
         red = cuda.shared.array(RED_BLOCKED, ty)  # tile_products' partial sums (blocked)
-        clear_tiles(gt, xs, tid)
+        if blocked:  # only the tile products read past a short tile and into xs' padding
+            clear_tiles(gt, xs, tid)
         udv = np.uint64(dv)
         qt = cuda.shared.array((T, F), ty, alignment=ALIGN)
         kt = cuda.shared.array((T, F), ty, alignment=ALIGN)
@@ -628,7 +629,8 @@ def make_chunk_kernels(F, T, TPB, dtype, blocked=False):
         vt = cuda.shared.array(ROWS_SZ, ty)    # the tile of v, (T, DVP) flat
         xs = cuda.shared.array(XS_SZ, ty)      # the tile of g, then U after the tile (F rows)
         red = cuda.shared.array(RED_BLOCKED, ty)  # tile_products' partial sums (blocked)
-        clear_tiles(vt, xs, tid)
+        if blocked:  # only the tile products read past a short tile and into xs' padding
+            clear_tiles(vt, xs, tid)
         udv = np.uint64(dv)
         qt = cuda.shared.array((T, F), ty, alignment=ALIGN)     # phi_q / D
         pt = cuda.shared.array((T, F), ty, alignment=ALIGN)     # phi_q
