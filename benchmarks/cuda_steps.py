@@ -227,11 +227,12 @@ def _steps(rc, chunkwise, xp, sync, sim, q1, k1, v1, g1, planes, say):
         for on in (True, False):
             rc.CudaOps.READOUT_BY_GEMM = on
             ev(f"attend, non-causal (sketch + readout by {'cuBLAS' if on else 'the fused kernel'})",
-               lambda: ops.attend(pq[:, None], pk, v1, False, 64, 1024, L, out, D))
+               lambda: ops.readout(pq[:, None], ops.sketch(pk, v1, 1024, N).astype(xp.float32), L, out, D, N))
     finally:
         rc.CudaOps.READOUT_BY_GEMM = by_gemm
-    ev("attend, causal (states + readout)", lambda: ops.attend(pq[:, None], pk, v1, True, 64, 1024, L, out, D))
-    prefix = ops.attend(pq[:, None], pk, v1, True, 64, 1024, L, out, D)   # the states the backward is given
+    ev("attend, causal (states + readout)",
+       lambda: ops.attend_causal(pq[:, None], pk, v1, 64, L, out, D, None, False, N))
+    prefix = ops.attend_causal(pq[:, None], pk, v1, 64, L, out, D, None, False, N)[1]   # what the backward is given
     winv = chunkwise._inverse(xp, D, L)
     dvo = xp.empty((1, N, d), xp.float32)
     blocked = rc.CudaOps.FUSED_BLOCKED
@@ -240,17 +241,19 @@ def _steps(rc, chunkwise, xp, sync, sim, q1, k1, v1, g1, planes, say):
             rc.CudaOps.FUSED_BLOCKED = on
             ev(f"causal backward of one head (fused, products {'blocked' if on else 'a thread per output'}, to dphi)",
                lambda: ops.causal_bwd(pq[:, None], pk, v1, g1[:, None], winv[:, None], D[:, None], 64, dvo,
-                                      prefix=prefix))
+                                      prefix=prefix, tokens=N))
     finally:
         rc.CudaOps.FUSED_BLOCKED = blocked
-    sketch = ops.attend(pq[:, None], pk, v1, False, 64, 1024, L, out, D)
+    sketch = ops.sketch(pk, v1, 1024, N).astype(xp.float32)
+    ops.readout(pq[:, None], sketch, L, out, D, N)
     winv = chunkwise._inverse(xp, D, L)
     fused_nc = rc.CudaOps.FUSED_NONCAUSAL
     try:
         for on in (True, False):
             rc.CudaOps.FUSED_NONCAUSAL = on
             ev(f"non-causal backward of one head ({'fused' if on else 'array expressions'}, to dphi)",
-               lambda: ops.noncausal_bwd(pq[:, None], pk, v1, g1[:, None], winv[:, None], sketch, 1024, dvo))
+               lambda: ops.noncausal_keys_bwd(pk, v1, ops.noncausal_queries_bwd(
+                   pq[:, None], g1[:, None], winv[:, None], sketch, 1024, N)[1].astype(xp.float32), dvo, N))
     finally:
         rc.CudaOps.FUSED_NONCAUSAL = fused_nc
     dxo = xp.empty((N, d), xp.float32)

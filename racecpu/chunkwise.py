@@ -28,20 +28,26 @@ subtracting from a total.
 Arrays are group-major as in the kernels: ``q (G, Nq, d)``, ``k (Gk, Nk, d)``,
 ``v (Gk, Nk, dv)`` with ``G = Gk * group`` (query head ``h`` reads key/value
 head ``h // group``); every function takes and returns arrays of ``xp``.
-Work runs in slabs of key/value heads (:func:`slab_heads`) so that the
-temporaries stay within a workspace budget at any length; 16-bit inputs are
-widened one slab at a time, never whole.
+Work runs in slabs of key/value heads (:func:`slab_shape`) so that the
+temporaries stay within a workspace budget at any length: as many whole heads
+as fit, and a head that does not fit alone in *segments* of whole chunks,
+across which the causal state (forward) and its cotangent (backward) are
+carried in float64.  16-bit inputs are widened a segment at a time, never
+whole, and a forward may keep the projections ``x W^T`` of q and k instead of
+their buckets (``keep_buckets=False``), which the backward makes again.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from .config import DEN_FLOOR
 
-__all__ = ["soft_hash", "soft_hash_bwd", "forward", "backward", "slab_heads", "PrefixStates"]
+__all__ = ["soft_hash", "soft_hash_bwd", "projections", "buckets_from_u", "forward", "backward", "slab_heads",
+           "slab_shape", "PrefixStates"]
 
 
 class PrefixStates(NamedTuple):
@@ -71,7 +77,22 @@ def soft_hash(xp, x, planes, beta):
     set takes ``sigmoid(2 beta t_p)``, else ``sigmoid(-2 beta t_p)``.
     """
     L, P, d = planes.shape
-    t = xp.tanh(x.reshape(-1, d) @ planes.reshape(L * P, d).T).reshape(x.shape[:-1] + (L * P,))  # one 2-d GEMM
+    return buckets_from_u(xp, projections(x, planes), L, P, beta)
+
+
+def projections(x, planes):
+    """The rows' projections on every plane, ``u = x W^T``: ``(..., L * P)`` from ``x (..., d)``
+    (one 2-d GEMM; what :func:`soft_hash` takes the tanh of, and what a forward that keeps no
+    buckets keeps instead)."""
+    L, P, d = planes.shape
+    return (x.reshape(-1, d) @ planes.reshape(L * P, d).T).reshape(x.shape[:-1] + (L * P,))
+
+
+def buckets_from_u(xp, u, L, P, beta):
+    """``(phi (..., L * 2**P), t (..., L * P))`` of the projections ``u (..., L * P)``: the second
+    half of :func:`soft_hash`, so that buckets remade from kept projections are the forward's to
+    the bit."""
+    t = xp.tanh(u)
     z = (2.0 * beta) * t.reshape(t.shape[:-1] + (L, P))
     e = xp.exp(-xp.abs(z))  # never overflows
     hi = 1.0 / (1.0 + e)
@@ -83,7 +104,7 @@ def soft_hash(xp, x, planes, beta):
     for p in range(P):  # corner 2r takes the plane's minus side, 2r + 1 its plus side
         n = phi.shape[-1]
         phi = xp.stack([phi * b[..., p:p + 1], phi * a[..., p:p + 1]], axis=-1).reshape(phi.shape[:-1] + (2 * n,))
-    return phi.reshape(x.shape[:-1] + (L * 2 ** P,)), t
+    return phi.reshape(t.shape[:-1] + (L * 2 ** P,)), t
 
 
 def _hash_du(xp, dphi, phi, t, beta, L, P):
@@ -105,10 +126,46 @@ class ArrayOps:
 
     :mod:`racecpu.cuda` subclasses it with numba.cuda kernels (one pass over the rows
     instead of one per array expression); the products stay with ``xp`` (cuBLAS).
+
+    Each step takes one *segment*: a slab of ``S`` key/value heads (``group`` query heads
+    each) over a run of tokens.  A head longer than the workspace allows is cut into segments
+    of whole chunks (:meth:`granule`); the causal steps then carry the state ``(B, A)`` from one
+    segment to the next (forward) and ``(dB, dA)`` from one to the one before (backward), in
+    float64, packed ``(S, F, dv + 1)`` as the kernels read them (``B`` in columns ``:dv``, the key
+    mass ``A`` in column ``dv``).  ``tokens`` is the head's whole length, by which a backend
+    chooses its kernels the same way for every segment of a call.
     """
 
     def __init__(self, xp):
         self.xp = xp
+
+    def granule(self, chunk):
+        """Tokens every segment but the last is a whole number of (the causal scan's chunks)."""
+        return int(chunk)
+
+    def bytes_per_token(self, tokens, group, d, dv, F, LP, chunk, cdt, widen, keep_buckets, causal=True):
+        """An upper estimate of the temporaries one token of one key/value head (with its
+        ``group`` query heads) costs at once in a forward or backward segment, in bytes.
+
+        ``widen``: the inputs are not in the compute dtype ``cdt`` (a segment's rows of q, k, v
+        and the cotangent are widened, its gradients made in ``cdt`` and cast); ``keep_buckets``
+        False: the buckets are made per segment (forward and backward) instead of kept.  Counted
+        from the array expressions of this module (items of ``cdt`` per token) and checked against
+        tracemalloc's peaks in ``tests/test_chunkwise.py`` (about 1.7 to 3.3 times what they use)."""
+        g = group
+        C = chunk if causal else 0                        # the C x C matrices of a causal chunk
+        rows = g + 1                                      # a token's rows hashed: its queries, its key
+        hashing = rows * (8 * LP + 3 * F)                 # soft_hash's transient factors
+        states = 6 * F * (dv + 1) / chunk if causal else 0   # a chunk's sums, their float64 scan, the cast
+        fwd = g * (C + 2 * dv + 2 * F) + dv + F + states
+        bwd = g * (3 * C + 2 * dv + 6 * F + LP) + 2 * dv + 3 * F + LP + 1.5 * states
+        if widen:
+            fwd += g * (d + dv) + d + dv                  # q, k, v widened; out made in cdt, cast
+            bwd += g * (2 * d + 2 * dv) + 2 * d + 2 * dv  # g, v, q, k widened; dq, dk, dv made in cdt
+        if not keep_buckets:
+            fwd += rows * (F + LP)
+            bwd += rows * (F + LP)
+        return int(np.dtype(cdt).itemsize * (max(fwd, bwd) + hashing)) + 64
 
     def soft_hash(self, x, planes, beta, phi_out=None, t_out=None):
         """:func:`soft_hash` of ``x (..., d)``: ``(phi (..., F), t (..., L * P))``, written into
@@ -122,13 +179,21 @@ class ArrayOps:
             t = t_out
         return phi, t
 
+    def hash_from_u(self, u, beta, L, P):
+        """``(phi, t)`` of the projections ``u (M, L * P)`` (:func:`buckets_from_u`), fresh
+        ``(M, F)`` and ``(M, L * P)`` arrays; ``u`` is not modified.  The same numbers as
+        :meth:`soft_hash` of the rows ``u`` was projected from."""
+        return buckets_from_u(self.xp, u, L, P, beta)
+
     def hash_du(self, dphi, phi, t, beta, L, P):
         """``(du, dbeta)`` of rows ``(M, F)`` (see :func:`_hash_du`)."""
         return _hash_du(self.xp, dphi, phi, t, beta, L, P)
 
-    def exclusive_scan(self, part, reverse, dtype):
-        """Exclusive prefix (suffix) sums over axis 1 of ``part (S, nc, E)`` in float64, as ``dtype``."""
-        return _exclusive_scan(self.xp, part, reverse, dtype)
+    def exclusive_scan(self, part, reverse, dtype, init=None, total=False):
+        """Exclusive prefix (``reverse``: suffix) sums over axis 1 of ``part (S, nc, E)`` in float64,
+        as ``dtype``, each starting from ``init (S, E)`` (float64; None: zero).  ``total``: also
+        return the float64 sum of ``init`` and every chunk, ``(S, E)``, the next segment's ``init``."""
+        return _exclusive_scan(self.xp, part, reverse, dtype, init, total)
 
     def hash_dx(self, dphi, phi, t, planes, beta, dx_out):
         """Back through :func:`soft_hash` to the rows: ``dx_out[...] = du @ W`` (``(M, d)``, a view of
@@ -138,46 +203,70 @@ class ArrayOps:
         self.xp.matmul(du, planes.reshape(L * P, d), out=dx_out)
         return dbeta
 
-    def attend(self, pq, pk, v, causal, chunk, sum_chunk, L, out, D):
-        """The forward of one slab from its soft buckets: ``out[...] = num / D`` and ``D[...]``.
+    def sketch(self, pk, v, sum_chunk, tokens):
+        """A segment's share of the non-causal sketch, ``(S, F, dv + 1)`` in float64 (a fresh
+        array): ``sum_n pk_n v_n^T`` in columns ``:dv``, ``sum_n pk_n`` in column ``dv``, each the
+        float64 sum of float32 partials of ``sum_chunk`` rows.  ``pk (S, n, F)`` (masked keys zero),
+        ``v (S, n, dv)`` in the compute dtype."""
+        return _sketch64(self.xp, pk, v, sum_chunk)
 
-        ``pq (S, group, Nq, F)``, ``pk (S, Nk, F)`` (masked keys zero), ``v (S, Nk, dv)`` in the
-        compute dtype; ``out (S * group, Nq, dv)`` (any float dtype) and ``D (S * group, Nq)`` are
-        written in place (views of the caller's arrays; they alias nothing else).  Returns the
-        non-causal sketch packed as ``(S, F, dv + 1)`` (``B`` in columns ``:dv``, the key mass
-        ``A`` in column ``dv``), a fresh array the backward reads again; causal, None here (a
-        backend whose causal forward keeps its chunks' states returns them as
-        :class:`PrefixStates`, which :meth:`causal_bwd` is then given).
-        """
+    def readout(self, pq, sketch, L, out, D, tokens):
+        """The non-causal forward of a segment: ``out[...] = (phi_q / D) B`` and ``D[...] = phi_q . A``
+        from the slab's ``sketch (S, F, dv + 1)`` in the compute dtype.  ``pq (S, group, n, F)``;
+        ``out (S * group, n, dv)`` (any float dtype) and ``D (S * group, n)`` are views of the
+        caller's arrays (not necessarily contiguous), aliasing nothing else."""
+        _noncausal_readout(self.xp, pq, sketch, L, out, D)
+
+    def attend_causal(self, pq, pk, v, chunk, L, out, D, carry, carry_out, tokens):
+        """The causal forward of a segment: ``out[...] = num / D`` and ``D[...]`` (as :meth:`readout`),
+        every query seeing the keys before the segment through ``carry (S, F, dv + 1)`` (float64;
+        None: the segment starts the head) and the segment's keys up to itself.
+
+        Returns ``(carry_next, prefix)``: the state after the segment where ``carry_out`` (else
+        None), and the :class:`PrefixStates` of the segment's chunks where the backend keeps them
+        for its backward (None here: the array form makes its own)."""
         xp = self.xp
-        S, group, nq, F = pq.shape
+        S, group, n, F = pq.shape
         cdt = pk.dtype
-        if not causal:
-            sketch = _sketch(xp, pk, v, sum_chunk, cdt)
-            _noncausal_readout(xp, pq, sketch, L, out, D)
-            return sketch
-        num, Dn = _causal_fwd_slab(xp, self, pq, pk, v, chunk, _tril(xp, chunk, cdt))
-        Dn = Dn.reshape(S * group, nq)
+        num, Dn, nxt = _causal_fwd_slab(xp, self, pq, pk, v, chunk, _tril(xp, chunk, cdt), carry, carry_out)
+        Dn = Dn.reshape(S * group, n)
         D[...] = Dn
-        num = num.reshape(S * group, nq, v.shape[-1])
+        num = num.reshape(S * group, n, v.shape[-1])
         num *= _inverse(xp, Dn, L)[..., None]
         out[...] = num
-        return None
+        return nxt, None
 
-    def noncausal_bwd(self, pq, pk, v, g, winv, sketch, sum_chunk, dv_out):
-        """Non-causal ``(dphi_q, dphi_k)`` of one slab (:func:`_noncausal_bwd_slab`) from the
-        forward's ``sketch (S, F, dv + 1)`` (:meth:`attend`'s); the values' gradient is written
-        into ``dv_out (S, Nk, dv)`` (a view of the caller's result, aliasing no input)."""
-        return _noncausal_bwd_slab(self.xp, pq, pk, v, g, winv, sketch, sum_chunk, dv_out)
+    def noncausal_queries_bwd(self, pq, g, winv, sketch, sum_chunk, tokens):
+        """The queries' side of a non-causal backward segment: ``(dphi_q (S, group, n, F), dBA)``,
+        ``dBA (S, F, dv + 1)`` the segment's share of ``(dB, dA)`` in float64 (summed over the
+        group's query heads).  ``g (S, group, n, dv)``, ``winv (S, group, n)`` (1 / D, 0 on
+        floored rows), the forward's ``sketch (S, F, dv + 1)``."""
+        return _noncausal_queries_bwd(self.xp, pq, g, winv, sketch, sum_chunk)
 
-    def causal_bwd(self, pq, pk, v, g, winv, D, C, dv_out, prefix=None):
-        """Causal ``(dphi_q, dphi_k)`` of one slab (:func:`_causal_bwd_slab`; ``D (S, group, N)`` the
-        denominators that ``winv`` inverts); the values' gradient is written into ``dv_out (S, N, dv)``
-        (a view of the caller's result, aliasing no input).  ``prefix``: the slab's
-        :class:`PrefixStates` where :meth:`attend` returned them (unused by the array form, which
-        makes its own at chunks of ``C``)."""
-        dpq, dpk, dv_out[...] = _causal_bwd_slab(self.xp, self, pq, pk, v, g, winv, C, _tril(self.xp, C, pk.dtype))
-        return dpq, dpk
+    def noncausal_keys_bwd(self, pk, v, dBA, dv_out, tokens):
+        """The keys' side of a non-causal backward segment: ``dphi_k (S, n, F)``, and the values'
+        gradient written into ``dv_out (S, n, dv)`` (a view of the caller's result); ``dBA
+        (S, F, dv + 1)`` in the compute dtype, summed over every query."""
+        xp = self.xp
+        dv = v.shape[-1]
+        dB, dA = dBA[..., :dv], dBA[..., dv]
+        dpk = v @ xp.swapaxes(dB, -1, -2) + dA[:, None, :]
+        xp.matmul(pk, dB, out=dv_out)
+        return dpk
+
+    def causal_bwd(self, pq, pk, v, g, winv, D, C, dv_out, prefix=None, carry=None, dcarry=None,
+                   carry_out=False, tokens=None):
+        """Causal ``(dphi_q, dphi_k, dcarry_next)`` of a segment (:func:`_causal_bwd_slab`; ``D (S,
+        group, n)`` the denominators that ``winv`` inverts); the values' gradient is written into
+        ``dv_out (S, n, dv)`` (a view of the caller's result, aliasing no input).  ``carry``: the
+        forward's state before the segment (None: it starts the head); ``dcarry``: ``(dB, dA)`` of
+        every later token (None: the segment ends the head), both float64 ``(S, F, dv + 1)``;
+        ``dcarry_next`` (where ``carry_out``) adds the segment's own, for the segment before.
+        ``prefix``: the segment's :class:`PrefixStates` where :meth:`attend_causal` returned them
+        (unused by the array form, which makes its own at chunks of ``C``)."""
+        dpq, dpk, dv_out[...], nxt = _causal_bwd_slab(self.xp, self, pq, pk, v, g, winv, C,
+                                                      _tril(self.xp, C, pk.dtype), carry, dcarry, carry_out)
+        return dpq, dpk, nxt
 
 
 def _corner_signs(P, dtype):
@@ -216,34 +305,67 @@ def _chunks(xp, x, C):
     return x.reshape(S, nc, C, E)
 
 
-def _sum_chunks(xp, phi, w, C, dtype):
+def _sum_chunks64(xp, phi, w, C):
     """``sum_n phi_n w_n^T`` of ``phi (S, N, F)`` and ``w (S, N, E)`` (``w = None``: a column of ones)
-    in chunks of ``C`` rows summed in float64: ``(S, F, E)`` (``(S, F)`` for ones) in ``dtype``."""
+    in chunks of ``C`` rows summed in float64: ``(S, F, E)`` (``(S, F)`` for ones), float64."""
     pc = _chunks(xp, phi, C)
     part = pc.sum(axis=2) if w is None else xp.swapaxes(pc, -1, -2) @ _chunks(xp, w, C)
-    return part.sum(axis=1, dtype=np.float64).astype(dtype)
+    return part.sum(axis=1, dtype=np.float64)
 
 
-def _sketch(xp, pk, v, C, dtype):
-    """The non-causal sketch of ``pk (S, N, F)`` and ``v (S, N, dv)`` packed as ``(S, F, dv + 1)``:
-    ``B = sum_n pk_n v_n^T`` in columns ``:dv`` and ``A = sum_n pk_n`` in column ``dv``."""
+def _sketch64(xp, pk, v, C):
+    """The non-causal sketch of ``pk (S, N, F)`` and ``v (S, N, dv)`` packed as ``(S, F, dv + 1)`` in
+    float64: ``B = sum_n pk_n v_n^T`` in columns ``:dv`` and ``A = sum_n pk_n`` in column ``dv``."""
     S, _, F = pk.shape
     dv = v.shape[-1]
-    sketch = xp.empty((S, F, dv + 1), dtype)
-    sketch[..., :dv] = _sum_chunks(xp, pk, v, C, dtype)
-    sketch[..., dv] = _sum_chunks(xp, pk, None, C, dtype)
+    sketch = xp.empty((S, F, dv + 1), np.float64)
+    sketch[..., :dv] = _sum_chunks64(xp, pk, v, C)
+    sketch[..., dv] = _sum_chunks64(xp, pk, None, C)
     return sketch
 
 
-def _exclusive_scan(xp, part, reverse, dtype):
-    """Exclusive prefix (``reverse``: suffix) sums over axis 1 of ``part (S, nc, ...)``, in float64."""
+def _sketch(xp, pk, v, C, dtype):
+    """:func:`_sketch64` as ``dtype``."""
+    return _sketch64(xp, pk, v, C).astype(dtype)
+
+
+def _exclusive_scan(xp, part, reverse, dtype, init=None, total=False):
+    """Exclusive prefix (``reverse``: suffix) sums over axis 1 of ``part (S, nc, ...)``, in float64,
+    from ``init (S, ...)`` where given; with ``total``, ``(sums, init + every chunk)``."""
     out = xp.zeros(part.shape, np.float64)
-    if part.shape[1] > 1:
+    nc = part.shape[1]
+    if nc > 1:
         if reverse:
             out[:, :-1] = xp.cumsum(part[:, ::-1][:, :-1], axis=1, dtype=np.float64)[:, ::-1]
         else:
             out[:, 1:] = xp.cumsum(part[:, :-1], axis=1, dtype=np.float64)
-    return out.astype(dtype)
+    if init is not None:
+        out += init[:, None]
+    if not total:
+        return out.astype(dtype)
+    if nc:
+        edge = 0 if reverse else nc - 1
+        tot = out[:, edge] + part[:, edge]
+    else:
+        tot = xp.zeros((part.shape[0],) + part.shape[2:], np.float64) if init is None else init.copy()
+    return out.astype(dtype), tot
+
+
+def _pack(xp, B, A):
+    """``(S, F, dv)`` and ``(S, F)`` float64 sums packed as ``(S, F, dv + 1)``."""
+    S, F, dv = B.shape
+    out = xp.empty((S, F, dv + 1), np.float64)
+    out[..., :dv] = B
+    out[..., dv] = A
+    return out
+
+
+def _unpack(carry, dv):
+    """``(S, F, dv + 1)`` as the scans' inits: ``(S, F * dv)`` and ``(S, F)`` (None: None, None)."""
+    if carry is None:
+        return None, None
+    S, F, _ = carry.shape
+    return carry[..., :dv].reshape(S, F * dv), carry[..., dv]
 
 
 def _sum_group(x):
@@ -255,9 +377,91 @@ def _tril(xp, C, dtype):
     return xp.asarray(np.tril(np.ones((C, C), dtype)))
 
 
+# ---------------------------------------------------------------------------
+# slabs and segments
+# ---------------------------------------------------------------------------
+
 def slab_heads(Gk, per_head_bytes, workspace):
     """Key/value heads per slab: as many as keep ``per_head_bytes`` each within ``workspace`` (at least 1)."""
     return max(1, min(Gk, int(workspace // max(per_head_bytes, 1))))
+
+
+def slab_shape(Gk, n, per_token_bytes, workspace, granule):
+    """``(heads, tokens)`` of a slab: as many whole heads as keep their temporaries
+    (``per_token_bytes`` a token of a head) within ``workspace``; where one head does not fit, one
+    head a slab in segments of equal length, a whole number of ``granule`` tokens (the last one
+    shorter), each within ``workspace`` (at least ``granule`` tokens)."""
+    per_head = per_token_bytes * max(n, 1)
+    if per_head <= workspace or n <= granule:
+        return slab_heads(Gk, per_head, workspace), max(n, 1)
+    most = max(granule, int(workspace // max(per_token_bytes, 1)) // granule * granule)
+    nseg = -(-n // most)
+    return 1, -(-(-(-n // nseg)) // granule) * granule
+
+
+def _segments(n, seg):
+    """The ``(start, stop)`` token ranges of a head of ``n`` tokens in segments of ``seg`` (one
+    empty range for ``n = 0``)."""
+    return [(a, min(n, a + seg)) for a in range(0, n, seg)] or [(0, 0)]
+
+
+def _contiguous(x):
+    return x is not None and bool(x.flags.c_contiguous)
+
+
+def _hash_rows(ops, x, planes, beta, cdt, phi_dst, t_dst, u_dst):
+    """``(phi, t)`` of the rows ``x (S, n, d)`` (widened to ``cdt``), written into the residuals'
+    views ``phi_dst`` and ``t_dst``; or, where the forward keeps the projections instead
+    (``u_dst``, a view of them), ``u`` written there and ``phi``, ``t`` fresh."""
+    x = x.astype(cdt, copy=False)
+    L, P, _ = planes.shape
+    if u_dst is not None:
+        u = projections(x, planes)
+        u_dst[...] = u
+        phi, t = ops.hash_from_u(u.reshape(-1, L * P), beta, L, P)
+        return phi.reshape(x.shape[:-1] + (-1,)), t.reshape(u.shape)
+    if _contiguous(phi_dst) and _contiguous(t_dst):
+        return ops.soft_hash(x, planes, beta, phi_out=phi_dst, t_out=t_dst)
+    phi_dst[...], t_dst[...] = ops.soft_hash(x, planes, beta)   # a grouped head's segment: strided views
+    return phi_dst, t_dst
+
+
+def _rows(res, name, lo, hi, a, b):
+    x = res[name]
+    return None if x is None else x[lo:hi, a:b]
+
+
+def _buckets(ops, res, side, lo, hi, a, b):
+    """``(phi, t)`` of heads ``lo:hi``, tokens ``a:b`` of the queries (``side`` "q") or keys ("k"):
+    views of the kept ones, or remade from the kept projections (masked keys zeroed, as the
+    forward did): the forward's numbers either way."""
+    phi = _rows(res, "phi" + side, lo, hi, a, b)
+    if phi is not None:
+        return phi, _rows(res, "t" + side, lo, hi, a, b)
+    L, P, _ = res["planes"].shape
+    u = _rows(res, "u" + side, lo, hi, a, b)
+    phi, t = ops.hash_from_u(u.reshape(-1, L * P), res["beta"], L, P)
+    phi = phi.reshape(u.shape[:-1] + (-1,))
+    if side == "k" and res["mask"] is not None:
+        phi *= res["mask"][lo:hi, a:b, None]
+    return phi, t.reshape(u.shape)
+
+
+def _keep_prefix(xp, prefix, kept, g0, g1, a, Gk, n, whole):
+    """The forward's :class:`PrefixStates` of every head with a segment's ``kept`` written in (None
+    as soon as one segment keeps none: the backward then makes them all)."""
+    if kept is None:
+        return None
+    if whole:
+        return kept
+    if prefix is None:
+        nc = -(-n // kept.chunk)
+        prefix = PrefixStates(xp.empty((Gk, nc) + kept.states.shape[2:], kept.states.dtype), kept.chunk)
+    if a % kept.chunk or prefix.chunk != kept.chunk:
+        return None
+    c0 = a // kept.chunk
+    prefix.states[g0:g1, c0:c0 + kept.states.shape[1]] = kept.states
+    return prefix
 
 
 # ---------------------------------------------------------------------------
@@ -265,90 +469,126 @@ def slab_heads(Gk, per_head_bytes, workspace):
 # ---------------------------------------------------------------------------
 
 def forward(xp, q, k, v, planes, beta, *, causal, key_mask=None, group=1, chunk=64, sum_chunk=1024,
-            workspace=2 ** 31, out_dtype=None, ops=None):
+            workspace=2 ** 31, out_dtype=None, ops=None, keep_buckets=True):
     """RACE attention (ratio estimator): ``(out, residuals)``.
 
     Parameters
     ----------
     xp : array module (numpy or cupy)
     q : (G, Nq, d); k : (Gk, Nk, d); v : (Gk, Nk, dv), ``G = Gk * group``; C-contiguous, any float
-        dtype (16-bit ones are widened to float32 one slab at a time).  Causal needs ``Nq == Nk``.
+        dtype (16-bit ones are widened to float32 a segment at a time).  Causal needs ``Nq == Nk``.
     planes : (L, P, d) in the compute dtype (float32, or float64 for float64 inputs)
-    key_mask : (Gk, Nk) bool or None
+    key_mask : (Gk, Nk) bool or None (kept by reference where ``keep_buckets`` is False)
     chunk : tokens per chunk of the causal scan; sum_chunk : rows per float32 partial of the
         non-causal sketch (summed in float64)
-    workspace : bytes of temporaries a slab of key/value heads may use
+    workspace : bytes of temporaries a slab may use: as many key/value heads as fit, and a head
+        that does not fit alone is cut into segments of tokens (:func:`slab_shape`, from
+        ``ops.bytes_per_token``); the causal state crosses segments in float64
     out_dtype : dtype of ``out`` (default: the compute dtype)
     ops : :class:`ArrayOps` (default ``ArrayOps(xp)``): the hash and the scans
+    keep_buckets : keep the soft buckets ``phi`` and ``t`` of q and k for the backward (F + L * P
+        numbers a row), else only the projections ``u = x W^T`` (L * P a row), from which the
+        backward makes the same buckets again: for 16-bit inputs at d = 128 the kept buckets are
+        13 % of the eight arrays, the projections 3.5 %.
 
     Returns
     -------
     out : (G, Nq, dv) of ``out_dtype``; a fresh array, aliasing no input.
-    residuals : dict of ``phiq (G, Nq, F)``, ``tq``, ``phik (Gk, Nk, F)``, ``tk``, ``D (G, Nq)``,
-        non-causal ``sketch (Gk, F, dv + 1)`` (None when causal; compute dtype), causal
-        ``prefix`` (:class:`PrefixStates` of all ``Gk`` heads where ``ops.attend`` kept them, else
-        None) and the scalars; ``v`` is kept by reference.
+    residuals : dict of ``phiq (G, Nq, F)``, ``tq``, ``phik (Gk, Nk, F)``, ``tk`` (None where
+        ``keep_buckets`` is False) or ``uq (G, Nq, L * P)``, ``uk`` (None where it is True),
+        ``D (G, Nq)``, non-causal ``sketch (Gk, F, dv + 1)`` (None when causal; compute dtype),
+        causal ``prefix`` (:class:`PrefixStates` of all ``Gk`` heads where ``ops`` kept them, else
+        None) and ``carries (Gk, nseg, F, dv + 1)`` (float64, the state at each segment's start;
+        None for one segment), ``slab`` (heads, tokens) and the scalars; ``v`` and ``mask`` are
+        kept by reference.
     """
     ops = ops or ArrayOps(xp)
     cdt = np.dtype(planes.dtype)
     G, nq, d = q.shape
     Gk, nk, dv = v.shape
     L, P, _ = planes.shape
-    F = L * 2 ** P
-    out = xp.empty((G, nq, dv), out_dtype or cdt)
-    phiq = xp.empty((G, nq, F), cdt)
-    tq = xp.empty((G, nq, L * P), cdt)
-    phik = xp.empty((Gk, nk, F), cdt)
-    tk = xp.empty((Gk, nk, L * P), cdt)
-    D = xp.empty((G, nq), cdt)
-    sketch = None if causal else xp.empty((Gk, F, dv + 1), cdt)
-    prefix = None
+    F, LP = L * 2 ** P, L * P
     n = max(nq, nk)
-    per_head = cdt.itemsize * (group * n * (chunk + 3 * dv + 2 * F) + n * (d + dv + F)
-                               + 3 * (n // chunk + 1) * F * (dv + 1))
-    hs = slab_heads(Gk, per_head, workspace)
+    out = xp.empty((G, nq, dv), out_dtype or cdt)
+    D = xp.empty((G, nq), cdt)
+    if keep_buckets:
+        phiq, tq, phik, tk = (xp.empty(s, cdt) for s in ((G, nq, F), (G, nq, LP), (Gk, nk, F), (Gk, nk, LP)))
+        uq = uk = None
+    else:
+        phiq = tq = phik = tk = None
+        uq, uk = xp.empty((G, nq, LP), cdt), xp.empty((Gk, nk, LP), cdt)
+    widen = any(np.dtype(x.dtype) != cdt for x in (q, k, v, out))
+    per_token = ops.bytes_per_token(n, group, d, dv, F, LP, chunk, cdt, widen, keep_buckets, causal)
+    # segments of whole chunks, and of whole partials of the sketch (a short one would be padded)
+    granule = ops.granule(chunk) if causal else math.lcm(ops.granule(chunk), int(sum_chunk))
+    hs, seg = slab_shape(Gk, n, per_token, workspace, granule)
+    nseg = len(_segments(n, seg))
+    sketch = None if causal else xp.empty((Gk, F, dv + 1), cdt)
+    carries = xp.zeros((Gk, nseg, F, dv + 1), np.float64) if causal and nseg > 1 else None
+    prefix = None
+    res = dict(phiq=phiq, tq=tq, phik=phik, tk=tk, uq=uq, uk=uk)
+
+    def hashed(x, side, lo, hi, a, b):
+        dst = (_rows(res, name + side, lo, hi, a, b) for name in ("phi", "t", "u"))
+        return _hash_rows(ops, x, planes, beta, cdt, *dst)[0]
+
+    def hashed_keys(g0, g1, a, b):
+        pk = hashed(k[g0:g1, a:b], "k", g0, g1, a, b)
+        if key_mask is not None:
+            pk *= key_mask[g0:g1, a:b, None]
+        return pk
+
     for g0 in range(0, Gk, hs):
         g1 = min(Gk, g0 + hs)
         h0, h1 = g0 * group, g1 * group
         S = g1 - g0
-        # written into the residuals themselves: a copy of phi and t per slab was ~2 % of a
-        # causal forward+backward on the GPU
-        pk, _ = ops.soft_hash(k[g0:g1].astype(cdt, copy=False), planes, beta, phi_out=phik[g0:g1], t_out=tk[g0:g1])
-        if key_mask is not None:
-            pk *= key_mask[g0:g1, :, None]
-        pq, _ = ops.soft_hash(q[h0:h1].astype(cdt, copy=False), planes, beta, phi_out=phiq[h0:h1], t_out=tq[h0:h1])
-        vs = v[g0:g1].astype(cdt, copy=False)
-        sk = ops.attend(pq.reshape(S, group, nq, F), pk, vs, causal, chunk, sum_chunk, L, out[h0:h1], D[h0:h1])
-        if not causal:
+        if causal:
+            carry = None
+            for s, (a, b) in enumerate(_segments(n, seg)):
+                pk = hashed_keys(g0, g1, a, b)
+                pq = hashed(q[h0:h1, a:b], "q", h0, h1, a, b)
+                if carry is not None:
+                    carries[g0:g1, s] = carry
+                carry, kept = ops.attend_causal(pq.reshape(S, group, b - a, F), pk,
+                                                v[g0:g1, a:b].astype(cdt, copy=False), chunk, L,
+                                                out[h0:h1, a:b], D[h0:h1, a:b], carry, s + 1 < nseg, n)
+                if prefix is not None or (g0 == 0 and s == 0):
+                    prefix = _keep_prefix(xp, prefix, kept, g0, g1, a, Gk, n, hs == Gk and nseg == 1)
+        else:
+            sk = None
+            for a, b in _segments(nk, seg):
+                part = ops.sketch(hashed_keys(g0, g1, a, b), v[g0:g1, a:b].astype(cdt, copy=False), sum_chunk, n)
+                if sk is None:
+                    sk = part
+                else:
+                    sk += part
             sketch[g0:g1] = sk
-        elif isinstance(sk, PrefixStates):
-            if g0 == 0 and g1 == Gk:
-                prefix = sk
-            else:
-                if prefix is None:
-                    prefix = PrefixStates(xp.empty((Gk,) + sk.states.shape[1:], cdt), sk.chunk)
-                prefix.states[g0:g1] = sk.states
-    return out, dict(phiq=phiq, tq=tq, phik=phik, tk=tk, D=D, sketch=sketch, prefix=prefix, v=v, planes=planes,
-                     beta=beta, causal=causal, group=group, chunk=chunk, sum_chunk=sum_chunk, workspace=workspace)
+            for a, b in _segments(nq, seg):
+                pq = hashed(q[h0:h1, a:b], "q", h0, h1, a, b)
+                ops.readout(pq.reshape(S, group, b - a, F), sketch[g0:g1], L, out[h0:h1, a:b], D[h0:h1, a:b], n)
+    res.update(D=D, sketch=sketch, prefix=prefix, carries=carries, slab=(hs, seg), v=v, mask=key_mask,
+               planes=planes, beta=beta, causal=causal, group=group, chunk=chunk, sum_chunk=sum_chunk,
+               workspace=workspace)
+    return out, res
 
 
 def _noncausal_readout(xp, pq, sketch, L, out, D):
     """``out[...] = (phi_q / D) B`` and ``D[...] = phi_q . A`` from the packed ``sketch (S, F, dv + 1)``
     (``pq (S, group, nq, F)``; ``out (S * group, nq, dv)``, ``D (S * group, nq)`` views to write).
     The 1 / D scales the F-wide rows before the product, which then writes ``out`` itself where it
-    is in the compute dtype: no dv-wide temporary, no second pass over it.  Batched products of
-    ``(S, group * nq, F)`` rows against ``(S, F, .)`` (no broadcast batch axes under ``out=``)."""
+    is contiguous and in the compute dtype: no dv-wide temporary, no second pass over it.  Batched
+    products of ``(S, group * nq, F)`` rows against ``(S, F, .)`` (no broadcast batch axes under
+    ``out=``)."""
     S, group, nq, F = pq.shape
     dv = sketch.shape[-1] - 1
     rows = pq.reshape(S, group * nq, F)
     Dn = (rows @ sketch[:, :, dv:])[..., 0]                         # (S, group * nq)
     D[...] = Dn.reshape(S * group, nq)
     pw = rows * _inverse(xp, Dn, L)[..., None]
-    dst = out.reshape(S, group * nq, dv)
-    if out.dtype == pq.dtype:
-        xp.matmul(pw, sketch[..., :dv], out=dst)
+    if out.dtype == pq.dtype and _contiguous(out):
+        xp.matmul(pw, sketch[..., :dv], out=out.reshape(S, group * nq, dv))
     else:
-        dst[...] = pw @ sketch[..., :dv]
+        out[...] = (pw @ sketch[..., :dv]).reshape(out.shape)
 
 
 def _inverse(xp, Dn, L):
@@ -357,11 +597,13 @@ def _inverse(xp, Dn, L):
     return keep / xp.where(keep, Dn, 1)
 
 
-def _causal_fwd_slab(xp, ops, pq, pk, v, C, mask_c):
-    """Causal numerators and ``D`` of one slab: ``pq (S, group, N, F)``, ``pk (S, N, F)``, ``v (S, N, dv)``."""
+def _causal_fwd_slab(xp, ops, pq, pk, v, C, mask_c, carry=None, carry_out=False):
+    """Causal numerators and ``D`` of one segment: ``pq (S, group, N, F)``, ``pk (S, N, F)``,
+    ``v (S, N, dv)``, from ``carry`` (see :meth:`ArrayOps.attend_causal`); and the state after it
+    where ``carry_out``."""
     S, group, N, F = pq.shape
     cdt = pk.dtype
-    kc, vc, Bp, Ap = _prefix_states(xp, ops, pk, v, C, cdt)
+    kc, vc, Bp, Ap, nxt = _prefix_states(xp, ops, pk, v, C, cdt, carry, carry_out)
     nc = kc.shape[1]
     qc = _chunks(xp, pq.reshape(S * group, N, F), C).reshape(S, group, nc, C, F)
     M = qc @ xp.swapaxes(kc, -1, -2)[:, None]    # (S, group, nc, C, C): phi_q . phi_k within the chunk
@@ -370,19 +612,25 @@ def _causal_fwd_slab(xp, ops, pq, pk, v, C, mask_c):
     num += M @ vc[:, None]
     Dn = (qc @ Ap[:, None, :, :, None])[..., 0] + M.sum(axis=-1)
     dv = v.shape[-1]
-    return num.reshape(S, group, nc * C, dv)[:, :, :N], Dn.reshape(S, group, nc * C)[:, :, :N]
+    return num.reshape(S, group, nc * C, dv)[:, :, :N], Dn.reshape(S, group, nc * C)[:, :, :N], nxt
 
 
-def _prefix_states(xp, ops, pk, v, C, cdt):
-    """The chunks of ``pk``, ``v`` and the state ``(B, A)`` every chunk starts from (exclusive, float64 scan)."""
+def _prefix_states(xp, ops, pk, v, C, cdt, carry=None, carry_out=False):
+    """The chunks of ``pk``, ``v`` and the state ``(B, A)`` every chunk starts from (exclusive, float64
+    scan from ``carry``), and the state after the last chunk where ``carry_out`` (else None)."""
     kc = _chunks(xp, pk, C)                      # (S, nc, C, F)
     vc = _chunks(xp, v, C)                       # (S, nc, C, dv)
     S, nc, _, F = kc.shape
     dv = vc.shape[-1]
     Bc = xp.swapaxes(kc, -1, -2) @ vc            # (S, nc, F, dv)
-    Bp = ops.exclusive_scan(Bc.reshape(S, nc, F * dv), False, cdt).reshape(S, nc, F, dv)
-    Ap = ops.exclusive_scan(kc.sum(axis=2), False, cdt)                  # (S, nc, F)
-    return kc, vc, Bp, Ap
+    ib, ia = _unpack(carry, dv)
+    Bp = ops.exclusive_scan(Bc.reshape(S, nc, F * dv), False, cdt, ib, carry_out)
+    Ap = ops.exclusive_scan(kc.sum(axis=2), False, cdt, ia, carry_out)            # (S, nc, F)
+    nxt = None
+    if carry_out:
+        (Bp, tb), (Ap, ta) = Bp, Ap
+        nxt = _pack(xp, tb.reshape(S, F, dv), ta)
+    return kc, vc, Bp.reshape(S, nc, F, dv), Ap, nxt
 
 
 # ---------------------------------------------------------------------------
@@ -395,96 +643,135 @@ def backward(xp, res, grad, *, q=None, k=None, ops=None, grad_dtypes=None):
     ``grad (G, Nq, dv)`` (any float dtype); ``dq (G, Nq, d)``, ``dk (Gk, Nk, d)``,
     ``dv (Gk, Nk, dv)`` in ``grad_dtypes`` (three dtypes; default: the compute dtype), fresh
     arrays (the key/value gradients summed over each key/value head's query heads); ``dbeta`` a
-    Python float; ``dplanes (L, P, d)``.  A gradient of another dtype than the compute dtype is
-    computed in the compute dtype and cast: a slab at a time where the heads take several slabs
-    (16-bit gradients of a long sequence never exist whole in float32), else once at the end
-    (then the result of another dtype is not allocated beside the slab's temporaries).
+    Python float; ``dplanes (L, P, d)``.  The work runs in the forward's slabs and segments (its
+    ``slab``), the causal segments of a head from the last to the first.  A gradient of another
+    dtype than the compute dtype is computed in the compute dtype and cast: a segment at a time
+    where the work is split (16-bit gradients of a long sequence never exist whole in float32),
+    else once at the end (then the result of another dtype is not allocated beside the slab's
+    temporaries).
     """
     ops = ops or ArrayOps(xp)
     planes, beta, group, C = res["planes"], res["beta"], res["group"], res["chunk"]
-    phiq, tq, phik, tk, D, v = res["phiq"], res["tq"], res["phik"], res["tk"], res["D"], res["v"]
-    cdt = np.dtype(phiq.dtype)
-    G, nq, F = phiq.shape
+    D, v = res["D"], res["v"]
+    cdt = np.dtype(D.dtype)
+    G, nq = D.shape
     Gk, nk, dv = v.shape
     L, P, d = planes.shape
+    F = L * 2 ** P
     W2 = planes.reshape(L * P, d)
     want_dw = q is not None
     dW = xp.zeros((L * P, d), cdt) if want_dw else None
     dbeta = 0.0
     n = max(nq, nk)
-    per_head = cdt.itemsize * (group * n * (3 * C + 2 * dv + 4 * F) + n * (2 * dv + 2 * F)
-                               + 4 * (n // C + 1) * F * (dv + 1))
-    hs = slab_heads(Gk, per_head, res["workspace"])
+    hs, seg = res["slab"]
+    nseg = len(_segments(n, seg))
     want = (cdt,) * 3 if grad_dtypes is None else tuple(np.dtype(t) for t in grad_dtypes)
-    qdt, kdt, vdt = want if hs < Gk else (cdt,) * 3
+    qdt, kdt, vdt = want if hs < Gk or nseg > 1 else (cdt,) * 3
     dq = xp.empty((G, nq, d), qdt)
     dk = xp.empty((Gk, nk, d), kdt)
     dV = xp.empty((Gk, nk, dv), vdt)
+    prefix, carries = res.get("prefix"), res.get("carries")
+
+    def back(dphi, phi, t, x, dst):
+        """Through the soft hash to the rows' gradient ``dst`` (a view of dq or dk), ``dW`` where asked;
+        returns dbeta's share."""
+        tgt = _in_cdt(xp, dst, cdt)
+        rows = (dphi.reshape(-1, F), phi.reshape(-1, F), t.reshape(-1, L * P))
+        if want_dw:  # the planes' gradient needs the projections' cotangents themselves
+            du, db = ops.hash_du(*rows, beta, L, P)
+            xp.matmul(du, W2, out=tgt.reshape(-1, d))
+            dW[...] += du.T @ x.astype(cdt, copy=False).reshape(-1, d)
+        else:
+            db = ops.hash_dx(*rows, planes, beta, tgt.reshape(-1, d))
+        if tgt is not dst:
+            dst[...] = tgt   # the segment's gradient cast into its place
+        return float(db)
+
+    def cotangent(h0, h1, a, b):
+        S = (h1 - h0) // group
+        g = grad[h0:h1, a:b].astype(cdt, copy=False).reshape(S, group, b - a, dv)
+        return g, _inverse(xp, D[h0:h1, a:b], L).reshape(S, group, b - a)   # 1 / D, 0 on floored rows
+
     for g0 in range(0, Gk, hs):
         g1 = min(Gk, g0 + hs)
         h0, h1 = g0 * group, g1 * group
         S = g1 - g0
-        g = grad[h0:h1].astype(cdt, copy=False).reshape(S, group, nq, dv)
-        winv = _inverse(xp, D[h0:h1], L).reshape(S, group, nq)   # 1 / D, 0 on floored rows
-        pq = phiq[h0:h1].reshape(S, group, nq, F)
-        pk = phik[g0:g1]
-        vs = v[g0:g1].astype(cdt, copy=False)
-        dq_s, dk_s, dv_s = (_in_cdt(xp, x[a:b], cdt) for x, a, b in ((dq, h0, h1), (dk, g0, g1), (dV, g0, g1)))
+        dbq = dbk = 0.0
         if res["causal"]:
-            prefix = res.get("prefix")
-            if prefix is not None:
-                prefix = PrefixStates(prefix.states[g0:g1], prefix.chunk)
-            dpq, dpk = ops.causal_bwd(pq, pk, vs, g, winv, D[h0:h1].reshape(S, group, nq), C, dv_s,
-                                      prefix=prefix)
+            dcarry = None
+            segs = _segments(n, seg)
+            for s in range(len(segs) - 1, -1, -1):
+                a, b = segs[s]
+                pq, tq = _buckets(ops, res, "q", h0, h1, a, b)
+                pk, tk = _buckets(ops, res, "k", g0, g1, a, b)
+                g, winv = cotangent(h0, h1, a, b)
+                dv_s = _in_cdt(xp, dV[g0:g1, a:b], cdt)
+                pre = None
+                if prefix is not None and a % prefix.chunk == 0:
+                    c0 = a // prefix.chunk
+                    pre = PrefixStates(prefix.states[g0:g1, c0:c0 + -(-(b - a) // prefix.chunk)], prefix.chunk)
+                dpq, dpk, dcarry = ops.causal_bwd(
+                    pq.reshape(S, group, b - a, F), pk, v[g0:g1, a:b].astype(cdt, copy=False), g, winv,
+                    D[h0:h1, a:b].reshape(S, group, b - a), C, dv_s, prefix=pre,
+                    carry=None if carries is None or s == 0 else carries[g0:g1, s], dcarry=dcarry,
+                    carry_out=s > 0, tokens=n)
+                if dv_s is not dV[g0:g1, a:b]:
+                    dV[g0:g1, a:b] = dv_s
+                dbq += back(dpq, pq, tq, q[h0:h1, a:b] if want_dw else None, dq[h0:h1, a:b])
+                dbk += back(dpk, pk, tk, k[g0:g1, a:b] if want_dw else None, dk[g0:g1, a:b])
         else:
-            dpq, dpk = ops.noncausal_bwd(pq, pk, vs, g, winv, res["sketch"][g0:g1], res["sum_chunk"], dv_s)
-        rows_q = (dpq.reshape(S * group * nq, F), phiq[h0:h1].reshape(-1, F), tq[h0:h1].reshape(-1, L * P))
-        rows_k = (dpk.reshape(S * nk, F), pk.reshape(-1, F), tk[g0:g1].reshape(-1, L * P))
-        if want_dw:  # the planes' gradient needs the projections' cotangents themselves
-            duq, dbq = ops.hash_du(*rows_q, beta, L, P)
-            duk, dbk = ops.hash_du(*rows_k, beta, L, P)
-            xp.matmul(duq, W2, out=dq_s.reshape(-1, d))
-            xp.matmul(duk, W2, out=dk_s.reshape(-1, d))
-            dW += duq.T @ q[h0:h1].astype(cdt, copy=False).reshape(-1, d)
-            dW += duk.T @ k[g0:g1].astype(cdt, copy=False).reshape(-1, d)
-        else:
-            dbq = ops.hash_dx(*rows_q, planes, beta, dq_s.reshape(-1, d))
-            dbk = ops.hash_dx(*rows_k, planes, beta, dk_s.reshape(-1, d))
-        dbeta += float(dbq) + float(dbk)
-        for x, a, b, x_s in ((dq, h0, h1, dq_s), (dk, g0, g1, dk_s), (dV, g0, g1, dv_s)):
-            if x.dtype != cdt:
-                x[a:b] = x_s   # the slab's gradient cast into its place
+            dBA = None
+            for a, b in _segments(nq, seg):
+                pq, tq = _buckets(ops, res, "q", h0, h1, a, b)
+                g, winv = cotangent(h0, h1, a, b)
+                dpq, part = ops.noncausal_queries_bwd(pq.reshape(S, group, b - a, F), g, winv,
+                                                      res["sketch"][g0:g1], res["sum_chunk"], n)
+                if dBA is None:
+                    dBA = part
+                else:
+                    dBA += part
+                dbq += back(dpq, pq, tq, q[h0:h1, a:b] if want_dw else None, dq[h0:h1, a:b])
+            dBA = dBA.astype(cdt)
+            for a, b in _segments(nk, seg):
+                pk, tk = _buckets(ops, res, "k", g0, g1, a, b)
+                dv_s = _in_cdt(xp, dV[g0:g1, a:b], cdt)
+                dpk = ops.noncausal_keys_bwd(pk, v[g0:g1, a:b].astype(cdt, copy=False), dBA, dv_s, n)
+                if dv_s is not dV[g0:g1, a:b]:
+                    dV[g0:g1, a:b] = dv_s
+                dbk += back(dpk, pk, tk, k[g0:g1, a:b] if want_dw else None, dk[g0:g1, a:b])
+        dbeta += dbq + dbk
     dq, dk, dV = (x.astype(t, copy=False) for x, t in zip((dq, dk, dV), want))
     return (dq, dk, dV, dbeta) + ((dW.reshape(L, P, d),) if want_dw else ())
 
 
 def _in_cdt(xp, out_slab, cdt):
-    """Where a slab's gradient is computed: ``out_slab`` itself (a view of the result) in the
-    compute dtype, else a fresh array of its shape in ``cdt`` that the caller casts into it."""
-    return out_slab if out_slab.dtype == cdt else xp.empty(out_slab.shape, cdt)
+    """Where a segment's gradient is computed: ``out_slab`` itself (a view of the result) where it is
+    contiguous and in the compute dtype, else a fresh array of its shape in ``cdt`` that the
+    caller casts into it."""
+    return out_slab if out_slab.dtype == cdt and _contiguous(out_slab) else xp.empty(out_slab.shape, cdt)
 
 
-def _noncausal_bwd_slab(xp, pq, pk, v, g, winv, sketch, sum_chunk, dv_out):
-    """Non-causal ``(dphi_q, dphi_k)`` of one slab (``pq (S, group, N, F)``, ``g (S, group, N, dv)``,
-    ``winv = 1 / D`` ``(S, group, N)``, the forward's ``sketch (S, F, dv + 1)``); the values'
-    gradient is written into ``dv_out (S, N, dv)``."""
+def _noncausal_queries_bwd(xp, pq, g, winv, sketch, sum_chunk):
+    """The queries' side of a non-causal backward segment (``pq (S, group, N, F)``,
+    ``g (S, group, N, dv)``, ``winv = 1 / D`` ``(S, group, N)``, the forward's ``sketch (S, F, dv + 1)``):
+    ``dphi_q`` and the segment's ``(dB, dA)`` packed ``(S, F, dv + 1)`` in float64."""
     S, group, nq, F = pq.shape
-    cdt = pk.dtype
+    dv = sketch.shape[-1] - 1
     B, A = sketch[..., :-1], sketch[..., -1]
     Y = g @ xp.swapaxes(B, -1, -2)[:, None]       # (S, group, nq, F): B g_i
     dD = -(pq * Y).sum(axis=-1) * winv * winv     # -(g_i . num_i) / D_i^2
     Y *= winv[..., None]
     dpq = Y + dD[..., None] * A[:, None, None, :]
     pw = (pq * winv[..., None]).reshape(S, group * nq, F)   # phi_q / D: scales F columns, not dv
-    dB = _sum_chunks(xp, pw, g.reshape(S, group * nq, -1), sum_chunk, cdt)     # (S, F, dv)
-    dA = _sum_chunks(xp, pq.reshape(S, group * nq, F), dD.reshape(S, group * nq, 1), sum_chunk, cdt)[..., 0]
-    dpk = v @ xp.swapaxes(dB, -1, -2) + dA[:, None, :]
-    xp.matmul(pk, dB, out=dv_out)
-    return dpq, dpk
+    dBA = xp.empty((S, F, dv + 1), np.float64)
+    dBA[..., :dv] = _sum_chunks64(xp, pw, g.reshape(S, group * nq, -1), sum_chunk)
+    dBA[..., dv] = _sum_chunks64(xp, pq.reshape(S, group * nq, F), dD.reshape(S, group * nq, 1), sum_chunk)[..., 0]
+    return dpq, dBA
 
 
-def _causal_bwd_slab(xp, ops, pq, pk, v, g, winv, C, mask_c):
-    """Causal ``(dphi_q, dphi_k, dv)`` of one slab (shapes as :func:`_noncausal_bwd_slab`).
+def _causal_bwd_slab(xp, ops, pq, pk, v, g, winv, C, mask_c, carry=None, dcarry=None, carry_out=False):
+    """Causal ``(dphi_q, dphi_k, dv, dcarry_next)`` of one segment (shapes as
+    :func:`_noncausal_queries_bwd`; ``carry``, ``dcarry`` as :meth:`ArrayOps.causal_bwd`).
 
     ``1 / D`` scales the F-wide rows of phi_q and the C x C matrices, never the dv-wide
     rows of ``g``, so no (N, dv) temporary is made beside the gradients themselves.
@@ -492,7 +779,7 @@ def _causal_bwd_slab(xp, ops, pq, pk, v, g, winv, C, mask_c):
     S, group, N, F = pq.shape
     dv = v.shape[-1]
     cdt = pk.dtype
-    kc, vc, Bp, Ap = _prefix_states(xp, ops, pk, v, C, cdt)    # the prefix states, as the forward
+    kc, vc, Bp, Ap, _ = _prefix_states(xp, ops, pk, v, C, cdt, carry)    # the prefix states, as the forward
     nc = kc.shape[1]
 
     def chunks4(x):
@@ -515,15 +802,21 @@ def _causal_bwd_slab(xp, ops, pq, pk, v, g, winv, C, mask_c):
     Dm *= mask_c
     Y *= wc
     dpq = Y + dD * Ap[:, None, :, None, :] + Dm @ kc[:, None]
-    # suffix sums of (dB, dA) over later chunks, summed over the query heads of the group
+    # suffix sums of (dB, dA) over later chunks (and segments), summed over the query heads of the group
     qw = xp.swapaxes(qc * wc, -1, -2)                            # (phi_q / D)^T: (S, group, nc, F, C)
     dBc = _sum_group(qw @ gc)                                    # (S, nc, F, dv)
     dAc = _sum_group((xp.swapaxes(qc, -1, -2) @ dD)[..., 0])     # (S, nc, F)
-    dBn = ops.exclusive_scan(dBc.reshape(S, nc, F * dv), True, cdt).reshape(S, nc, F, dv)
-    dAn = ops.exclusive_scan(dAc, True, cdt)
+    ib, ia = _unpack(dcarry, dv)
+    dBn = ops.exclusive_scan(dBc.reshape(S, nc, F * dv), True, cdt, ib, carry_out)
+    dAn = ops.exclusive_scan(dAc, True, cdt, ia, carry_out)
+    nxt = None
+    if carry_out:
+        (dBn, tb), (dAn, ta) = dBn, dAn
+        nxt = _pack(xp, tb.reshape(S, F, dv), ta)
+    dBn = dBn.reshape(S, nc, F, dv)
     dpk = vc @ xp.swapaxes(dBn, -1, -2) + dAn[:, :, None, :] + _sum_group(xp.swapaxes(Dm, -1, -2) @ qc)
     M *= wc                                                      # M_ij / D_i
     dvs = kc @ dBn
     dvs += _sum_group(xp.swapaxes(M, -1, -2) @ gc)
     return (dpq.reshape(S, group, nc * C, F)[:, :, :N], dpk.reshape(S, nc * C, F)[:, :N],
-            dvs.reshape(S, nc * C, dv)[:, :N])
+            dvs.reshape(S, nc * C, dv)[:, :N], nxt)

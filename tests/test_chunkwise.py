@@ -168,11 +168,17 @@ def test_noncausal_nq_differs_from_nk(rng, group, masked):
 # 3. slabs
 # ---------------------------------------------------------------------------
 
+def one_head_bytes(n, group, causal):
+    """The workspace one whole key/value head of ``n`` tokens takes, by the module's own estimate."""
+    F, LP = L * 2 ** P, L * P
+    return n * cw.ArrayOps(np).bytes_per_token(n, group, D, DV, F, LP, CHUNK, np.dtype(np.float64), False, True, causal)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_slab_boundaries_change_nothing(rng, causal):
-    """workspace=1 (one key/value head per slab) and a middle budget (two heads per slab, the last slab
-    short) give bitwise the results of the default 2**31 (all three heads in one slab): forward output,
-    residuals, dq, dk and dv.  No oracle: the property is that slabs are independent.
+    """A budget of one whole key/value head per slab, and one of two (the last slab short), give
+    bitwise the results of the default 2**31 (all three heads in one slab): forward output,
+    residuals, dq, dk and dv.  No oracle: the property is that slabs of whole heads are independent.
 
     dbeta and dplanes are sums over every head, accumulated slab by slab (a Python float and ``dW +=``
     per slab), so the slab split changes their order of summation: they are compared to 1e-14
@@ -184,13 +190,10 @@ def test_slab_boundaries_change_nothing(rng, causal):
     kw = dict(causal=causal, key_mask=mask, group=group, chunk=CHUNK, sum_chunk=SUM_CHUNK)
     assert cw.slab_heads(Gk, 100, 1) == 1 and cw.slab_heads(Gk, 100, 250) == 2 and cw.slab_heads(Gk, 100, 2 ** 31) == 3
     runs = []
-    for ws in (2 ** 31, 1, None):
-        if ws is None:  # two heads per slab: a budget between 2 and 3 heads' worth of the forward's estimate
-            item, F = 8, L * 2 ** P
-            per_head = item * (group * n * (CHUNK + 2 * DV + 2 * F) + n * (D + DV + F)
-                               + 3 * (n // CHUNK + 1) * F * (DV + 1) * 2)
-            ws = int(2.5 * per_head)
+    head = one_head_bytes(n, group, causal)
+    for ws, slab in ((2 ** 31, (3, n)), (head, (1, n)), (int(2.5 * head), (2, n))):
         out, res = cw.forward(np, q, k, v, W, BETA, workspace=ws, **kw)
+        assert res["slab"] == slab and res["carries"] is None
         runs.append((out, res, cw.backward(np, res, g, q=q, k=k)))
     (out0, res0, gr0) = runs[0]
     for out, res, gr in runs[1:]:
@@ -201,6 +204,66 @@ def test_slab_boundaries_change_nothing(rng, causal):
             assert np.array_equal(a, b), name
         assert_scalar_close(gr[3], gr0[3], 1e-14)
         assert_close(gr[4], gr0[4], 1e-14, "dW")
+
+
+def test_slab_shape_cuts_a_head_that_does_not_fit():
+    """slab_shape: whole heads where one fits (as many as fit), else one head a slab in equal
+    segments of whole granules within the budget, the last one shorter, never below a granule."""
+    assert cw.slab_shape(4, 100, 10, 10 ** 9, 8) == (4, 100)
+    assert cw.slab_shape(4, 100, 10, 2500, 8) == (2, 100)
+    assert cw.slab_shape(4, 100, 10, 1000, 8) == (1, 100)
+    assert cw.slab_shape(4, 100, 10, 999, 8) == (1, 56)           # 2 segments of <= 96 tokens: 56 + 44
+    assert cw.slab_shape(4, 1000, 10, 2000, 8) == (1, 200)        # 5 segments of 200
+    assert cw.slab_shape(4, 100, 10, 1, 8) == (1, 8)              # the least: a granule
+    assert cw.slab_shape(2, 5, 10, 1, 8) == (1, 5)                # a head shorter than a granule
+    assert cw._segments(21, 8) == [(0, 8), (8, 16), (16, 21)] and cw._segments(0, 8) == [(0, 0)]
+
+
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("group", [1, 2])
+@pytest.mark.parametrize("causal", [False, True])
+def test_segments_match_dense_reference(rng, causal, group, keep):
+    """A workspace too small for one head cuts each into segments of 8 tokens (21 and 37: the last one
+    short): out, dq, dk, dv, dbeta and dplanes still equal the dense oracle (float64, 1e-10), the
+    causal state carried across segments forward and its cotangent backward; non-causal with 7
+    queries against 37 keys besides; with the buckets kept or remade from the projections."""
+    Gk = 2
+    for nq, nk in ((37, 37), (21, 21)) if causal else ((37, 37), (7, 37)):
+        q, k, v, mask = problem(rng, Gk * group, Gk, nq, nk)
+        W = planes64()
+        g = rng.standard_normal((Gk * group, nq, DV))
+        out, res = cw.forward(np, q, k, v, W, BETA, causal=causal, key_mask=mask, group=group, chunk=CHUNK,
+                              sum_chunk=SUM_CHUNK, workspace=1, keep_buckets=keep)
+        assert res["slab"] == (1, 8)
+        assert (res["carries"] is not None) == causal and (res["phiq"] is None) == (not keep)
+        got = (out,) + cw.backward(np, res, g, q=q, k=k)
+        want = dense(q, k, v, W, BETA, causal, mask, group, g)
+        for name, a, b in zip(NAMES, got, want):
+            if name == "dbeta":
+                assert_scalar_close(a, b, 1e-10)
+            else:
+                assert_close(a, b, 1e-10, name)
+
+
+@pytest.mark.parametrize("workspace", [1, 2 ** 31])
+@pytest.mark.parametrize("causal", [False, True])
+def test_projections_kept_give_the_buckets_kept(rng, causal, workspace):
+    """keep_buckets=False keeps the projections (L * P a row, no phi or t) and the backward remakes
+    the buckets from them, masked keys zeroed again: out, dq, dk, dv, dbeta and dplanes equal, to the
+    bit, those of a forward that kept the buckets, in one slab and in segments; float32."""
+    Gk, group, n = 2, 2, 29
+    q, k, v, mask = problem(rng, Gk * group, Gk, n, n, dtype=np.float32)
+    W = racecpu.hyperplanes(D, P, L, seed=3)
+    g = rng.standard_normal((Gk * group, n, DV)).astype(np.float32)
+    runs = []
+    for keep in (True, False):
+        out, res = cw.forward(np, q, k, v, W, BETA, causal=causal, key_mask=mask, group=group, chunk=CHUNK,
+                              sum_chunk=SUM_CHUNK, workspace=workspace, keep_buckets=keep)
+        kept = [key for key in ("phiq", "tq", "phik", "tk", "uq", "uk") if res[key] is not None]
+        assert kept == (["phiq", "tq", "phik", "tk"] if keep else ["uq", "uk"])
+        runs.append((out,) + cw.backward(np, res, g, q=q, k=k))
+    for name, a, b in zip(NAMES, *runs):
+        assert np.array_equal(a, b), name
 
 
 # ---------------------------------------------------------------------------
@@ -352,3 +415,61 @@ def test_dbeta_matches_finite_differences(rng, causal, group):
     h = 1e-6
     fd = (f(BETA + h) - f(BETA - h)) / (2 * h)
     assert abs(db - fd) <= 1e-5 * max(abs(fd), 1e-3), (db, fd)
+
+
+# ---------------------------------------------------------------------------
+# 8. memory
+# ---------------------------------------------------------------------------
+
+def traced_call(q, k, v, g, causal, workspace, keep, group=1):
+    """A forward and backward under tracemalloc, 16-bit results: ``(peak, held, res)``, ``held`` the
+    bytes the call's results and residuals hold (out, dq, dk, dv and the residual arrays)."""
+    import tracemalloc
+    W = racecpu.hyperplanes(q.shape[-1], 3, 3, seed=0)
+    dt = q.dtype
+    tracemalloc.start()
+    try:
+        out, res = cw.forward(np, q, k, v, W, 1.0, causal=causal, workspace=workspace, out_dtype=dt,
+                              keep_buckets=keep, group=group)
+        grads = cw.backward(np, res, g, grad_dtypes=(dt,) * 3)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    kept = [x for key, x in res.items() if key not in ("v", "mask", "planes") and hasattr(x, "nbytes")]
+    if res["prefix"] is not None:
+        kept.append(res["prefix"].states)
+    return peak, out.nbytes + sum(x.nbytes for x in kept) + sum(x.nbytes for x in grads[:3]), res
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_long_16bit_call_peaks_within_the_issue_bound(rng, causal):
+    """Issue 55's memory bound on the array form (the GPU path's allocations, on NumPy): float16 q, k,
+    v and cotangent, 4 heads of 8,192 tokens, d = dv = 128, the projections kept instead of the
+    buckets and a workspace of 6 % of the eight arrays (q, k, v, grad, out, dq, dk, dv): the peak of
+    a forward and backward, the caller's four inputs included, is at most 1.15x the eight arrays,
+    and the temporaries beyond what the call returns and keeps stay within the workspace."""
+    G, n, d = 4, 8192, 128
+    q, k, v, g = (rng.standard_normal((G, n, d)).astype(np.float16) for _ in range(4))
+    eight = 8 * q.nbytes
+    ws = int(0.06 * eight)
+    peak, held, res = traced_call(q, k, v, g, causal, ws, keep=False)
+    assert res["slab"][0] == 1 and res["slab"][1] < n                     # segments of one head
+    assert (4 * q.nbytes + peak) / eight <= 1.15, (4 * q.nbytes + peak) / eight
+    assert peak - held <= ws, (peak - held) / ws
+
+
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("causal", [False, True])
+def test_segments_stay_within_the_workspace(rng, causal, keep):
+    """Budgets of segments of 64 to 2,048 tokens (the least a head allows: the causal chunk, the
+    sketch's partial), float16 inputs with float32 compute, grouped query heads, d = 32: the temporaries of a forward and backward beyond what
+    the call returns and keeps never exceed the workspace (tracemalloc)."""
+    G, group, n, d = 4, 2, 4096, 32
+    q, g = (rng.standard_normal((G, n, d)).astype(np.float16) for _ in range(2))
+    k, v = (rng.standard_normal((G // group, n, d)).astype(np.float16) for _ in range(2))
+    per = cw.ArrayOps(np).bytes_per_token(n, group, d, d, 24, 9, 64, np.dtype(np.float32), True, keep, causal)
+    for tokens in (64, 256, 1024) if causal else (1024, 2048):
+        ws = per * tokens
+        peak, held, res = traced_call(q, k, v, g, causal, ws, keep, group)
+        assert res["slab"] == (1, tokens)
+        assert peak - held <= ws, (tokens, (peak - held) / ws)

@@ -197,6 +197,26 @@ def test_float16_in_float16_out(rng):
     assert out.dtype == np.float16 and all(x.dtype == np.float16 for x in grads[:3])
 
 
+@_ONCE
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_heads_in_segments_match_cpu(rng, causal, fused, monkeypatch):
+    """racecpu.cuda.WORKSPACE too small for one head: the chunkwise form cuts each head into
+    segments of 8 tokens, and float16 inputs keep their projections, not their buckets
+    (KEEP_BUCKETS None); out and gradients still equal the CPU path's, with the array form or the
+    fused kernels."""
+    monkeypatch.setattr(rc, "WORKSPACE", 1)
+    monkeypatch.setattr(rc, "SCAN_CHUNK", 4)
+    monkeypatch.setattr(rc, "SUM_CHUNK", 8)
+    monkeypatch.setattr(rc.CudaOps, "FUSED_CHUNK", 8)
+    monkeypatch.setattr(rc.CudaOps, "FUSED_MIN_TOKENS", 0 if fused else 2 ** 30)
+    q, k, v, mask = problem(rng, (2,), 21, 21, 4, 3, np.float16)
+    planes = racecpu.hyperplanes(4, 2, 2, seed=5)
+    _, res = rc.race_attention_fwd(q, k, v, planes, 2.0, causal=causal, key_mask=mask)
+    assert res.state["slab"] == (1, 8) and res.state["phiq"] is None and res.state["uq"] is not None
+    compare(q, k, v, planes, 2.0, causal, mask, 1e-3)
+
+
 def test_soft_buckets_match_cpu(rng):
     x = rng.standard_normal((2, 9, 5))
     planes = racecpu.hyperplanes(5, 3, 2, seed=6)
@@ -766,7 +786,7 @@ def test_causal_backward_reads_the_forwards_prefix_states(rng, gemm, monkeypatch
     ops = rc.CudaOps(np, rc._Device(False))
     calls = []
     states = rc.CudaOps._states
-    monkeypatch.setattr(rc.CudaOps, "_states", lambda self, *a: calls.append(a[-1]) or states(self, *a))
+    monkeypatch.setattr(rc.CudaOps, "_states", lambda self, *a: calls.append(a[6]) or states(self, *a))   # a[6]: reverse
     kw = dict(causal=True, key_mask=mask, chunk=4, ops=ops)
     _, res = chunkwise.forward(np, q, k, v, planes, 2.0, **kw)
     prefix = res["prefix"]
@@ -792,6 +812,48 @@ def test_causal_backward_reads_the_forwards_prefix_states(rng, gemm, monkeypatch
     monkeypatch.setattr(rc.CudaOps, "FUSED_CHUNK", 8)
     _, res1 = chunkwise.forward(np, q, k, v, planes, 2.0, workspace=1, **kw)   # a slab per head
     np.testing.assert_array_equal(res1["prefix"].states, prefix.states)
+
+
+@_ONCE
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_kernels_in_segments_match_one_pass(rng, causal, keep, monkeypatch):
+    """A head cut into segments of 8 tokens (workspace 1; chunks of 8 for the fused kernels, 4 for
+    the array form): the fused forward and backward carry the causal state (B, A) forward and
+    (dB, dA) backward across segments, keep every segment's prefix states for the backward (which
+    then sums and scans only the suffix states, one pass a segment), and equal the array form in
+    one pass; non-causal through the fused readout and backward kernels; buckets kept or remade
+    from the projections (float64, 1e-12)."""
+    from racecpu import chunkwise
+    monkeypatch.setattr(rc.CudaOps, "FUSED_MIN_TOKENS", 0)
+    monkeypatch.setattr(rc.CudaOps, "FUSED_CHUNK", 8)
+    monkeypatch.setattr(rc.CudaOps, "READOUT_BY_GEMM", False)
+    monkeypatch.setattr(rc.CudaOps, "FUSED_NONCAUSAL", True)
+    Gk, N, d, dv = 2, 29, 5, 3                                   # segments of 8, 8, 8 and 5 tokens
+    q, k = (rng.standard_normal((Gk, N, d)) for _ in range(2))
+    v, g = (rng.standard_normal((Gk, N, dv)) for _ in range(2))
+    mask = rng.random((Gk, N)) > 0.3
+    planes = racecpu.hyperplanes(d, 2, 2, seed=0, dtype=np.float64)
+    ops = rc.CudaOps(np, rc._Device(False))
+    calls = []
+    states = rc.CudaOps._states
+    monkeypatch.setattr(rc.CudaOps, "_states", lambda self, *a: calls.append(a[6]) or states(self, *a))
+    kw = dict(causal=causal, key_mask=mask, chunk=4, sum_chunk=8)
+    out, res = chunkwise.forward(np, q, k, v, planes, 2.0, ops=ops, workspace=1, keep_buckets=keep, **kw)
+    assert res["slab"] == (1, 8)
+    if causal:
+        assert res["prefix"].states.shape == (Gk, 4, 8, dv + 1) and calls == [False] * 8
+    calls.clear()
+    got = chunkwise.backward(np, res, g, ops=ops, q=q, k=k)
+    assert calls == ([True] * 8 if causal else [])
+    ref, rres = chunkwise.forward(np, q, k, v, planes, 2.0, **kw)
+    want = chunkwise.backward(np, rres, g, q=q, k=k)
+    assert_close(out, ref, 1e-12, "out")
+    for name, a, b in zip(("dq", "dk", "dv", "dbeta", "dplanes"), got, want):
+        if name == "dbeta":
+            assert abs(a - b) <= 1e-12 * abs(b), (a, b)
+        else:
+            assert_close(a, b, 1e-12, name)
 
 
 @_ONCE

@@ -22,8 +22,8 @@ cuBLAS products over chunks of :data:`SCAN_CHUNK`, where a kernel does not
 take the shape), taken by default
 where CuPy is installed, and the *tile* kernels of ``racecpu.cuda._kernels``
 (one thread per token, states in per-block scratch), which also take packed
-sequences.  16-bit inputs are widened one slab of heads at a time in the
-chunkwise form, whole in the tile kernels.
+sequences.  16-bit inputs are widened a segment at a time in the chunkwise
+form (:data:`WORKSPACE`), whole in the tile kernels.
 
 Needs ``numba-cuda`` (``pip install "racecpu[cuda]"``).  Without a GPU the
 kernels run under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1`` set
@@ -42,6 +42,7 @@ chunkwise one on NumPy) and compile every kernel to PTX; with
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -66,7 +67,7 @@ from ._chunk_kernels import backward_shared_items, hash_fits, make_chunk_kernels
 
 __all__ = ["soft_buckets", "race_attention", "race_attention_fwd", "race_attention_bwd", "Residuals",
            "ChunkwiseResiduals", "is_available", "BACKEND", "THREADS", "CHUNK", "PATH", "SCAN_CHUNK",
-           "SUM_CHUNK", "WORKSPACE"]
+           "SUM_CHUNK", "WORKSPACE", "WORKSPACE_SHARE", "KEEP_BUCKETS"]
 
 #: Threads per block, which is also the tile length in tokens (a multiple of 32 on a GPU).
 THREADS = 64
@@ -86,8 +87,20 @@ PATH = "auto"
 SCAN_CHUNK = 64
 #: Rows per float32 partial of the chunkwise non-causal sketch (partials summed in float64).
 SUM_CHUNK = 1024
-#: Bytes of temporaries one slab of key/value heads of the chunkwise form may use.
+#: Bytes of temporaries one slab of the chunkwise form may use, at least: as many whole key/value
+#: heads as fit, and a head that does not fit alone is cut into segments of tokens (each within it;
+#: a segment costs the kernels' launches again).
 WORKSPACE = 2 ** 31
+#: ... and at most this share of the call's eight arrays (q, k, v, out and their gradients at their
+#: dtypes) where that is more than :data:`WORKSPACE`: long calls take longer segments, and the
+#: temporaries stay a twentieth of what the caller holds (issue 55's bound on memory is 15 %).
+WORKSPACE_SHARE = 0.05
+#: Whether the chunkwise forward keeps the soft buckets of q and k for the backward (``F + L * P``
+#: numbers a row), else only their projections (``L * P``), from which the backward makes the same
+#: buckets again (one pass over them, no more reads of q or k).  None: kept for 32- and 64-bit
+#: inputs, remade for 16-bit ones, where kept buckets would be 13 % of the eight arrays at d = 128
+#: (issue 55's bound on memory is 15 %).
+KEEP_BUCKETS = None
 
 
 # ---------------------------------------------------------------------------
@@ -756,6 +769,45 @@ class CudaOps(chunkwise.ArrayOps):
                 t[...] = u
         return phi.reshape(shp + (F,)), t.reshape(shp + (L * P,))
 
+    def hash_from_u(self, u, beta, L, P):
+        M = u.shape[0]
+        phi = self.xp.empty((M, L * 2 ** P), u.dtype)
+        if hash_fits(L, P):
+            t = self.xp.empty(u.shape, u.dtype)
+            if M:
+                self._rows_launch(self._hash_kernels(L, P, u.dtype)["hash_from_u"], M, P)(u, beta, phi, t)
+            return phi, t
+        t = u.copy()   # the thread-per-table pass turns its u into t in place: the kept u stays
+        if M:
+            self._launch(cuda_kernels.hash_from_u, M * L)(t, beta, P, phi)
+        return phi, t
+
+    def granule(self, chunk):
+        return math.lcm(int(chunk), int(self.FUSED_CHUNK))
+
+    def _fused_causal(self, tokens, F, dv, group, dtype):
+        """Whether a causal call of ``tokens`` a head runs the fused forward and backward."""
+        return self.FUSED and tokens >= max(1, self.FUSED_MIN_TOKENS) and self._fused_bwd_fits(F, dv, group, dtype)
+
+    def bytes_per_token(self, tokens, group, d, dv, F, LP, chunk, cdt, widen, keep_buckets, causal=True):
+        """The array form's estimate, or, where the fused causal kernels take the call, theirs: no
+        ``C x C`` or ``dv``-wide temporaries beyond the widened rows, the F-wide ``dphi`` and the
+        weighted buckets of the reverse states by GEMM, the projections and their cotangents, and
+        the chunks' states (with a quarter more for what the count misses)."""
+        if not (causal and self._fused_causal(tokens, F, dv, group, cdt)):
+            return super().bytes_per_token(tokens, group, d, dv, F, LP, chunk, cdt, widen, keep_buckets, causal)
+        rows = group + 1
+        states = 4 * F * (dv + 1) / int(self.FUSED_CHUNK)
+        fwd = rows * LP + states
+        bwd = 4 * F + 2 * LP + 2 + states
+        if widen:
+            fwd += group * (d + dv) + d + dv
+            bwd += group * (2 * d + 2 * dv) + 2 * d + 2 * dv
+        if not keep_buckets:
+            fwd += rows * (F + LP)
+            bwd += rows * (F + LP)
+        return int(1.25 * np.dtype(cdt).itemsize * max(fwd, bwd)) + 64
+
     def hash_du(self, dphi, phi, t, beta, L, P):
         du = self.xp.empty(t.shape, t.dtype)
         st = self.xp.empty(t.shape, t.dtype)
@@ -774,12 +826,14 @@ class CudaOps(chunkwise.ArrayOps):
             self._rows_launch(K["hash_rows_bwd"], M, P)(dphi, phi, t, planes.reshape(L * P, d), beta, dx_out, st)
         return st.sum(dtype=np.float64)
 
-    def exclusive_scan(self, part, reverse, dtype):
+    def exclusive_scan(self, part, reverse, dtype, init=None, total=False):
         xp = self.xp
         S, nc, E = part.shape
         out = xp.empty(part.shape, dtype)
         if out.size == 0:
-            return out
+            if not total:
+                return out
+            return out, (xp.zeros((S, E), np.float64) if init is None else init.astype(np.float64))
         nseg = max(1, min(nc, self.SCAN_THREADS // (S * E)))
         seg = -(-nc // nseg)
         nseg = -(-nc // seg)
@@ -787,8 +841,13 @@ class CudaOps(chunkwise.ArrayOps):
         carry = xp.empty((S, nseg, E), np.float64)
         self._launch(cuda_kernels.segment_sums, totals.size)(part, seg, totals)
         self._launch(cuda_kernels.scan_chunks, S * E)(totals, xp.zeros(nseg, np.int64), carry, bool(reverse))
+        if init is not None:   # every segment of the scan starts from the state before the call's chunks
+            carry += init[:, None, :]
         self._launch(cuda_kernels.segment_scan, totals.size)(part, carry, seg, bool(reverse), out)
-        return out
+        if not total:
+            return out
+        edge = 0 if reverse else nseg - 1
+        return out, carry[:, edge] + totals[:, edge]
 
     # -- the fused kernels ---------------------------------------------------------------------
 
@@ -800,16 +859,22 @@ class CudaOps(chunkwise.ArrayOps):
         return make_chunk_kernels(int(F), int(self.FUSED_TILE), int(tpb), np.dtype(dtype).name,
                                   bool(self.FUSED_BLOCKED))
 
-    def _states(self, phi, w, x, w2, C, dv, reverse):
+    def _states(self, phi, w, x, w2, C, dv, reverse, init=None, total=False):
         """Exclusive prefix (``reverse``: suffix) states over chunks of ``C`` and their key mass,
         each chunk's sums (:meth:`_chunk_sums`) and one scan: ``(S, nc, F, dv + 1)``, the state
         ``B`` (the sum of ``phi_t w_t x_t^T``) in columns ``:dv`` and the key mass ``A`` (the sum
         of ``phi_t w2_t``) in column ``dv``, as the fused kernels read them; ``w`` or ``w2`` None
-        reads as ones.  ``phi (S, N, F)``, ``x (S, N, dv)``, ``w``, ``w2 (S, N)``."""
+        reads as ones.  ``phi (S, N, F)``, ``x (S, N, dv)``, ``w``, ``w2 (S, N)``.  ``init`` and
+        ``total`` as :meth:`exclusive_scan` (``(S, F, dv + 1)`` float64): with ``total``,
+        ``(states, the float64 state after the last chunk)``."""
         S, N, F = phi.shape
         nc = max(1, -(-N // C))
         part = self._chunk_sums(phi, w, x, w2, C, dv)
-        return self.exclusive_scan(part.reshape(S, nc, F * (dv + 1)), reverse, phi.dtype).reshape(S, nc, F, dv + 1)
+        r = self.exclusive_scan(part.reshape(S, nc, F * (dv + 1)), reverse, phi.dtype,
+                                None if init is None else init.reshape(S, F * (dv + 1)), total)
+        if not total:
+            return r.reshape(S, nc, F, dv + 1)
+        return r[0].reshape(S, nc, F, dv + 1), r[1].reshape(S, F, dv + 1)
 
     def _chunk_sums(self, phi, w, x, w2, C, dv):
         """Each chunk's ``(B, A)`` packed as ``(S, nc, F, dv + 1)`` (a fresh array; the arguments
@@ -843,33 +908,49 @@ class CudaOps(chunkwise.ArrayOps):
             phi, unread if w is None else w, x, unread if w2 is None else w2, C, mode, part)
         return part
 
-    def attend(self, pq, pk, v, causal, chunk, sum_chunk, L, out, D):
-        if (not self.FUSED or max(pq.shape[2], pk.shape[1]) < self.FUSED_MIN_TOKENS
-                or (not causal and self.READOUT_BY_GEMM)):  # the array form's sketch and products
-            return super().attend(pq, pk, v, causal, chunk, sum_chunk, L, out, D)
+    def _readout(self, pq, pk, v, BA, causal, L, out, D):
+        """The fused ``readout`` kernel over ``pq (S, group, nq, F)`` from the states ``BA (S, nc,
+        F, dv + 1)`` (causal: each chunk's prefix; else the sketch, ``nc = 1``) into the views
+        ``out`` and ``D``."""
         xp = self.xp
+        S, group, nq, F = pq.shape
+        dv = BA.shape[-1] - 1
+        cdt = BA.dtype
+        if nq == 0 or dv == 0:
+            D[...] = 0
+            return
+        dst = out if out.dtype == cdt and out.flags.c_contiguous else xp.empty(out.shape, cdt)
+        Dst = D if D.flags.c_contiguous else xp.empty(D.shape, cdt)
+        tpb = self._threads(dv)
+        K = self._kernels(F, cdt, tpb)
+        K["readout"][(-(-nq // int(self.FUSED_CHUNK)), S * group, -(-dv // tpb)), tpb, self.dev.stream](
+            pq.reshape(S * group, nq, F), pk, v, BA, group, int(self.FUSED_CHUNK), bool(causal), L * DEN_FLOOR,
+            dst, Dst)
+        if dst is not out:
+            out[...] = dst
+        if Dst is not D:
+            D[...] = Dst
+
+    def readout(self, pq, sketch, L, out, D, tokens):
+        if not self.FUSED or tokens < max(1, self.FUSED_MIN_TOKENS) or self.READOUT_BY_GEMM:
+            return super().readout(pq, sketch, L, out, D, tokens)
+        dv = sketch.shape[-1] - 1   # the non-causal readout reads no keys or values, only v's width
+        keys, values = (self.xp.empty((1, 1, e), sketch.dtype) for e in (pq.shape[-1], dv))
+        self._readout(pq, keys, values, sketch[:, None], False, L, out, D)
+
+    def attend_causal(self, pq, pk, v, chunk, L, out, D, carry, carry_out, tokens):
         S, group, nq, F = pq.shape
         dv = v.shape[-1]
         cdt = pk.dtype
+        if not self.FUSED or tokens < max(1, self.FUSED_MIN_TOKENS):   # the array form's products
+            return super().attend_causal(pq, pk, v, chunk, L, out, D, carry, carry_out, tokens)
         C = int(self.FUSED_CHUNK)
-        if causal:
-            BA = self._states(pk, None, v, None, C, dv, False)              # (S, nc, F, dv + 1)
-            # kept for the fused backward, which would otherwise sum the chunks and scan again
-            kept = chunkwise.PrefixStates(BA, C) if self._fused_bwd_fits(F, dv, group, cdt) else None
-        else:
-            kept = chunkwise._sketch(xp, pk, v, sum_chunk, cdt)             # the sketch (S, F, dv + 1)
-            BA = kept[:, None]
-        if nq == 0 or dv == 0:
-            D[...] = 0
-            return kept
-        dst = out if out.dtype == cdt else xp.empty(out.shape, cdt)
-        tpb = self._threads(dv)
-        K = self._kernels(F, cdt, tpb)
-        K["readout"][(-(-nq // C), S * group, -(-dv // tpb)), tpb, self.dev.stream](
-            pq.reshape(S * group, nq, F), pk, v, BA, group, C, bool(causal), L * DEN_FLOOR, dst, D)
-        if dst is not out:
-            out[...] = dst
-        return kept
+        r = self._states(pk, None, v, None, C, dv, False, carry, carry_out)   # (S, nc, F, dv + 1)
+        BA, nxt = r if carry_out else (r, None)
+        # kept for the fused backward, which would otherwise sum the chunks and scan again
+        kept = chunkwise.PrefixStates(BA, C) if self._fused_bwd_fits(F, dv, group, cdt) else None
+        self._readout(pq, pk, v, BA, True, L, out, D)
+        return nxt, kept
 
     def _fused_bwd_fits(self, F, dv, group, dtype):
         """Whether the fused causal backward takes this shape: one query head per key/value head,
@@ -878,34 +959,53 @@ class CudaOps(chunkwise.ArrayOps):
         shared = np.dtype(dtype).itemsize * backward_shared_items(int(F), int(self.FUSED_TILE), tpb)
         return self.FUSED and group == 1 and dv <= tpb and shared <= self.SHARED_BYTES
 
-    def noncausal_bwd(self, pq, pk, v, g, winv, sketch, sum_chunk, dv_out):
+    def _fused_noncausal(self, tokens, F, dv, group, dtype):
+        return (self.FUSED_NONCAUSAL and tokens >= max(1, self.FUSED_MIN_TOKENS)
+                and self._fused_bwd_fits(F, dv, group, dtype))
+
+    def noncausal_queries_bwd(self, pq, g, winv, sketch, sum_chunk, tokens):
         S, group, nq, F = pq.shape
-        nk, dv = v.shape[1:]
-        cdt = pk.dtype
-        if (not self.FUSED_NONCAUSAL or min(nq, nk) < max(1, self.FUSED_MIN_TOKENS)
-                or not self._fused_bwd_fits(F, dv, group, cdt)):
-            return super().noncausal_bwd(pq, pk, v, g, winv, sketch, sum_chunk, dv_out)
+        dv = g.shape[-1]
+        cdt = pq.dtype
+        if not self._fused_noncausal(tokens, F, dv, group, cdt):
+            return super().noncausal_queries_bwd(pq, g, winv, sketch, sum_chunk, tokens)
         xp = self.xp
         C = int(self.FUSED_CHUNK)
         tpb = self._threads(dv)
         K = self._kernels(F, cdt, tpb)
-        ncq, nck = -(-nq // C), -(-nk // C)
+        ncq = -(-nq // C)
         dpq = xp.empty((S, nq, F), cdt)
         dD = xp.empty((S, nq), cdt)
         part = xp.empty((S, ncq, F, dv + 1), cdt)   # each chunk's share of (dB, dA)
-        K["nc_queries_bwd"][(ncq, S), tpb, self.dev.stream](
-            pq.reshape(S, nq, F), g.reshape(S, nq, dv), winv.reshape(S, nq), sketch[:, None], C, dpq, dD, part)
-        dBA = part.sum(axis=1, dtype=np.float64).astype(cdt)[:, None]             # (S, 1, F, dv + 1)
-        dpk = xp.empty((S, nk, F), cdt)
-        K["nc_keys_bwd"][(nck, S), tpb, self.dev.stream](pk, v, dBA, C, dpk, dv_out)
-        return dpq.reshape(S, 1, nq, F), dpk
+        if nq:
+            K["nc_queries_bwd"][(ncq, S), tpb, self.dev.stream](
+                pq.reshape(S, nq, F), g.reshape(S, nq, dv), winv.reshape(S, nq), sketch[:, None], C, dpq, dD, part)
+        return dpq.reshape(S, 1, nq, F), part.sum(axis=1, dtype=np.float64)
 
-    def causal_bwd(self, pq, pk, v, g, winv, D, C, dv_out, prefix=None):
+    def noncausal_keys_bwd(self, pk, v, dBA, dv_out, tokens):
+        S, nk, F = pk.shape
+        dv = v.shape[-1]
+        cdt = pk.dtype
+        if not self._fused_noncausal(tokens, F, dv, 1, cdt):
+            return super().noncausal_keys_bwd(pk, v, dBA, dv_out, tokens)
+        xp = self.xp
+        C = int(self.FUSED_CHUNK)
+        tpb = self._threads(dv)
+        K = self._kernels(F, cdt, tpb)
+        dpk = xp.empty((S, nk, F), cdt)
+        if nk:
+            K["nc_keys_bwd"][(-(-nk // C), S), tpb, self.dev.stream](pk, v, dBA[:, None], C, dpk, dv_out)
+        return dpk
+
+    def causal_bwd(self, pq, pk, v, g, winv, D, C, dv_out, prefix=None, carry=None, dcarry=None,
+                   carry_out=False, tokens=None):
         S, group, N, F = pq.shape
         dv = v.shape[-1]
         cdt = pk.dtype
-        if N < max(1, self.FUSED_MIN_TOKENS) or not self._fused_bwd_fits(F, dv, group, cdt):
-            return super().causal_bwd(pq, pk, v, g, winv, D, C, dv_out)
+        tokens = N if tokens is None else tokens
+        if not self._fused_causal(tokens, F, dv, group, cdt):
+            return super().causal_bwd(pq, pk, v, g, winv, D, C, dv_out, carry=carry, dcarry=dcarry,
+                                      carry_out=carry_out, tokens=tokens)
         xp = self.xp
         C = int(self.FUSED_CHUNK)
         nc = -(-N // C)
@@ -915,26 +1015,29 @@ class CudaOps(chunkwise.ArrayOps):
         if prefix is not None and prefix.chunk == C and prefix.states.shape == (S, nc, F, dv + 1):
             BA = prefix.states                                              # the forward's, kept
         else:
-            BA = self._states(pk, None, v, None, C, dv, False)             # as the forward
+            BA = self._states(pk, None, v, None, C, dv, False, carry)       # as the forward
         dpq = xp.empty((S, N, F), cdt)
         dD = xp.empty((S, N), cdt)
         K["queries_bwd"][(nc, S), tpb, self.dev.stream](pq3, pk, v, g3, w3, BA, C, dpq, dD)
         # after each chunk: the sums of phi_q g^T / D and of phi_q dD
-        dBA = self._states(pq3, w3, g3, dD, C, dv, True)
+        r = self._states(pq3, w3, g3, dD, C, dv, True, dcarry, carry_out)
+        dBA, nxt = r if carry_out else (r, None)
         dpk = xp.empty((S, N, F), cdt)
         K["keys_bwd"][(nc, S), tpb, self.dev.stream](pq3, pk, v, g3, w3, dD, dBA, C, dpk, dv_out)
-        return dpq.reshape(S, 1, N, F), dpk
+        return dpq.reshape(S, 1, N, F), dpk, nxt
 
 
 @dataclass(frozen=True)
 class ChunkwiseResiduals:
     """What :func:`race_attention_bwd` needs from a chunkwise forward (treat as opaque).
 
-    ``state``: the residuals of :func:`racecpu.chunkwise.forward` (soft buckets, tanh
-    projections and denominators, O(N * L * R) per head; causal with the fused kernels, the
-    chunks' prefix states, ``F * (dv + 1)`` per :attr:`CudaOps.FUSED_CHUNK` tokens; ``v``, and the
-    caller's ``q`` and ``k`` for the planes' gradient, by reference: do not modify them between
-    forward and backward).
+    ``state``: the residuals of :func:`racecpu.chunkwise.forward`: the soft buckets and tanh
+    projections of q and k (``L * (2**P + P)`` numbers a row), or for 16-bit inputs only their
+    projections (``L * P``: :data:`KEEP_BUCKETS`), and the denominators; causal with the fused
+    kernels, the chunks' prefix states, ``F * (dv + 1)`` per :attr:`CudaOps.FUSED_CHUNK` tokens,
+    and for a head cut into segments the float64 state at each segment's start; ``v``, the key
+    mask, and the caller's ``q`` and ``k`` for the planes' gradient, by reference: do not modify
+    them between forward and backward.
     """
 
     backend: ClassVar[str] = "cuda"
@@ -954,15 +1057,24 @@ class ChunkwiseResiduals:
         return self.lead + (self.tokens, self.state["v"].shape[2])
 
 
+def _out_bytes(a, n, dv):
+    """Bytes of a call's ``out`` (the query heads' rows of ``dv`` in the output dtype)."""
+    return int(np.prod(a.lead)) * n * dv * np.dtype(a.out_dtype).itemsize
+
+
 def _chunkwise_fwd(q, k, v, planes, beta, causal, key_mask, check_finite, dev, planes_grad=True):
     a = _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, dev, widen=False)
     xp = _xp()
     n = a.q.shape[1]
     q_, k_, v_ = (_as_xp(xp, x) for x in (a.q, a.k, a.v))
     mask = None if a.mask is None else _as_xp(xp, a.mask)
+    keep = KEEP_BUCKETS if KEEP_BUCKETS is not None else min(np.dtype(t).itemsize for t in a.in_dtypes) >= 4
+    eight = 2 * (sum(x.size * x.dtype.itemsize for x in (q_, k_, v_)) + _out_bytes(a, n, v_.shape[2]))
+    workspace = max(int(WORKSPACE), int(float(WORKSPACE_SHARE) * eight))
     out, state = chunkwise.forward(xp, q_, k_, v_, _as_xp(xp, a.planes), a.beta, causal=bool(causal),
                                    key_mask=mask, group=a.group, chunk=int(SCAN_CHUNK), sum_chunk=int(SUM_CHUNK),
-                                   workspace=int(WORKSPACE), out_dtype=a.out_dtype, ops=CudaOps(xp, dev))
+                                   workspace=workspace, out_dtype=a.out_dtype, ops=CudaOps(xp, dev),
+                                   keep_buckets=bool(keep))
     kv_lead = a.lead[:-1] + (a.lead[-1] // a.group,) if a.group > 1 else a.lead
     # the caller's q and k by reference (as v), read again only for the planes' gradient
     pdt = np.dtype(_proxy(planes).dtype if _on_device(planes) else np.asarray(planes).dtype)
@@ -979,7 +1091,7 @@ def _chunkwise_bwd(r, grad_out, dplanes=False):
     if gshape != r.out_shape:
         raise ValueError(f"grad_out must have the output's shape {r.out_shape}, got {gshape}")
     xp = _xp()
-    G, n, _ = r.state["phiq"].shape
+    G, n = r.state["D"].shape
     g = _as_xp(xp, _to_device(g, None, (G, n, gshape[-1]), dev))
     kw = {}
     if dplanes:  # q and k as the forward read them (no copy where they are contiguous device arrays)
@@ -988,8 +1100,8 @@ def _chunkwise_bwd(r, grad_out, dplanes=False):
             raise ValueError("these residuals keep no q and k: their forward was told the planes' gradient would "
                              "not be asked for (planes_grad=False)")
         d = st["planes"].shape[-1]
-        kw = dict(q=_as_xp(xp, _to_device(st["q_in"], None, st["phiq"].shape[:2] + (d,), dev)),
-                  k=_as_xp(xp, _to_device(st["k_in"], None, st["phik"].shape[:2] + (d,), dev)))
+        kw = dict(q=_as_xp(xp, _to_device(st["q_in"], None, st["D"].shape + (d,), dev)),
+                  k=_as_xp(xp, _to_device(st["k_in"], None, st["v"].shape[:2] + (d,), dev)))
     # the gradients in the inputs' dtypes, a slab at a time: 16-bit ones never whole in float32
     dq, dk, dv, dbeta, *dW = chunkwise.backward(xp, r.state, g, ops=CudaOps(xp, dev), grad_dtypes=r.in_dtypes,
                                                 **kw)
