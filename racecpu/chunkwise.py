@@ -47,7 +47,7 @@ import numpy as np
 from .config import DEN_FLOOR
 
 __all__ = ["soft_hash", "soft_hash_bwd", "projections", "buckets_from_u", "forward", "backward", "slab_heads",
-           "slab_shape", "PrefixStates"]
+           "slab_shape", "PrefixStates", "Bfloat16Bits"]
 
 
 class PrefixStates(NamedTuple):
@@ -62,6 +62,85 @@ class PrefixStates(NamedTuple):
 
     states: Any
     chunk: int
+
+
+# ---------------------------------------------------------------------------
+# bfloat16 as 16-bit patterns (CuPy has no bfloat16)
+# ---------------------------------------------------------------------------
+
+def _bfloat16_dtype():
+    """The dtype a :class:`Bfloat16Bits` reports: ml_dtypes' bfloat16 where installed, else a
+    2-byte void named for it (compared, never computed with)."""
+    from ._arrays import bfloat16
+    return bfloat16() or np.dtype((np.void, 2))
+
+
+class Bfloat16Bits:
+    """bfloat16 numbers held as the 16-bit patterns of a ``uint16`` array ``bits`` of ``xp``.
+
+    What the chunkwise form reads and writes for bfloat16 inputs and results where the array
+    module has no bfloat16 (CuPy): indexing and ``reshape`` give views (of the same bits);
+    ``astype(float32)`` widens exactly (a bfloat16 is the high half of a float32), a segment at a
+    time where the caller slices first; assigning float values rounds them to the nearest
+    bfloat16, ties to even, NaN kept NaN (as :mod:`racecpu._kernels.convert` on the CPU).
+    """
+
+    def __init__(self, xp, bits):
+        if np.dtype(bits.dtype) != np.uint16:
+            raise TypeError(f"Bfloat16Bits holds uint16 patterns, got dtype {bits.dtype}")
+        self.xp, self.bits = xp, bits
+        self.dtype = _bfloat16_dtype()
+
+    @classmethod
+    def empty(cls, xp, shape):
+        return cls(xp, xp.empty(shape, np.uint16))
+
+    shape = property(lambda self: self.bits.shape)
+    ndim = property(lambda self: self.bits.ndim)
+    size = property(lambda self: self.bits.size)
+    nbytes = property(lambda self: self.bits.nbytes)
+    flags = property(lambda self: self.bits.flags)
+
+    def __getitem__(self, key):
+        return Bfloat16Bits(self.xp, self.bits[key])
+
+    def reshape(self, *shape):
+        return Bfloat16Bits(self.xp, self.bits.reshape(*shape))
+
+    def astype(self, dtype, copy=True):
+        dtype = np.dtype(dtype)
+        if dtype == self.dtype:
+            return Bfloat16Bits(self.xp, self.bits.copy()) if copy else self
+        wide = (self.bits.astype(np.uint32) << 16).view(np.float32)
+        return wide if dtype == np.float32 else wide.astype(dtype)
+
+    def __setitem__(self, key, value):
+        if isinstance(value, Bfloat16Bits):
+            self.bits[key] = value.bits
+            return
+        xp = self.xp
+        u = xp.ascontiguousarray(xp.asarray(value, dtype=np.float32)).view(np.uint32).astype(np.int64)
+        nan = (u & 0x7FFFFFFF) > 0x7F800000
+        r = xp.where(nan, (u >> 16) | 0x40, (u + 0x7FFF + ((u >> 16) & 1)) >> 16)
+        self.bits[key] = r.astype(np.uint16)
+
+
+def _empty(xp, shape, dtype):
+    """An uninitialised result of ``dtype``: an array of ``xp``, or :class:`Bfloat16Bits` for
+    bfloat16 (any 2-byte dtype named so, or the one :class:`Bfloat16Bits` reports)."""
+    dtype = np.dtype(dtype)
+    if dtype == _bfloat16_dtype() or (dtype.itemsize == 2 and dtype.name == "bfloat16"):
+        return Bfloat16Bits.empty(xp, shape)
+    return xp.empty(shape, dtype)
+
+
+def _cast(xp, x, dtype):
+    """``x`` (an array of ``xp`` in the compute dtype) as ``dtype``: itself where it is, else a copy."""
+    if np.dtype(x.dtype) == np.dtype(dtype):
+        return x
+    y = _empty(xp, x.shape, dtype)
+    y[...] = x
+    return y
 
 
 # ---------------------------------------------------------------------------
@@ -509,7 +588,7 @@ def forward(xp, q, k, v, planes, beta, *, causal, key_mask=None, group=1, chunk=
     L, P, _ = planes.shape
     F, LP = L * 2 ** P, L * P
     n = max(nq, nk)
-    out = xp.empty((G, nq, dv), out_dtype or cdt)
+    out = _empty(xp, (G, nq, dv), out_dtype or cdt)
     D = xp.empty((G, nq), cdt)
     if keep_buckets:
         phiq, tq, phik, tk = (xp.empty(s, cdt) for s in ((G, nq, F), (G, nq, LP), (Gk, nk, F), (Gk, nk, LP)))
@@ -667,9 +746,9 @@ def backward(xp, res, grad, *, q=None, k=None, ops=None, grad_dtypes=None):
     nseg = len(_segments(n, seg))
     want = (cdt,) * 3 if grad_dtypes is None else tuple(np.dtype(t) for t in grad_dtypes)
     qdt, kdt, vdt = want if hs < Gk or nseg > 1 else (cdt,) * 3
-    dq = xp.empty((G, nq, d), qdt)
-    dk = xp.empty((Gk, nk, d), kdt)
-    dV = xp.empty((Gk, nk, dv), vdt)
+    dq = _empty(xp, (G, nq, d), qdt)
+    dk = _empty(xp, (Gk, nk, d), kdt)
+    dV = _empty(xp, (Gk, nk, dv), vdt)
     prefix, carries = res.get("prefix"), res.get("carries")
 
     def back(dphi, phi, t, x, dst):
@@ -705,7 +784,8 @@ def backward(xp, res, grad, *, q=None, k=None, ops=None, grad_dtypes=None):
                 pq, tq = _buckets(ops, res, "q", h0, h1, a, b)
                 pk, tk = _buckets(ops, res, "k", g0, g1, a, b)
                 g, winv = cotangent(h0, h1, a, b)
-                dv_s = _in_cdt(xp, dV[g0:g1, a:b], cdt)
+                dv_dst = dV[g0:g1, a:b]
+                dv_s = _in_cdt(xp, dv_dst, cdt)
                 pre = None
                 if prefix is not None and a % prefix.chunk == 0:
                     c0 = a // prefix.chunk
@@ -715,8 +795,8 @@ def backward(xp, res, grad, *, q=None, k=None, ops=None, grad_dtypes=None):
                     D[h0:h1, a:b].reshape(S, group, b - a), C, dv_s, prefix=pre,
                     carry=None if carries is None or s == 0 else carries[g0:g1, s], dcarry=dcarry,
                     carry_out=s > 0, tokens=n)
-                if dv_s is not dV[g0:g1, a:b]:
-                    dV[g0:g1, a:b] = dv_s
+                if dv_s is not dv_dst:
+                    dv_dst[...] = dv_s
                 dbq += back(dpq, pq, tq, q[h0:h1, a:b] if want_dw else None, dq[h0:h1, a:b])
                 dbk += back(dpk, pk, tk, k[g0:g1, a:b] if want_dw else None, dk[g0:g1, a:b])
         else:
@@ -734,13 +814,14 @@ def backward(xp, res, grad, *, q=None, k=None, ops=None, grad_dtypes=None):
             dBA = dBA.astype(cdt)
             for a, b in _segments(nk, seg):
                 pk, tk = _buckets(ops, res, "k", g0, g1, a, b)
-                dv_s = _in_cdt(xp, dV[g0:g1, a:b], cdt)
+                dv_dst = dV[g0:g1, a:b]
+                dv_s = _in_cdt(xp, dv_dst, cdt)
                 dpk = ops.noncausal_keys_bwd(pk, v[g0:g1, a:b].astype(cdt, copy=False), dBA, dv_s, n)
-                if dv_s is not dV[g0:g1, a:b]:
-                    dV[g0:g1, a:b] = dv_s
+                if dv_s is not dv_dst:
+                    dv_dst[...] = dv_s
                 dbk += back(dpk, pk, tk, k[g0:g1, a:b] if want_dw else None, dk[g0:g1, a:b])
         dbeta += dbq + dbk
-    dq, dk, dV = (x.astype(t, copy=False) for x, t in zip((dq, dk, dV), want))
+    dq, dk, dV = (_cast(xp, x, t) for x, t in zip((dq, dk, dV), want))
     return (dq, dk, dV, dbeta) + ((dW.reshape(L, P, d),) if want_dw else ())
 
 

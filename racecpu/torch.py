@@ -37,6 +37,7 @@ CPU tensors on the CPU engine, CUDA tensors on :mod:`racecpu.cuda`
 """
 
 import contextlib
+import functools
 import itertools
 import threading
 import weakref
@@ -52,6 +53,13 @@ from .backend import backend_for, backend_of, check_estimator
 from .hashing import DEFAULT_BETA, LAYER_BETA, LAYER_NUM_PLANES, LAYER_NUM_TABLES, hyperplanes
 
 __all__ = ["race_attention", "RaceAttention"]
+
+#: How bfloat16 CUDA tensors cross to racecpu.cuda: "float32" (a float32 copy of each, whole: the
+#: form timed on an H200) or "bits" (``racecpu.cuda.Bfloat16`` of their int16 view: widened a
+#: segment at a time by the chunkwise form, results returned in bfloat16, no whole copies; for
+#: calls the chunkwise form takes, else float32).  "float32" until a GPU has run "bits" through
+#: torch: racecpu.cuda's side is tested on Numba's simulator, this crossing is not.
+CUDA_BFLOAT16 = "float32"
 
 _RESIDUALS = {}          # handle -> the residuals of the forward's backend (CPU or racecpu.cuda)
 _KEYS = itertools.count()
@@ -86,6 +94,9 @@ def _from_numpy(a, dtype, device):
     """``a`` (the array API's result) as a tensor of ``dtype``: a view of the
     same memory when the dtypes agree (CPU), else a converted copy."""
     if device.type == "cuda":
+        bits = getattr(a, "bits", None)   # racecpu.cuda.Bfloat16: int16 patterns of bfloat16 results
+        if bits is not None and dtype == torch.bfloat16:
+            return torch.as_tensor(bits, device=device).view(torch.bfloat16)
         t = torch.as_tensor(a, device=device)
     else:
         t = numpy_to_torch(np.asarray(a))
@@ -94,11 +105,27 @@ def _from_numpy(a, dtype, device):
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def _to_device_array(t):
+def _to_device_array(t, bits=False):
     """CUDA tensor ``t`` as racecpu.cuda takes it (``__cuda_array_interface__``): detached,
-    bfloat16 as float32 (CuPy and numba.cuda have no bfloat16)."""
+    bfloat16 as float32 (CuPy and numba.cuda have no bfloat16), or with ``bits`` as
+    ``racecpu.cuda.Bfloat16`` of its int16 view (no copy)."""
     t = t.detach()
-    return t.to(torch.float32) if t.dtype == torch.bfloat16 else t
+    if t.dtype != torch.bfloat16:
+        return t
+    if bits:
+        from .cuda import Bfloat16
+        return Bfloat16(t.view(torch.int16))
+    return t.to(torch.float32)
+
+
+def _bits_crossing(cu_seqlens):
+    """Whether this call's bfloat16 CUDA tensors cross as bits (:data:`CUDA_BFLOAT16`)."""
+    if CUDA_BFLOAT16 not in ("float32", "bits"):
+        raise ValueError(f"racecpu.torch.CUDA_BFLOAT16 must be 'float32' or 'bits', got {CUDA_BFLOAT16!r}")
+    if CUDA_BFLOAT16 != "bits":
+        return False
+    from . import cuda
+    return cuda._use_chunkwise(cu_seqlens)
 
 
 def _backend(t):
@@ -144,6 +171,8 @@ def _race_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, planes
                        keep_residuals: bool, cu_seqlens: Optional[torch.Tensor] = None, estimator: str = "ratio",
                        planes_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     backend, to_array = _backend(q)
+    if to_array is _to_device_array and _bits_crossing(cu_seqlens):
+        to_array = functools.partial(_to_device_array, bits=True)
     args = (to_array(q), to_array(k), to_array(v), to_array(planes), float(beta))
     kw = {"causal": causal, "key_mask": None if key_mask is None else to_array(key_mask), "estimator": estimator}
     if cu_seqlens is not None:  # offsets: read on the host on either device
@@ -178,6 +207,9 @@ def _race_attention_bwd_op(handle: torch.Tensor, grad_out: torch.Tensor, q: torc
         raise RuntimeError("racecpu::race_attention_bwd: the forward's residuals are gone (the forward ran "
                            "without any input requiring grad, or its graph was freed)")
     _, to_array = _backend(grad_out)
+    if to_array is _to_device_array and getattr(res, "backend", "") == "cuda" and hasattr(res, "state"):
+        # a chunkwise forward's cotangent crosses as its inputs did
+        to_array = functools.partial(_to_device_array, bits=_bits_crossing(None))
     dev = grad_out.device
     with _torch_threads_kept():
         if dplanes:

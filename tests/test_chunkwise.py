@@ -473,3 +473,70 @@ def test_segments_stay_within_the_workspace(rng, causal, keep):
         peak, held, res = traced_call(q, k, v, g, causal, ws, keep, group)
         assert res["slab"] == (1, tokens)
         assert peak - held <= ws, (tokens, (peak - held) / ws)
+
+
+# ---------------------------------------------------------------------------
+# 9. bfloat16 as bits
+# ---------------------------------------------------------------------------
+
+def test_bfloat16_bits_widen_exactly_and_round_to_nearest_even(rng):
+    """Bfloat16Bits against ml_dtypes: every bfloat16 pattern (NaN aside) widens to the float32
+    ml_dtypes gives, and float32 values (ties, near-overflow, Inf, NaN, subnormals) round as
+    ml_dtypes' astype does; views share the bits; reshape and astype to float64."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    bf = np.dtype(ml_dtypes.bfloat16)
+    pats = np.arange(2 ** 16, dtype=np.uint16)
+    vals = pats.view(bf)
+    keep = (pats & 0x7FFF) <= 0x7F80                           # not NaN
+    w = cw.Bfloat16Bits(np, pats.copy())
+    assert w.dtype == bf and w.shape == (2 ** 16,) and w.nbytes == 2 ** 17
+    np.testing.assert_array_equal(w.astype(np.float32)[keep], vals[keep].astype(np.float32))
+    finite = cw.Bfloat16Bits(np, pats[keep][:2 ** 15].copy())
+    np.testing.assert_array_equal(finite.reshape(128, 256).astype(np.float64).ravel(),
+                                  vals[keep][:2 ** 15].astype(np.float64))
+    x = np.concatenate([(rng.standard_normal(4096) * 10.0 ** rng.integers(-40, 37, 4096)).astype(np.float32),
+                        np.array([1 + 2 ** -8, 1 + 3 * 2 ** -8, 3.3895e38, 3.4e38, np.inf, -np.inf, 1e-41,
+                                  -0.0, np.nan], np.float32)])
+    out = cw.Bfloat16Bits.empty(np, x.shape)
+    out[...] = x
+    want = x.astype(bf)
+    fin = ~np.isnan(x)
+    assert x.dtype == np.float32 and fin.sum() == x.size - 1
+    np.testing.assert_array_equal(out.bits[fin], want.view(np.uint16)[fin])
+    assert ((out.bits[~fin] & 0x7FFF) > 0x7F80).all()                 # NaN stays NaN
+    view = out[:10]
+    view[...] = np.zeros(10, np.float32)
+    assert (out.bits[:10] == 0).all()
+    with pytest.raises(TypeError, match="uint16"):
+        cw.Bfloat16Bits(np, np.zeros(3, np.int16))
+
+
+@pytest.mark.parametrize("workspace", [1, 2 ** 31])
+@pytest.mark.parametrize("causal", [False, True])
+def test_bfloat16_bits_in_and_out_equal_float32_rounded(rng, causal, workspace):
+    """q, k, v and the cotangent as Bfloat16Bits (the GPU's form of bfloat16), out and dq, dk, dv
+    asked in bfloat16: to the bit, the float32 call on the same (exactly widened) values with
+    its results rounded by ml_dtypes, in one slab and in segments; the inputs' bits untouched."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    bf = np.dtype(ml_dtypes.bfloat16)
+    Gk, group, n = 2, 2, 29
+    q, k, v, mask = problem(rng, Gk * group, Gk, n, n, dtype=np.float32)
+    g = rng.standard_normal((Gk * group, n, DV)).astype(np.float32)
+    q, k, v, g = (x.astype(bf) for x in (q, k, v, g))
+    W = racecpu.hyperplanes(D, P, L, seed=3)
+    bits = [cw.Bfloat16Bits(np, x.view(np.uint16).copy()) for x in (q, k, v, g)]
+    kw = dict(causal=causal, key_mask=mask, group=group, chunk=CHUNK, sum_chunk=SUM_CHUNK, workspace=workspace)
+    out, res = cw.forward(np, *bits[:3], W, BETA, out_dtype=bf, keep_buckets=False, **kw)
+    grads = cw.backward(np, res, bits[3], grad_dtypes=(bf,) * 3)
+    wide = [x.astype(np.float32) for x in (q, k, v, g)]
+    out32, res32 = cw.forward(np, *wide[:3], W, BETA, keep_buckets=False, **kw)
+    want = (out32,) + cw.backward(np, res32, wide[3])
+    assert res["slab"] == res32["slab"] and (res["slab"][1] < n) == (workspace == 1)
+    for name, a, b in zip(NAMES, (out,) + grads, want):
+        if name == "dbeta":
+            assert a == b
+        else:
+            assert isinstance(a, cw.Bfloat16Bits) and a.dtype == bf, name
+            np.testing.assert_array_equal(a.bits, b.astype(bf).view(np.uint16), err_msg=name)
+    for x, b in zip((q, k, v, g), bits):
+        np.testing.assert_array_equal(b.bits, x.view(np.uint16))

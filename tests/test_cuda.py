@@ -217,6 +217,47 @@ def test_heads_in_segments_match_cpu(rng, causal, fused, monkeypatch):
     compare(q, k, v, planes, 2.0, causal, mask, 1e-3)
 
 
+@_ONCE
+@pytest.mark.parametrize("causal", [False, True])
+def test_bfloat16_bits_equal_the_float32_call_rounded(rng, causal, monkeypatch):
+    """racecpu.cuda.Bfloat16: bfloat16 q, k, v and grad_out as uint16 patterns on the device give
+    Bfloat16 out, dq, dk, dv whose bits are those of the float32 call on the same (exactly
+    widened) values rounded by ml_dtypes, and dbeta equal; out near the CPU path's on ml_dtypes
+    arrays; a NaN pattern is refused by the finiteness check, float bits and the tile kernels
+    are refused with errors that say why."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    bf = np.dtype(ml_dtypes.bfloat16)
+    q, k, v, mask = problem(rng, (2,), 21, 21, 4, 3, np.float32)
+    g = rng.standard_normal((2, 21, 3)).astype(np.float32)
+    q, k, v, g = (x.astype(bf) for x in (q, k, v, g))
+    planes = racecpu.hyperplanes(4, 2, 2, seed=5)
+
+    def bits(x):
+        return rc.Bfloat16(cuda.to_device(x.view(np.uint16)))
+
+    out, res = rc.race_attention_fwd(bits(q), bits(k), bits(v), planes, 2.0, causal=causal, key_mask=mask)
+    assert isinstance(out, rc.Bfloat16) and out.shape == (2, 21, 3) and out.dtype == bf
+    grads = rc.race_attention_bwd(res, bits(g))
+    wide = [cuda.to_device(x.astype(np.float32)) for x in (q, k, v, g)]
+    o32, r32 = rc.race_attention_fwd(*wide[:3], planes, 2.0, causal=causal, key_mask=mask)
+    want = (o32,) + rc.race_attention_bwd(r32, wide[3])
+    for name, a, b in zip(("out", "dq", "dk", "dv"), (out,) + grads[:3], want):
+        assert isinstance(a, rc.Bfloat16) and host(a.bits).dtype == np.int16, name
+        np.testing.assert_array_equal(host(a.bits).view(np.uint16), host(b).astype(bf).view(np.uint16), err_msg=name)
+    assert grads[3] == want[3]
+    ref = racecpu.race_attention(q, k, v, planes, 2.0, causal=causal, key_mask=mask)
+    assert_close(host(out.bits).view(bf).astype(np.float32), ref.astype(np.float32), 1e-2, "out against the CPU")
+    bad = q.copy()
+    bad[1, 3, 2] = np.nan
+    with pytest.raises(ValueError, match="q contains NaN or Inf"):
+        rc.race_attention_fwd(bits(bad), bits(k), bits(v), planes, 2.0, causal=causal)
+    with pytest.raises(TypeError, match="int16 or uint16"):
+        rc.Bfloat16(cuda.to_device(np.zeros(3, np.float32)))
+    monkeypatch.setattr(rc, "PATH", "tiles")
+    with pytest.raises(NotImplementedError, match="chunkwise form only"):
+        rc.race_attention_fwd(bits(q), bits(k), bits(v), planes, 2.0, causal=causal)
+
+
 def test_soft_buckets_match_cpu(rng):
     x = rng.standard_normal((2, 9, 5))
     planes = racecpu.hyperplanes(5, 3, 2, seed=6)

@@ -67,7 +67,7 @@ from ._chunk_kernels import backward_shared_items, hash_fits, make_chunk_kernels
 
 __all__ = ["soft_buckets", "race_attention", "race_attention_fwd", "race_attention_bwd", "Residuals",
            "ChunkwiseResiduals", "is_available", "BACKEND", "THREADS", "CHUNK", "PATH", "SCAN_CHUNK",
-           "SUM_CHUNK", "WORKSPACE", "WORKSPACE_SHARE", "KEEP_BUCKETS"]
+           "SUM_CHUNK", "WORKSPACE", "WORKSPACE_SHARE", "KEEP_BUCKETS", "Bfloat16"]
 
 #: Threads per block, which is also the tile length in tokens (a multiple of 32 on a GPU).
 THREADS = 64
@@ -107,6 +107,42 @@ KEEP_BUCKETS = None
 # arrays: kind, validation through the CPU checks, moves to and from the device
 # ---------------------------------------------------------------------------
 
+class Bfloat16:
+    """bfloat16 numbers on the GPU: ``bits``, a CuPy array or any ``__cuda_array_interface__``
+    object of int16 or uint16, read as bfloat16 patterns (CuPy and numba.cuda have no bfloat16;
+    a torch bfloat16 tensor ``t`` crosses as ``Bfloat16(t.view(torch.int16))``).
+
+    The chunkwise form (:data:`PATH`) takes them for ``q``, ``k``, ``v`` and ``grad_out``: it
+    widens a segment at a time, never the whole array (:data:`WORKSPACE`), and returns the results
+    of a bfloat16 call as ``Bfloat16`` too (``bits`` int16: CuPy for CuPy callers, numba device
+    arrays otherwise), rounded to nearest even.  Needs ml_dtypes for the dtype the checks see
+    (``pip install "racecpu[bf16]"``); the tile kernels (``PATH = "tiles"``, packed sequences) do
+    not take it.
+    """
+
+    def __init__(self, bits):
+        dt = np.dtype(_proxy(bits).dtype) if _on_device(bits) else None
+        if dt is None or dt.kind not in "iu" or dt.itemsize != 2:
+            raise TypeError("Bfloat16 takes a device array of int16 or uint16 bit patterns, got "
+                            f"{type(bits).__name__} of dtype {dt}")
+        self.bits = bits
+
+    @property
+    def shape(self):
+        return tuple(int(s) for s in self.bits.shape)
+
+    @property
+    def dtype(self):
+        from .._arrays import bfloat16
+        dt = bfloat16()
+        if dt is None:
+            raise ImportError('racecpu.cuda.Bfloat16 needs ml_dtypes: pip install "racecpu[bf16]"')
+        return dt
+
+    def __repr__(self):
+        return f"racecpu.cuda.Bfloat16(shape={self.shape})"
+
+
 def _on_device(x):
     return on_device(x) or _devicearray.is_cuda_ndarray(x)
 
@@ -120,6 +156,8 @@ def _as_numba(x):
 
 def _proxy(x):
     """Zero-stride NumPy stand-in with the shape and dtype of a device array (no memory)."""
+    if isinstance(x, Bfloat16):
+        return np.lib.stride_tricks.as_strided(np.zeros((), x.dtype), shape=x.shape, strides=(0,) * len(x.shape))
     if not _is_cupy(x):
         x = _as_numba(x)  # NumPy dtypes for torch tensors and other interface owners
     dtype = np.dtype(x.dtype)
@@ -129,6 +167,17 @@ def _proxy(x):
 
 def _check_array(name, x, check_finite, dev, min_ndim=2):
     """:func:`racecpu._checks.check_array` for host or device arrays (same errors, same order)."""
+    if isinstance(x, Bfloat16):
+        _, dt, cdt = cpu_checks.check_array(name, _proxy(x), False, min_ndim)
+        if check_finite:
+            try:
+                xp = _xp()
+            except ImportError:   # no CuPy: the tile kernels, which refuse bfloat16 bits just after
+                xp = np
+            b = _as_xp(xp, x.bits).view(np.uint16)
+            if b.size and bool(((b & 0x7FFF) >= 0x7F80).any()):
+                raise ValueError(f"{name} contains NaN or Inf (pass check_finite=False to skip this check)")
+        return x, dt, cdt
     if not _on_device(x):
         return cpu_checks.check_array(name, x, check_finite, min_ndim)
     _, dt, cdt = cpu_checks.check_array(name, _proxy(x), False, min_ndim)
@@ -228,6 +277,17 @@ def _all_finite(x, dev):
 def _to_device(x, dtype, shape, dev):
     """C-contiguous numba device array of ``dtype`` (None: ``x``'s own) and ``shape`` holding ``x``
     (a copy unless it fits)."""
+    if isinstance(x, Bfloat16):
+        if dtype is not None and np.dtype(dtype) != x.dtype:
+            raise NotImplementedError("bfloat16 bits (racecpu.cuda.Bfloat16) run on the chunkwise form only "
+                                      "(racecpu.cuda.PATH 'auto' with CuPy, or 'chunkwise'; no cu_seqlens)")
+        b = x.bits if _is_cupy(x.bits) else _as_numba(x.bits)
+        if _is_cupy(b):
+            import cupy
+            b = cupy.ascontiguousarray(b)
+        elif not b.is_c_contiguous():
+            b = dev.to_device(dev.to_host(b))
+        return Bfloat16(b.reshape(shape))
     if dtype is None:
         dtype = _proxy(x).dtype if _on_device(x) else np.asarray(x).dtype
     dtype = np.dtype(dtype)
@@ -245,6 +305,9 @@ def _to_device(x, dtype, shape, dev):
 
 def _host(x):
     """Small arrays (planes) as NumPy."""
+    if isinstance(x, Bfloat16):
+        b = np.ascontiguousarray(_host(x.bits)).view(np.uint16)
+        return (b.astype(np.uint32) << 16).view(np.float32)
     if _is_cupy(x):
         return x.get()
     if _on_device(x):
@@ -490,7 +553,7 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
     state its query heads read in turn.  Packed sequences (``cu_seqlens``)
     are padded to whole chunks (:func:`racecpu.packing.padded_layout`).
     """
-    dev = _Device(_is_cupy(q))
+    dev = _Device(_is_cupy(q.bits if isinstance(q, Bfloat16) else q))
     if _use_chunkwise(cu_seqlens):
         return _chunkwise_fwd(q, k, v, planes, beta, causal, key_mask, check_finite, dev, planes_grad)
     a = _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, dev)
@@ -653,14 +716,20 @@ def _xp():
 
 
 def _as_xp(xp, x):
-    """The numba device array (or CuPy array) ``x`` as an array of ``xp`` (no copy on a GPU)."""
+    """The numba device array (or CuPy array) ``x`` as an array of ``xp`` (no copy on a GPU);
+    :class:`Bfloat16` as :class:`racecpu.chunkwise.Bfloat16Bits` of the same bits."""
+    if isinstance(x, Bfloat16):
+        return chunkwise.Bfloat16Bits(xp, _as_xp(xp, x.bits).view(np.uint16))
     if xp is np:
         return x.copy_to_host() if _devicearray.is_cuda_ndarray(x) else np.asarray(x)
     return xp.asarray(x)
 
 
 def _from_xp(xp, a, dev):
-    """A result of ``xp`` as the caller's kind: CuPy for CuPy callers, numba device arrays otherwise."""
+    """A result of ``xp`` as the caller's kind: CuPy for CuPy callers, numba device arrays otherwise
+    (bfloat16 results as :class:`Bfloat16` of int16 bits of that kind)."""
+    if isinstance(a, chunkwise.Bfloat16Bits):
+        return Bfloat16(_from_xp(xp, a.bits.view(np.int16), dev))
     if xp is np:
         return dev.to_device(a)
     return a if dev.cupy else cuda.as_cuda_array(a)
