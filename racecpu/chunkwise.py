@@ -119,9 +119,14 @@ class Bfloat16Bits:
             self.bits[key] = value.bits
             return
         xp = self.xp
-        u = xp.ascontiguousarray(xp.asarray(value, dtype=np.float32)).view(np.uint32).astype(np.int64)
-        nan = (u & 0x7FFFFFFF) > 0x7F800000
-        r = xp.where(nan, (u >> 16) | 0x40, (u + 0x7FFF + ((u >> 16) & 1)) >> 16)
+        u = xp.ascontiguousarray(xp.asarray(value, dtype=np.float32)).view(np.uint32)   # read, never written
+        # in uint32 (4 bytes a value, as the float32 result itself): drop 16 bits, ties to even; a
+        # carry into the exponent is right (up to Inf), and NaN, whose sum may wrap, is taken apart
+        r = (u >> 16) & 1
+        r += 0x7FFF
+        r += u
+        r >>= 16
+        r = xp.where((u & 0x7FFFFFFF) > 0x7F800000, (u >> 16) | 0x40, r)
         self.bits[key] = r.astype(np.uint16)
 
 

@@ -539,6 +539,12 @@ def test_gpu_benchmark_runs_and_checks(capsys):
     assert [r["path"] for r in both] == ["chunkwise", "tiles"] and all(r["GBps"] > 0 for r in both), both
     assert [r["threads"] for r in rows] == [4, 8] and all(r["median_ms"] > 0 for r in rows), rows
     assert "fwd+bwd" in bench.format_rows(rows)
+    pytest.importorskip("ml_dtypes")
+    half = bench.run_benchmark(log2ns=(4,), heads=1, head_dim=4, causal=(True,), repeats=1, sdpa=False, check=False,
+                               progress=False, paths=("chunkwise",), dtypes=("float16", "bfloat16"))
+    assert [r["dtype"] for r in half] == ["float16", "bfloat16"] and all(r["median_ms"] > 0 for r in half), half
+    assert half[1]["GBps"] == pytest.approx(half[0]["GBps"] * half[0]["median_ms"] / half[1]["median_ms"])  # 2 B each
+    assert "bfloat16" in bench.format_rows(half)
 
 
 _FAKE_AUTHORS = textwrap.dedent("""

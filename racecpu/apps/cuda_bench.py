@@ -6,6 +6,7 @@ Run on a machine with an NVIDIA GPU and ``pip install "racecpu[cuda,bench]"``::
     python -m racecpu.apps.cuda_bench --log2n 22 --threads 32 64 128   # tile-length sweep at one N
     python -m racecpu.apps.cuda_bench --log2n 20 22 --path chunkwise tiles   # the two formulations side by side
     python -m racecpu.apps.cuda_bench --out gpu_bench.json
+    python -m racecpu.apps.cuda_bench --log2n 23 --causal yes --dtype bfloat16 --heads 4   # issue 55's memory target
 
 What it does, per configuration (N, causal, formulation ``racecpu.cuda.PATH``, threads per block):
 
@@ -67,12 +68,25 @@ def _sync():
 
 
 def _randn(shape, dtype, seed):
-    """Device array of N(0, 1) entries: CuPy when installed, numba otherwise."""
+    """Device array of N(0, 1) entries: CuPy when installed, numba otherwise; ``dtype``
+    "bfloat16": :class:`racecpu.cuda.Bfloat16` of the rounded values' bits."""
+    from numba import cuda
     cp = _cupy()
+    if dtype == "bfloat16":
+        from ..chunkwise import Bfloat16Bits
+        from ..cuda import Bfloat16
+        xp = cp if cp is not None else np
+        x = _randn(shape, np.float32, seed)
+        bits = Bfloat16Bits.empty(xp, shape)
+        bits[...] = x if cp is not None else x.copy_to_host()
+        return Bfloat16(bits.bits if cp is not None else cuda.to_device(bits.bits))
     if cp is not None:
         return cp.random.default_rng(seed).standard_normal(shape, dtype=np.float32).astype(dtype)
-    from numba import cuda
     return cuda.to_device(np.random.default_rng(seed).standard_normal(shape).astype(dtype))
+
+
+def _itemsize(dtype):
+    return 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
 
 
 def check_against_cpu(n=300, heads=2, head_dim=16, causal=True, seed=0):
@@ -96,9 +110,10 @@ def check_against_cpu(n=300, heads=2, head_dim=16, causal=True, seed=0):
 
 
 def time_race(n, heads=4, head_dim=128, causal=True, num_planes=3, num_tables=3, repeats=3, threads=None,
-              path=None):
+              path=None, dtype="float32"):
     """Forward+backward seconds (list) and peak pool bytes of racecpu.cuda at one size
-    (``path``: :data:`racecpu.cuda.PATH` for these calls; None: as it is)."""
+    (``path``: :data:`racecpu.cuda.PATH` for these calls; None: as it is) and dtype of q, k, v
+    and grad_out ("float32", "float16" or "bfloat16": :class:`racecpu.cuda.Bfloat16`)."""
     from ..cuda import race_attention_bwd, race_attention_fwd
     import racecpu.cuda as rc
     cp = _cupy()
@@ -109,9 +124,10 @@ def time_race(n, heads=4, head_dim=128, causal=True, num_planes=3, num_tables=3,
         rc.PATH = path
     try:
         pool = cp.get_default_memory_pool() if cp is not None else None
-        if pool is not None:
+        q, k, v, g = (_randn((heads, n, head_dim), dtype if dtype == "bfloat16" else np.dtype(dtype), s)
+                      for s in range(4))
+        if pool is not None:   # the inputs' float32 sources are not the call's
             pool.free_all_blocks()
-        q, k, v, g = (_randn((heads, n, head_dim), np.float32, s) for s in range(4))
         planes = racecpu.hyperplanes(head_dim, num_planes, num_tables)
         times = []
         for rep in range(repeats + 1):  # the first call compiles
@@ -227,9 +243,10 @@ def _torch_cuda():
 
 def run_benchmark(log2ns=(20, 21, 22, 23), heads=4, head_dim=128, causal=(False, True), threads=(None,),
                   repeats=3, sdpa=True, sdpa_max_log2n=18, check=True, progress=True, paths=(None,), authors=None,
-                  authors_device="cuda"):
-    """Benchmark rows (dicts) for every (N, causal, path, threads); see the module docstring.
-    ``authors``: the module of :func:`load_authors`, timed at every causal N."""
+                  authors_device="cuda", dtypes=("float32",)):
+    """Benchmark rows (dicts) for every (N, causal, path, threads, dtype); see the module docstring.
+    ``authors``: the module of :func:`load_authors`, timed at every causal N.  Each racecpu.cuda
+    row has ``peak_over_arrays``: the pool's peak over the eight arrays' bytes at its dtype."""
     from tqdm import tqdm
     rows = []
     if check:
@@ -237,20 +254,25 @@ def run_benchmark(log2ns=(20, 21, 22, 23), heads=4, head_dim=128, causal=(False,
             errs = check_against_cpu(causal=c)
             rows.append(dict(impl="check-vs-cpu", causal=c, **errs))
     import racecpu.cuda as rc
-    jobs = [(ln, c, pa, t) for ln in log2ns for c in causal for pa in paths for t in threads]
+    jobs = [(ln, c, pa, t, dt) for ln in log2ns for c in causal for pa in paths for t in threads for dt in dtypes]
     sdpa_ref = {}
-    for ln, c, pa, t in tqdm(jobs, desc="racecpu.cuda bench", disable=not progress):
+    for ln, c, pa, t, dt in tqdm(jobs, desc="racecpu.cuda bench", disable=not progress):
         n = 2 ** ln
         row = dict(impl="race-cuda", n=n, heads=heads, head_dim=head_dim, causal=c, path=pa or rc.PATH,
-                   threads=int(t or rc.THREADS), dtype="float32")
+                   threads=int(t or rc.THREADS), dtype=dt)
+        eight = 8 * _itemsize(dt) * n * heads * head_dim
         try:
-            times, peak = time_race(n, heads, head_dim, c, repeats=repeats, threads=t, path=pa)
+            times, peak = time_race(n, heads, head_dim, c, repeats=repeats, threads=t, path=pa, dtype=dt)
             med = float(np.median(times))
             row.update(median_ms=1e3 * med, best_ms=1e3 * min(times), peak_bytes=peak,
-                       ns_per_token_head=1e9 * med / (n * heads), GBps=8 * 4 * n * heads * head_dim / med / 1e9)
+                       ns_per_token_head=1e9 * med / (n * heads), GBps=eight / med / 1e9)
+            if peak:
+                row.update(peak_over_arrays=peak / eight)
         except Exception as exc:  # out of memory and the like: say so and go on
             row.update(error=f"{type(exc).__name__}: {exc}"[:300])
         rows.append(row)
+        if dt != dtypes[0]:
+            continue
         if sdpa and t == threads[0] and pa == paths[0] and _torch_cuda():
             srow = dict(impl="sdpa-flash-bf16", n=n, heads=heads, head_dim=head_dim, causal=c, dtype="bfloat16")
             if ln <= sdpa_max_log2n:
@@ -288,7 +310,7 @@ def format_rows(rows):
             lines.append(f"check vs CPU (causal={r['causal']}): " +
                          ", ".join(f"{k} {r[k]:.1e}" for k in ("out", "dq", "dk", "dv")))
             continue
-        head = f"{r['impl']:<16} N=2^{int(np.log2(r['n'])):<3} causal={str(r['causal']):<5}"
+        head = f"{r['impl']:<16} N=2^{int(np.log2(r['n'])):<3} causal={str(r['causal']):<5} {r.get('dtype', ''):<8}"
         if "path" in r:
             head += f" {r['path']:<9}"
         if "threads" in r:
@@ -298,6 +320,8 @@ def format_rows(rows):
             continue
         extra = f" (extrapolated from N={r['extrapolated_from']})" if "extrapolated_from" in r else ""
         peak = f"  peak {r['peak_bytes'] / 2**30:.1f} GiB" if r.get("peak_bytes") else ""
+        if "peak_over_arrays" in r:
+            peak += f" ({r['peak_over_arrays']:.2f}x the eight arrays)"
         bw = f"  {r['GBps']:.0f} GB/s" if "GBps" in r else ""
         vs = f"  {r['x_authors']:.1f}x the authors' module" if "x_authors" in r else ""
         lines.append(f"{head} fwd+bwd {r['median_ms']:.1f} ms{extra}{bw}{peak}{vs}")
@@ -313,6 +337,8 @@ def main(argv=None):
     p.add_argument("--threads", type=int, nargs="+", default=[None], help="threads per block to sweep")
     p.add_argument("--path", nargs="+", default=[None], choices=("auto", "chunkwise", "tiles"),
                    help="racecpu.cuda.PATH: the formulations to run (default: as set)")
+    p.add_argument("--dtype", nargs="+", default=["float32"], choices=("float32", "float16", "bfloat16"),
+                   help="dtypes of q, k, v and grad_out (bfloat16 as racecpu.cuda.Bfloat16 bits)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-sdpa", action="store_true")
     p.add_argument("--sdpa-max-log2n", type=int, default=18)
@@ -326,7 +352,7 @@ def main(argv=None):
     except FileNotFoundError as exc:
         p.error(str(exc))
     rows = run_benchmark(a.log2n, a.heads, a.head_dim, causal, tuple(a.threads), a.repeats, not a.no_sdpa,
-                         a.sdpa_max_log2n, paths=tuple(a.path), authors=authors)
+                         a.sdpa_max_log2n, paths=tuple(a.path), authors=authors, dtypes=tuple(a.dtype))
     print(format_rows(rows))
     if a.out:
         with open(a.out, "w") as f:
