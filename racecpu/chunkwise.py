@@ -134,7 +134,7 @@ def _empty(xp, shape, dtype):
     """An uninitialised result of ``dtype``: an array of ``xp``, or :class:`Bfloat16Bits` for
     bfloat16 (any 2-byte dtype named so, or the one :class:`Bfloat16Bits` reports)."""
     dtype = np.dtype(dtype)
-    if dtype == _bfloat16_dtype() or (dtype.itemsize == 2 and dtype.name == "bfloat16"):
+    if dtype.itemsize == 2 and (dtype.name == "bfloat16" or dtype.kind == "V"):   # no import for the others
         return Bfloat16Bits.empty(xp, shape)
     return xp.empty(shape, dtype)
 
@@ -227,7 +227,7 @@ class ArrayOps:
         """Tokens every segment but the last is a whole number of (the causal scan's chunks)."""
         return int(chunk)
 
-    def bytes_per_token(self, tokens, group, d, dv, F, LP, chunk, cdt, widen, keep_buckets, causal=True):
+    def bytes_per_token(self, tokens, group, d, dv, L, P, chunk, cdt, widen, keep_buckets, causal=True):
         """An upper estimate of the temporaries one token of one key/value head (with its
         ``group`` query heads) costs at once in a forward or backward segment, in bytes.
 
@@ -236,13 +236,17 @@ class ArrayOps:
         False: the buckets are made per segment (forward and backward) instead of kept.  Counted
         from the array expressions of this module (items of ``cdt`` per token) and checked against
         tracemalloc's peaks in ``tests/test_chunkwise.py`` (about 1.7 to 3.3 times what they use)."""
-        g = group
-        C = chunk if causal else 0                        # the C x C matrices of a causal chunk
+        g, F, LP = group, L * 2 ** P, L * P
         rows = g + 1                                      # a token's rows hashed: its queries, its key
         hashing = rows * (8 * LP + 3 * F)                 # soft_hash's transient factors
-        states = 6 * F * (dv + 1) / chunk if causal else 0   # a chunk's sums, their float64 scan, the cast
-        fwd = g * (C + 2 * dv + 2 * F) + dv + F + states
-        bwd = g * (3 * C + 2 * dv + 6 * F + LP) + 2 * dv + 3 * F + LP + 1.5 * states
+        if causal:   # the C x C matrices of a chunk, its dv-wide products, the chunks' sums and scans
+            C = chunk
+            states = 6 * F * (dv + 1) / chunk
+            fwd = g * (C + 2 * dv + 2 * F) + dv + F + states
+            bwd = g * (3 * C + 2 * dv + 6 * F + LP) + 2 * dv + 3 * F + LP + 1.5 * states
+        else:        # F-wide rows only: the sketch's products write out and dv in place
+            fwd = g * (2 * F + 4) + F
+            bwd = g * (6 * F + LP + 4) + 3 * F + LP
         if widen:
             fwd += g * (d + dv) + d + dv                  # q, k, v widened; out made in cdt, cast
             bwd += g * (2 * d + 2 * dv) + 2 * d + 2 * dv  # g, v, q, k widened; dq, dk, dv made in cdt
@@ -602,7 +606,7 @@ def forward(xp, q, k, v, planes, beta, *, causal, key_mask=None, group=1, chunk=
         phiq = tq = phik = tk = None
         uq, uk = xp.empty((G, nq, LP), cdt), xp.empty((Gk, nk, LP), cdt)
     widen = any(np.dtype(x.dtype) != cdt for x in (q, k, v, out))
-    per_token = ops.bytes_per_token(n, group, d, dv, F, LP, chunk, cdt, widen, keep_buckets, causal)
+    per_token = ops.bytes_per_token(n, group, d, dv, L, P, chunk, cdt, widen, keep_buckets, causal)
     # segments of whole chunks, and of whole partials of the sketch (a short one would be padded)
     granule = ops.granule(chunk) if causal else math.lcm(ops.granule(chunk), int(sum_chunk))
     hs, seg = slab_shape(Gk, n, per_token, workspace, granule)

@@ -91,10 +91,12 @@ SUM_CHUNK = 1024
 #: heads as fit, and a head that does not fit alone is cut into segments of tokens (each within it;
 #: a segment costs the kernels' launches again).
 WORKSPACE = 2 ** 31
-#: ... and at most this share of the call's eight arrays (q, k, v, out and their gradients at their
-#: dtypes) where that is more than :data:`WORKSPACE`: long calls take longer segments, and the
-#: temporaries stay a twentieth of what the caller holds (issue 55's bound on memory is 15 %).
-WORKSPACE_SHARE = 0.05
+#: ... or this share of the call's eight arrays (q, k, v, out and their gradients at their dtypes)
+#: where that is more: long calls take longer segments (fewer launches), and their temporaries
+#: stay under 8 % of what the caller holds, which with the residuals (7 % of float32 arrays at
+#: d = 128 with the buckets kept, 5 % of 16-bit ones with the projections) is issue 55's bound of
+#: 15 %.  At 2^22 tokens x 4 heads x 128 in float32 a head is one segment, as timed on an H200.
+WORKSPACE_SHARE = 0.08
 #: Whether the chunkwise forward keeps the soft buckets of q and k for the backward (``F + L * P``
 #: numbers a row), else only their projections (``L * P``), from which the backward makes the same
 #: buckets again (one pass over them, no more reads of q or k).  None: kept for 32- and 64-bit
@@ -858,17 +860,23 @@ class CudaOps(chunkwise.ArrayOps):
         """Whether a causal call of ``tokens`` a head runs the fused forward and backward."""
         return self.FUSED and tokens >= max(1, self.FUSED_MIN_TOKENS) and self._fused_bwd_fits(F, dv, group, dtype)
 
-    def bytes_per_token(self, tokens, group, d, dv, F, LP, chunk, cdt, widen, keep_buckets, causal=True):
-        """The array form's estimate, or, where the fused causal kernels take the call, theirs: no
-        ``C x C`` or ``dv``-wide temporaries beyond the widened rows, the F-wide ``dphi`` and the
-        weighted buckets of the reverse states by GEMM, the projections and their cotangents, and
-        the chunks' states (with a quarter more for what the count misses)."""
-        if not (causal and self._fused_causal(tokens, F, dv, group, cdt)):
-            return super().bytes_per_token(tokens, group, d, dv, F, LP, chunk, cdt, widen, keep_buckets, causal)
+    def bytes_per_token(self, tokens, group, d, dv, L, P, chunk, cdt, widen, keep_buckets, causal=True):
+        """The array form's estimate, or, where the fused causal kernels take the call (or, not
+        causal, the hash's kernels take its shape), theirs: no ``C x C`` or ``dv``-wide temporaries
+        beyond the widened rows, and no transients of the hash but the projections; the F-wide
+        ``dphi`` (and causal, the weighted buckets of the reverse states by GEMM and the chunks'
+        states), the projections' cotangents; a quarter more for what the count misses."""
+        F, LP = L * 2 ** P, L * P
+        if not (self._fused_causal(tokens, F, dv, group, cdt) if causal else hash_fits(L, P)):
+            return super().bytes_per_token(tokens, group, d, dv, L, P, chunk, cdt, widen, keep_buckets, causal)
         rows = group + 1
-        states = 4 * F * (dv + 1) / int(self.FUSED_CHUNK)
-        fwd = rows * LP + states
-        bwd = 4 * F + 2 * LP + 2 + states
+        if causal:
+            states = 4 * F * (dv + 1) / int(self.FUSED_CHUNK)
+            fwd = rows * LP + states
+            bwd = 4 * F + 2 * LP + 2 + states
+        else:
+            fwd = rows * LP + group * (F + 4)
+            bwd = group * (5 * F + 4) + 2 * F + 2 * LP
         if widen:
             fwd += group * (d + dv) + d + dv
             bwd += group * (2 * d + 2 * dv) + 2 * d + 2 * dv
