@@ -545,6 +545,9 @@ def test_gpu_benchmark_runs_and_checks(capsys):
     assert [r["dtype"] for r in half] == ["float16", "bfloat16"] and all(r["median_ms"] > 0 for r in half), half
     assert half[1]["GBps"] == pytest.approx(half[0]["GBps"] * half[0]["median_ms"] / half[1]["median_ms"])  # 2 B each
     assert "bfloat16" in bench.format_rows(half)
+    odd = bench.run_benchmark(heads=1, head_dim=4, causal=(False,), repeats=1, sdpa=False, check=False,
+                              progress=False, ns=(12,))
+    assert [r["n"] for r in odd] == [12] and "N=12 " in bench.format_rows(odd)
 
 
 _FAKE_AUTHORS = textwrap.dedent("""

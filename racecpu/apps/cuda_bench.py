@@ -6,7 +6,7 @@ Run on a machine with an NVIDIA GPU and ``pip install "racecpu[cuda,bench]"``::
     python -m racecpu.apps.cuda_bench --log2n 22 --threads 32 64 128   # tile-length sweep at one N
     python -m racecpu.apps.cuda_bench --log2n 20 22 --path chunkwise tiles   # the two formulations side by side
     python -m racecpu.apps.cuda_bench --out gpu_bench.json
-    python -m racecpu.apps.cuda_bench --log2n 23 --causal yes --dtype bfloat16 --heads 4   # issue 55's memory target
+    python -m racecpu.apps.cuda_bench --n 12582912 --causal yes --dtype bfloat16   # issue 55's memory target
 
 What it does, per configuration (N, causal, formulation ``racecpu.cuda.PATH``, threads per block):
 
@@ -243,10 +243,11 @@ def _torch_cuda():
 
 def run_benchmark(log2ns=(20, 21, 22, 23), heads=4, head_dim=128, causal=(False, True), threads=(None,),
                   repeats=3, sdpa=True, sdpa_max_log2n=18, check=True, progress=True, paths=(None,), authors=None,
-                  authors_device="cuda", dtypes=("float32",)):
+                  authors_device="cuda", dtypes=("float32",), ns=None):
     """Benchmark rows (dicts) for every (N, causal, path, threads, dtype); see the module docstring.
     ``authors``: the module of :func:`load_authors`, timed at every causal N.  Each racecpu.cuda
-    row has ``peak_over_arrays``: the pool's peak over the eight arrays' bytes at its dtype."""
+    row has ``peak_over_arrays``: the pool's peak over the eight arrays' bytes at its dtype.
+    ``ns``: token counts to run instead of ``2**log2ns``."""
     from tqdm import tqdm
     rows = []
     if check:
@@ -254,10 +255,11 @@ def run_benchmark(log2ns=(20, 21, 22, 23), heads=4, head_dim=128, causal=(False,
             errs = check_against_cpu(causal=c)
             rows.append(dict(impl="check-vs-cpu", causal=c, **errs))
     import racecpu.cuda as rc
-    jobs = [(ln, c, pa, t, dt) for ln in log2ns for c in causal for pa in paths for t in threads for dt in dtypes]
+    sizes = [int(n) for n in ns] if ns else [2 ** ln for ln in log2ns]
+    jobs = [(n, c, pa, t, dt) for n in sizes for c in causal for pa in paths for t in threads for dt in dtypes]
     sdpa_ref = {}
-    for ln, c, pa, t, dt in tqdm(jobs, desc="racecpu.cuda bench", disable=not progress):
-        n = 2 ** ln
+    for n, c, pa, t, dt in tqdm(jobs, desc="racecpu.cuda bench", disable=not progress):
+        ln = np.log2(n)
         row = dict(impl="race-cuda", n=n, heads=heads, head_dim=head_dim, causal=c, path=pa or rc.PATH,
                    threads=int(t or rc.THREADS), dtype=dt)
         eight = 8 * _itemsize(dt) * n * heads * head_dim
@@ -310,7 +312,9 @@ def format_rows(rows):
             lines.append(f"check vs CPU (causal={r['causal']}): " +
                          ", ".join(f"{k} {r[k]:.1e}" for k in ("out", "dq", "dk", "dv")))
             continue
-        head = f"{r['impl']:<16} N=2^{int(np.log2(r['n'])):<3} causal={str(r['causal']):<5} {r.get('dtype', ''):<8}"
+        ln = np.log2(r["n"])
+        size = f"N=2^{int(ln):<3}" if ln == int(ln) else f"N={r['n']:<6}"
+        head = f"{r['impl']:<16} {size} causal={str(r['causal']):<5} {r.get('dtype', ''):<8}"
         if "path" in r:
             head += f" {r['path']:<9}"
         if "threads" in r:
@@ -337,6 +341,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, nargs="+", default=[None], help="threads per block to sweep")
     p.add_argument("--path", nargs="+", default=[None], choices=("auto", "chunkwise", "tiles"),
                    help="racecpu.cuda.PATH: the formulations to run (default: as set)")
+    p.add_argument("--n", type=int, nargs="+", help="token counts to run instead of --log2n's powers of two")
     p.add_argument("--dtype", nargs="+", default=["float32"], choices=("float32", "float16", "bfloat16"),
                    help="dtypes of q, k, v and grad_out (bfloat16 as racecpu.cuda.Bfloat16 bits)")
     p.add_argument("--repeats", type=int, default=3)
@@ -352,7 +357,7 @@ def main(argv=None):
     except FileNotFoundError as exc:
         p.error(str(exc))
     rows = run_benchmark(a.log2n, a.heads, a.head_dim, causal, tuple(a.threads), a.repeats, not a.no_sdpa,
-                         a.sdpa_max_log2n, paths=tuple(a.path), authors=authors, dtypes=tuple(a.dtype))
+                         a.sdpa_max_log2n, paths=tuple(a.path), authors=authors, dtypes=tuple(a.dtype), ns=a.n)
     print(format_rows(rows))
     if a.out:
         with open(a.out, "w") as f:
