@@ -818,6 +818,22 @@ def test_tile_blocks_cover_every_output_within_the_buffers(F, T, tpb):
         assert NR * NQB <= tpb // KSPLIT or RB * QB * 2 > 24 or QB == 1
 
 
+def two_heads(rng, N, d, dv):
+    """Two key/value heads of ``N`` tokens in float64: ``q, k, v, g``, a key mask, planes (P = L = 2)."""
+    q, k = (rng.standard_normal((2, N, d)) for _ in range(2))
+    v, g = (rng.standard_normal((2, N, dv)) for _ in range(2))
+    return q, k, v, g, rng.random((2, N)) > 0.3, racecpu.hyperplanes(d, 2, 2, seed=0, dtype=np.float64)
+
+
+def count_states(monkeypatch):
+    """Record each ``CudaOps._states`` call's direction (reverse or not) in a list; returns it and the
+    unpatched method."""
+    calls = []
+    states = rc.CudaOps._states
+    monkeypatch.setattr(rc.CudaOps, "_states", lambda self, *a: calls.append(a[6]) or states(self, *a))   # a[6]: reverse
+    return calls, states
+
+
 @_ONCE
 @pytest.mark.parametrize("gemm", [True, False])
 def test_causal_backward_reads_the_forwards_prefix_states(rng, gemm, monkeypatch):
@@ -829,14 +845,9 @@ def test_causal_backward_reads_the_forwards_prefix_states(rng, gemm, monkeypatch
     monkeypatch.setattr(rc.CudaOps, "FUSED_MIN_TOKENS", 0)
     monkeypatch.setattr(rc.CudaOps, "STATES_BY_GEMM", gemm)
     Gk, N, d, dv = 2, 21, 5, 3                                   # chunks of 8: 8, 8 and 5 tokens
-    q, k = (rng.standard_normal((Gk, N, d)) for _ in range(2))
-    v, g = (rng.standard_normal((Gk, N, dv)) for _ in range(2))
-    mask = rng.random((Gk, N)) > 0.3
-    planes = racecpu.hyperplanes(d, 2, 2, seed=0, dtype=np.float64)
+    q, k, v, g, mask, planes = two_heads(rng, N, d, dv)
     ops = rc.CudaOps(np, rc._Device(False))
-    calls = []
-    states = rc.CudaOps._states
-    monkeypatch.setattr(rc.CudaOps, "_states", lambda self, *a: calls.append(a[6]) or states(self, *a))   # a[6]: reverse
+    calls, states = count_states(monkeypatch)
     kw = dict(causal=True, key_mask=mask, chunk=4, ops=ops)
     _, res = chunkwise.forward(np, q, k, v, planes, 2.0, **kw)
     prefix = res["prefix"]
@@ -880,14 +891,9 @@ def test_fused_kernels_in_segments_match_one_pass(rng, causal, keep, monkeypatch
     monkeypatch.setattr(rc.CudaOps, "READOUT_BY_GEMM", False)
     monkeypatch.setattr(rc.CudaOps, "FUSED_NONCAUSAL", True)
     Gk, N, d, dv = 2, 29, 5, 3                                   # segments of 8, 8, 8 and 5 tokens
-    q, k = (rng.standard_normal((Gk, N, d)) for _ in range(2))
-    v, g = (rng.standard_normal((Gk, N, dv)) for _ in range(2))
-    mask = rng.random((Gk, N)) > 0.3
-    planes = racecpu.hyperplanes(d, 2, 2, seed=0, dtype=np.float64)
+    q, k, v, g, mask, planes = two_heads(rng, N, d, dv)
     ops = rc.CudaOps(np, rc._Device(False))
-    calls = []
-    states = rc.CudaOps._states
-    monkeypatch.setattr(rc.CudaOps, "_states", lambda self, *a: calls.append(a[6]) or states(self, *a))
+    calls, _ = count_states(monkeypatch)
     kw = dict(causal=causal, key_mask=mask, chunk=4, sum_chunk=8)
     out, res = chunkwise.forward(np, q, k, v, planes, 2.0, ops=ops, workspace=1, keep_buckets=keep, **kw)
     assert res["slab"] == (1, 8)
