@@ -503,6 +503,8 @@ def _hash_rows(ops, x, planes, beta, cdt, phi_dst, t_dst, u_dst):
     (``u_dst``, a view of them), ``u`` written there and ``phi``, ``t`` fresh."""
     x = x.astype(cdt, copy=False)
     L, P, _ = planes.shape
+    if phi_dst is None and u_dst is None:   # a forward that keeps nothing
+        return ops.soft_hash(x, planes, beta)
     if u_dst is not None:
         u = projections(x, planes)
         u_dst[...] = u
@@ -557,7 +559,7 @@ def _keep_prefix(xp, prefix, kept, g0, g1, a, Gk, n, whole):
 # ---------------------------------------------------------------------------
 
 def forward(xp, q, k, v, planes, beta, *, causal, key_mask=None, group=1, chunk=64, sum_chunk=1024,
-            workspace=2 ** 31, out_dtype=None, ops=None, keep_buckets=True):
+            workspace=2 ** 31, out_dtype=None, ops=None, keep_buckets=True, residuals=True):
     """RACE attention (ratio estimator): ``(out, residuals)``.
 
     Parameters
@@ -578,6 +580,8 @@ def forward(xp, q, k, v, planes, beta, *, causal, key_mask=None, group=1, chunk=
         numbers a row), else only the projections ``u = x W^T`` (L * P a row), from which the
         backward makes the same buckets again: for 16-bit inputs at d = 128 the kept buckets are
         13 % of the eight arrays, the projections 3.5 %.
+    residuals : False for a forward alone (inference): nothing is kept for a backward (the
+        buckets are made a segment at a time and dropped), and ``(out, None)`` is returned.
 
     Returns
     -------
@@ -599,7 +603,10 @@ def forward(xp, q, k, v, planes, beta, *, causal, key_mask=None, group=1, chunk=
     n = max(nq, nk)
     out = _empty(xp, (G, nq, dv), out_dtype or cdt)
     D = xp.empty((G, nq), cdt)
-    if keep_buckets:
+    if not residuals:
+        phiq = tq = phik = tk = uq = uk = None
+        keep_buckets = False   # for the estimate: the buckets are a segment's temporaries
+    elif keep_buckets:
         phiq, tq, phik, tk = (xp.empty(s, cdt) for s in ((G, nq, F), (G, nq, LP), (Gk, nk, F), (Gk, nk, LP)))
         uq = uk = None
     else:
@@ -612,7 +619,7 @@ def forward(xp, q, k, v, planes, beta, *, causal, key_mask=None, group=1, chunk=
     hs, seg = slab_shape(Gk, n, per_token, workspace, granule)
     nseg = len(_segments(n, seg))
     sketch = None if causal else xp.empty((Gk, F, dv + 1), cdt)
-    carries = xp.zeros((Gk, nseg, F, dv + 1), np.float64) if causal and nseg > 1 else None
+    carries = xp.zeros((Gk, nseg, F, dv + 1), np.float64) if causal and nseg > 1 and residuals else None
     prefix = None
     res = dict(phiq=phiq, tq=tq, phik=phik, tk=tk, uq=uq, uk=uk)
 
@@ -635,12 +642,12 @@ def forward(xp, q, k, v, planes, beta, *, causal, key_mask=None, group=1, chunk=
             for s, (a, b) in enumerate(_segments(n, seg)):
                 pk = hashed_keys(g0, g1, a, b)
                 pq = hashed(q[h0:h1, a:b], "q", h0, h1, a, b)
-                if carry is not None:
+                if carries is not None and carry is not None:
                     carries[g0:g1, s] = carry
                 carry, kept = ops.attend_causal(pq.reshape(S, group, b - a, F), pk,
                                                 v[g0:g1, a:b].astype(cdt, copy=False), chunk, L,
                                                 out[h0:h1, a:b], D[h0:h1, a:b], carry, s + 1 < nseg, n)
-                if prefix is not None or (g0 == 0 and s == 0):
+                if residuals and (prefix is not None or (g0 == 0 and s == 0)):
                     prefix = _keep_prefix(xp, prefix, kept, g0, g1, a, Gk, n, hs == Gk and nseg == 1)
         else:
             sk = None
@@ -654,6 +661,8 @@ def forward(xp, q, k, v, planes, beta, *, causal, key_mask=None, group=1, chunk=
             for a, b in _segments(nq, seg):
                 pq = hashed(q[h0:h1, a:b], "q", h0, h1, a, b)
                 ops.readout(pq.reshape(S, group, b - a, F), sketch[g0:g1], L, out[h0:h1, a:b], D[h0:h1, a:b], n)
+    if not residuals:
+        return out, None
     res.update(D=D, sketch=sketch, prefix=prefix, carries=carries, slab=(hs, seg), v=v, mask=key_mask,
                planes=planes, beta=beta, causal=causal, group=group, chunk=chunk, sum_chunk=sum_chunk,
                workspace=workspace)

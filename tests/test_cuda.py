@@ -258,6 +258,25 @@ def test_bfloat16_bits_equal_the_float32_call_rounded(rng, causal, monkeypatch):
         rc.race_attention_fwd(bits(q), bits(k), bits(v), planes, 2.0, causal=causal)
 
 
+@_ONCE
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_alone_keeps_no_residuals(rng, causal, monkeypatch):
+    """rc.race_attention (and the backend's forward with residuals=False) runs the chunkwise
+    forward with nothing kept for a backward, and gives race_attention_fwd's out to the bit."""
+    from racecpu import chunkwise
+    q, k, v, mask = problem(rng, (2,), 21, 21, 4, 3, np.float32)
+    planes = racecpu.hyperplanes(4, 2, 2, seed=5)
+    asked = []
+    real = chunkwise.forward
+    monkeypatch.setattr(chunkwise, "forward", lambda *a, **kw: asked.append(kw["residuals"]) or real(*a, **kw))
+    out = rc.race_attention(q, k, v, planes, 2.0, causal=causal, key_mask=mask)
+    alone, none = rc.BACKEND.forward(q, k, v, planes, 2.0, causal=causal, key_mask=mask, residuals=False)
+    want, _ = rc.race_attention_fwd(q, k, v, planes, 2.0, causal=causal, key_mask=mask)
+    assert asked == [False, False, True] and none is None
+    np.testing.assert_array_equal(host(out), host(want))
+    np.testing.assert_array_equal(host(alone), host(want))
+
+
 def test_soft_buckets_match_cpu(rng):
     x = rng.standard_normal((2, 9, 5))
     planes = racecpu.hyperplanes(5, 3, 2, seed=6)

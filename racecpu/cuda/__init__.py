@@ -1139,26 +1139,33 @@ def _out_bytes(a, n, dv):
     return int(np.prod(a.lead)) * n * dv * np.dtype(a.out_dtype).itemsize
 
 
-def _chunkwise_fwd(q, k, v, planes, beta, causal, key_mask, check_finite, dev, planes_grad=True):
+def _chunkwise_fwd(q, k, v, planes, beta, causal, key_mask, check_finite, dev, planes_grad=True, residuals=True):
+    """The chunkwise forward: ``(out, ChunkwiseResiduals)``, or ``(out, None)`` without ``residuals``
+    (nothing kept for a backward)."""
     a = _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, dev, widen=False)
     xp = _xp()
     n = a.q.shape[1]
     q_, k_, v_ = (_as_xp(xp, x) for x in (a.q, a.k, a.v))
     mask = None if a.mask is None else _as_xp(xp, a.mask)
     keep = KEEP_BUCKETS if KEEP_BUCKETS is not None else min(np.dtype(t).itemsize for t in a.in_dtypes) >= 4
-    eight = 2 * (sum(x.size * x.dtype.itemsize for x in (q_, k_, v_)) + _out_bytes(a, n, v_.shape[2]))
-    workspace = max(int(WORKSPACE), int(float(WORKSPACE_SHARE) * eight))
+    # the share is of the eight arrays of a training step, the four of a forward alone
+    arrays = (2 if residuals else 1) * (sum(x.size * x.dtype.itemsize for x in (q_, k_, v_))
+                                        + _out_bytes(a, n, v_.shape[2]))
+    workspace = max(int(WORKSPACE), int(float(WORKSPACE_SHARE) * arrays))
     out, state = chunkwise.forward(xp, q_, k_, v_, _as_xp(xp, a.planes), a.beta, causal=bool(causal),
                                    key_mask=mask, group=a.group, chunk=int(SCAN_CHUNK), sum_chunk=int(SUM_CHUNK),
                                    workspace=workspace, out_dtype=a.out_dtype, ops=CudaOps(xp, dev),
-                                   keep_buckets=bool(keep))
+                                   keep_buckets=bool(keep), residuals=residuals)
+    out = _from_xp(xp, out.reshape(a.lead + (n, v_.shape[2])), dev)
+    if not residuals:
+        return out, None
     kv_lead = a.lead[:-1] + (a.lead[-1] // a.group,) if a.group > 1 else a.lead
     # the caller's q and k by reference (as v), read again only for the planes' gradient
     pdt = np.dtype(_proxy(planes).dtype if _on_device(planes) else np.asarray(planes).dtype)
     state.update(q_in=q if planes_grad else None, k_in=k if planes_grad else None,
                  planes_dtype=pdt if pdt.kind == "f" else a.cdt)
     res = ChunkwiseResiduals(state, a.lead, kv_lead, n, a.in_dtypes, a.out_dtype, bool(check_finite), dev.cupy)
-    return _from_xp(xp, out.reshape(a.lead + (n, v_.shape[2])), dev), res
+    return out, res
 
 
 def _chunkwise_bwd(r, grad_out, dplanes=False):
@@ -1197,6 +1204,9 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
 
     Returns a device array (CuPy if ``q`` is CuPy) of shape ``(..., Nq, dv)``.
     """
+    if _use_chunkwise(cu_seqlens):   # keeps nothing for a backward
+        dev = _Device(_is_cupy(q.bits if isinstance(q, Bfloat16) else q))
+        return _chunkwise_fwd(q, k, v, planes, beta, causal, key_mask, check_finite, dev, residuals=False)[0]
     return race_attention_fwd(q, k, v, planes, beta, causal=causal, key_mask=key_mask,
                               check_finite=check_finite, cu_seqlens=cu_seqlens)[0]
 
