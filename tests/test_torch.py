@@ -11,6 +11,8 @@ import racecpu  # noqa: E402
 import racecpu.engine as engine  # noqa: E402  (what the op calls on CPU tensors)
 import racecpu.torch as rt  # noqa: E402
 
+EAGER = rt._eager  # the real choice, restored after tests that force one path
+
 
 def _inputs(shape=(2, 3, 24, 8), dv=6, dtype=torch.float64, seed=0, nk=None):
     g = torch.Generator().manual_seed(seed)
@@ -92,7 +94,11 @@ def test_zero_copy_both_ways(monkeypatch):
         assert out.dtype == dtype
 
 
-def test_residuals_live_as_long_as_the_graph():
+def test_residuals_live_as_long_as_the_graph(monkeypatch):
+    """The custom op's residuals (behind a handle: torch.compile's path) are kept only with grad,
+    found by a retained graph's second backward and freed with the graph or when the output is
+    dropped without a backward."""
+    monkeypatch.setattr(rt, "_eager", lambda *tensors: False)
     gc.collect()
     before = len(rt._RESIDUALS)
     q, k, v, planes = _inputs()
@@ -111,6 +117,52 @@ def test_residuals_live_as_long_as_the_graph():
     del out  # dropped without a backward
     gc.collect()
     assert len(rt._RESIDUALS) == before
+
+
+def test_eager_path_equals_the_op_and_frees_its_residuals(monkeypatch):
+    """Eager calls on plain tensors take the autograd function (_EagerRace), not the custom op:
+    the same out and gradients to the bit (q, k, v, planes, beta), a retained graph's second
+    backward, residuals on the autograd context freed with the graph, and no residuals at all
+    without grad; fake and meta tensors, torch.func transforms and torch.compile take the op."""
+    import weakref
+    kept = []
+    real = rt._forward_impl
+    monkeypatch.setattr(rt, "_forward_impl", lambda *a: kept.append(r := real(*a)) or r)
+    q, k, v, planes = _inputs()
+    beta = torch.tensor(1.5, dtype=torch.float64, requires_grad=True)
+    planes.requires_grad_()
+    grads = []
+    for eager in (True, False):
+        monkeypatch.setattr(rt, "_eager", (lambda *t: True) if eager else (lambda *t: False))
+        xs = [x.detach().clone().requires_grad_() for x in (q, k, v, planes)] + [beta.detach().clone().requires_grad_()]
+        out = rt.race_attention(*xs[:4], xs[4], causal=True)
+        out.pow(2).sum().backward()
+        grads.append([out.detach()] + [x.grad for x in xs])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(rt, "_eager", EAGER)
+    kept.clear()
+    q.requires_grad_()
+    out = rt.race_attention(q, k, v, planes.detach(), causal=True)
+    res = weakref.ref(kept.pop()[1])                      # the list would keep it alive
+    out.sum().backward(retain_graph=True)
+    g1 = q.grad.clone()
+    out.sum().backward()
+    torch.testing.assert_close(q.grad, 2 * g1)
+    assert res() is not None
+    del out
+    gc.collect()
+    assert res() is None                                   # freed with the graph
+    with torch.no_grad():
+        rt.race_attention(q, k, v, planes)
+    assert kept[-1][1] is None                             # nothing kept without grad
+    assert not rt._eager(torch.empty(2, device="meta"))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        assert not rt._eager(torch.empty(2))
+    seen = []
+    torch.func.grad(lambda x: seen.append(rt._eager(x)) or x.sum())(torch.ones(2))
+    assert seen == [False] and rt._eager(torch.ones(2))
 
 
 def test_16_bit_inputs():
