@@ -234,8 +234,9 @@ class ArrayOps:
         ``widen``: the inputs are not in the compute dtype ``cdt`` (a segment's rows of q, k, v
         and the cotangent are widened, its gradients made in ``cdt`` and cast); ``keep_buckets``
         False: the buckets are made per segment (forward and backward) instead of kept.  Counted
-        from the array expressions of this module (items of ``cdt`` per token) and checked against
-        tracemalloc's peaks in ``tests/test_chunkwise.py`` (about 1.7 to 3.3 times what they use)."""
+        from the array expressions of this module (items of ``cdt`` per token) and held above
+        tracemalloc's peaks by ``tests/test_chunkwise.py`` (the margins: the performance log's
+        "memory of long and 16-bit calls")."""
         g, F, LP = group, L * 2 ** P, L * P
         rows = g + 1                                      # a token's rows hashed: its queries, its key
         hashing = rows * (8 * LP + 3 * F)                 # soft_hash's transient factors
