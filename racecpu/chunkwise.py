@@ -248,13 +248,22 @@ class ArrayOps:
         else:        # F-wide rows only: the sketch's products write out and dv in place
             fwd = g * (2 * F + 4) + F
             bwd = g * (6 * F + LP + 4) + 3 * F + LP
+        fx, bx = self._rows_items(g, d, dv, F, LP, widen, keep_buckets)
+        return int(np.dtype(cdt).itemsize * (max(fwd + fx, bwd + bx) + hashing)) + 64
+
+    @staticmethod
+    def _rows_items(group, d, dv, F, LP, widen, keep_buckets):
+        """Items a token adds to the forward's and the backward's temporaries, on any path, for
+        16-bit rows (``widen``) and buckets made per segment (not ``keep_buckets``)."""
+        fwd = bwd = 0
+        rows = group + 1
         if widen:
-            fwd += g * (d + dv) + d + dv                  # q, k, v widened; out made in cdt, cast
-            bwd += g * (2 * d + 2 * dv) + 2 * d + 2 * dv  # g, v, q, k widened; dq, dk, dv made in cdt
+            fwd += group * (d + dv) + d + dv                  # q, k, v widened; out made in cdt, cast
+            bwd += group * (2 * d + 2 * dv) + 2 * d + 2 * dv  # g, v, q, k widened; dq, dk, dv made in cdt
         if not keep_buckets:
             fwd += rows * (F + LP)
             bwd += rows * (F + LP)
-        return int(np.dtype(cdt).itemsize * (max(fwd, bwd) + hashing)) + 64
+        return fwd, bwd
 
     def soft_hash(self, x, planes, beta, phi_out=None, t_out=None):
         """:func:`soft_hash` of ``x (..., d)``: ``(phi (..., F), t (..., L * P))``, written into
@@ -411,11 +420,6 @@ def _sketch64(xp, pk, v, C):
     sketch[..., :dv] = _sum_chunks64(xp, pk, v, C)
     sketch[..., dv] = _sum_chunks64(xp, pk, None, C)
     return sketch
-
-
-def _sketch(xp, pk, v, C, dtype):
-    """:func:`_sketch64` as ``dtype``."""
-    return _sketch64(xp, pk, v, C).astype(dtype)
 
 
 def _exclusive_scan(xp, part, reverse, dtype, init=None, total=False):

@@ -308,8 +308,7 @@ def _to_device(x, dtype, shape, dev):
 def _host(x):
     """Small arrays (planes) as NumPy."""
     if isinstance(x, Bfloat16):
-        b = np.ascontiguousarray(_host(x.bits)).view(np.uint16)
-        return (b.astype(np.uint32) << 16).view(np.float32)
+        return chunkwise.Bfloat16Bits(np, np.ascontiguousarray(_host(x.bits)).view(np.uint16)).astype(np.float32)
     if _is_cupy(x):
         return x.get()
     if _on_device(x):
@@ -822,35 +821,35 @@ class CudaOps(chunkwise.ArrayOps):
         W = planes.reshape(L * P, d)
         phi = self.xp.empty((M, F), planes.dtype) if phi_out is None else _rows_view(phi_out, M, F)
         t = None if t_out is None else _rows_view(t_out, M, L * P)
-        if hash_fits(L, P):  # HASH_LANES lanes a row
+        if self.FUSED_HASH and hash_fits(L, P):  # the projection and the hash in one pass over x
             t = self.xp.empty((M, L * P), planes.dtype) if t is None else t
             if M:
-                K = self._hash_kernels(L, P, planes.dtype)
-                if self.FUSED_HASH:  # the projection and the hash in one pass over x
-                    self._rows_launch(K["hash_rows"], M, P)(xr, W, beta, phi, t)
-                else:  # cuBLAS's projections, then the pass
-                    self._rows_launch(K["hash_from_u"], M, P)(xr @ W.T, beta, phi, t)
-        else:  # more corners or projections than a row's lanes keep: a thread per (row, table)
-            u = xr @ W.T   # a fresh (M, L*P) array: t in place
-            if M:
-                self._launch(cuda_kernels.hash_from_u, M * L)(u, beta, P, phi)
+                self._rows_launch(self._hash_kernels(L, P, planes.dtype)["hash_rows"], M, P)(xr, W, beta, phi, t)
+        else:  # cuBLAS's projections, then a pass
+            u = xr @ W.T   # a fresh (M, L*P) array, which the thread-per-table pass may take as t
             if t is None:
-                t = u
-            else:
-                t[...] = u
+                t = self.xp.empty(u.shape, u.dtype) if hash_fits(L, P) else u
+            self._buckets_into(u, beta, L, P, phi, t)
         return phi.reshape(shp + (F,)), t.reshape(shp + (L * P,))
 
-    def hash_from_u(self, u, beta, L, P):
+    def _buckets_into(self, u, beta, L, P, phi, t):
+        """``phi (M, F)`` and ``t (M, L * P)`` of the projections ``u (M, L * P)``, written in place:
+        :attr:`HASH_LANES` lanes a row where :func:`hash_fits` (``t`` not ``u``), else a thread per
+        (row, table), which turns ``t`` (``u`` itself, or a copy of it made here) into tanh in place."""
         M = u.shape[0]
-        phi = self.xp.empty((M, L * 2 ** P), u.dtype)
+        if not M:
+            return
         if hash_fits(L, P):
-            t = self.xp.empty(u.shape, u.dtype)
-            if M:
-                self._rows_launch(self._hash_kernels(L, P, u.dtype)["hash_from_u"], M, P)(u, beta, phi, t)
-            return phi, t
-        t = u.copy()   # the thread-per-table pass turns its u into t in place: the kept u stays
-        if M:
-            self._launch(cuda_kernels.hash_from_u, M * L)(t, beta, P, phi)
+            self._rows_launch(self._hash_kernels(L, P, u.dtype)["hash_from_u"], M, P)(u, beta, phi, t)
+            return
+        if t is not u:
+            t[...] = u
+        self._launch(cuda_kernels.hash_from_u, M * L)(t, beta, P, phi)
+
+    def hash_from_u(self, u, beta, L, P):
+        phi = self.xp.empty((u.shape[0], L * 2 ** P), u.dtype)
+        t = self.xp.empty(u.shape, u.dtype)   # the kept u stays as it is
+        self._buckets_into(u, beta, L, P, phi, t)
         return phi, t
 
     def granule(self, chunk):
@@ -877,13 +876,8 @@ class CudaOps(chunkwise.ArrayOps):
         else:
             fwd = rows * LP + group * (F + 4)
             bwd = group * (5 * F + 4) + 2 * F + 2 * LP
-        if widen:
-            fwd += group * (d + dv) + d + dv
-            bwd += group * (2 * d + 2 * dv) + 2 * d + 2 * dv
-        if not keep_buckets:
-            fwd += rows * (F + LP)
-            bwd += rows * (F + LP)
-        return int(1.25 * np.dtype(cdt).itemsize * max(fwd, bwd)) + 64
+        fx, bx = self._rows_items(group, d, dv, F, LP, widen, keep_buckets)
+        return int(1.25 * np.dtype(cdt).itemsize * max(fwd + fx, bwd + bx)) + 64
 
     def hash_du(self, dphi, phi, t, beta, L, P):
         du = self.xp.empty(t.shape, t.dtype)
