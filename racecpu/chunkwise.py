@@ -130,11 +130,17 @@ class Bfloat16Bits:
         self.bits[key] = r.astype(np.uint16)
 
 
+def is_bfloat16(dtype):
+    """Whether ``dtype`` is bfloat16: any 2-byte dtype named so, or the one :class:`Bfloat16Bits`
+    reports (no import for the others)."""
+    dtype = np.dtype(dtype)
+    return dtype.itemsize == 2 and (dtype.name == "bfloat16" or dtype.kind == "V")
+
+
 def _empty(xp, shape, dtype):
     """An uninitialised result of ``dtype``: an array of ``xp``, or :class:`Bfloat16Bits` for
-    bfloat16 (any 2-byte dtype named so, or the one :class:`Bfloat16Bits` reports)."""
-    dtype = np.dtype(dtype)
-    if dtype.itemsize == 2 and (dtype.name == "bfloat16" or dtype.kind == "V"):   # no import for the others
+    bfloat16 (:func:`is_bfloat16`)."""
+    if is_bfloat16(dtype):
         return Bfloat16Bits.empty(xp, shape)
     return xp.empty(shape, dtype)
 

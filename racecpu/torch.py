@@ -329,8 +329,7 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
         Hyperplanes (:func:`racecpu.hyperplanes`); cast to the compute
         dtype.  A tensor that requires grad (learnable planes) gets the
         gradient of :func:`racecpu.race_attention_bwd`'s ``dplanes=True``,
-        in its own dtype (on CUDA, from :mod:`racecpu.cuda`'s chunkwise form:
-        not with ``cu_seqlens``, which raises ``NotImplementedError``).
+        in its own dtype (on CUDA too, packed sequences included).
     beta : float or Tensor with one element
         Soft-hash temperature (> 0).  A tensor that requires grad gets the
         gradient summed over every batch, head and token, in its own dtype
@@ -362,9 +361,6 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
     """
     if not isinstance(planes, torch.Tensor):
         planes = torch.as_tensor(np.asarray(planes), device=q.device)
-    if planes.requires_grad and q.device.type != "cpu" and torch.is_grad_enabled() and cu_seqlens is not None:
-        raise NotImplementedError("the planes' gradient of packed sequences runs on the CPU only (racecpu.cuda "
-                                  "runs them on its tile kernels, which have none); pass planes.detach()")
     if not isinstance(beta, torch.Tensor):
         beta = torch.tensor(float(beta), dtype=torch.float64)
     if beta.numel() != 1:

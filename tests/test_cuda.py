@@ -223,8 +223,8 @@ def test_bfloat16_bits_equal_the_float32_call_rounded(rng, causal, monkeypatch):
     """racecpu.cuda.Bfloat16: bfloat16 q, k, v and grad_out as uint16 patterns on the device give
     Bfloat16 out, dq, dk, dv whose bits are those of the float32 call on the same (exactly
     widened) values rounded by ml_dtypes, and dbeta equal; out near the CPU path's on ml_dtypes
-    arrays; a NaN pattern is refused by the finiteness check, float bits and the tile kernels
-    are refused with errors that say why."""
+    arrays; a NaN pattern is refused by the finiteness check and float bits with an error that says
+    why; the tile kernels (``PATH = "tiles"``) give the bits of their own float32 call rounded."""
     ml_dtypes = pytest.importorskip("ml_dtypes")
     bf = np.dtype(ml_dtypes.bfloat16)
     q, k, v, mask = problem(rng, (2,), 21, 21, 4, 3, np.float32)
@@ -253,9 +253,16 @@ def test_bfloat16_bits_equal_the_float32_call_rounded(rng, causal, monkeypatch):
         rc.race_attention_fwd(bits(bad), bits(k), bits(v), planes, 2.0, causal=causal)
     with pytest.raises(TypeError, match="int16 or uint16"):
         rc.Bfloat16(cuda.to_device(np.zeros(3, np.float32)))
+    # the tile kernels widen them whole and round their results the same way
     monkeypatch.setattr(rc, "PATH", "tiles")
-    with pytest.raises(NotImplementedError, match="chunkwise form only"):
-        rc.race_attention_fwd(bits(q), bits(k), bits(v), planes, 2.0, causal=causal)
+    out, res = rc.race_attention_fwd(bits(q), bits(k), bits(v), planes, 2.0, causal=causal, key_mask=mask)
+    grads = rc.race_attention_bwd(res, bits(g))
+    o32, r32 = rc.race_attention_fwd(*wide[:3], planes, 2.0, causal=causal, key_mask=mask)
+    want = (o32,) + rc.race_attention_bwd(r32, wide[3])
+    for name, a, b in zip(("out", "dq", "dk", "dv"), (out,) + grads[:3], want):
+        assert isinstance(a, rc.Bfloat16), name
+        np.testing.assert_array_equal(host(a.bits).view(np.uint16), host(b).astype(bf).view(np.uint16), err_msg=name)
+    assert grads[3] == want[3]
 
 
 @_ONCE
@@ -336,9 +343,9 @@ def test_numpy_api_sends_cupy_input_and_gpu_residuals_to_the_gpu(rng, monkeypatc
     for name, a, b in zip(("dq", "dk", "dv"), grads, ref):
         assert_close(a, b, TOL[np.float64], name)
     assert abs(grads[3] - ref[3]) <= 1e-9 * max(1.0, abs(ref[3]))
-    if rc.PATH == "tiles":  # the tile kernels have no planes' gradient
-        with pytest.raises(NotImplementedError, match="dplanes"):
-            racecpu.race_attention_bwd(res, cuda.to_device(g), dplanes=True)
+    dW = racecpu.race_attention_bwd(res, cuda.to_device(g), dplanes=True)[4]
+    assert_close(dW, racecpu.race_attention_bwd(racecpu.race_attention_fwd(q, k, v, planes, 2.0, causal=True)[1], g,
+                                                dplanes=True)[4], TOL[np.float64], "dplanes")
     with pytest.raises(TypeError, match="out is for NumPy"):
         racecpu.race_attention_bwd(res, cuda.to_device(g), out=(q, k, v))
 
@@ -472,18 +479,19 @@ _PTX = textwrap.dedent("""
             "sketch_chunks": (A(f, 3), A(f, 3), A(b, 2), A(f, 3), d, i, A(f, 3), A(f, 3), A(d, 4)),
             "queries_fwd": (A(f, 3), A(f, 3), d, A(f, 4), A(i, 1), i, i, A(f, 3), A(f, 3), A(d, 2), A(f, 3)),
             "queries_bwd": (A(f, 3), A(f, 3), A(f, 3), A(d, 2), A(f, 4), A(i, 1), i, A(f, 3), d, i, A(f, 3),
-                            A(d, 2), A(d, 2), A(d, 4), A(d, 1)),
+                            A(d, 2), A(d, 2), A(d, 4), A(d, 1), b, A(d, 3)),
             "keys_bwd": (A(f, 3), A(f, 3), A(f, 3), A(f, 4), A(i, 1), i, A(f, 3), d, A(f, 3), A(f, 3),
-                         A(d, 1)),
+                         A(d, 1), b, A(d, 3)),
             "causal_fwd": (A(f, 3), A(f, 3), A(f, 3), A(d, 4), i, A(f, 3), d, i, A(f, 3), A(f, 3), A(f, 3),
                            A(d, 2), A(f, 3)),
             "causal_queries_bwd": (A(f, 3), A(f, 3), A(f, 3), A(f, 3), A(f, 3), A(d, 2), A(d, 4), i, A(f, 3), d,
-                                   i, A(f, 3), A(f, 3), A(d, 2), A(d, 2), A(d, 4), A(d, 1)),
+                                   i, A(f, 3), A(f, 3), A(d, 2), A(d, 2), A(d, 4), A(d, 1), b, A(d, 3)),
             "causal_keys_bwd": (A(f, 3), A(f, 3), A(f, 3), A(f, 3), A(f, 3), A(d, 2), A(d, 2), A(d, 4), i,
-                                A(f, 3), d, i, A(f, 3), A(f, 3), A(f, 3), A(d, 1)),
+                                A(f, 3), d, i, A(f, 3), A(f, 3), A(f, 3), A(d, 1), b, A(d, 3)),
         }
         fns = [(k[n].py_func, s) for n, s in sigs.items()] + [
             (K.sum_chunks.py_func, (A(d, 3), A(i, 1), A(d, 3))),
+            (K.plane_sums.py_func, (A(d, 2), A(f, 2), i, A(d, 2))),
             (K.scan_chunks.py_func, (A(d, 3), A(i, 1), A(d, 3), b)),
             (K.scatter_rows.py_func, (A(f, 3), A(i, 1), A(f, 3))), (K.scatter_rows.py_func, (A(b, 3), A(i, 1), A(b, 3))),
             (K.gather_rows.py_func, (A(f, 3), A(i, 1), A(f, 3))),
@@ -541,7 +549,7 @@ def test_kernels_compile_to_ptx(ptx_run):
             pytest.fail("NVVM/NVRTC not found although RACECPU_REQUIRE_PTX=1:\n" + p.stderr[-3000:])
         pytest.skip("the CUDA compiler libraries (NVVM/NVRTC) are not installed: pip install "
                     "'cuda-toolkit[nvvm,nvrtc,cudart]==13.*' (or run .ci/cuda-ptx.sh) to run this check")
-    missing = [(cc, dtype) for cc, dtype in _PTX_TARGETS if f"compiled 35 for {cc[0]}.{cc[1]}:{dtype}" not in p.stdout]
+    missing = [(cc, dtype) for cc, dtype in _PTX_TARGETS if f"compiled 36 for {cc[0]}.{cc[1]}:{dtype}" not in p.stdout]
     assert not missing, f"not compiled for {missing}:\n" + p.stdout + p.stderr[-3000:]
 
 
@@ -629,7 +637,7 @@ def test_grouped_kv_matches_cpu(rng, causal):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_packed_sequences_match_cpu(rng, causal):
+def test_packed_sequences_match_cpu(rng, causal, monkeypatch):
     """cu_seqlens: the CPU's packed results (themselves a call per sequence), with sequences
     that do not end on a chunk (padding rows on the device), an empty one, and grouped heads."""
     cu = np.array([0, 5, 5, 19, 27, 30], np.int32)
@@ -643,6 +651,19 @@ def test_packed_sequences_match_cpu(rng, causal):
     for name, a, b in zip(("dq", "dk", "dv"), rc.race_attention_bwd(res, g)[:3], racecpu.race_attention_bwd(rres, g)):
         assert_close(a, b, 1e-10, name)
     assert_close(rc.race_attention(q, k, v, planes, 2.0, causal=causal, cu_seqlens=cu), ref, 1e-10, "forward alone")
+    # the planes' gradient from the tile kernels' rows (padding rows, grouped heads, an empty
+    # sequence), summed in blocks of 7 rows (the last one short)
+    monkeypatch.setattr(rc, "_PLANE_ROWS", 7)
+    got = rc.race_attention_bwd(res, g, dplanes=True)
+    want = racecpu.race_attention_bwd(rres, g, dplanes=True)
+    assert host(got[4]).dtype == np.float64 and got[4].shape == planes.shape
+    assert_close(got[4], want[4], 1e-10, "dplanes")
+    for name, a, b in zip(("dq", "dk", "dv"), got, rc.race_attention_bwd(res, g)):
+        np.testing.assert_array_equal(host(a), host(b), err_msg=name)
+    _, lean = rc.race_attention_fwd(q, k, v, planes, 2.0, causal=causal, cu_seqlens=cu, planes_grad=False)
+    assert lean.q_in is None and lean.k_in is None
+    with pytest.raises(ValueError, match="planes_grad=False"):
+        rc.race_attention_bwd(lean, g, dplanes=True)
     with pytest.raises(ValueError, match="cu_seqlens must run from 0"):
         rc.race_attention(q, k, v, planes, cu_seqlens=np.array([0, 29]))
 
@@ -675,8 +696,8 @@ def test_planes_gradient_matches_cpu(rng, causal, monkeypatch):
     """dplanes=True on the GPU (the chunkwise form: grouped heads, a key mask, float16 q with
     float32 k and v, float64 planes given for float32 compute) against the CPU's, with dq, dk,
     dv, dbeta unchanged by asking for it; q and k kept by reference, not copied, and not kept at
-    all after ``planes_grad=False`` (the tile kernels, which packed sequences run, refuse it:
-    test_numpy_api_sends_cupy_input_and_gpu_residuals_to_the_gpu)."""
+    all after ``planes_grad=False`` (the tile kernels' planes' gradient, which packed sequences
+    run: test_packed_sequences_match_cpu)."""
     monkeypatch.setattr(rc.CudaOps, "FUSED_MIN_TOKENS", 0)   # the fused kernels' path too
     q, k, v, mask = problem(rng, (2, 2), 13, 13, 4, 3, np.float32)
     k, v, mask = (np.ascontiguousarray(x[:, :1]) for x in (k, v, mask))   # two query heads a key/value head

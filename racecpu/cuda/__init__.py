@@ -77,6 +77,7 @@ CHUNK = 1024
 PARTIAL_BUDGET = 2 ** 30
 # Blocks of the grid-stride helper kernels.
 _MAX_BLOCKS = 4096
+_PLANE_ROWS = 256  # fewest rows a block of the planes' gradient sums (tests lower it to cross blocks)
 #: Which formulation runs a call: "chunkwise" (:mod:`racecpu.chunkwise`: batched
 #: products through CuPy and cuBLAS), "tiles" (the numba.cuda kernels of
 #: ``racecpu.cuda._kernels``, one thread per token), or "auto": chunkwise where
@@ -172,10 +173,7 @@ def _check_array(name, x, check_finite, dev, min_ndim=2):
     if isinstance(x, Bfloat16):
         _, dt, cdt = cpu_checks.check_array(name, _proxy(x), False, min_ndim)
         if check_finite:
-            try:
-                xp = _xp()
-            except ImportError:   # no CuPy: the tile kernels, which refuse bfloat16 bits just after
-                xp = np
+            xp = _bfloat16_xp()
             b = _as_xp(xp, x.bits).view(np.uint16)
             if b.size and bool(((b & 0x7FFF) >= 0x7F80).any()):
                 raise ValueError(f"{name} contains NaN or Inf (pass check_finite=False to skip this check)")
@@ -280,9 +278,11 @@ def _to_device(x, dtype, shape, dev):
     """C-contiguous numba device array of ``dtype`` (None: ``x``'s own) and ``shape`` holding ``x``
     (a copy unless it fits)."""
     if isinstance(x, Bfloat16):
-        if dtype is not None and np.dtype(dtype) != x.dtype:
-            raise NotImplementedError("bfloat16 bits (racecpu.cuda.Bfloat16) run on the chunkwise form only "
-                                      "(racecpu.cuda.PATH 'auto' with CuPy, or 'chunkwise'; no cu_seqlens)")
+        if dtype is not None and np.dtype(dtype) != x.dtype:   # the tile kernels': widened whole
+            xp = _bfloat16_xp()
+            wide = chunkwise.Bfloat16Bits(xp, _as_xp(xp, x.bits).view(np.uint16)).astype(dtype)
+            wide = wide.reshape(shape)
+            return dev.to_device(wide) if xp is np else cuda.as_cuda_array(xp.ascontiguousarray(wide))
         b = x.bits if _is_cupy(x.bits) else _as_numba(x.bits)
         if _is_cupy(b):
             import cupy
@@ -316,8 +316,24 @@ def _host(x):
     return x
 
 
+def _bfloat16_xp():
+    """The array module that widens and rounds bfloat16 bits for the tile kernels: CuPy on a GPU,
+    NumPy under the simulator."""
+    try:
+        return _xp()
+    except ImportError as exc:
+        raise ImportError('racecpu.cuda.Bfloat16 needs CuPy (pip install "racecpu[cuda]"): numba.cuda has no '
+                          "bfloat16") from exc
+
+
 def _output(a, dtype, shape, dev):
-    """Reshape/cast a device result to the caller's dtype and kind."""
+    """Reshape/cast a device result to the caller's dtype and kind (bfloat16: :class:`Bfloat16`
+    bits, rounded to nearest even)."""
+    if chunkwise.is_bfloat16(dtype):
+        xp = _bfloat16_xp()
+        bits = chunkwise.Bfloat16Bits.empty(xp, shape)
+        bits[...] = _as_xp(xp, a).reshape(shape)
+        return _from_xp(xp, bits, dev)
     if a.dtype != dtype:
         a = dev.cast(a, dtype, a.shape)
     a = a.reshape(shape)
@@ -529,6 +545,9 @@ class Residuals:
     tokens: int = -1  # the forward's sequence length (the rows above may be padded: packed sequences)
     group: int = 1  # query heads per key/value head; v and the rows above have q's heads
     layout: object = None  # _Layout: packed sequences (or one), the chunks' sequences
+    q_in: object = None  # the caller's q and k by reference (None: planes_grad=False), for dplanes only
+    k_in: object = None
+    planes_dtype: object = None  # the dtype of the planes' gradient
 
     @property
     def out_shape(self):
@@ -538,6 +557,41 @@ class Residuals:
     @property
     def kv_lead(self):
         return self.lead[:-1] + (self.lead[-1] // self.group,) if self.group > 1 else self.lead
+
+
+_NO_Q_K = ("these residuals keep no q and k: their forward was told the planes' gradient would not be asked for "
+           "(planes_grad=False)")
+
+
+def _planes_dtype(planes, cdt):
+    """The dtype of the planes' gradient: the planes' own, the compute dtype ``cdt`` for integer planes."""
+    pdt = np.dtype(_proxy(planes).dtype if _on_device(planes) else np.asarray(planes).dtype)
+    return pdt if pdt.kind == "f" else np.dtype(cdt)
+
+
+def _plane_sums(pairs, dev):
+    """The sum of ``du^T x`` over the ``(du (G, n, L * P) float64, x (G, n, d))`` pairs, flat
+    ``(L * P * d,)`` float64 on the device: the planes' gradient of the tile kernels' backward
+    (blocks of rows summed by :func:`racecpu.cuda._kernels.plane_sums`, then their partials in
+    block order by ``sum_chunks``)."""
+    R, d = pairs[0][0].shape[2], pairs[0][1].shape[2]
+    cuts = []  # (du, x, rows a block, blocks) of each pair
+    for du, x in pairs:
+        M = du.shape[0] * du.shape[1]
+        rows = max(_PLANE_ROWS, -(-M // _MAX_BLOCKS))
+        cuts.append((du.reshape(M, R), x.reshape(M, d), rows, -(-M // rows)))
+    nb = sum(c[3] for c in cuts)
+    out = dev.full((1, 1, R * d), np.float64, 0)
+    if nb:
+        part = dev.empty((nb, R * d), np.float64)
+        b0 = 0
+        for du, x, rows, blocks in cuts:
+            if blocks:
+                dev.launch(cuda_kernels.plane_sums, blocks, int(THREADS))(du, x, rows, part[b0:b0 + blocks])
+            b0 += blocks
+        bounds = dev.to_device(np.array([0, nb], np.int64))
+        dev.grid(cuda_kernels.sum_chunks, out.size)(part.reshape(1, nb, R * d), bounds, out)
+    return out.reshape(R * d)
 
 
 def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None, check_finite=True,
@@ -597,7 +651,8 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
             dev.launch(kern["queries_fwd"], G * -(-nq // T), T)(qq, a.planes, a.beta, dev.cast(S, cdt, S.shape),
                                                                 lay.seq, chunk, a.group, phiq, tq, den, out)
     res = Residuals(a.planes, a.beta, bool(causal), chunk, T, vv, phiq, tq, phik, tk, den, S,
-                    a.lead, a.in_dtypes, a.out_dtype, bool(check_finite), dev.cupy, n_given, a.group, lay)
+                    a.lead, a.in_dtypes, a.out_dtype, bool(check_finite), dev.cupy, n_given, a.group, lay,
+                    q if planes_grad else None, k if planes_grad else None, _planes_dtype(planes, cdt))
     return _output(lay.unpack(out, dev), a.out_dtype, res.out_shape, dev), res
 
 
@@ -619,9 +674,8 @@ def race_attention_bwd(residuals, grad_out, *, dplanes=False):
         return _chunkwise_bwd(r, grad_out, dplanes)
     if not isinstance(r, Residuals):
         raise TypeError(f"residuals must come from racecpu.cuda.race_attention_fwd, got {type(r).__name__}")
-    if dplanes:
-        raise NotImplementedError("dplanes=True on the GPU needs the chunkwise form's forward (racecpu.cuda.PATH "
-                                  "'auto' or 'chunkwise', no cu_seqlens); this forward ran the tile kernels")
+    if dplanes and r.q_in is None:
+        raise ValueError(_NO_Q_K)
     dev = _Device(r.cupy_out)
     g, _, _ = _check_array("grad_out", grad_out, r.check_finite, dev)
     gshape = tuple(int(s) for s in g.shape)
@@ -642,6 +696,10 @@ def race_attention_bwd(residuals, grad_out, *, dplanes=False):
     dk = dev.empty((Gk, nk, d), cdt)
     dv_ = dev.empty((Gk, nk, dv), cdt)
     dbeta = 0.0
+    # each row's cotangent of its projections, kept for the planes' gradient (else a dummy)
+    keep = bool(dplanes and nq and nk)
+    duq, duk = ((dev.full((Gx, nx, L * P), np.float64, 0) if keep else dev.empty((1, 1, L * P), np.float64))
+                for Gx, nx in ((G, nq), (Gk, nk)))
     if G and nq and nk:
         # the chunk totals of (dB, dA): per query head, or per key/value head (causal: summed
         # over the query heads that one block runs)
@@ -654,22 +712,22 @@ def race_attention_bwd(residuals, grad_out, *, dplanes=False):
             state = dev.empty((Gk * ncq, F, dv + 1), cdt)
             dev.launch(kern["causal_queries_bwd"], Gk * ncq, T)(
                 g, r.v, r.phik, r.phiq, r.tq, r.den, r.S, r.group, r.planes, r.beta, chunk, state, dq, dden, winv,
-                part, dbq)
+                part, dbq, keep, duq)
             carry = _scan_chunks(part, dev, True, lay.seq)  # the reverse carries per key/value head
             dbk = dev.empty(Gk * nck, np.float64)
             dev.launch(kern["causal_keys_bwd"], Gk * nck, T)(
                 g, r.v, r.phik, r.tk, r.phiq, dden, winv, carry, r.group, r.planes, r.beta, chunk, state, dk, dv_,
-                dbk)
+                dbk, keep, duk)
         else:
             dev.launch(kern["queries_bwd"], G * ncq, T)(
                 g, r.phiq, r.tq, r.den, dev.cast(r.S, cdt, r.S.shape), lay.seq, r.group, r.planes, r.beta, chunk,
-                dq, dden, winv, part, dbq)
+                dq, dden, winv, part, dbq, keep, duq)
             dS = _fold(_sum_chunks(part, dev, lay.bounds), r.group, dev)  # a sketch read by its whole group
             dS = dev.cast(dS, cdt, dS.shape)
             nbk = Gk * -(-nk // T)
             dbk = dev.empty(nbk, np.float64)
             dev.launch(kern["keys_bwd"], nbk, T)(r.v, r.phik, r.tk, dS, lay.seq, chunk, r.planes, r.beta, dk, dv_,
-                                                 dbk)
+                                                 dbk, keep, duk)
         dbeta = float(dev.to_host(dbq).sum() + dev.to_host(dbk).sum())
     else:  # no queries or no keys: nothing flows back
         for x in (dq, dk, dv_):
@@ -678,10 +736,19 @@ def race_attention_bwd(residuals, grad_out, *, dplanes=False):
     qdt, kdt, vdt = r.in_dtypes
     dq, dk, dv_ = (lay.unpack(x, dev) for x in (dq, dk, dv_))
     lead, klead = r.lead, r.kv_lead
-    return (_output(dq, qdt, lead + (dq.shape[1], d), dev),
-            _output(dk, kdt, klead + (dk.shape[1], d), dev),
-            _output(dv_, vdt, klead + (dv_.shape[1], dv), dev),
-            dbeta)
+    grads = (_output(dq, qdt, lead + (dq.shape[1], d), dev),
+             _output(dk, kdt, klead + (dk.shape[1], d), dev),
+             _output(dv_, vdt, klead + (dv_.shape[1], dv), dev),
+             dbeta)
+    if dplanes:
+        dW = dev.full((L * P * d,), np.float64, 0)
+        if keep:  # q and k as the forward read them, in the padded layout of du
+            x_q = lay.pack(_to_device(r.q_in, cdt, (G, r.tokens, d), dev), dev)
+            nk_in = r.v.shape[1] if lay.rows is None else lay.packing.n
+            x_k = lay.pack(_to_device(r.k_in, cdt, (Gk, nk_in, d), dev), dev)
+            dW = _plane_sums(((duq, x_q), (duk, x_k)), dev)
+        grads += (_output(dW, r.planes_dtype, (L, P, d), dev),)
+    return grads
 
 
 # ---------------------------------------------------------------------------
@@ -1155,9 +1222,8 @@ def _chunkwise_fwd(q, k, v, planes, beta, causal, key_mask, check_finite, dev, p
         return out, None
     kv_lead = a.lead[:-1] + (a.lead[-1] // a.group,) if a.group > 1 else a.lead
     # the caller's q and k by reference (as v), read again only for the planes' gradient
-    pdt = np.dtype(_proxy(planes).dtype if _on_device(planes) else np.asarray(planes).dtype)
     state.update(q_in=q if planes_grad else None, k_in=k if planes_grad else None,
-                 planes_dtype=pdt if pdt.kind == "f" else a.cdt)
+                 planes_dtype=_planes_dtype(planes, a.cdt))
     res = ChunkwiseResiduals(state, a.lead, kv_lead, n, a.in_dtypes, a.out_dtype, bool(check_finite), dev.cupy)
     return out, res
 
@@ -1175,8 +1241,7 @@ def _chunkwise_bwd(r, grad_out, dplanes=False):
     if dplanes:  # q and k as the forward read them (no copy where they are contiguous device arrays)
         st = r.state
         if st["q_in"] is None:
-            raise ValueError("these residuals keep no q and k: their forward was told the planes' gradient would "
-                             "not be asked for (planes_grad=False)")
+            raise ValueError(_NO_Q_K)
         d = st["planes"].shape[-1]
         kw = dict(q=_as_xp(xp, _to_device(st["q_in"], None, st["D"].shape + (d,), dev)),
                   k=_as_xp(xp, _to_device(st["k_in"], None, st["v"].shape[:2] + (d,), dev)))

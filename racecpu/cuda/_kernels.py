@@ -300,6 +300,25 @@ def scan_chunks(part, seq, out, reverse):
 
 
 @cuda.jit
+def plane_sums(du, x, rows, part):
+    """Block b's float64 share of ``du^T x``: ``part[b, r * d + i]`` = the sum over rows ``m``
+    of ``b * rows .. (b + 1) * rows`` of ``du[m, r] * x[m, i]`` (``du (M, L * P)``, ``x (M, d)``,
+    ``part (nb, L * P * d)``): the first level of the planes' gradient, each output a thread's
+    sum in row order."""
+    M, R = du.shape
+    d = x.shape[1]
+    lo = cuda.blockIdx.x * rows
+    hi = min(lo + rows, M)
+    for o in range(cuda.threadIdx.x, R * d, cuda.blockDim.x):
+        r = o // d
+        i = o - r * d
+        s = 0.0
+        for m in range(lo, hi):
+            s += du[m, r] * x[m, i]
+        part[cuda.blockIdx.x, o] = s
+
+
+@cuda.jit
 def scatter_rows(src, rows, dst):
     """dst[g, rows[i], e] = src[g, i, e] (src (G, n, E), dst (G, m, E)): packed sequences
     into the kernels' padded layout."""
@@ -382,6 +401,14 @@ def make_kernels(L, P, T, dtype):
                 s += red[m]
             out[idx] = s
 
+    @cuda.jit(device=True)
+    def keep_du(du, keep, du_out, g, i):
+        """du_out[g, i] = du where the planes' gradient is asked for (``keep``; else ``du_out``
+        is a dummy, never indexed)."""
+        if keep:
+            for r in range(LP):
+                du_out[g, i, r] = du[r]
+
     @cuda.jit
     def soft_hash_rows(x, W, beta, t, phi):
         """phi and t of every row of ``x (M, d)`` (the public ``soft_buckets``)."""
@@ -433,8 +460,11 @@ def make_kernels(L, P, T, dtype):
             den[g, i] = readout_row(phiq[g, i], S[g // group, seq[i // chunk]], L, out[g, i])
 
     @cuda.jit
-    def queries_bwd(grad, phiq, tq, den, S, seq, group, W, beta, chunk, dq, dden, winv, part, dbeta_part):
-        """Non-causal cotangents of every query; chunk sums of (dB, dA) into ``part``."""
+    def queries_bwd(grad, phiq, tq, den, S, seq, group, W, beta, chunk, dq, dden, winv, part, dbeta_part, keep,
+                    du_out):
+        """Non-causal cotangents of every query; chunk sums of (dB, dA) into ``part``; with
+        ``keep``, each query's cotangent of its projections into ``du_out (G, n, L * P)``
+        float64 (for the planes' gradient; else a ``(1, 1, L * P)`` dummy)."""
         n = grad.shape[1]
         dv = grad.shape[2]
         L = W.shape[0]
@@ -455,15 +485,17 @@ def make_kernels(L, P, T, dtype):
                 dden[g, i] = dd
                 winv[g, i] = wi
                 acc += hash_row_bwd(dphi, phiq[g, i], tq[g, i], W, beta, du, dq[g, i])
+                keep_du(du, keep, du_out, g, i)
             cuda.syncthreads()
             for col in range(tid, dv + 1, T):
                 tile_dsketch(phiq[g], winv[g], dden[g], grad[g], t0, t1, L, col, part[g, c])
         block_sum(acc, dbeta_part, cuda.blockIdx.x)
 
     @cuda.jit
-    def keys_bwd(v, phik, tk, dS, seq, chunk, W, beta, dk, dv_out, dbeta_part):
+    def keys_bwd(v, phik, tk, dS, seq, chunk, W, beta, dk, dv_out, dbeta_part, keep, du_out):
         """Non-causal cotangents of every key from its packed sequence's summed
-        ``dS (G, S, F, dv + 1)`` (``seq``, ``chunk`` as :func:`queries_fwd`)."""
+        ``dS (G, S, F, dv + 1)`` (``seq``, ``chunk`` as :func:`queries_fwd`; ``keep``,
+        ``du_out`` as :func:`queries_bwd`'s, per key)."""
         n = v.shape[1]
         nb = (n + T - 1) // T
         g = cuda.blockIdx.x // nb
@@ -474,6 +506,7 @@ def make_kernels(L, P, T, dtype):
         if j < n:
             acc = key_row_bwd(phik[g, j], tk[g, j], v[g, j], dS[g, seq[j // chunk]], W, beta, dphi, du, dk[g, j],
                               dv_out[g, j])
+            keep_du(du, keep, du_out, g, j)
         block_sum(acc, dbeta_part, cuda.blockIdx.x)
 
     # -- causal scan: forward and backward ---------------------------------
@@ -584,13 +617,14 @@ def make_kernels(L, P, T, dtype):
 
     @cuda.jit
     def causal_queries_bwd(grad, v, phik, phiq, tq, den, carry, group, W, beta, chunk, state,
-                           dq, dden, winv, part, dbeta_part):
+                           dq, dden, winv, part, dbeta_part, keep, du_out):
         """Backward pass 1: rebuild prefix states by rescanning; cotangents of queries.
 
         Per key/value group gk, whose rebuilt state the ``group`` query groups
         ``gk * group ..`` read in turn: writes dden and 1/(L den) per query and
         the chunk totals of (dB, dA), summed over those query groups, into
-        ``part (Gk, nc, F, dv + 1)`` for the reverse scan.
+        ``part (Gk, nc, F, dv + 1)`` for the reverse scan (``keep``, ``du_out`` as
+        :func:`queries_bwd`'s).
         """
         n = grad.shape[1]
         dv = grad.shape[2]
@@ -618,6 +652,7 @@ def make_kernels(L, P, T, dtype):
                     dden[h, i] = dd
                     winv[h, i] = wi
                     acc += hash_row_bwd(dphi, phiq[h, i], tq[h, i], W, beta, du, dq[h, i])
+                    keep_du(du, keep, du_out, h, i)
             cuda.syncthreads()
             for col in range(tid, dv + 1, T):
                 for h in range(h0, h0 + group):
@@ -673,13 +708,14 @@ def make_kernels(L, P, T, dtype):
 
     @cuda.jit
     def causal_keys_bwd(grad, v, phik, tk, phiq, dden, winv, carry, group, W, beta, chunk, state,
-                        dk, dv_out, dbeta_part):
+                        dk, dv_out, dbeta_part, keep, du_out):
         """Backward pass 2: suffix sums of (dB, dA) over queries i >= j by a reverse rescan.
 
         Per key/value group gk (``carry (Gk, nc, F, dv + 1)``: the reverse carries
         summed over its query groups; ``dk``, ``dv_out`` have k's groups), the
         suffix state summing the ``group`` query groups ``gk * group ..``: the
-        keys' terms and hash backward run once per key/value group."""
+        keys' terms and hash backward run once per key/value group (``keep``, ``du_out`` as
+        :func:`queries_bwd`'s, per key)."""
         n = grad.shape[1]
         dv = grad.shape[2]
         L = W.shape[0]
@@ -704,6 +740,7 @@ def make_kernels(L, P, T, dtype):
             if j < t1:
                 acc += causal_key_row_bwd(phik[gk, j], tk[gk, j], v[gk, j], S, phiq, grad, dden, winv, h0, group,
                                           j, t1, L, W, beta, dphi, du, dk[gk, j], dv_out[gk, j])
+                keep_du(du, keep, du_out, gk, j)
             cuda.syncthreads()
             for col in range(tid, dv + 1, T):
                 for hl in range(group):
