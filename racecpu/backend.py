@@ -48,8 +48,7 @@ class Backend(Protocol):
     the residuals it returns record its ``name`` (their ``backend``
     attribute).  ``backward`` takes :func:`racecpu.race_attention_bwd`'s.
     Either raises TypeError or NotImplementedError for what it cannot do
-    (``out`` buffers, the planes' gradient and the per-bucket mean are the
-    CPU's alone).
+    (``out`` buffers are the CPU's alone).
     """
 
     name: str

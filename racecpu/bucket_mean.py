@@ -28,7 +28,9 @@ and the soft hash's backward gives dq, dk and dbeta.
 (``racecpu.race_attention(..., estimator="bucket_mean")``, chosen by the CPU
 backend, :mod:`racecpu.backend`): the ratio's checks, layout, grouped-query
 heads, 16-bit inputs and ``out`` buffers (:mod:`racecpu.engine`), this
-module's NumPy sums; a kernel of its own is not written yet.
+module's NumPy sums; a kernel of its own is not written yet.  The sums
+themselves (:func:`forward_sums`, :func:`backward_sums`) take the array
+module ``xp``: racecpu.cuda runs them on CuPy for arrays in GPU memory.
 """
 
 from __future__ import annotations
@@ -49,10 +51,13 @@ __all__ = ["race_attention_bucket_mean", "race_attention_bucket_mean_fwd", "race
 
 #: Tokens per block of the causal form (``docs/design.md`` section 1.5).
 BLOCK = 64
+#: What the whole calls (the NumPy API's and racecpu.cuda's) add to every bucket's soft count:
+#: the released code's.
+EPS = 1e-6
 
 
-def _reverse_cumsum(x, axis):
-    return np.flip(np.cumsum(np.flip(x, axis), axis), axis)
+def _reverse_cumsum(xp, x, axis):
+    return xp.flip(xp.cumsum(xp.flip(x, axis), axis), axis)
 
 
 def race_attention_bucket_mean_fwd(q, k, v, planes, beta, *, causal=False, key_mask=None, eps=1e-6):
@@ -71,48 +76,63 @@ def race_attention_bucket_mean_fwd(q, k, v, planes, beta, *, causal=False, key_m
                          f"{v.shape}")
     if causal and q.shape[-2] != k.shape[-2]:
         raise ValueError(f"causal attention needs Nq == Nk, got {q.shape[-2]} and {k.shape[-2]}")
+    mask = None if key_mask is None else np.asarray(key_mask, dtype=bool)
+    return forward_sums(np, q, k, v, np.asarray(planes, dtype=dt), beta, causal=causal, key_mask=mask, eps=eps)
+
+
+def forward_sums(xp, q, k, v, planes, beta, *, causal, key_mask, eps):
+    """:func:`race_attention_bucket_mean_fwd` on checked arrays of the module ``xp`` (NumPy, or
+    CuPy for racecpu.cuda): ``q``, ``k``, ``v``, ``planes`` of one float dtype, ``key_mask`` a
+    bool array or None; nothing is converted or checked here."""
+    dt = q.dtype.type
     beta, eps = float(beta), float(eps)
-    planes = np.asarray(planes, dtype=dt)
     lead = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-    pq, tq = soft_buckets_dense(q, planes, beta)         # (..., Nq, L, R)
-    pk, tk = soft_buckets_dense(k, planes, beta)         # (..., Nk, L, R)
-    mask = None if key_mask is None else np.broadcast_to(np.asarray(key_mask, dtype=bool),
-                                                         lead + k.shape[-2:-1])[..., None, None].astype(dt)
+    pq, tq = soft_buckets_dense(q, planes, beta, xp)     # (..., Nq, L, R)
+    pk, tk = soft_buckets_dense(k, planes, beta, xp)     # (..., Nk, L, R)
+    mask = None if key_mask is None else xp.broadcast_to(key_mask, lead + k.shape[-2:-1])[..., None, None].astype(dt)
     pkm = pk if mask is None else pk * mask      # masked keys add nothing to any bucket
     n, dv = q.shape[-2], v.shape[-1]
     F = pq.shape[-2] * pq.shape[-1]
     if causal:
-        D = np.cumsum(pkm, axis=-3) + dt(eps)        # (..., N, L, R): prefix counts
-        W = np.broadcast_to(pq / D, lead + pq.shape[-3:]).reshape(lead + (n, F))  # a query's weight per bucket
-        Wb, Kb, Vb = (_blocks(x, lead) for x in (W, pkm.reshape(pkm.shape[:-2] + (F,)), v))
-        B0 = _exclusive(np.swapaxes(Kb, -1, -2) @ Vb, axis=-3)   # (..., nb, F, dv): sums before each block
-        S = np.tril(Wb @ np.swapaxes(Kb, -1, -2))                 # (..., nb, c, c): within the block, j <= i
+        D = xp.cumsum(pkm, axis=-3) + dt(eps)        # (..., N, L, R): prefix counts
+        W = xp.broadcast_to(pq / D, lead + pq.shape[-3:]).reshape(lead + (n, F))  # a query's weight per bucket
+        Wb, Kb, Vb = (_blocks(xp, x, lead) for x in (W, pkm.reshape(pkm.shape[:-2] + (F,)), v))
+        B0 = _exclusive(xp, xp.swapaxes(Kb, -1, -2) @ Vb, axis=-3)   # (..., nb, F, dv): sums before each block
+        S = _triangle(xp, Wb @ xp.swapaxes(Kb, -1, -2))               # (..., nb, c, c): within the block, j <= i
         out = (Wb @ B0 + S @ Vb).reshape(lead + (-1, dv))[..., :n, :]
         extra = (Wb, Kb, Vb, B0, S)
     else:
         D = pkm.sum(-3)[..., None, :, :] + dt(eps)                                 # (..., 1, L, R)
-        U = np.einsum("...jlr,...jc->...lrc", pkm, v) / D[..., 0, :, :, None]    # (..., L, R, dv): bucket means
-        out = np.einsum("...ilr,...lrc->...ic", pq, U)
+        U = xp.einsum("...jlr,...jc->...lrc", pkm, v) / D[..., 0, :, :, None]    # (..., L, R, dv): bucket means
+        out = xp.einsum("...ilr,...lrc->...ic", pq, U)
         extra = (U,)
     return out.astype(dt), (planes, beta, causal, mask, lead, pq, tq, pk, tk, pkm, D, v, extra)
 
 
-def _blocks(x, lead):
+def _blocks(xp, x, lead):
     """``x (..., N, F)`` broadcast to ``lead`` and cut into ``(..., nb, BLOCK, F)``, zero rows past N."""
     n, c = x.shape[-2], BLOCK
     nb = -(-n // c)
-    x = np.broadcast_to(x, lead + x.shape[-2:])
+    x = xp.broadcast_to(x, lead + x.shape[-2:])
     if nb * c != n:
-        x = np.concatenate([x, np.zeros(lead + (nb * c - n, x.shape[-1]), x.dtype)], axis=-2)
+        x = xp.concatenate([x, xp.zeros(lead + (nb * c - n, x.shape[-1]), x.dtype)], axis=-2)
     return x.reshape(lead + (nb, c, x.shape[-1]))
 
 
-def _exclusive(x, axis, reverse=False):
+def _triangle(xp, x, upper=False):
+    """``x (..., c, c)`` with the entries above the diagonal zeroed (``upper``: below it), as
+    ``np.tril`` / ``np.triu`` on the last two axes (the same bits) for any ``xp``."""
+    keep = np.tri(x.shape[-1], dtype=bool)
+    return xp.where(xp.asarray(keep.T if upper else keep), x, x.dtype.type(0))
+
+
+def _exclusive(xp, x, axis, reverse=False):
     """Exclusive cumulative sum along ``axis`` (from the end when ``reverse``)."""
     if reverse:
-        return np.flip(_exclusive(np.flip(x, axis), axis), axis)
-    c = np.cumsum(x, axis=axis)
-    return np.concatenate([np.zeros_like(np.take(c, [0], axis=axis)), np.take(c, range(x.shape[axis] - 1), axis=axis)],
+        return xp.flip(_exclusive(xp, xp.flip(x, axis), axis), axis)
+    c = xp.cumsum(x, axis=axis)
+    head = (slice(None),) * (axis % x.ndim)
+    return xp.concatenate([xp.zeros_like(c[head + (slice(0, min(1, x.shape[axis])),)]), c[head + (slice(0, -1),)]],
                           axis=axis)
 
 
@@ -123,36 +143,41 @@ def race_attention_bucket_mean_bwd(residuals, grad_out):
     (after broadcasting the leading axes); fresh arrays, the residuals are
     not modified.
     """
+    return backward_sums(np, residuals, np.asarray(grad_out, dtype=residuals[5].dtype))
+
+
+def backward_sums(xp, residuals, g):
+    """:func:`race_attention_bucket_mean_bwd` on ``g``, an array of the module ``xp`` in the
+    compute dtype (the residuals of :func:`forward_sums` with the same ``xp``)."""
     planes, beta, causal, mask, lead, pq, tq, pk, tk, pkm, D, v, extra = residuals
     dt = pq.dtype
-    g = np.asarray(grad_out, dtype=dt)
     n, dv = pq.shape[-3], v.shape[-1]
     if causal:
         Wb, Kb, Vb, B0, S = extra
-        Gb = _blocks(g, lead)
+        Gb = _blocks(xp, g, lead)
         # out_i = sum_{j <= i} (W_i . pk_j) v_j: linear attention with queries W, keys pk
-        dWb = Gb @ np.swapaxes(B0, -1, -2) + np.tril(Gb @ np.swapaxes(Vb, -1, -2)) @ Kb
-        C = _exclusive(np.swapaxes(Wb, -1, -2) @ Gb, axis=-3, reverse=True)   # (..., nb, F, dv): queries after
-        dKb = Vb @ np.swapaxes(C, -1, -2) + np.triu(Vb @ np.swapaxes(Gb, -1, -2)) @ Wb
-        dVb = Kb @ C + np.swapaxes(S, -1, -2) @ Gb
+        dWb = Gb @ xp.swapaxes(B0, -1, -2) + _triangle(xp, Gb @ xp.swapaxes(Vb, -1, -2)) @ Kb
+        C = _exclusive(xp, xp.swapaxes(Wb, -1, -2) @ Gb, axis=-3, reverse=True)   # (..., nb, F, dv): queries after
+        dKb = Vb @ xp.swapaxes(C, -1, -2) + _triangle(xp, Vb @ xp.swapaxes(Gb, -1, -2), upper=True) @ Wb
+        dVb = Kb @ C + xp.swapaxes(S, -1, -2) @ Gb
         shape = lead + pq.shape[-3:]  # (..., N, L, R)
         dW = dWb.reshape(lead + (-1, Wb.shape[-1]))[..., :n, :].reshape(shape)
         dpq = dW / D
         dpkm = dKb.reshape(lead + (-1, Kb.shape[-1]))[..., :n, :].reshape(shape)
         W = Wb.reshape(lead + (-1, Wb.shape[-1]))[..., :n, :].reshape(shape)
-        dpkm = dpkm + _reverse_cumsum(-dW * W / D, axis=-3)   # through the prefix counts
+        dpkm = dpkm + _reverse_cumsum(xp, -dW * W / D, axis=-3)   # through the prefix counts
         dv = dVb.reshape(lead + (-1, dv))[..., :n, :]
     else:
         (U,) = extra
-        dpq = np.einsum("...ic,...lrc->...ilr", g, U)
-        dB = np.einsum("...ilr,...ic->...lrc", pq, g) / D[..., 0, :, :, None]
+        dpq = xp.einsum("...ic,...lrc->...ilr", g, U)
+        dB = xp.einsum("...ilr,...ic->...lrc", pq, g) / D[..., 0, :, :, None]
         dA = -(dpq * pq).sum(-3) / D[..., 0, :, :]
-        dpkm = np.einsum("...jc,...lrc->...jlr", v, dB) + dA[..., None, :, :]
-        dv = np.einsum("...jlr,...lrc->...jc", pkm, dB)
+        dpkm = xp.einsum("...jc,...lrc->...jlr", v, dB) + dA[..., None, :, :]
+        dv = xp.einsum("...jlr,...lrc->...jc", pkm, dB)
     dpk = dpkm if mask is None else dpkm * mask
-    dq, db_q = soft_buckets_dense_bwd(dpq, pq, tq, planes, beta)
-    dk, db_k = soft_buckets_dense_bwd(dpk, pk, tk, planes, beta)
-    return dq.astype(dt), dk.astype(dt), np.broadcast_to(dv, lead + dv.shape[-2:]).astype(dt), db_q + db_k
+    dq, db_q = soft_buckets_dense_bwd(dpq, pq, tq, planes, beta, xp=xp)
+    dk, db_k = soft_buckets_dense_bwd(dpk, pk, tk, planes, beta, xp=xp)
+    return dq.astype(dt), dk.astype(dt), xp.broadcast_to(dv, lead + dv.shape[-2:]).astype(dt), db_q + db_k
 
 
 def race_attention_bucket_mean(q, k, v, planes, beta, *, causal=False, key_mask=None, eps=1e-6):
@@ -221,9 +246,21 @@ class Residuals:
         return self.lead + (self.nq, self.dv)
 
 
-def _repeated(x, group):
-    """``x (Gk, ...)`` with each key/value group repeated for its ``group`` query groups."""
-    return x if group == 1 else np.repeat(x, group, axis=0)
+def repeated(x, group, xp=np):
+    """``x (Gk, ...)`` (an array of ``xp``) with each key/value group repeated for its ``group``
+    query groups."""
+    return x if group == 1 else xp.repeat(x, group, axis=0)
+
+
+def check_call(cu_seqlens=None, dplanes=False):
+    """NotImplementedError for what the whole calls of this estimator do not compute (on either
+    backend): packed sequences, the planes' gradient."""
+    if cu_seqlens is not None:
+        raise NotImplementedError("the per-bucket mean does not take packed sequences (cu_seqlens) yet; "
+                                  "use estimator='ratio', or a call per sequence")
+    if dplanes:
+        raise NotImplementedError("the per-bucket mean has no gradient for the planes; learnable planes need "
+                                  "estimator='ratio'")
 
 
 def forward(q, k, v, planes, beta, *, causal=False, key_mask=None, check_finite=True, out=None, cu_seqlens=None,
@@ -231,11 +268,9 @@ def forward(q, k, v, planes, beta, *, causal=False, key_mask=None, check_finite=
     """The NumPy API's forward with the per-bucket mean (``racecpu.race_attention(...,
     estimator="bucket_mean")``): the same arguments, checks, grouped-query heads, 16-bit
     inputs, ``out`` buffer and array types as the ratio's (:func:`racecpu.engine.forward`),
-    the estimator of :func:`race_attention_bucket_mean` (its ``eps``: 1e-6).  Packed
+    the estimator of :func:`race_attention_bucket_mean` (its ``eps``: :data:`EPS`).  Packed
     sequences raise NotImplementedError."""
-    if cu_seqlens is not None:
-        raise NotImplementedError("the per-bucket mean does not take packed sequences (cu_seqlens) yet; "
-                                  "use estimator='ratio', or a call per sequence")
+    check_call(cu_seqlens)
     POOL.tick()
     a = prepare(q, k, v, planes, beta, causal, key_mask, check_finite, grouped=True)
     G, nq, d = a.q.shape
@@ -243,9 +278,9 @@ def forward(q, k, v, planes, beta, *, causal=False, key_mask=None, check_finite=
     if out is not None:
         out = check_out("out", out, a.lead + (nq, dv), a.out_dtype,
                         [("q", q), ("k", k), ("v", v), ("planes", planes), ("key_mask", key_mask)])
-    mask = None if key_mask is None else _repeated(a.mask, a.group)
-    y, inner = race_attention_bucket_mean_fwd(a.q, _repeated(a.k, a.group), _repeated(a.v, a.group), a.planes, a.beta,
-                                              causal=a.causal, key_mask=mask)
+    mask = None if key_mask is None else repeated(a.mask, a.group)
+    y, inner = race_attention_bucket_mean_fwd(a.q, repeated(a.k, a.group), repeated(a.v, a.group), a.planes, a.beta,
+                                              causal=a.causal, key_mask=mask, eps=EPS)
     y = deliver(np.ascontiguousarray(y), out, a.lead + (nq, dv), a.out_dtype)
     xp = namespace_of(q)
     if out is None:
@@ -263,9 +298,7 @@ def backward(residuals, grad_out, *, out=None, dplanes=False):
     r = residuals
     if not isinstance(r, Residuals):
         raise TypeError(f"residuals must come from race_attention_fwd, got {type(r).__name__}")
-    if dplanes:
-        raise NotImplementedError("the per-bucket mean has no gradient for the planes; learnable planes need "
-                                  "estimator='ratio'")
+    check_call(dplanes=dplanes)
     POOL.tick()
     g, _, _ = check_array("grad_out", grad_out, False)
     shapes = (r.lead + (r.nq, r.d), r.kv_lead + (r.nk, r.d), r.kv_lead + (r.nk, r.dv))

@@ -169,14 +169,15 @@ def angular_attention(q, k, v, gamma, *, causal=False, key_mask=None):
 # RACE attention, dense
 # --------------------------------------------------------------------------
 
-def soft_buckets_dense(x, planes, beta):
-    """Soft hash as an explicit softmax over corners: ``(..., N, L, R)`` and ``t``."""
-    planes = np.asarray(planes, dtype=x.dtype)
-    C = corners(planes.shape[1]).astype(x.dtype)
-    t = np.tanh(np.einsum("...nd,lpd->...nlp", x, planes))
+def soft_buckets_dense(x, planes, beta, xp=np):
+    """Soft hash as an explicit softmax over corners: ``(..., N, L, R)`` and ``t``
+    (``x`` an array of the module ``xp``: NumPy, or CuPy for racecpu.cuda's per-bucket mean)."""
+    planes = xp.asarray(planes, dtype=x.dtype)
+    C = xp.asarray(corners(planes.shape[1]).astype(x.dtype))
+    t = xp.tanh(xp.einsum("...nd,lpd->...nlp", x, planes))
     z = beta * (t @ C.T)
     z = z - z.max(-1, keepdims=True)
-    e = np.exp(z)
+    e = xp.exp(z)
     return e / e.sum(-1, keepdims=True), t
 
 
@@ -204,19 +205,20 @@ def race_attention_dense_fwd(q, k, v, planes, beta, *, causal=False, key_mask=No
     return out, (planes, beta, pq, tq, pk, tk, vis, nres, q, k)
 
 
-def soft_buckets_dense_bwd(dphi, phi, t, planes, beta, x=None):
+def soft_buckets_dense_bwd(dphi, phi, t, planes, beta, x=None, xp=np):
     """Back through softmax over corners, tanh and the projection: ``(dx, dbeta)``,
     and with the rows ``x (..., N, d)`` also the planes' gradient
     ``dW_l = sum_n du_{n,l} x_n^T`` (shape of ``planes``, summed over every
-    leading axis): ``(dx, dbeta, dW)``."""
-    C = corners(planes.shape[1]).astype(phi.dtype)
+    leading axis): ``(dx, dbeta, dW)``.  Arrays of the module ``xp`` (as
+    :func:`soft_buckets_dense`)."""
+    C = xp.asarray(corners(planes.shape[1]).astype(phi.dtype))
     dz = phi * (dphi - (phi * dphi).sum(-1, keepdims=True))
     s = dz @ C  # (..., N, L, P)
     du = beta * s * (1 - t * t)
-    dx = np.einsum("...nlp,lpd->...nd", du, planes)
+    dx = xp.einsum("...nlp,lpd->...nd", du, planes)
     if x is None:
         return dx, float((s * t).sum())
-    x = np.broadcast_to(x, du.shape[:-2] + x.shape[-1:])
+    x = xp.broadcast_to(x, du.shape[:-2] + x.shape[-1:])
     dW = (du.reshape(-1, t.shape[-2] * t.shape[-1]).T @ x.reshape(-1, x.shape[-1])).reshape(planes.shape)
     return dx, float((s * t).sum()), dW
 

@@ -342,7 +342,7 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
         Packed sequences (flash-attn's offsets ``0, n1, n1 + n2, ..., N``),
         each attending only within itself.
     estimator : {"ratio", "bucket_mean"}
-        As :func:`racecpu.race_attention`'s (``bucket_mean``: CPU tensors only).
+        As :func:`racecpu.race_attention`'s (on CUDA tensors too).
 
     Returns
     -------

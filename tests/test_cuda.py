@@ -668,6 +668,44 @@ def test_packed_sequences_match_cpu(rng, causal, monkeypatch):
         rc.race_attention(q, k, v, planes, cu_seqlens=np.array([0, 29]))
 
 
+@_ONCE
+@pytest.mark.parametrize("causal", [False, True])
+def test_bucket_mean_matches_cpu_and_the_dense_oracle(rng, causal):
+    """estimator="bucket_mean" on device arrays (racecpu.cuda's backend, as the NumPy API calls
+    it; its backward reached through the NumPy API): grouped heads, a key mask, float16 q, a
+    length that is no whole block; out against the O(N^2) oracle, out and the gradients against
+    the CPU's call, device arrays back in the inputs' dtypes; packed sequences and the planes'
+    gradient refused as on the CPU."""
+    q, k, v, mask = problem(rng, (2, 2), 70, 70, 4, 3, np.float32)
+    k, v, mask = (np.ascontiguousarray(x[:, :1]) for x in (k, v, mask))   # two query heads a key/value head
+    q = q.astype(np.float16)
+    planes = racecpu.hyperplanes(4, 2, 2, seed=4)
+    g = rng.standard_normal(q.shape[:-1] + (3,)).astype(np.float32)
+    kw = dict(causal=causal, key_mask=mask, estimator="bucket_mean")
+    dev = [cuda.to_device(x) for x in (q, k, v)]
+    out, res = rc.BACKEND.forward(*dev, planes, 2.0, **kw)
+    assert cuda.devicearray.is_cuda_ndarray(out) and res.backend == "cuda" and res.estimator == "bucket_mean"
+    dense = reference.race_attention_bucket_mean(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
+                                                 planes.astype(np.float64), 2.0, causal=causal, key_mask=mask)
+    assert_close(out, dense, 1e-4, "out against the dense oracle")
+    ref, rres = racecpu.race_attention_fwd(q, k, v, planes, 2.0, **kw)
+    assert host(out).dtype == ref.dtype
+    assert_close(out, ref, 1e-5, "out")
+    got = racecpu.race_attention_bwd(res, cuda.to_device(g))
+    want = racecpu.race_attention_bwd(rres, g)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert host(a).dtype == b.dtype and a.shape == b.shape, name
+        assert_close(a, b, 1e-5, name)
+    assert abs(got[3] - want[3]) <= 1e-5 * abs(want[3])
+    alone, none = rc.BACKEND.forward(*dev, planes, 2.0, residuals=False, **kw)
+    assert none is None
+    assert_close(alone, ref, 1e-5, "forward alone")
+    with pytest.raises(NotImplementedError, match="no gradient for the planes"):
+        racecpu.race_attention_bwd(res, cuda.to_device(g), dplanes=True)
+    with pytest.raises(NotImplementedError, match="packed sequences"):
+        rc.BACKEND.forward(*dev, planes, 2.0, estimator="bucket_mean", cu_seqlens=np.array([0, 30, 70]))
+
+
 @pytest.mark.parametrize("threads", [1, 7, 2 ** 20])
 @pytest.mark.parametrize("reverse", [False, True])
 def test_chunkwise_kernels_match_array_ops(rng, threads, reverse, monkeypatch):

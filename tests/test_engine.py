@@ -102,8 +102,13 @@ def test_residuals_record_their_backend_and_estimator(rng):
     pytest.importorskip("numba.cuda")
     from racecpu import cuda
     assert backend.backend_of(type("R", (), {"backend": "cuda"})()) is cuda.BACKEND
-    with pytest.raises(NotImplementedError, match="ratio estimator only"):
-        cuda.BACKEND.forward(q, q, q, W, 2.0, estimator="bucket_mean")
+    # every estimator of the CPU runs on the GPU too (test_cuda.py); a wrong name is refused before
+    # any device is touched, in the CPU's words
+    assert cuda.ESTIMATORS == tuple(backend.ESTIMATORS)
+    with pytest.raises(ValueError, match=r"estimator must be one of \('ratio', 'bucket_mean'\), got 'mean'"):
+        cuda.BACKEND.forward(q, q, q, W, 2.0, estimator="mean")
+    with pytest.raises(ValueError, match=r"estimator must be one of \('ratio', 'bucket_mean'\), got 'mean'"):
+        racecpu.race_attention(q, q, q, W, estimator="mean")
 
 
 # ---------------------------------------------------------------------------

@@ -60,14 +60,14 @@ from .. import _checks as cpu_checks
 from .._arrays import is_cupy as _is_cupy
 from .._arrays import on_device
 from ..hashing import DEFAULT_BETA, DEN_FLOOR
-from .. import chunkwise
+from .. import bucket_mean, chunkwise
 from ..plan import ChunkModel, make_plan
 from . import _kernels as cuda_kernels
 from ._chunk_kernels import backward_shared_items, hash_fits, make_chunk_kernels, make_hash_kernels
 
 __all__ = ["soft_buckets", "race_attention", "race_attention_fwd", "race_attention_bwd", "Residuals",
            "ChunkwiseResiduals", "is_available", "BACKEND", "THREADS", "CHUNK", "PATH", "SCAN_CHUNK",
-           "SUM_CHUNK", "WORKSPACE", "WORKSPACE_SHARE", "KEEP_BUCKETS", "Bfloat16"]
+           "SUM_CHUNK", "WORKSPACE", "WORKSPACE_SHARE", "KEEP_BUCKETS", "Bfloat16", "BucketMeanResiduals", "ESTIMATORS"]
 
 #: Threads per block, which is also the tile length in tokens (a multiple of 32 on a GPU).
 THREADS = 64
@@ -78,6 +78,8 @@ PARTIAL_BUDGET = 2 ** 30
 # Blocks of the grid-stride helper kernels.
 _MAX_BLOCKS = 4096
 _PLANE_ROWS = 256  # fewest rows a block of the planes' gradient sums (tests lower it to cross blocks)
+#: The estimators racecpu.cuda computes: all of the CPU's (``racecpu.backend.ESTIMATORS``).
+ESTIMATORS = ("ratio", "bucket_mean")
 #: Which formulation runs a call: "chunkwise" (:mod:`racecpu.chunkwise`: batched
 #: products through CuPy and cuBLAS), "tiles" (the numba.cuda kernels of
 #: ``racecpu.cuda._kernels``, one thread per token), or "auto": chunkwise where
@@ -1270,6 +1272,79 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
                               check_finite=check_finite, cu_seqlens=cu_seqlens)[0]
 
 
+# ---------------------------------------------------------------------------
+# the per-bucket mean (racecpu.bucket_mean's sums on CuPy)
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BucketMeanResiduals:
+    """What the per-bucket mean's backward on the GPU needs (treat as opaque): the residuals of
+    :func:`racecpu.bucket_mean.forward_sums` over the flattened groups, arrays of CuPy (NumPy
+    under the simulator), and how to give the gradients back the inputs' layout and dtypes."""
+
+    backend: ClassVar[str] = "cuda"
+    estimator: ClassVar[str] = "bucket_mean"
+
+    inner: tuple
+    lead: tuple
+    kv_lead: tuple
+    group: int
+    tokens: int
+    dv: int
+    in_dtypes: tuple
+    check_finite: bool
+    cupy_out: bool
+
+    @property
+    def out_shape(self):
+        return self.lead + (self.tokens, self.dv)
+
+
+def _bucket_mean_fwd(q, k, v, planes, beta, *, causal, key_mask, check_finite, cu_seqlens, residuals):
+    """The NumPy API's forward with ``estimator="bucket_mean"`` on arrays in GPU memory: the
+    ratio's checks and layout (:func:`_prepare`), :func:`racecpu.bucket_mean.forward_sums` on
+    CuPy (its batched products, cumulative sums and einsums; no kernel of its own), the
+    same numbers as the CPU's up to the order of sums."""
+    bucket_mean.check_call(cu_seqlens)
+    dev = _Device(_is_cupy(q.bits if isinstance(q, Bfloat16) else q))
+    a = _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, dev)
+    xp = _xp()
+    n, dv = a.q.shape[1], a.v.shape[2]
+    q_, k_, v_ = (_as_xp(xp, x) for x in (a.q, a.k, a.v))
+    mask = None if key_mask is None else bucket_mean.repeated(_as_xp(xp, a.mask), a.group, xp)
+    y, inner = bucket_mean.forward_sums(xp, q_, bucket_mean.repeated(k_, a.group, xp),
+                                        bucket_mean.repeated(v_, a.group, xp), _as_xp(xp, a.planes), a.beta,
+                                        causal=bool(causal), key_mask=mask, eps=bucket_mean.EPS)
+    out = _from_xp(xp, chunkwise._cast(xp, y, a.out_dtype).reshape(a.lead + (n, dv)), dev)
+    if not residuals:
+        return out, None
+    kv_lead = a.lead[:-1] + (a.lead[-1] // a.group,) if a.group > 1 else a.lead
+    return out, BucketMeanResiduals(inner, a.lead, kv_lead, a.group, n, dv, a.in_dtypes, bool(check_finite), dev.cupy)
+
+
+def _bucket_mean_bwd(r, grad_out, dplanes=False):
+    """The backward of :func:`_bucket_mean_fwd`: ``(dq, dk, dv, dbeta)`` in the inputs' dtypes,
+    device arrays of the forward's kind; ``dplanes`` raises NotImplementedError, as on the CPU."""
+    bucket_mean.check_call(dplanes=dplanes)
+    dev = _Device(r.cupy_out)
+    g, _, _ = _check_array("grad_out", grad_out, r.check_finite, dev)
+    gshape = tuple(int(s) for s in g.shape)
+    if gshape != r.out_shape:
+        raise ValueError(f"grad_out must have the output's shape {r.out_shape}, got {gshape}")
+    xp = _xp()
+    pq = r.inner[5]  # the forward's soft buckets: the compute dtype, q's groups
+    G = pq.shape[0]
+    g = _as_xp(xp, _to_device(g, pq.dtype, (G, r.tokens, r.dv), dev))
+    dq, dk, dv, dbeta = bucket_mean.backward_sums(xp, r.inner, g)
+    if r.group > 1:  # a key/value head's rows were read by its whole group of query heads
+        dk, dv = (x.reshape((G // r.group, r.group) + x.shape[1:]).sum(1) for x in (dk, dv))
+    grads = []
+    for x, lead, dt in zip((dq, dk, dv), (r.lead, r.kv_lead, r.kv_lead), r.in_dtypes):
+        grads.append(_from_xp(xp, chunkwise._cast(xp, xp.ascontiguousarray(x), dt).reshape(lead + x.shape[1:]),
+                              dev))
+    return tuple(grads) + (float(dbeta),)
+
+
 class CudaBackend:
     """racecpu.cuda as a backend (the :class:`racecpu.backend.Backend` protocol): the NumPy
     API's calls on arrays in GPU memory come here (:func:`racecpu.backend.backend_for`)."""
@@ -1282,12 +1357,13 @@ class CudaBackend:
     def forward(self, q, k, v, planes, beta, *, causal=False, key_mask=None, check_finite=True, cu_seqlens=None,
                 out=None, residuals=True, estimator="ratio", planes_grad=True):
         """:func:`race_attention_fwd` (``residuals=False``: :func:`race_attention`, ``(out, None)``)."""
-        if estimator != "ratio":
-            raise NotImplementedError(f"racecpu.cuda computes the ratio estimator only, not {estimator!r}; run it "
-                                      f"on NumPy arrays")
         if out is not None:
             raise TypeError("out is for NumPy arrays; CuPy's memory pool already reuses device memory")
         kw = dict(causal=causal, key_mask=key_mask, check_finite=check_finite, cu_seqlens=cu_seqlens)
+        if estimator not in ESTIMATORS:
+            raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+        if estimator == "bucket_mean":
+            return _bucket_mean_fwd(q, k, v, planes, beta, residuals=residuals, **kw)
         if residuals:
             return race_attention_fwd(q, k, v, planes, beta, planes_grad=planes_grad, **kw)
         return race_attention(q, k, v, planes, beta, **kw), None
@@ -1296,6 +1372,8 @@ class CudaBackend:
         """:func:`race_attention_bwd`; ``out`` buffers are the CPU's alone."""
         if out is not None:
             raise TypeError("out is for NumPy arrays; CuPy's memory pool already reuses device memory")
+        if isinstance(residuals, BucketMeanResiduals):
+            return _bucket_mean_bwd(residuals, grad_out, dplanes)
         return race_attention_bwd(residuals, grad_out, dplanes=dplanes)
 
     def __repr__(self):
