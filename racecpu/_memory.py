@@ -65,7 +65,7 @@ class _Block:
     """An anonymous mapping the pool hands out; each hand-out is a *lease*, a
     ctypes view of it that every array made from it keeps alive."""
 
-    __slots__ = ("mem", "size", "lease_type", "idle", "last")
+    __slots__ = ("mem", "size", "lease_type", "idle", "last", "advised")
 
     def __init__(self, size, call):
         self.size = size
@@ -80,7 +80,7 @@ class _Block:
         except (AttributeError, OSError):  # no transparent huge pages here
             pass
         self.lease_type = type("_Lease", (ctypes.c_char * size,), {})
-        self.idle, self.last = False, call
+        self.idle, self.last, self.advised = False, call, False
 
 
 class BufferPool:
@@ -96,7 +96,12 @@ class BufferPool:
     25% larger) reuses it.  An idle block's pages are marked ``MADV_FREE``:
     the kernel may take them back when memory runs short (a later write then
     faults fresh pages in, as without the pool), and otherwise they are
-    reused as they are.
+    reused as they are.  Blocks of at least ``ADVISE_NOW_BYTES`` are marked
+    when they fall idle; smaller ones at the first :meth:`tick` that finds
+    them idle for ``ADVISE_AFTER_CALLS`` calls, so that the blocks a loop of
+    calls hands back and asks for again skip the system call and the TLB
+    flush it costs (a few percent of a call of 4,096 tokens; the
+    performance log's "idle blocks advised late").
 
     Idle blocks are released when they have not been reused for
     ``MAX_IDLE_CALLS`` calls (:meth:`tick`; unless ``age_by_calls`` is False,
@@ -111,6 +116,13 @@ class BufferPool:
     #: (freed by its backward, asked for again by its next forward): at 4, a 12-layer step faulted
     #: ~55 of its blocks in afresh (docs/performance.md, "idle calls").  The limit still bounds them.
     MAX_IDLE_CALLS = 128
+    #: Calls a block under :attr:`ADVISE_NOW_BYTES` stays idle before its pages are marked
+    #: ``MADV_FREE``: a training step of up to 16 layers reuses its blocks before.
+    ADVISE_AFTER_CALLS = 32
+    #: Blocks of at least this size are marked ``MADV_FREE`` as soon as they fall idle: what may
+    #: stay resident and unmarked after a program's last call is the smaller blocks of its last
+    #: ``ADVISE_AFTER_CALLS`` calls.
+    ADVISE_NOW_BYTES = 64 << 20
 
     def __init__(self, limit=None):
         self._limit = None if limit is None else int(limit)
@@ -135,13 +147,20 @@ class BufferPool:
 
     def _released(self, block):
         # The last array on the block died (any thread, no lock: plain stores).
+        if block.size >= self.ADVISE_NOW_BYTES:
+            self._advise(block)
+        block.last = self._call
+        block.idle = True
+
+    @staticmethod
+    def _advise(block):
+        """Mark an idle block's pages ``MADV_FREE`` (once; a hand-out clears the mark)."""
         if hasattr(mmap, "MADV_FREE"):
             try:
                 block.mem.madvise(mmap.MADV_FREE)
             except OSError:  # a kernel without it: the pages stay as they are
                 pass
-        block.last = self._call
-        block.idle = True
+        block.advised = True
 
     def _drop_idle(self, keep_bytes, max_age=None):
         """Release idle blocks, oldest first, until at most ``keep_bytes`` stay idle;
@@ -177,7 +196,7 @@ class BufferPool:
                 self._blocks.append(best)
             else:
                 self.hits += 1
-            best.idle = False
+            best.idle = best.advised = False
             lease = best.lease_type.from_buffer(best.mem)
             weakref.finalize(lease, self._released, best).atexit = False
         return np.frombuffer(lease, dtype, count=nbytes // dtype.itemsize).reshape(shape)
@@ -189,10 +208,14 @@ class BufferPool:
         return x
 
     def tick(self):
-        """Start of a public call: age the idle blocks and apply the limit."""
+        """Start of a public call: age the idle blocks, apply the limit, and mark ``MADV_FREE``
+        the blocks idle for ``ADVISE_AFTER_CALLS`` calls."""
         with self._lock:
             self._call += 1
             self._drop_idle(self.limit, self.MAX_IDLE_CALLS if self.age_by_calls else None)
+            for b in self._blocks:
+                if b.idle and not b.advised and self._call - b.last >= self.ADVISE_AFTER_CALLS:
+                    self._advise(b)
 
     def set_limit(self, nbytes):
         """Set ``limit`` (releasing idle blocks beyond it); returns the previous one."""

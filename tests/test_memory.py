@@ -203,3 +203,39 @@ def test_idle_blocks_can_be_marked_free():
     pool._blocks[0].mem.madvise(mmap.MADV_FREE)
     del a
     assert pool.stats()["idle_bytes"] == 4 << 20
+
+
+def test_small_idle_blocks_are_advised_after_some_calls_and_large_ones_at_once(monkeypatch):
+    """MADV_FREE costs a system call and a TLB flush per block: a block under ADVISE_NOW_BYTES
+    that a loop hands back and asks for again within ADVISE_AFTER_CALLS calls is never marked;
+    one left idle that long is marked once, at a tick; a block of ADVISE_NOW_BYTES or more is
+    marked as it falls idle."""
+    advised = []
+    monkeypatch.setattr(BufferPool, "_advise", staticmethod(lambda b: (advised.append(b.size),
+                                                                       setattr(b, "advised", True))))
+    pool = BufferPool(1 << 30)
+    pool.ADVISE_AFTER_CALLS, pool.ADVISE_NOW_BYTES = 3, 8 << 20
+    for _ in range(10):  # a loop: released and asked for again at the next call
+        pool.tick()
+        a = pool.empty((1 << 20,), np.float32)  # 4 MiB
+        del a
+    assert advised == [] and pool.stats()["hits"] == 9
+    for _ in range(2):
+        pool.tick()
+    assert advised == []
+    pool.tick()   # idle for three calls now
+    assert advised == [4 << 20]
+    for _ in range(5):
+        pool.tick()
+    assert advised == [4 << 20]   # once
+    b = pool.empty((1 << 20,), np.float32)   # handed out again: marked again after its next release
+    del b
+    for _ in range(3):
+        pool.tick()
+    assert advised == [4 << 20, 4 << 20]
+    big = pool.empty((2 << 20,), np.float32)  # 8 MiB: marked at release
+    del big
+    assert advised == [4 << 20, 4 << 20, 8 << 20]
+    for _ in range(5):
+        pool.tick()
+    assert len(advised) == 3
