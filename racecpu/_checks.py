@@ -132,6 +132,13 @@ def check_planes(planes, d, cdt):
     return read_only(cast)
 
 
+def planes_grad_dtype(planes_dtype, cdt):
+    """The dtype of the planes' gradient: the planes' own float dtype, the compute dtype ``cdt``
+    for integer planes."""
+    pdt = np.dtype(planes_dtype)
+    return pdt if pdt.kind == "f" else np.dtype(cdt)
+
+
 def check_beta(beta):
     if isinstance(beta, (bool, np.bool_)) or not isinstance(beta, (numbers.Real, np.ndarray, np.generic)):
         raise TypeError(f"beta must be a positive finite float, got {type(beta).__name__} {beta!r}")

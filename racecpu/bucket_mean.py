@@ -41,7 +41,7 @@ from typing import ClassVar
 import numpy as np
 
 from ._arrays import namespace_of, to_namespace
-from ._checks import check_array, check_grad_buffers, check_out, deliver, prepare, widened
+from ._checks import check_array, check_grad_buffers, check_out, deliver, planes_grad_dtype, prepare, widened
 from ._memory import POOL
 from .engine import group_sum
 from .reference import float_dtype, soft_buckets_dense, soft_buckets_dense_bwd
@@ -106,7 +106,7 @@ def forward_sums(xp, q, k, v, planes, beta, *, causal, key_mask, eps):
         U = xp.einsum("...jlr,...jc->...lrc", pkm, v) / D[..., 0, :, :, None]    # (..., L, R, dv): bucket means
         out = xp.einsum("...ilr,...lrc->...ic", pq, U)
         extra = (U,)
-    return out.astype(dt), (planes, beta, causal, mask, lead, pq, tq, pk, tk, pkm, D, v, extra)
+    return out.astype(dt), (planes, beta, causal, mask, lead, pq, tq, pk, tk, pkm, D, v, extra, q, k)
 
 
 def _blocks(xp, x, lead):
@@ -136,20 +136,22 @@ def _exclusive(xp, x, axis, reverse=False):
                           axis=axis)
 
 
-def race_attention_bucket_mean_bwd(residuals, grad_out):
-    """Returns ``(dq, dk, dv, dbeta)``, ``dbeta`` summed over everything.
+def race_attention_bucket_mean_bwd(residuals, grad_out, dplanes=False):
+    """Returns ``(dq, dk, dv, dbeta)``, ``dbeta`` summed over everything, and with
+    ``dplanes`` the planes' gradient ``(L, P, d)`` too (summed over everything,
+    the queries' and the keys' shares), in the compute dtype.
 
     ``dq``, ``dk``, ``dv`` have the shapes of the inputs the forward got
     (after broadcasting the leading axes); fresh arrays, the residuals are
     not modified.
     """
-    return backward_sums(np, residuals, np.asarray(grad_out, dtype=residuals[5].dtype))
+    return backward_sums(np, residuals, np.asarray(grad_out, dtype=residuals[5].dtype), dplanes)
 
 
-def backward_sums(xp, residuals, g):
+def backward_sums(xp, residuals, g, dplanes=False):
     """:func:`race_attention_bucket_mean_bwd` on ``g``, an array of the module ``xp`` in the
     compute dtype (the residuals of :func:`forward_sums` with the same ``xp``)."""
-    planes, beta, causal, mask, lead, pq, tq, pk, tk, pkm, D, v, extra = residuals
+    planes, beta, causal, mask, lead, pq, tq, pk, tk, pkm, D, v, extra, q, k = residuals
     dt = pq.dtype
     n, dv = pq.shape[-3], v.shape[-1]
     if causal:
@@ -175,9 +177,10 @@ def backward_sums(xp, residuals, g):
         dpkm = xp.einsum("...jc,...lrc->...jlr", v, dB) + dA[..., None, :, :]
         dv = xp.einsum("...jlr,...lrc->...jc", pkm, dB)
     dpk = dpkm if mask is None else dpkm * mask
-    dq, db_q = soft_buckets_dense_bwd(dpq, pq, tq, planes, beta, xp=xp)
-    dk, db_k = soft_buckets_dense_bwd(dpk, pk, tk, planes, beta, xp=xp)
-    return dq.astype(dt), dk.astype(dt), xp.broadcast_to(dv, lead + dv.shape[-2:]).astype(dt), db_q + db_k
+    dq, db_q, *dw_q = soft_buckets_dense_bwd(dpq, pq, tq, planes, beta, q if dplanes else None, xp=xp)
+    dk, db_k, *dw_k = soft_buckets_dense_bwd(dpk, pk, tk, planes, beta, k if dplanes else None, xp=xp)
+    grads = dq.astype(dt), dk.astype(dt), xp.broadcast_to(dv, lead + dv.shape[-2:]).astype(dt), db_q + db_k
+    return grads + ((dw_q[0] + dw_k[0]).astype(dt),) if dplanes else grads
 
 
 def race_attention_bucket_mean(q, k, v, planes, beta, *, causal=False, key_mask=None, eps=1e-6):
@@ -240,6 +243,7 @@ class Residuals:
     in_dtypes: tuple
     check_finite: bool
     namespace: object = None
+    planes_dtype: object = None  # the dtype of the planes' gradient
 
     @property
     def out_shape(self):
@@ -252,15 +256,12 @@ def repeated(x, group, xp=np):
     return x if group == 1 else xp.repeat(x, group, axis=0)
 
 
-def check_call(cu_seqlens=None, dplanes=False):
+def check_call(cu_seqlens=None):
     """NotImplementedError for what the whole calls of this estimator do not compute (on either
-    backend): packed sequences, the planes' gradient."""
+    backend): packed sequences."""
     if cu_seqlens is not None:
         raise NotImplementedError("the per-bucket mean does not take packed sequences (cu_seqlens) yet; "
                                   "use estimator='ratio', or a call per sequence")
-    if dplanes:
-        raise NotImplementedError("the per-bucket mean has no gradient for the planes; learnable planes need "
-                                  "estimator='ratio'")
 
 
 def forward(q, k, v, planes, beta, *, causal=False, key_mask=None, check_finite=True, out=None, cu_seqlens=None,
@@ -289,16 +290,16 @@ def forward(q, k, v, planes, beta, *, causal=False, key_mask=None, check_finite=
         return y, None
     klead = a.lead[:-1] + (a.lead[-1] // a.group,) if a.group > 1 else a.lead
     return y, Residuals(inner=inner, lead=a.lead, kv_lead=klead, group=a.group, nq=nq, nk=nk, d=d, dv=dv,
-                        in_dtypes=a.in_dtypes, check_finite=a.check_finite, namespace=xp)
+                        in_dtypes=a.in_dtypes, check_finite=a.check_finite, namespace=xp,
+                        planes_dtype=planes_grad_dtype(np.asarray(planes).dtype, a.q.dtype))
 
 
 def backward(residuals, grad_out, *, out=None, dplanes=False):
-    """The NumPy API's backward of :func:`forward`: ``(dq, dk, dv, dbeta)`` as the ratio's
-    (:func:`racecpu.engine.backward`); the planes' gradient raises NotImplementedError."""
+    """The NumPy API's backward of :func:`forward`: ``(dq, dk, dv, dbeta[, dplanes])`` as the
+    ratio's (:func:`racecpu.engine.backward`; the planes' gradient in the planes' dtype)."""
     r = residuals
     if not isinstance(r, Residuals):
         raise TypeError(f"residuals must come from race_attention_fwd, got {type(r).__name__}")
-    check_call(dplanes=dplanes)
     POOL.tick()
     g, _, _ = check_array("grad_out", grad_out, False)
     shapes = (r.lead + (r.nq, r.d), r.kv_lead + (r.nk, r.d), r.kv_lead + (r.nk, r.dv))
@@ -306,9 +307,11 @@ def backward(residuals, grad_out, *, out=None, dplanes=False):
     check_array("grad_out", g, r.check_finite)
     cdt = r.inner[5].dtype  # the forward's soft buckets: the compute dtype
     G = int(np.prod(r.lead, dtype=np.int64))
-    dq, dk, dv, dbeta = race_attention_bucket_mean_bwd(r.inner, widened(g.reshape(G, r.nq, r.dv), cdt))
+    dq, dk, dv, dbeta, *dW = race_attention_bucket_mean_bwd(r.inner, widened(g.reshape(G, r.nq, r.dv), cdt),
+                                                            dplanes)
     # a key/value head's rows were read by its whole group of query heads
     dk, dv = (np.ascontiguousarray(group_sum(np.ascontiguousarray(x), r.group)) for x in (dk, dv))
     xp = r.namespace
-    return tuple(to_namespace(xp if buf is None else None, deliver(x, buf, shape, dt))
-                 for x, buf, shape, dt in zip((dq, dk, dv), out, shapes, r.in_dtypes)) + (float(dbeta),)
+    grads = tuple(to_namespace(xp if buf is None else None, deliver(x, buf, shape, dt))
+                  for x, buf, shape, dt in zip((dq, dk, dv), out, shapes, r.in_dtypes)) + (float(dbeta),)
+    return grads + (to_namespace(xp, dW[0].astype(r.planes_dtype)),) if dplanes else grads

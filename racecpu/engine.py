@@ -48,7 +48,8 @@ from . import _fork
 from . import _kernels as K
 from ._arrays import namespace_of, to_namespace
 from ._checks import (OVERFLOW_MARGIN, all_finite, check_array, check_derived, check_grad_buffers, check_narrowed,
-                      check_out, check_results, deliver, max_abs, prepare, sums_overflow, widened)
+                      check_out, check_results, deliver, max_abs, planes_grad_dtype, prepare, sums_overflow,
+                      widened)
 from ._kernels import set_threads, threads  # noqa: F401  (racecpu's: the kernels' thread count)
 from ._memory import POOL
 from .packing import sequence_sums
@@ -730,11 +731,10 @@ def forward(q, k, v, planes, beta, *, causal=False, key_mask=None, check_finite=
         y = to_namespace(xp, y)
     if not residuals:
         return y, None
-    pdt = np.asarray(planes).dtype
     kq, kk, kv = a.kept
     return y, Residuals(plan=plan, planes=a.planes, beta=a.beta, v=kv, phiq=phiq, tq=tq, phik=phik, tk=tk, den=den,
                         A=A, B=B, q=kq, k=kk, lead=a.lead, in_dtypes=a.in_dtypes, out_dtype=a.out_dtype,
-                        planes_dtype=pdt if pdt.kind == "f" else np.dtype(cdt), check_finite=a.check_finite,
+                        planes_dtype=planes_grad_dtype(np.asarray(planes).dtype, cdt), check_finite=a.check_finite,
                         namespace=xp, sums_max=v_sums)
 
 

@@ -6,7 +6,7 @@ import pytest
 import racecpu
 from racecpu import reference as ref
 
-from .util import fd_check
+from .util import fd_check, fd_grad, rel_err
 
 
 def _data(rng, lead=(2,), nq=5, nk=6, d=4, dv=3):
@@ -200,6 +200,48 @@ def test_autograd_op_gradients(causal):
     out = F.race_attention_bucket_mean(q, k, v, planes, 2.0, causal=causal, key_mask=mask).data
     np.testing.assert_allclose(out, ref.race_attention_bucket_mean(q.data, k.data, v.data, planes, 2.0,
                                                                    causal=causal, key_mask=mask), rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_planes_gradient_matches_finite_differences_of_the_oracle(rng, causal):
+    """dplanes=True with the per-bucket mean, through the NumPy API (grouped heads, a key mask, a
+    length that is no whole block): against central differences of the O(N^2) oracle in
+    float64, in the planes' dtype (float32 planes given for float64 inputs), dq, dk, dv, dbeta
+    unchanged by asking for it; the linear-time functions' own share the same numbers."""
+    q = rng.standard_normal((2, 2, 70, 4))
+    k, v = rng.standard_normal((2, 1, 70, 4)), rng.standard_normal((2, 1, 70, 3))
+    mask = rng.random((2, 1, 70)) > 0.2
+    W = racecpu.hyperplanes(4, 3, 2, seed=2, dtype=np.float64)
+    out, res = racecpu.race_attention_fwd(q, k, v, W, 1.5, causal=causal, key_mask=mask, estimator="bucket_mean")
+    g = rng.standard_normal(out.shape)
+    got = racecpu.race_attention_bwd(res, g, dplanes=True)
+    plain = racecpu.race_attention_bwd(res, g)
+    assert len(got) == 5 and got[4].shape == W.shape and got[4].dtype == np.float64
+    for a, b in zip(got[:4], plain):
+        np.testing.assert_array_equal(a, b)
+    kr, vr, mr = (np.repeat(x, 2, axis=1) for x in (k, v, mask))  # the oracle has no grouped heads
+
+    def f(Wx):
+        return ref.race_attention_bucket_mean(q, kr, vr, Wx, 1.5, causal=causal, key_mask=mr)
+    num = fd_grad(f, (W,), 0, g)
+    assert rel_err(got[4], num) < 1e-6
+    _, r32 = racecpu.race_attention_fwd(q, k, v, W.astype(np.float32), 1.5, causal=causal, key_mask=mask,
+                                        estimator="bucket_mean")
+    dW32 = racecpu.race_attention_bwd(r32, g, dplanes=True)[4]
+    assert dW32.dtype == np.float32 and rel_err(dW32, got[4]) < 1e-5
+    from racecpu.bucket_mean import race_attention_bucket_mean_bwd, race_attention_bucket_mean_fwd
+    _, inner = race_attention_bucket_mean_fwd(q, kr, vr, W, 1.5, causal=causal, key_mask=mr)
+    assert rel_err(race_attention_bucket_mean_bwd(inner, g, dplanes=True)[4], got[4]) < 1e-12
+
+
+def test_autograd_op_planes_gradient():
+    from racecpu.autograd import Tensor, check_grad
+    from racecpu.autograd import functional as F
+    q, k, v = _t(2, 3, 9, 4, seed=1), _t(2, 3, 9, 4, seed=2), _t(2, 3, 9, 3, seed=3)
+    planes = Tensor(racecpu.hyperplanes(4, 2, 2, seed=4, dtype=np.float64), requires_grad=True)
+    check_grad(lambda q, W: F.race_attention_bucket_mean(q, k, v, W, 1.5, causal=True), q, planes)
+    beta = Tensor(np.array([0.7, 1.5, 3.0]))   # one temperature a head: heads one at a time
+    check_grad(lambda W, b: F.race_attention_bucket_mean(q, k, v, W, b), planes, beta)
 
 
 def test_autograd_op_per_head_beta():

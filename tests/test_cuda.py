@@ -674,8 +674,8 @@ def test_bucket_mean_matches_cpu_and_the_dense_oracle(rng, causal):
     """estimator="bucket_mean" on device arrays (racecpu.cuda's backend, as the NumPy API calls
     it; its backward reached through the NumPy API): grouped heads, a key mask, float16 q, a
     length that is no whole block; out against the O(N^2) oracle, out and the gradients against
-    the CPU's call, device arrays back in the inputs' dtypes; packed sequences and the planes'
-    gradient refused as on the CPU."""
+    the CPU's call (the planes' gradient too), device arrays back in the inputs' dtypes; packed
+    sequences refused as on the CPU."""
     q, k, v, mask = problem(rng, (2, 2), 70, 70, 4, 3, np.float32)
     k, v, mask = (np.ascontiguousarray(x[:, :1]) for x in (k, v, mask))   # two query heads a key/value head
     q = q.astype(np.float16)
@@ -700,8 +700,9 @@ def test_bucket_mean_matches_cpu_and_the_dense_oracle(rng, causal):
     alone, none = rc.BACKEND.forward(*dev, planes, 2.0, residuals=False, **kw)
     assert none is None
     assert_close(alone, ref, 1e-5, "forward alone")
-    with pytest.raises(NotImplementedError, match="no gradient for the planes"):
-        racecpu.race_attention_bwd(res, cuda.to_device(g), dplanes=True)
+    dW = racecpu.race_attention_bwd(res, cuda.to_device(g), dplanes=True)
+    assert host(dW[4]).dtype == np.float32 and dW[4].shape == planes.shape
+    assert_close(dW[4], racecpu.race_attention_bwd(rres, g, dplanes=True)[4], 1e-5, "dplanes")
     with pytest.raises(NotImplementedError, match="packed sequences"):
         rc.BACKEND.forward(*dev, planes, 2.0, estimator="bucket_mean", cu_seqlens=np.array([0, 30, 70]))
 

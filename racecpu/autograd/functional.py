@@ -244,14 +244,15 @@ def race_attention_bucket_mean(q, k, v, planes, beta=DEFAULT_BETA, *, causal=Fal
     Linear in N (the per-bucket sums of :mod:`racecpu.bucket_mean`, equal
     to the O(N^2) oracle :func:`racecpu.reference.race_attention_bucket_mean`).  ``beta`` as in :func:`race_attention`: a positive float, a
     scalar Tensor, or a Tensor of shape ``(H,)`` for inputs ``(B, H, N, d)``;
-    as a Tensor it receives its gradient.  ``planes`` are constants.
+    as a Tensor it receives its gradient.  ``planes``, as in :func:`race_attention`, are
+    constants or a Tensor, which receives the planes' gradient when it requires grad.
 
     Parameters
     ----------
     q : Tensor, shape (..., Nq, d)
     k : Tensor, shape (..., Nk, d)
     v : Tensor, shape (..., Nk, dv)
-    planes : ndarray, shape (L, P, d)
+    planes : ndarray or Tensor, shape (L, P, d)
     beta : float or Tensor
     causal : bool
     key_mask : bool ndarray, shape (..., Nk), optional
@@ -262,11 +263,11 @@ def race_attention_bucket_mean(q, k, v, planes, beta=DEFAULT_BETA, *, causal=Fal
     Tensor, shape (..., Nq, dv), the inputs' dtype.
     """
     q, k, v = as_tensor(q), as_tensor(k), as_tensor(v)
-    if isinstance(planes, Tensor):
-        if planes.requires_grad:
-            raise NotImplementedError("the bucket-mean estimator has no gradient for the planes; "
-                                      "learnable planes need race_attention (the ratio estimator)")
-        planes = planes.data
+    planes_t = planes if isinstance(planes, Tensor) else None
+    learn = planes_t is not None and planes_t.requires_grad
+    extra = (planes_t,) if learn else ()
+    if planes_t is not None:
+        planes = planes_t.data
     beta_t = beta if isinstance(beta, Tensor) else None
     per_head = beta_t is not None and beta_t.ndim == 1 and q.ndim == 4 and beta_t.shape[0] == q.shape[1]
     if beta_t is not None and beta_t.size != 1 and not per_head:
@@ -280,20 +281,20 @@ def race_attention_bucket_mean(q, k, v, planes, beta=DEFAULT_BETA, *, causal=Fal
                                                   key_mask=None if mask is None else mask[:, h]) for h in range(H)]
 
         def vjp(g):
-            grads = [_bm.race_attention_bucket_mean_bwd(r, g[:, h]) for h, (_, r) in enumerate(fr)]
+            grads = [_bm.race_attention_bucket_mean_bwd(r, g[:, h], learn) for h, (_, r) in enumerate(fr)]
             dq, dk, dv = (np.stack([gr[i] for gr in grads], axis=1) for i in range(3))
-            return dq, dk, dv, np.array([gr[3] for gr in grads], dtype=beta_t.dtype)
-        return op(np.stack([o for o, _ in fr], axis=1), (q, k, v, beta_t), vjp)
+            dW = (sum(gr[4] for gr in grads).astype(planes_t.dtype),) if learn else ()
+            return (dq, dk, dv, np.array([gr[3] for gr in grads], dtype=beta_t.dtype)) + dW
+        return op(np.stack([o for o, _ in fr], axis=1), (q, k, v, beta_t) + extra, vjp)
     b = float(beta_t.data) if beta_t is not None else beta
     out, res = _bm.race_attention_bucket_mean_fwd(q.data, k.data, v.data, planes, b, causal=causal,
                                                    key_mask=key_mask, eps=eps)
 
     def vjp(g):
-        dq, dk, dv, dbeta = _bm.race_attention_bucket_mean_bwd(res, g)
-        if beta_t is None:
-            return dq, dk, dv
-        return dq, dk, dv, np.full(beta_t.shape, dbeta, dtype=beta_t.dtype)
-    return op(out, (q, k, v) + ((beta_t,) if beta_t is not None else ()), vjp)
+        dq, dk, dv, dbeta, *dW = _bm.race_attention_bucket_mean_bwd(res, g, learn)
+        dbeta = () if beta_t is None else (np.full(beta_t.shape, dbeta, dtype=beta_t.dtype),)
+        return (dq, dk, dv) + dbeta + tuple(w.astype(planes_t.dtype) for w in dW)
+    return op(out, (q, k, v) + ((beta_t,) if beta_t is not None else ()) + extra, vjp)
 
 
 def softmax_attention(q, k, v, *, causal=False, scale=None, key_mask=None):

@@ -566,9 +566,9 @@ _NO_Q_K = ("these residuals keep no q and k: their forward was told the planes' 
 
 
 def _planes_dtype(planes, cdt):
-    """The dtype of the planes' gradient: the planes' own, the compute dtype ``cdt`` for integer planes."""
-    pdt = np.dtype(_proxy(planes).dtype if _on_device(planes) else np.asarray(planes).dtype)
-    return pdt if pdt.kind == "f" else np.dtype(cdt)
+    """The dtype of the planes' gradient (:func:`racecpu._checks.planes_grad_dtype`) of host or
+    device planes."""
+    return cpu_checks.planes_grad_dtype(_proxy(planes).dtype if _on_device(planes) else np.asarray(planes).dtype, cdt)
 
 
 def _plane_sums(pairs, dev):
@@ -1294,6 +1294,7 @@ class BucketMeanResiduals:
     in_dtypes: tuple
     check_finite: bool
     cupy_out: bool
+    planes_dtype: object  # the dtype of the planes' gradient
 
     @property
     def out_shape(self):
@@ -1319,13 +1320,13 @@ def _bucket_mean_fwd(q, k, v, planes, beta, *, causal, key_mask, check_finite, c
     if not residuals:
         return out, None
     kv_lead = a.lead[:-1] + (a.lead[-1] // a.group,) if a.group > 1 else a.lead
-    return out, BucketMeanResiduals(inner, a.lead, kv_lead, a.group, n, dv, a.in_dtypes, bool(check_finite), dev.cupy)
+    return out, BucketMeanResiduals(inner, a.lead, kv_lead, a.group, n, dv, a.in_dtypes, bool(check_finite), dev.cupy,
+                                    _planes_dtype(planes, a.cdt))
 
 
 def _bucket_mean_bwd(r, grad_out, dplanes=False):
-    """The backward of :func:`_bucket_mean_fwd`: ``(dq, dk, dv, dbeta)`` in the inputs' dtypes,
-    device arrays of the forward's kind; ``dplanes`` raises NotImplementedError, as on the CPU."""
-    bucket_mean.check_call(dplanes=dplanes)
+    """The backward of :func:`_bucket_mean_fwd`: ``(dq, dk, dv, dbeta[, dplanes])`` in the inputs'
+    dtypes (the planes' gradient in the planes' dtype), device arrays of the forward's kind."""
     dev = _Device(r.cupy_out)
     g, _, _ = _check_array("grad_out", grad_out, r.check_finite, dev)
     gshape = tuple(int(s) for s in g.shape)
@@ -1335,14 +1336,15 @@ def _bucket_mean_bwd(r, grad_out, dplanes=False):
     pq = r.inner[5]  # the forward's soft buckets: the compute dtype, q's groups
     G = pq.shape[0]
     g = _as_xp(xp, _to_device(g, pq.dtype, (G, r.tokens, r.dv), dev))
-    dq, dk, dv, dbeta = bucket_mean.backward_sums(xp, r.inner, g)
+    dq, dk, dv, dbeta, *dW = bucket_mean.backward_sums(xp, r.inner, g, dplanes)
     if r.group > 1:  # a key/value head's rows were read by its whole group of query heads
         dk, dv = (x.reshape((G // r.group, r.group) + x.shape[1:]).sum(1) for x in (dk, dv))
     grads = []
     for x, lead, dt in zip((dq, dk, dv), (r.lead, r.kv_lead, r.kv_lead), r.in_dtypes):
         grads.append(_from_xp(xp, chunkwise._cast(xp, xp.ascontiguousarray(x), dt).reshape(lead + x.shape[1:]),
                               dev))
-    return tuple(grads) + (float(dbeta),)
+    grads = tuple(grads) + (float(dbeta),)
+    return grads + (_from_xp(xp, dW[0].astype(r.planes_dtype), dev),) if dplanes else grads
 
 
 class CudaBackend:
