@@ -28,9 +28,10 @@ and the soft hash's backward gives dq, dk and dbeta.
 (``racecpu.race_attention(..., estimator="bucket_mean")``, chosen by the CPU
 backend, :mod:`racecpu.backend`): the ratio's checks, layout, grouped-query
 heads, 16-bit inputs and ``out`` buffers (:mod:`racecpu.engine`), this
-module's NumPy sums; a kernel of its own is not written yet.  The sums
-themselves (:func:`forward_sums`, :func:`backward_sums`) take the array
-module ``xp``: racecpu.cuda runs them on CuPy for arrays in GPU memory.
+module's NumPy sums, a call per packed sequence (:func:`forward_sequences`);
+a kernel of its own is not written yet.  The sums themselves
+(:func:`forward_sums`, :func:`backward_sums`) take the array module ``xp``:
+racecpu.cuda runs them on CuPy for arrays in GPU memory.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from ._arrays import namespace_of, to_namespace
 from ._checks import check_array, check_grad_buffers, check_out, deliver, planes_grad_dtype, prepare, widened
 from ._memory import POOL
 from .engine import group_sum
+from .packing import check_cu_seqlens, check_packed_lengths
 from .reference import float_dtype, soft_buckets_dense, soft_buckets_dense_bwd
 
 __all__ = ["race_attention_bucket_mean", "race_attention_bucket_mean_fwd", "race_attention_bucket_mean_bwd",
@@ -226,8 +228,9 @@ def race_attention_bucket_mean(q, k, v, planes, beta, *, causal=False, key_mask=
 @dataclass(frozen=True)
 class Residuals:
     """What :func:`backward` needs from :func:`forward` (treat as opaque): the residuals of
-    :func:`race_attention_bucket_mean_fwd` over the flattened groups, and how to give the
-    gradients back the inputs' layout and dtypes."""
+    :func:`forward_sequences` over the flattened groups (``inner``: a sequence's rows and its
+    sums' residuals, one for each packed sequence), and how to give the gradients back the
+    inputs' layout and dtypes."""
 
     backend: ClassVar[str] = "cpu"
     estimator: ClassVar[str] = "bucket_mean"
@@ -256,32 +259,75 @@ def repeated(x, group, xp=np):
     return x if group == 1 else xp.repeat(x, group, axis=0)
 
 
-def check_call(cu_seqlens=None):
-    """NotImplementedError for what the whole calls of this estimator do not compute (on either
-    backend): packed sequences."""
-    if cu_seqlens is not None:
-        raise NotImplementedError("the per-bucket mean does not take packed sequences (cu_seqlens) yet; "
-                                  "use estimator='ratio', or a call per sequence")
+def sequences(cu_seqlens, nq, nk):
+    """The packed sequences' ``(start, end)`` rows, checked as the ratio's (:mod:`racecpu.packing`),
+    or None for one sequence (``cu_seqlens`` None)."""
+    if cu_seqlens is None:
+        return None
+    check_packed_lengths(nq, nk)
+    cu = check_cu_seqlens(cu_seqlens, nq)
+    return [(int(a), int(b)) for a, b in zip(cu[:-1], cu[1:])]
+
+
+def forward_sequences(xp, q, k, v, planes, beta, *, causal, key_mask, eps, bounds):
+    """:func:`forward_sums` of each packed sequence (``bounds`` from :func:`sequences`; None: one),
+    each attending only within itself: ``(out, parts)``, ``parts`` the residuals of each
+    non-empty sequence with its rows, what :func:`backward_sequences` takes.  Arrays of ``xp``
+    with the sequence axis second to last; one sequence makes no copy."""
+    if bounds is None or all(a == b for a, b in bounds):  # (no tokens: the whole empty call)
+        out, inner = forward_sums(xp, q, k, v, planes, beta, causal=causal, key_mask=key_mask, eps=eps)
+        return out, [(None, inner)]
+    out = xp.zeros(np.broadcast_shapes(q.shape[:-2], v.shape[:-2]) + q.shape[-2:-1] + v.shape[-1:], q.dtype)
+    parts = []
+    for a, b in bounds:
+        if a == b:
+            continue
+        rows = (Ellipsis, slice(a, b), slice(None))
+        y, inner = forward_sums(xp, q[rows], k[rows], v[rows], planes, beta, causal=causal,
+                                key_mask=None if key_mask is None else key_mask[..., a:b], eps=eps)
+        out[rows] = y
+        parts.append(((a, b), inner))
+    return out, parts
+
+
+def backward_sequences(xp, parts, g, shapes, dplanes=False):
+    """The backward of :func:`forward_sequences`: ``(dq, dk, dv, dbeta[, dplanes])`` with ``dq``,
+    ``dk``, ``dv`` of ``shapes`` (the forward's inputs', leading axes broadcast), ``g`` the
+    cotangent of the whole output; sequences' dbeta and dplanes summed in sequence order."""
+    if parts[0][0] is None:
+        return backward_sums(xp, parts[0][1], g, dplanes)
+    dt = g.dtype
+    grads = [xp.zeros(s, dt) for s in shapes]
+    dbeta, dW = 0.0, None
+    for (a, b), inner in parts:
+        rows = (Ellipsis, slice(a, b), slice(None))
+        dq, dk, dv, db, *w = backward_sums(xp, inner, xp.ascontiguousarray(g[rows]), dplanes)
+        for full, part in zip(grads, (dq, dk, dv)):
+            full[rows] = part
+        dbeta += db
+        if dplanes:
+            dW = w[0] if dW is None else dW + w[0]
+    return tuple(grads) + (dbeta,) + ((dW,) if dplanes else ())
 
 
 def forward(q, k, v, planes, beta, *, causal=False, key_mask=None, check_finite=True, out=None, cu_seqlens=None,
             residuals=True):
     """The NumPy API's forward with the per-bucket mean (``racecpu.race_attention(...,
     estimator="bucket_mean")``): the same arguments, checks, grouped-query heads, 16-bit
-    inputs, ``out`` buffer and array types as the ratio's (:func:`racecpu.engine.forward`),
-    the estimator of :func:`race_attention_bucket_mean` (its ``eps``: :data:`EPS`).  Packed
-    sequences raise NotImplementedError."""
-    check_call(cu_seqlens)
+    inputs, ``out`` buffer, packed sequences and array types as the ratio's
+    (:func:`racecpu.engine.forward`), the estimator of :func:`race_attention_bucket_mean` (its
+    ``eps``: :data:`EPS`), a call per packed sequence (:func:`forward_sequences`)."""
     POOL.tick()
     a = prepare(q, k, v, planes, beta, causal, key_mask, check_finite, grouped=True)
     G, nq, d = a.q.shape
     Gk, nk, dv = a.v.shape
+    bounds = sequences(cu_seqlens, nq, nk)
     if out is not None:
         out = check_out("out", out, a.lead + (nq, dv), a.out_dtype,
                         [("q", q), ("k", k), ("v", v), ("planes", planes), ("key_mask", key_mask)])
     mask = None if key_mask is None else repeated(a.mask, a.group)
-    y, inner = race_attention_bucket_mean_fwd(a.q, repeated(a.k, a.group), repeated(a.v, a.group), a.planes, a.beta,
-                                              causal=a.causal, key_mask=mask, eps=EPS)
+    y, inner = forward_sequences(np, a.q, repeated(a.k, a.group), repeated(a.v, a.group), a.planes, a.beta,
+                                 causal=a.causal, key_mask=mask, eps=EPS, bounds=bounds)
     y = deliver(np.ascontiguousarray(y), out, a.lead + (nq, dv), a.out_dtype)
     xp = namespace_of(q)
     if out is None:
@@ -305,10 +351,10 @@ def backward(residuals, grad_out, *, out=None, dplanes=False):
     shapes = (r.lead + (r.nq, r.d), r.kv_lead + (r.nk, r.d), r.kv_lead + (r.nk, r.dv))
     out = check_grad_buffers(g, out, r.out_shape, shapes, r.in_dtypes, [], r.check_finite)
     check_array("grad_out", g, r.check_finite)
-    cdt = r.inner[5].dtype  # the forward's soft buckets: the compute dtype
+    cdt = r.inner[0][1][5].dtype  # the forward's soft buckets: the compute dtype
     G = int(np.prod(r.lead, dtype=np.int64))
-    dq, dk, dv, dbeta, *dW = race_attention_bucket_mean_bwd(r.inner, widened(g.reshape(G, r.nq, r.dv), cdt),
-                                                            dplanes)
+    dq, dk, dv, dbeta, *dW = backward_sequences(np, r.inner, widened(g.reshape(G, r.nq, r.dv), cdt),
+                                                ((G, r.nq, r.d), (G, r.nk, r.d), (G, r.nk, r.dv)), dplanes)
     # a key/value head's rows were read by its whole group of query heads
     dk, dv = (np.ascontiguousarray(group_sum(np.ascontiguousarray(x), r.group)) for x in (dk, dv))
     xp = r.namespace

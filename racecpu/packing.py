@@ -34,6 +34,12 @@ MIN_CHUNK = 64
 CHUNK_OVERHEAD = {False: 150, True: 20}
 
 
+def check_packed_lengths(nq, nk):
+    """ValueError unless q and k have one sequence length (``cu_seqlens`` packs q, k and v alike)."""
+    if nq != nk:
+        raise ValueError(f"cu_seqlens packs q, k and v alike: they need the same sequence length, got {nq} and {nk}")
+
+
 def check_cu_seqlens(cu_seqlens, n):
     """``cu_seqlens`` as int64 after checking it: 1-D, integer, 0 first, ``n`` last, non-decreasing."""
     cu = np.asarray(cu_seqlens)

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import numba
 
 from . import config
-from .packing import Packing, PaddedLayout, packed_chunks, padded_layout
+from .packing import Packing, PaddedLayout, check_packed_lengths, packed_chunks, padded_layout
 
 __all__ = ["ChunkModel", "Plan", "make_plan", "scan_segments", "sketch_task_length", "ROUTES"]
 
@@ -200,9 +200,7 @@ def make_plan(*, G, group, nq, nk, d, dv, L, P, causal, model=None, cu_seqlens=N
     n = max(nq, nk)
     packing = None
     if cu_seqlens is not None:
-        if nq != nk:
-            raise ValueError(f"cu_seqlens packs q, k and v alike: they need the same sequence length, "
-                             f"got {nq} and {nk}")
+        check_packed_lengths(nq, nk)
         if model.padded:
             packing = padded_layout(cu_seqlens, n, min_chunk=max(model.multiple, model.budget_chunk(n, G, F, dv)),
                                     max_chunk=model.base, multiple=model.multiple, causal=causal)

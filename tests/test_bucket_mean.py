@@ -234,6 +234,41 @@ def test_planes_gradient_matches_finite_differences_of_the_oracle(rng, causal):
     assert rel_err(race_attention_bucket_mean_bwd(inner, g, dplanes=True)[4], got[4]) < 1e-12
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_sequences_are_a_call_per_sequence(rng, causal):
+    """cu_seqlens with the per-bucket mean: out equal to the O(N^2) oracle on each sequence alone
+    (an empty one, grouped heads, a key mask), the gradients to the NumPy API's calls per
+    sequence, dbeta and the planes' gradient their sums."""
+    cu = np.array([0, 9, 9, 40, 70], np.int32)
+    q = rng.standard_normal((2, 2, 70, 4))
+    k, v = rng.standard_normal((2, 1, 70, 4)), rng.standard_normal((2, 1, 70, 3))
+    mask = rng.random((2, 1, 70)) > 0.2
+    W = racecpu.hyperplanes(4, 3, 2, seed=5, dtype=np.float64)
+    kw = dict(causal=causal, estimator="bucket_mean")
+    out, res = racecpu.race_attention_fwd(q, k, v, W, 1.5, key_mask=mask, cu_seqlens=cu, **kw)
+    g = rng.standard_normal(out.shape)
+    got = racecpu.race_attention_bwd(res, g, dplanes=True)
+    want = [np.zeros_like(x) for x in (q, k, v)] + [0.0, np.zeros_like(W)]
+    for a, b in zip(cu[:-1], cu[1:]):
+        if a == b:
+            continue
+        part = (Ellipsis, slice(a, b), slice(None))
+        o, r = racecpu.race_attention_fwd(q[part], k[part], v[part], W, 1.5, key_mask=mask[..., a:b], **kw)
+        dense = ref.race_attention_bucket_mean(q[part], np.repeat(k[part], 2, 1), np.repeat(v[part], 2, 1), W, 1.5,
+                                               causal=causal, key_mask=np.repeat(mask[..., a:b], 2, 1))
+        assert rel_err(out[part], dense) < 1e-12
+        np.testing.assert_array_equal(out[part], o)
+        dq, dk, dv, db, dW = racecpu.race_attention_bwd(r, g[part], dplanes=True)
+        want[0][part], want[1][part], want[2][part] = dq, dk, dv
+        want[3] += db
+        want[4] += dW
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    assert got[3] == pytest.approx(want[3], rel=1e-12)
+    assert rel_err(got[4], want[4]) < 1e-12
+    np.testing.assert_array_equal(racecpu.race_attention(q, k, v, W, 1.5, key_mask=mask, cu_seqlens=cu, **kw), out)
+
+
 def test_autograd_op_planes_gradient():
     from racecpu.autograd import Tensor, check_grad
     from racecpu.autograd import functional as F

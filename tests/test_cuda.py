@@ -675,7 +675,7 @@ def test_bucket_mean_matches_cpu_and_the_dense_oracle(rng, causal):
     it; its backward reached through the NumPy API): grouped heads, a key mask, float16 q, a
     length that is no whole block; out against the O(N^2) oracle, out and the gradients against
     the CPU's call (the planes' gradient too), device arrays back in the inputs' dtypes; packed
-    sequences refused as on the CPU."""
+    sequences as the CPU's."""
     q, k, v, mask = problem(rng, (2, 2), 70, 70, 4, 3, np.float32)
     k, v, mask = (np.ascontiguousarray(x[:, :1]) for x in (k, v, mask))   # two query heads a key/value head
     q = q.astype(np.float16)
@@ -703,8 +703,17 @@ def test_bucket_mean_matches_cpu_and_the_dense_oracle(rng, causal):
     dW = racecpu.race_attention_bwd(res, cuda.to_device(g), dplanes=True)
     assert host(dW[4]).dtype == np.float32 and dW[4].shape == planes.shape
     assert_close(dW[4], racecpu.race_attention_bwd(rres, g, dplanes=True)[4], 1e-5, "dplanes")
-    with pytest.raises(NotImplementedError, match="packed sequences"):
-        rc.BACKEND.forward(*dev, planes, 2.0, estimator="bucket_mean", cu_seqlens=np.array([0, 30, 70]))
+    # packed sequences: a call per sequence, as on the CPU
+    cu = np.array([0, 30, 30, 70])
+    out, res = rc.BACKEND.forward(*dev, planes, 2.0, cu_seqlens=cu, **kw)
+    ref, rres = racecpu.race_attention_fwd(q, k, v, planes, 2.0, cu_seqlens=cu, **kw)
+    assert_close(out, ref, 1e-5, "packed out")
+    for name, a, b in zip(("dq", "dk", "dv", "dbeta", "dplanes"), racecpu.race_attention_bwd(res, cuda.to_device(g),
+                                                                                          dplanes=True),
+                          racecpu.race_attention_bwd(rres, g, dplanes=True)):
+        assert_close(np.asarray(a) if name == "dbeta" else a, b, 1e-5, "packed " + name)
+    with pytest.raises(ValueError, match="cu_seqlens must run from 0"):
+        rc.BACKEND.forward(*dev, planes, 2.0, cu_seqlens=np.array([0, 30, 69]), **kw)
 
 
 @pytest.mark.parametrize("threads", [1, 7, 2 ** 20])

@@ -173,8 +173,10 @@ def test_bucket_mean_says_what_it_cannot_do(rng):
         racecpu.race_attention(q, q, q, W, estimator="mean")
     with pytest.raises(ValueError, match="estimator must be one of"):
         racecpu.RaceAttention(4, estimator=None)
-    with pytest.raises(NotImplementedError, match="packed sequences"):
-        racecpu.race_attention(q, q, q, W, cu_seqlens=[0, 8, 16], estimator="bucket_mean")
+    with pytest.raises(ValueError, match="cu_seqlens must run from 0 to the sequence length 16"):
+        racecpu.race_attention(q, q, q, W, cu_seqlens=[0, 8, 15], estimator="bucket_mean")
+    with pytest.raises(ValueError, match="same sequence length, got 16 and 12"):
+        racecpu.race_attention(q, q[:, :12], q[:, :12], W, cu_seqlens=[0, 8, 16], estimator="bucket_mean")
     _, res = racecpu.race_attention_fwd(q, q, q, W, estimator="bucket_mean")
     with pytest.raises(ValueError, match="grad_out must have the output's shape"):
         racecpu.race_attention_bwd(res, q[:, :3])

@@ -1279,17 +1279,20 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
 @dataclass(frozen=True)
 class BucketMeanResiduals:
     """What the per-bucket mean's backward on the GPU needs (treat as opaque): the residuals of
-    :func:`racecpu.bucket_mean.forward_sums` over the flattened groups, arrays of CuPy (NumPy
-    under the simulator), and how to give the gradients back the inputs' layout and dtypes."""
+    :func:`racecpu.bucket_mean.forward_sequences` over the flattened groups, arrays of CuPy
+    (NumPy under the simulator), and how to give the gradients back the inputs' layout and
+    dtypes."""
 
     backend: ClassVar[str] = "cuda"
     estimator: ClassVar[str] = "bucket_mean"
 
-    inner: tuple
+    inner: list
     lead: tuple
     kv_lead: tuple
     group: int
     tokens: int
+    keys: int
+    d: int
     dv: int
     in_dtypes: tuple
     check_finite: bool
@@ -1305,23 +1308,24 @@ def _bucket_mean_fwd(q, k, v, planes, beta, *, causal, key_mask, check_finite, c
     """The NumPy API's forward with ``estimator="bucket_mean"`` on arrays in GPU memory: the
     ratio's checks and layout (:func:`_prepare`), :func:`racecpu.bucket_mean.forward_sums` on
     CuPy (its batched products, cumulative sums and einsums; no kernel of its own), the
-    same numbers as the CPU's up to the order of sums."""
-    bucket_mean.check_call(cu_seqlens)
+    same numbers as the CPU's up to the order of sums (a call per packed sequence,
+    :func:`racecpu.bucket_mean.forward_sequences`)."""
     dev = _Device(_is_cupy(q.bits if isinstance(q, Bfloat16) else q))
     a = _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, dev)
-    xp = _xp()
     n, dv = a.q.shape[1], a.v.shape[2]
+    bounds = bucket_mean.sequences(None if cu_seqlens is None else _host(cu_seqlens), n, a.k.shape[1])
+    xp = _xp()
     q_, k_, v_ = (_as_xp(xp, x) for x in (a.q, a.k, a.v))
     mask = None if key_mask is None else bucket_mean.repeated(_as_xp(xp, a.mask), a.group, xp)
-    y, inner = bucket_mean.forward_sums(xp, q_, bucket_mean.repeated(k_, a.group, xp),
-                                        bucket_mean.repeated(v_, a.group, xp), _as_xp(xp, a.planes), a.beta,
-                                        causal=bool(causal), key_mask=mask, eps=bucket_mean.EPS)
+    y, inner = bucket_mean.forward_sequences(xp, q_, bucket_mean.repeated(k_, a.group, xp),
+                                             bucket_mean.repeated(v_, a.group, xp), _as_xp(xp, a.planes), a.beta,
+                                             causal=bool(causal), key_mask=mask, eps=bucket_mean.EPS, bounds=bounds)
     out = _from_xp(xp, chunkwise._cast(xp, y, a.out_dtype).reshape(a.lead + (n, dv)), dev)
     if not residuals:
         return out, None
     kv_lead = a.lead[:-1] + (a.lead[-1] // a.group,) if a.group > 1 else a.lead
-    return out, BucketMeanResiduals(inner, a.lead, kv_lead, a.group, n, dv, a.in_dtypes, bool(check_finite), dev.cupy,
-                                    _planes_dtype(planes, a.cdt))
+    return out, BucketMeanResiduals(inner, a.lead, kv_lead, a.group, n, a.k.shape[1], a.q.shape[2], dv, a.in_dtypes,
+                                    bool(check_finite), dev.cupy, _planes_dtype(planes, a.cdt))
 
 
 def _bucket_mean_bwd(r, grad_out, dplanes=False):
@@ -1333,10 +1337,11 @@ def _bucket_mean_bwd(r, grad_out, dplanes=False):
     if gshape != r.out_shape:
         raise ValueError(f"grad_out must have the output's shape {r.out_shape}, got {gshape}")
     xp = _xp()
-    pq = r.inner[5]  # the forward's soft buckets: the compute dtype, q's groups
+    pq = r.inner[0][1][5]  # the forward's soft buckets: the compute dtype, q's groups
     G = pq.shape[0]
     g = _as_xp(xp, _to_device(g, pq.dtype, (G, r.tokens, r.dv), dev))
-    dq, dk, dv, dbeta, *dW = bucket_mean.backward_sums(xp, r.inner, g, dplanes)
+    shapes = ((G, r.tokens, r.d), (G, r.keys, r.d), (G, r.keys, r.dv))
+    dq, dk, dv, dbeta, *dW = bucket_mean.backward_sequences(xp, r.inner, g, shapes, dplanes)
     if r.group > 1:  # a key/value head's rows were read by its whole group of query heads
         dk, dv = (x.reshape((G // r.group, r.group) + x.shape[1:]).sum(1) for x in (dk, dv))
     grads = []
