@@ -561,6 +561,17 @@ class Residuals:
         return self.lead[:-1] + (self.lead[-1] // self.group,) if self.group > 1 else self.lead
 
 
+def _grad_out(r, grad_out):
+    """``(device, grad_out)`` of a backward: the forward's kind of device, ``grad_out`` checked
+    (finite where the forward checked, the output's shape)."""
+    dev = _Device(r.cupy_out)
+    g, _, _ = _check_array("grad_out", grad_out, r.check_finite, dev)
+    gshape = tuple(int(s) for s in g.shape)
+    if gshape != r.out_shape:
+        raise ValueError(f"grad_out must have the output's shape {r.out_shape}, got {gshape}")
+    return dev, g
+
+
 _NO_Q_K = ("these residuals keep no q and k: their forward was told the planes' gradient would not be asked for "
            "(planes_grad=False)")
 
@@ -678,11 +689,7 @@ def race_attention_bwd(residuals, grad_out, *, dplanes=False):
         raise TypeError(f"residuals must come from racecpu.cuda.race_attention_fwd, got {type(r).__name__}")
     if dplanes and r.q_in is None:
         raise ValueError(_NO_Q_K)
-    dev = _Device(r.cupy_out)
-    g, _, _ = _check_array("grad_out", grad_out, r.check_finite, dev)
-    gshape = tuple(int(s) for s in g.shape)
-    if gshape != r.out_shape:
-        raise ValueError(f"grad_out must have the output's shape {r.out_shape}, got {gshape}")
+    dev, g = _grad_out(r, grad_out)
     G, nq, F = r.phiq.shape  # (packed sequences: the padded layout's rows)
     nk, dv = r.v.shape[1:]
     L, P, d = r.planes.shape
@@ -1231,14 +1238,10 @@ def _chunkwise_fwd(q, k, v, planes, beta, causal, key_mask, check_finite, dev, p
 
 
 def _chunkwise_bwd(r, grad_out, dplanes=False):
-    dev = _Device(r.cupy_out)
-    g, _, _ = _check_array("grad_out", grad_out, r.check_finite, dev)
-    gshape = tuple(int(s) for s in g.shape)
-    if gshape != r.out_shape:
-        raise ValueError(f"grad_out must have the output's shape {r.out_shape}, got {gshape}")
+    dev, g = _grad_out(r, grad_out)
     xp = _xp()
     G, n = r.state["D"].shape
-    g = _as_xp(xp, _to_device(g, None, (G, n, gshape[-1]), dev))
+    g = _as_xp(xp, _to_device(g, None, (G, n, r.out_shape[-1]), dev))
     kw = {}
     if dplanes:  # q and k as the forward read them (no copy where they are contiguous device arrays)
         st = r.state
@@ -1277,31 +1280,14 @@ def race_attention(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask
 # ---------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class BucketMeanResiduals:
-    """What the per-bucket mean's backward on the GPU needs (treat as opaque): the residuals of
-    :func:`racecpu.bucket_mean.forward_sequences` over the flattened groups, arrays of CuPy
-    (NumPy under the simulator), and how to give the gradients back the inputs' layout and
-    dtypes."""
+class BucketMeanResiduals(bucket_mean.Residuals):
+    """What the per-bucket mean's backward on the GPU needs (treat as opaque): the CPU's record
+    (:class:`racecpu.bucket_mean.Residuals`) with arrays of CuPy (NumPy under the simulator) in
+    ``inner``, and whether the results go back as CuPy arrays (``cupy_out``)."""
 
     backend: ClassVar[str] = "cuda"
-    estimator: ClassVar[str] = "bucket_mean"
 
-    inner: list
-    lead: tuple
-    kv_lead: tuple
-    group: int
-    tokens: int
-    keys: int
-    d: int
-    dv: int
-    in_dtypes: tuple
-    check_finite: bool
-    cupy_out: bool
-    planes_dtype: object  # the dtype of the planes' gradient
-
-    @property
-    def out_shape(self):
-        return self.lead + (self.tokens, self.dv)
+    cupy_out: bool = False
 
 
 def _bucket_mean_fwd(q, k, v, planes, beta, *, causal, key_mask, check_finite, cu_seqlens, residuals):
@@ -1324,23 +1310,20 @@ def _bucket_mean_fwd(q, k, v, planes, beta, *, causal, key_mask, check_finite, c
     if not residuals:
         return out, None
     kv_lead = a.lead[:-1] + (a.lead[-1] // a.group,) if a.group > 1 else a.lead
-    return out, BucketMeanResiduals(inner, a.lead, kv_lead, a.group, n, a.k.shape[1], a.q.shape[2], dv, a.in_dtypes,
-                                    bool(check_finite), dev.cupy, _planes_dtype(planes, a.cdt))
+    return out, BucketMeanResiduals(inner=inner, lead=a.lead, kv_lead=kv_lead, group=a.group, nq=n, nk=a.k.shape[1],
+                                    d=a.q.shape[2], dv=dv, in_dtypes=a.in_dtypes, check_finite=bool(check_finite),
+                                    planes_dtype=_planes_dtype(planes, a.cdt), cupy_out=dev.cupy)
 
 
 def _bucket_mean_bwd(r, grad_out, dplanes=False):
     """The backward of :func:`_bucket_mean_fwd`: ``(dq, dk, dv, dbeta[, dplanes])`` in the inputs'
     dtypes (the planes' gradient in the planes' dtype), device arrays of the forward's kind."""
-    dev = _Device(r.cupy_out)
-    g, _, _ = _check_array("grad_out", grad_out, r.check_finite, dev)
-    gshape = tuple(int(s) for s in g.shape)
-    if gshape != r.out_shape:
-        raise ValueError(f"grad_out must have the output's shape {r.out_shape}, got {gshape}")
+    dev, g = _grad_out(r, grad_out)
     xp = _xp()
     pq = r.inner[0][1][5]  # the forward's soft buckets: the compute dtype, q's groups
     G = pq.shape[0]
-    g = _as_xp(xp, _to_device(g, pq.dtype, (G, r.tokens, r.dv), dev))
-    shapes = ((G, r.tokens, r.d), (G, r.keys, r.d), (G, r.keys, r.dv))
+    g = _as_xp(xp, _to_device(g, pq.dtype, (G, r.nq, r.dv), dev))
+    shapes = ((G, r.nq, r.d), (G, r.nk, r.d), (G, r.nk, r.dv))
     dq, dk, dv, dbeta, *dW = bucket_mean.backward_sequences(xp, r.inner, g, shapes, dplanes)
     if r.group > 1:  # a key/value head's rows were read by its whole group of query heads
         dk, dv = (x.reshape((G // r.group, r.group) + x.shape[1:]).sum(1) for x in (dk, dv))
