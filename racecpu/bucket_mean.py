@@ -62,12 +62,14 @@ def _reverse_cumsum(xp, x, axis):
     return xp.flip(xp.cumsum(xp.flip(x, axis), axis), axis)
 
 
-def race_attention_bucket_mean_fwd(q, k, v, planes, beta, *, causal=False, key_mask=None, eps=1e-6):
+def race_attention_bucket_mean_fwd(q, k, v, planes, beta, *, causal=False, key_mask=None, eps=1e-6,
+                                   cu_seqlens=None):
     """The per-bucket-mean estimator and what its backward needs; returns ``(out, residuals)``.
 
     Arguments as :func:`race_attention_bucket_mean`.  ``residuals`` is opaque
     (for :func:`race_attention_bucket_mean_bwd`); it holds the inputs' soft
-    hashes, the per-bucket sums and, when causal, each block's weights.
+    hashes, the per-bucket sums and, when causal, each block's weights (each
+    packed sequence's).
     """
     dt = float_dtype(q, k, v)
     q, k, v = (np.asarray(a, dtype=dt) for a in (q, k, v))
@@ -79,7 +81,10 @@ def race_attention_bucket_mean_fwd(q, k, v, planes, beta, *, causal=False, key_m
     if causal and q.shape[-2] != k.shape[-2]:
         raise ValueError(f"causal attention needs Nq == Nk, got {q.shape[-2]} and {k.shape[-2]}")
     mask = None if key_mask is None else np.asarray(key_mask, dtype=bool)
-    return forward_sums(np, q, k, v, np.asarray(planes, dtype=dt), beta, causal=causal, key_mask=mask, eps=eps)
+    lead = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    out, parts = forward_sequences(np, q, k, v, np.asarray(planes, dtype=dt), beta, causal=causal, key_mask=mask,
+                                   eps=eps, bounds=sequences(cu_seqlens, q.shape[-2], k.shape[-2]))
+    return out, (parts, (lead + q.shape[-2:], lead + k.shape[-2:], lead + v.shape[-2:]))
 
 
 def forward_sums(xp, q, k, v, planes, beta, *, causal, key_mask, eps):
@@ -147,7 +152,8 @@ def race_attention_bucket_mean_bwd(residuals, grad_out, dplanes=False):
     (after broadcasting the leading axes); fresh arrays, the residuals are
     not modified.
     """
-    return backward_sums(np, residuals, np.asarray(grad_out, dtype=residuals[5].dtype), dplanes)
+    parts, shapes = residuals
+    return backward_sequences(np, parts, np.asarray(grad_out, dtype=parts[0][1][5].dtype), shapes, dplanes)
 
 
 def backward_sums(xp, residuals, g, dplanes=False):
@@ -185,7 +191,7 @@ def backward_sums(xp, residuals, g, dplanes=False):
     return grads + ((dw_q[0] + dw_k[0]).astype(dt),) if dplanes else grads
 
 
-def race_attention_bucket_mean(q, k, v, planes, beta, *, causal=False, key_mask=None, eps=1e-6):
+def race_attention_bucket_mean(q, k, v, planes, beta, *, causal=False, key_mask=None, eps=1e-6, cu_seqlens=None):
     """RACE attention as the authors' released code computes it, in linear time.
 
     ``out_i = sum_l sum_r phi_l(q_i)_r B_lr / (A_lr + eps)`` with ``A``, ``B``
@@ -208,6 +214,10 @@ def race_attention_bucket_mean(q, k, v, planes, beta, *, causal=False, key_mask=
         False: the key adds nothing to any bucket.
     eps : float, default 1e-6
         Added to every bucket's soft count (the released code's).
+    cu_seqlens : int array_like, shape (S + 1,), optional
+        Packed sequences (offsets ``0, n1, n1 + n2, ..., N``, as
+        :func:`racecpu.race_attention`'s), each attending only within itself;
+        needs ``Nq == Nk``.
 
     Returns
     -------
@@ -218,7 +228,8 @@ def race_attention_bucket_mean(q, k, v, planes, beta, *, causal=False, key_mask=
     O(N L 2**P (d + dv + BLOCK)) time, O(N L 2**P + N BLOCK + (N / BLOCK) L 2**P dv)
     memory (the blocks' sums when causal, one per bucket otherwise).
     """
-    return race_attention_bucket_mean_fwd(q, k, v, planes, beta, causal=causal, key_mask=key_mask, eps=eps)[0]
+    return race_attention_bucket_mean_fwd(q, k, v, planes, beta, causal=causal, key_mask=key_mask, eps=eps,
+                                          cu_seqlens=cu_seqlens)[0]
 
 
 # ---------------------------------------------------------------------------

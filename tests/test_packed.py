@@ -253,6 +253,19 @@ def test_autograd_op_and_layer_take_packed_sequences(rng):
         if cu[s] < cu[s + 1]:
             alone = mha(Tensor(x[:, cu[s]:cu[s + 1]])).data
             np.testing.assert_allclose(y[:, cu[s]:cu[s + 1]], alone, rtol=0, atol=1e-10)
+    # the per-bucket mean too: the layer, and the op's gradients (planes and a beta a head included)
+    mha = MultiHeadAttention(12, 2, causal=True, dtype=np.float64, seed=1, estimator="bucket_mean")
+    y = mha(Tensor(x), cu_seqlens=cu).data
+    for s in range(cu.size - 1):
+        if cu[s] < cu[s + 1]:
+            alone = mha(Tensor(x[:, cu[s]:cu[s + 1]])).data
+            np.testing.assert_allclose(y[:, cu[s]:cu[s + 1]], alone, rtol=0, atol=1e-10)
+    from racecpu.autograd import check_grad
+    small = _offsets([5, 0, 7])
+    qs, ks, vs = (Tensor(a) for a in _inputs(rng, (1, 2), (1, 2), 12, 4, 3)[:3])
+    Ws = Tensor(racecpu.hyperplanes(4, 2, 2, seed=6, dtype=np.float64), requires_grad=True)
+    check_grad(lambda q, k, v, W, b: F.race_attention_bucket_mean(q, k, v, W, b, causal=True, cu_seqlens=small),
+               qs, ks, vs, Ws, Tensor(np.array([0.8, 2.0])))
     with pytest.raises(NotImplementedError, match="cu_seqlens"):
         MultiHeadAttention(12, 2, causal=True, attention="softmax")(Tensor(x), cu_seqlens=cu)
 

@@ -236,7 +236,8 @@ def _race_per_head(q, k, v, planes, beta_t, causal, key_mask, extra=(), cu_seqle
     return op(np.stack(outs, axis=1), (q, k, v, beta_t) + extra, vjp)
 
 
-def race_attention_bucket_mean(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None, eps=1e-6):
+def race_attention_bucket_mean(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_mask=None, eps=1e-6,
+                               cu_seqlens=None):
     """Per-bucket-mean RACE attention (:func:`racecpu.bucket_mean.race_attention_bucket_mean`) as an op.
 
     The estimator of the authors' released code: ``out_i = sum_l sum_r
@@ -257,6 +258,8 @@ def race_attention_bucket_mean(q, k, v, planes, beta=DEFAULT_BETA, *, causal=Fal
     causal : bool
     key_mask : bool ndarray, shape (..., Nk), optional
     eps : float
+    cu_seqlens : int array_like, optional
+        Packed sequences, as :func:`race_attention`'s.
 
     Returns
     -------
@@ -277,7 +280,7 @@ def race_attention_bucket_mean(q, k, v, planes, beta=DEFAULT_BETA, *, causal=Fal
         H = q.shape[1]
         mask = None if key_mask is None else np.broadcast_to(np.asarray(key_mask), k.shape[:-1])
         fr = [_bm.race_attention_bucket_mean_fwd(q.data[:, h], k.data[:, h], v.data[:, h], planes,
-                                                  float(beta_t.data[h]), causal=causal, eps=eps,
+                                                  float(beta_t.data[h]), causal=causal, eps=eps, cu_seqlens=cu_seqlens,
                                                   key_mask=None if mask is None else mask[:, h]) for h in range(H)]
 
         def vjp(g):
@@ -288,7 +291,7 @@ def race_attention_bucket_mean(q, k, v, planes, beta=DEFAULT_BETA, *, causal=Fal
         return op(np.stack([o for o, _ in fr], axis=1), (q, k, v, beta_t) + extra, vjp)
     b = float(beta_t.data) if beta_t is not None else beta
     out, res = _bm.race_attention_bucket_mean_fwd(q.data, k.data, v.data, planes, b, causal=causal,
-                                                   key_mask=key_mask, eps=eps)
+                                                   key_mask=key_mask, eps=eps, cu_seqlens=cu_seqlens)
 
     def vjp(g):
         dq, dk, dv, dbeta, *dW = _bm.race_attention_bucket_mean_bwd(res, g, learn)

@@ -294,12 +294,11 @@ class MultiHeadAttention(Module):
     def forward(self, x, key_mask=None, cu_seqlens=None):
         """``x``: (B, N, d_model); ``key_mask``: optional bool (B, N), False = padding;
         ``cu_seqlens``: packed sequences on the N axis (:func:`racecpu.race_attention`'s),
-        each attending only within itself (RACE's ratio estimator, no convolution)."""
+        each attending only within itself (RACE, either estimator, no convolution)."""
         B, N, D = x.shape
-        if cu_seqlens is not None and not (self.attention == "race" and self.estimator == "ratio"
-                                           and not self.conv_size):
-            raise NotImplementedError("cu_seqlens (packed sequences) needs attention='race' with "
-                                      "estimator='ratio' and conv_size=0 (the convolution would mix sequences)")
+        if cu_seqlens is not None and not (self.attention == "race" and not self.conv_size):
+            raise NotImplementedError("cu_seqlens (packed sequences) needs attention='race' and conv_size=0 (the "
+                                      "convolution would mix sequences)")
         H, Hk = self.n_heads, self.n_kv_heads
         q, k, v = self.project(x)
         shared = self.attention == "race" and self.estimator == "ratio"  # grouped k, v read as they are
