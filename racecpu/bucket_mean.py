@@ -288,7 +288,8 @@ def forward_sequences(xp, q, k, v, planes, beta, *, causal, key_mask, eps, bound
     if bounds is None or all(a == b for a, b in bounds):  # (no tokens: the whole empty call)
         out, inner = forward_sums(xp, q, k, v, planes, beta, causal=causal, key_mask=key_mask, eps=eps)
         return out, [(None, inner)]
-    out = xp.zeros(np.broadcast_shapes(q.shape[:-2], v.shape[:-2]) + q.shape[-2:-1] + v.shape[-1:], q.dtype)
+    out = xp.zeros(np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]) + q.shape[-2:-1] + v.shape[-1:],
+                   q.dtype)
     parts = []
     for a, b in bounds:
         if a == b:

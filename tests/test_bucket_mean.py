@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import racecpu
+from racecpu import bucket_mean as bm
 from racecpu import reference as ref
 
 from .util import fd_check, fd_grad, rel_err
@@ -267,6 +268,20 @@ def test_packed_sequences_are_a_call_per_sequence(rng, causal):
     assert got[3] == pytest.approx(want[3], rel=1e-12)
     assert rel_err(got[4], want[4]) < 1e-12
     np.testing.assert_array_equal(racecpu.race_attention(q, k, v, W, 1.5, key_mask=mask, cu_seqlens=cu, **kw), out)
+
+
+def test_packed_linear_time_function_broadcasts_leading_axes(rng):
+    """race_attention_bucket_mean with cu_seqlens: k's leading axes wider than q's and v's
+    broadcast as without packing, each sequence equal to its own call."""
+    q, v = rng.standard_normal((3, 20, 4)), rng.standard_normal((3, 20, 2))
+    k = rng.standard_normal((2, 3, 20, 4))
+    W = racecpu.hyperplanes(4, 2, 2, seed=1, dtype=np.float64)
+    cu = [0, 8, 20]
+    out = bm.race_attention_bucket_mean(q, k, v, W, 1.5, causal=True, cu_seqlens=cu)
+    assert out.shape == (2, 3, 20, 2)
+    for a, b in zip(cu[:-1], cu[1:]):
+        np.testing.assert_array_equal(out[..., a:b, :], bm.race_attention_bucket_mean(
+            q[..., a:b, :], k[..., a:b, :], v[..., a:b, :], W, 1.5, causal=True))
 
 
 def test_autograd_op_planes_gradient():

@@ -700,9 +700,9 @@ def test_bucket_mean_matches_cpu_and_the_dense_oracle(rng, causal):
     alone, none = rc.BACKEND.forward(*dev, planes, 2.0, residuals=False, **kw)
     assert none is None
     assert_close(alone, ref, 1e-5, "forward alone")
-    dW = racecpu.race_attention_bwd(res, cuda.to_device(g), dplanes=True)
-    assert host(dW[4]).dtype == np.float32 and dW[4].shape == planes.shape
-    assert_close(dW[4], racecpu.race_attention_bwd(rres, g, dplanes=True)[4], 1e-5, "dplanes")
+    dW = racecpu.race_attention_bwd(res, cuda.to_device(g), dplanes=True)[4]
+    assert host(dW).dtype == np.float32 and dW.shape == planes.shape
+    assert_close(dW, racecpu.race_attention_bwd(rres, g, dplanes=True)[4], 1e-5, "dplanes")
     # packed sequences: a call per sequence, as on the CPU
     cu = np.array([0, 30, 30, 70])
     out, res = rc.BACKEND.forward(*dev, planes, 2.0, cu_seqlens=cu, **kw)

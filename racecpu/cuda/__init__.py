@@ -750,12 +750,13 @@ def race_attention_bwd(residuals, grad_out, *, dplanes=False):
              _output(dv_, vdt, klead + (dv_.shape[1], dv), dev),
              dbeta)
     if dplanes:
-        dW = dev.full((L * P * d,), np.float64, 0)
         if keep:  # q and k as the forward read them, in the padded layout of du
             x_q = lay.pack(_to_device(r.q_in, cdt, (G, r.tokens, d), dev), dev)
             nk_in = r.v.shape[1] if lay.rows is None else lay.packing.n
             x_k = lay.pack(_to_device(r.k_in, cdt, (Gk, nk_in, d), dev), dev)
             dW = _plane_sums(((duq, x_q), (duk, x_k)), dev)
+        else:  # no queries or no keys
+            dW = dev.full((L * P * d,), np.float64, 0)
         grads += (_output(dW, r.planes_dtype, (L, P, d), dev),)
     return grads
 
@@ -1292,10 +1293,10 @@ class BucketMeanResiduals(bucket_mean.Residuals):
 
 def _bucket_mean_fwd(q, k, v, planes, beta, *, causal, key_mask, check_finite, cu_seqlens, residuals):
     """The NumPy API's forward with ``estimator="bucket_mean"`` on arrays in GPU memory: the
-    ratio's checks and layout (:func:`_prepare`), :func:`racecpu.bucket_mean.forward_sums` on
-    CuPy (its batched products, cumulative sums and einsums; no kernel of its own), the
-    same numbers as the CPU's up to the order of sums (a call per packed sequence,
-    :func:`racecpu.bucket_mean.forward_sequences`)."""
+    ratio's checks and layout (:func:`_prepare`), then
+    :func:`racecpu.bucket_mean.forward_sequences` on CuPy (batched products, cumulative sums
+    and einsums, a call per packed sequence; no kernel of its own): the CPU's numbers up to
+    the order of sums."""
     dev = _Device(_is_cupy(q.bits if isinstance(q, Bfloat16) else q))
     a = _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, dev)
     n, dv = a.q.shape[1], a.v.shape[2]
