@@ -123,6 +123,13 @@ def host(x):
     return x if isinstance(x, np.ndarray) else x.copy_to_host()
 
 
+def _address(a):
+    """Where a device array's data starts (under the simulator: that of the NumPy array it wraps)."""
+    if hasattr(a, "__cuda_array_interface__"):
+        return a.__cuda_array_interface__["data"][0]
+    return a._ary.__array_interface__["data"][0]
+
+
 def assert_close(got, want, rtol, what=""):
     """Max-norm relative error: max |got - want| <= rtol * max |want|."""
     got, want = np.asarray(host(got), np.float64), np.asarray(want, np.float64)
@@ -253,7 +260,7 @@ def test_bfloat16_bits_equal_the_float32_call_rounded(rng, causal, monkeypatch):
         rc.race_attention_fwd(bits(bad), bits(k), bits(v), planes, 2.0, causal=causal)
     with pytest.raises(TypeError, match="int16 or uint16"):
         rc.Bfloat16(cuda.to_device(np.zeros(3, np.float32)))
-    # the tile kernels widen them whole and round their results the same way
+    # the tile kernels read the bits in their kernels and round their results the same way
     monkeypatch.setattr(rc, "PATH", "tiles")
     out, res = rc.race_attention_fwd(bits(q), bits(k), bits(v), planes, 2.0, causal=causal, key_mask=mask)
     grads = rc.race_attention_bwd(res, bits(g))
@@ -263,6 +270,69 @@ def test_bfloat16_bits_equal_the_float32_call_rounded(rng, causal, monkeypatch):
         assert isinstance(a, rc.Bfloat16), name
         np.testing.assert_array_equal(host(a.bits).view(np.uint16), host(b).astype(bf).view(np.uint16), err_msg=name)
     assert grads[3] == want[3]
+
+
+@_ONCE
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("half", ["float16", "bfloat16"])
+def test_tiles_read_and_write_16_bit_in_their_dtype(rng, causal, half, monkeypatch):
+    """The tile kernels (``PATH = "tiles"``, and every call with packed sequences) read 16-bit q,
+    k, v and grad_out in their dtype and write out, dq, dk, dv in theirs: the bits of their own
+    float32 call on the same (exactly widened) values, each rounded once, with dplanes and dbeta
+    equal, for grouped heads, a key mask and packed sequences; and on the way no 16-bit array is
+    widened or cast (every cast and bfloat16 widening recorded: only the float64 sketches are
+    cast); v is kept by reference."""
+    from racecpu import chunkwise
+    monkeypatch.setattr(rc, "PATH", "tiles")
+    if half == "bfloat16":
+        dt = np.dtype(pytest.importorskip("ml_dtypes").bfloat16)
+
+        def dev16(x):
+            return rc.Bfloat16(cuda.to_device(np.ascontiguousarray(x).view(np.uint16)))
+
+        def bits(a):
+            assert isinstance(a, rc.Bfloat16)
+            return host(a.bits).view(np.uint16)
+    else:
+        dt = np.dtype(np.float16)
+        dev16 = cuda.to_device
+
+        def bits(a):
+            assert host(a).dtype == np.float16
+            return host(a).view(np.uint16)
+    q = rng.standard_normal((2, 30, 4)).astype(dt)
+    k, v = (rng.standard_normal((1, 30, 4)).astype(dt) for _ in range(2))   # two query heads a key/value head
+    mask = rng.random((1, 30)) > 0.25
+    g = rng.standard_normal((2, 30, 4)).astype(dt)
+    planes = racecpu.hyperplanes(4, 2, 2, seed=5)
+    casts = []
+    real_cast, real_astype = rc._Device.cast, chunkwise.Bfloat16Bits.astype
+    monkeypatch.setattr(rc._Device, "cast", lambda self, a, *args: casts.append(np.dtype(a.dtype)) or
+                        real_cast(self, a, *args))
+    monkeypatch.setattr(chunkwise.Bfloat16Bits, "astype", lambda self, *args, **kw: casts.append("bfloat16") or
+                        real_astype(self, *args, **kw))
+    for cu in (None, np.array([0, 5, 5, 19, 27, 30], np.int32)):
+        casts.clear()
+        v_dev = dev16(v)
+        out, res = rc.race_attention_fwd(dev16(q), dev16(k), v_dev, planes, 2.0, causal=causal, key_mask=mask,
+                                         cu_seqlens=cu)
+        got = rc.race_attention_bwd(res, dev16(g), dplanes=True)
+        assert set(casts) <= {np.dtype(np.float64)}, (cu, casts)
+        if cu is None:   # the caller's v (the same memory) is what the backward reads
+            v_bits = v_dev.bits if half == "bfloat16" else v_dev
+            assert _address(res.v) == _address(v_bits)
+        wide = [cuda.to_device(x.astype(np.float32)) for x in (q, k, v, g)]
+        o32, r32 = rc.race_attention_fwd(*wide[:3], planes, 2.0, causal=causal, key_mask=mask, cu_seqlens=cu)
+        want = (o32,) + rc.race_attention_bwd(r32, wide[3], dplanes=True)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), (out,) + got[:3], want):
+            np.testing.assert_array_equal(bits(a), host(b).astype(dt).view(np.uint16), err_msg=f"{name}, cu={cu}")
+        assert got[3] == want[4]
+        np.testing.assert_array_equal(host(got[4]), host(want[5]), err_msg="dplanes")
+        ref = racecpu.race_attention(q, k, v, planes, 2.0, causal=causal, key_mask=mask, cu_seqlens=cu)
+        assert_close(bits(out).view(dt).astype(np.float32), ref.astype(np.float32), 1e-2, "out against the CPU")
+    # the public soft hash reads x as it is too
+    phi = rc.soft_buckets(dev16(q), planes, 2.0)
+    np.testing.assert_array_equal(bits(phi), host(rc.soft_buckets(wide[0], planes, 2.0)).astype(dt).view(np.uint16))
 
 
 @_ONCE
@@ -474,21 +544,24 @@ _PTX = textwrap.dedent("""
         disp.get_current_device = lambda cc=cc: types.SimpleNamespace(compute_capability=cc)
         f = getattr(nt, dtype)  # the compute dtype; partial sums and beta are float64 whatever it is
         k = K.make_kernels(3, 3, THREADS, np.dtype(dtype))
-        sigs = {  # as racecpu.cuda launches them
-            "soft_hash_rows": (A(f, 2), A(f, 3), d, A(f, 2), A(f, 2)),
-            "sketch_chunks": (A(f, 3), A(f, 3), A(b, 2), A(f, 3), d, i, A(f, 3), A(f, 3), A(d, 4)),
-            "queries_fwd": (A(f, 3), A(f, 3), d, A(f, 4), A(i, 1), i, i, A(f, 3), A(f, 3), A(d, 2), A(f, 3)),
-            "queries_bwd": (A(f, 3), A(f, 3), A(f, 3), A(d, 2), A(f, 4), A(i, 1), i, A(f, 3), d, i, A(f, 3),
-                            A(d, 2), A(d, 2), A(d, 4), A(d, 1), b, A(d, 3)),
-            "keys_bwd": (A(f, 3), A(f, 3), A(f, 3), A(f, 4), A(i, 1), i, A(f, 3), d, A(f, 3), A(f, 3),
-                         A(d, 1), b, A(d, 3)),
-            "causal_fwd": (A(f, 3), A(f, 3), A(f, 3), A(d, 4), i, A(f, 3), d, i, A(f, 3), A(f, 3), A(f, 3),
-                           A(d, 2), A(f, 3)),
-            "causal_queries_bwd": (A(f, 3), A(f, 3), A(f, 3), A(f, 3), A(f, 3), A(d, 2), A(d, 4), i, A(f, 3), d,
-                                   i, A(f, 3), A(f, 3), A(d, 2), A(d, 2), A(d, 4), A(d, 1), b, A(d, 3)),
-            "causal_keys_bwd": (A(f, 3), A(f, 3), A(f, 3), A(f, 3), A(f, 3), A(d, 2), A(d, 2), A(d, 4), i,
-                                A(f, 3), d, i, A(f, 3), A(f, 3), A(f, 3), A(d, 1), b, A(d, 3)),
-        }
+
+        def tile_sigs(x):  # as racecpu.cuda launches them, with q, k, v, grad_out and results of type x
+            return {
+                "soft_hash_rows": (A(x, 2), A(f, 3), d, A(f, 2), A(f, 2)),
+                "sketch_chunks": (A(x, 3), A(x, 3), A(b, 2), A(f, 3), d, i, A(f, 3), A(f, 3), A(d, 4)),
+                "queries_fwd": (A(x, 3), A(f, 3), d, A(f, 4), A(i, 1), i, i, A(f, 3), A(f, 3), A(d, 2), A(x, 3)),
+                "queries_bwd": (A(x, 3), A(f, 3), A(f, 3), A(d, 2), A(f, 4), A(i, 1), i, A(f, 3), d, i, A(x, 3),
+                                A(d, 2), A(d, 2), A(d, 4), A(d, 1), b, A(d, 3)),
+                "keys_bwd": (A(x, 3), A(f, 3), A(f, 3), A(f, 4), A(i, 1), i, A(f, 3), d, A(x, 3), A(x, 3),
+                             A(d, 1), b, A(d, 3)),
+                "causal_fwd": (A(x, 3), A(x, 3), A(f, 3), A(d, 4), i, A(f, 3), d, i, A(f, 3), A(f, 3), A(f, 3),
+                               A(d, 2), A(x, 3)),
+                "causal_queries_bwd": (A(x, 3), A(x, 3), A(f, 3), A(f, 3), A(f, 3), A(d, 2), A(d, 4), i, A(f, 3), d,
+                                       i, A(f, 3), A(x, 3), A(d, 2), A(d, 2), A(d, 4), A(d, 1), b, A(d, 3)),
+                "causal_keys_bwd": (A(x, 3), A(x, 3), A(f, 3), A(f, 3), A(f, 3), A(d, 2), A(d, 2), A(d, 4), i,
+                                    A(f, 3), d, i, A(f, 3), A(x, 3), A(x, 3), A(d, 1), b, A(d, 3)),
+            }
+        sigs = tile_sigs(f)
         fns = [(k[n].py_func, s) for n, s in sigs.items()] + [
             (K.sum_chunks.py_func, (A(d, 3), A(i, 1), A(d, 3))),
             (K.plane_sums.py_func, (A(d, 2), A(f, 2), i, A(d, 2))),
@@ -523,6 +596,11 @@ _PTX = textwrap.dedent("""
         fns += [(hk["hash_rows"].py_func, (A(f, 2), A(f, 2), d, A(f, 2), A(f, 2))),
                 (hk["hash_rows_bwd"].py_func, (A(f, 2), A(f, 2), A(f, 2), A(f, 2), d, A(f, 2), A(f, 1))),
                 (hk["hash_from_u"].py_func, (A(f, 2), d, A(f, 2), A(f, 2)))]
+        if dtype == "float32":  # 16-bit inputs and results read and written as they are (load, store)
+            for x in (h, nt.uint16):   # float16, and bfloat16 bits
+                fns += [(k[n].py_func, s) for n, s in tile_sigs(x).items()]
+                fns += [(K.plane_sums.py_func, (A(d, 2), A(x, 2), i, A(d, 2)))]
+            fns += [(K.flag_nonfinite.py_func, (A(h, 1), A(nt.int32, 1)))]
         for fn, sig in fns:
             ptx, _ = cuda.compile_ptx(fn, sig, cc=cc)
             assert ".entry" in ptx and f".target sm_{cc[0]}{cc[1]}" in ptx, (fn.__name__, sig, cc)
@@ -542,14 +620,17 @@ def ptx_run():
 @_ONCE  # one test, so one process compiles (a module fixture runs once per xdist worker)
 def test_kernels_compile_to_ptx(ptx_run):
     """Lower every kernel with the real CUDA compiler (NVVM), which the simulator never runs:
-    for sm_80 and sm_90, float32 and float64 compute, with the signatures the host code launches."""
+    for sm_80 and sm_90, float32 and float64 compute, with the signatures the host code launches
+    (and, with float32 compute, the tile kernels on float16 and bfloat16-bit arrays)."""
     p = ptx_run
     if p.returncode and ("libnvvm" in p.stderr or "libnvrtc" in p.stderr or "NVVM" in p.stderr):
         if os.environ.get("RACECPU_REQUIRE_PTX") == "1":  # .ci/cuda-ptx.sh: installed, so a skip is a failure
             pytest.fail("NVVM/NVRTC not found although RACECPU_REQUIRE_PTX=1:\n" + p.stderr[-3000:])
         pytest.skip("the CUDA compiler libraries (NVVM/NVRTC) are not installed: pip install "
                     "'cuda-toolkit[nvvm,nvrtc,cudart]==13.*' (or run .ci/cuda-ptx.sh) to run this check")
-    missing = [(cc, dtype) for cc, dtype in _PTX_TARGETS if f"compiled 36 for {cc[0]}.{cc[1]}:{dtype}" not in p.stdout]
+    count = {"float32": 36 + 2 * 9 + 1, "float64": 36}  # float32 compute: the 16-bit builds too
+    missing = [(cc, dtype) for cc, dtype in _PTX_TARGETS
+               if f"compiled {count[dtype]} for {cc[0]}.{cc[1]}:{dtype}" not in p.stdout]
     assert not missing, f"not compiled for {missing}:\n" + p.stdout + p.stderr[-3000:]
 
 

@@ -23,7 +23,9 @@ take the shape), taken by default
 where CuPy is installed, and the *tile* kernels of ``racecpu.cuda._kernels``
 (one thread per token, states in per-block scratch), which also take packed
 sequences.  16-bit inputs are widened a segment at a time in the chunkwise
-form (:data:`WORKSPACE`), whole in the tile kernels.
+form (:data:`WORKSPACE`), an element at a time in the tile kernels' registers
+(``racecpu.cuda._kernels.load``; their results are written in the inputs'
+dtypes, rounded once: ``store``).
 
 Needs ``numba-cuda`` (``pip install "racecpu[cuda]"``).  Without a GPU the
 kernels run under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1`` set
@@ -121,8 +123,8 @@ class Bfloat16:
     widens a segment at a time, never the whole array (:data:`WORKSPACE`), and returns the results
     of a bfloat16 call as ``Bfloat16`` too (``bits`` int16: CuPy for CuPy callers, numba device
     arrays otherwise), rounded to nearest even.  Needs ml_dtypes for the dtype the checks see
-    (``pip install "racecpu[bf16]"``); the tile kernels (``PATH = "tiles"``, packed sequences) do
-    not take it.
+    (``pip install "racecpu[bf16]"``).  The tile kernels (``PATH = "tiles"``, packed sequences)
+    read the bits in their kernels and write their results' bits, rounded the same way.
     """
 
     def __init__(self, bits):
@@ -174,11 +176,8 @@ def _check_array(name, x, check_finite, dev, min_ndim=2):
     """:func:`racecpu._checks.check_array` for host or device arrays (same errors, same order)."""
     if isinstance(x, Bfloat16):
         _, dt, cdt = cpu_checks.check_array(name, _proxy(x), False, min_ndim)
-        if check_finite:
-            xp = _bfloat16_xp()
-            b = _as_xp(xp, x.bits).view(np.uint16)
-            if b.size and bool(((b & 0x7FFF) >= 0x7F80).any()):
-                raise ValueError(f"{name} contains NaN or Inf (pass check_finite=False to skip this check)")
+        if check_finite and not _all_finite(_kernel_array(x), dev):  # the bits widened as the kernels read them
+            raise ValueError(f"{name} contains NaN or Inf (pass check_finite=False to skip this check)")
         return x, dt, cdt
     if not _on_device(x):
         return cpu_checks.check_array(name, x, check_finite, min_ndim)
@@ -269,8 +268,8 @@ def _all_finite(x, dev):
     a = _as_numba(x)
     if a.size == 0:
         return True
-    if not (a.is_c_contiguous() and a.dtype in (np.float32, np.float64)):
-        a = _to_device(a, np.float64 if a.dtype == np.float64 else np.float32, (a.size,), dev)
+    if not a.is_c_contiguous():  # (flag_nonfinite reads float16 and bfloat16 bits as they are)
+        a = _to_device(a, None, (a.size,), dev)
     flag = dev.to_device(np.zeros(1, np.int32))
     dev.grid(cuda_kernels.flag_nonfinite, a.size)(a.reshape(a.size), flag)
     return not dev.to_host(flag)[0]
@@ -280,7 +279,7 @@ def _to_device(x, dtype, shape, dev):
     """C-contiguous numba device array of ``dtype`` (None: ``x``'s own) and ``shape`` holding ``x``
     (a copy unless it fits)."""
     if isinstance(x, Bfloat16):
-        if dtype is not None and np.dtype(dtype) != x.dtype:   # the tile kernels': widened whole
+        if dtype is not None and np.dtype(dtype) != x.dtype:   # widened whole (the per-bucket mean's)
             xp = _bfloat16_xp()
             wide = chunkwise.Bfloat16Bits(xp, _as_xp(xp, x.bits).view(np.uint16)).astype(dtype)
             wide = wide.reshape(shape)
@@ -319,8 +318,8 @@ def _host(x):
 
 
 def _bfloat16_xp():
-    """The array module that widens and rounds bfloat16 bits for the tile kernels: CuPy on a GPU,
-    NumPy under the simulator."""
+    """The array module that widens and rounds bfloat16 bits in array expressions (the per-bucket
+    mean's inputs, the soft hash's results): CuPy on a GPU, NumPy under the simulator."""
     try:
         return _xp()
     except ImportError as exc:
@@ -328,9 +327,25 @@ def _bfloat16_xp():
                           "bfloat16") from exc
 
 
+def _kernel_dtype(dtype):
+    """The dtype of a kernel's array for a caller's ``dtype``: bfloat16 as its ``uint16`` bits."""
+    return np.dtype(np.uint16) if chunkwise.is_bfloat16(dtype) else np.dtype(dtype)
+
+
+def _kernel_array(x):
+    """A device array as the tile kernels read it: :class:`Bfloat16` as a numba ``uint16`` view of
+    its bits (no copy), other arrays as they are."""
+    if not isinstance(x, Bfloat16):
+        return x
+    return _as_numba(x.bits).view(np.uint16)
+
+
 def _output(a, dtype, shape, dev):
     """Reshape/cast a device result to the caller's dtype and kind (bfloat16: :class:`Bfloat16`
-    bits, rounded to nearest even)."""
+    bits, rounded to nearest even; a ``uint16`` result of the tile kernels already holds them)."""
+    if chunkwise.is_bfloat16(dtype) and np.dtype(a.dtype) == np.uint16:
+        bits = a.view(np.int16).reshape(shape)
+        return Bfloat16(dev._cp.asarray(bits) if dev.cupy else bits)
     if chunkwise.is_bfloat16(dtype):
         xp = _bfloat16_xp()
         bits = chunkwise.Bfloat16Bits.empty(xp, shape)
@@ -507,7 +522,8 @@ def soft_buckets(x, planes, beta=DEFAULT_BETA):
     if M:
         T = int(THREADS)
         kern = cuda_kernels.make_kernels(L, P, T, np.dtype(cdt))["soft_hash_rows"]
-        dev.launch(kern, -(-M // T), T)(_to_device(x, cdt, (M, d), dev), dev.to_device(planes), beta, t, phi)
+        dev.launch(kern, -(-M // T), T)(_kernel_array(_to_device(x, None, (M, d), dev)), dev.to_device(planes), beta,
+                                        t, phi)
     return _output(phi, out_dtype, lead + (L, R), dev)
 
 
@@ -518,9 +534,10 @@ class Residuals:
     O(N * L * R) per head (soft buckets, tanh projections, denominators) plus
     the float64 sketch ``S (G, F, dv + 1)`` (B, then A in the last column)
     or, for causal attention, the float64 carried state at every chunk start
-    ``(G, nc, F, dv + 1)``.  ``v`` is kept by reference when it already is a
-    contiguous device array of the compute dtype: do not modify it between
-    forward and backward.  They record the backend that runs their backward
+    ``(G, nc, F, dv + 1)``.  ``v`` is kept by reference (in its own dtype;
+    :class:`Bfloat16`: a ``uint16`` view of its bits) when it already is a
+    contiguous device array and no packed sequences are padded: do not modify
+    it between forward and backward.  They record the backend that runs their backward
     (``backend``, :func:`racecpu.backend.backend_of`: :data:`BACKEND`).
     """
 
@@ -624,10 +641,13 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
     dev = _Device(_is_cupy(q.bits if isinstance(q, Bfloat16) else q))
     if _use_chunkwise(cu_seqlens):
         return _chunkwise_fwd(q, k, v, planes, beta, causal, key_mask, check_finite, dev, planes_grad)
-    a = _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, dev)
+    a = _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, dev, widen=False)
     G, n_given, d = a.q.shape
     nk, dv = a.v.shape[1:]
     L, P, _ = a.planes.shape
+    # q, k, v in their own dtypes (16-bit ones read by the kernels' ``load``), results written in theirs
+    mask = dev.full((G // a.group, nk), np.bool_, True) if a.mask is None else a.mask
+    q_, k_, v_ = (_kernel_array(x) for x in (a.q, a.k, a.v))
     F = L * 2 ** P
     cdt = a.cdt
     T = int(THREADS)
@@ -637,8 +657,8 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
     lay = _Layout.make(plan, max(n_given, nk), dev)
     # packed sequences in the padded layout; grouped-query k, v: sketched once per key/value head
     Gk = G // a.group
-    kk, vv, mask = (lay.pack(x, dev, fill) for x, fill in ((a.k, 0), (a.v, 0), (a.mask, False)))
-    qq = lay.pack(a.q, dev)
+    kk, vv, mask = (lay.pack(x, dev, fill) for x, fill in ((k_, 0), (v_, 0), (mask, False)))
+    qq = lay.pack(q_, dev)
     nq, nk = qq.shape[1], kk.shape[1]
     chunk = lay.chunk
     nck = -(-nk // chunk)
@@ -648,7 +668,7 @@ def race_attention_fwd(q, k, v, planes, beta=DEFAULT_BETA, *, causal=False, key_
     phiq = dev.empty((G, nq, F), cdt)
     tq = dev.empty((G, nq, L * P), cdt)
     den = dev.empty((G, nq), np.float64)
-    out = dev.empty((G, nq, dv), cdt)
+    out = dev.empty((G, nq, dv), _kernel_dtype(a.out_dtype))
     if G and nk:
         dev.launch(kern["sketch_chunks"], Gk * nck, T)(kk, vv, mask, a.planes, a.beta, chunk, phik, tk, part)
     # S per key/value head: the carries (causal) or sketch that its query heads read
@@ -697,13 +717,14 @@ def race_attention_bwd(residuals, grad_out, *, dplanes=False):
     T = r.threads  # the kernels must run with the forward's tile length
     kern = cuda_kernels.make_kernels(L, P, T, cdt)
     lay = r.layout
-    g = lay.pack(_to_device(g, cdt, (G, r.tokens, dv), dev), dev)
+    g = lay.pack(_kernel_array(_to_device(g, None, (G, r.tokens, dv), dev)), dev)
     chunk = r.chunk
     ncq, nck = -(-nq // chunk), -(-nk // chunk)
     Gk = G // r.group
-    dq = dev.empty((G, nq, d), cdt)
-    dk = dev.empty((Gk, nk, d), cdt)
-    dv_ = dev.empty((Gk, nk, dv), cdt)
+    qdt, kdt, vdt = r.in_dtypes  # each gradient written in its input's dtype by the kernels
+    dq = dev.empty((G, nq, d), _kernel_dtype(qdt))
+    dk = dev.empty((Gk, nk, d), _kernel_dtype(kdt))
+    dv_ = dev.empty((Gk, nk, dv), _kernel_dtype(vdt))
     dbeta = 0.0
     # each row's cotangent of its projections, kept for the planes' gradient (else a dummy)
     keep = bool(dplanes and nq and nk)
@@ -742,7 +763,6 @@ def race_attention_bwd(residuals, grad_out, *, dplanes=False):
         for x in (dq, dk, dv_):
             if x.size:
                 dev.grid(cuda_kernels.fill, x.size)(x.reshape(x.size), 0)
-    qdt, kdt, vdt = r.in_dtypes
     dq, dk, dv_ = (lay.unpack(x, dev) for x in (dq, dk, dv_))
     lead, klead = r.lead, r.kv_lead
     grads = (_output(dq, qdt, lead + (dq.shape[1], d), dev),
@@ -751,9 +771,9 @@ def race_attention_bwd(residuals, grad_out, *, dplanes=False):
              dbeta)
     if dplanes:
         if keep:  # q and k as the forward read them, in the padded layout of du
-            x_q = lay.pack(_to_device(r.q_in, cdt, (G, r.tokens, d), dev), dev)
+            x_q = lay.pack(_kernel_array(_to_device(r.q_in, None, (G, r.tokens, d), dev)), dev)
             nk_in = r.v.shape[1] if lay.rows is None else lay.packing.n
-            x_k = lay.pack(_to_device(r.k_in, cdt, (Gk, nk_in, d), dev), dev)
+            x_k = lay.pack(_kernel_array(_to_device(r.k_in, None, (Gk, nk_in, d), dev)), dev)
             dW = _plane_sums(((duq, x_q), (duk, x_k)), dev)
         else:  # no queries or no keys
             dW = dev.full((L * P * d,), np.float64, 0)

@@ -47,8 +47,72 @@ import math
 
 import numpy as np
 from numba import cuda
+from numba.core import config as _numba_config
 
 from ..hashing import DEN_FLOOR
+
+# ---------------------------------------------------------------------------
+# 16-bit elements: read as compute numbers, results rounded once
+# ---------------------------------------------------------------------------
+
+
+def load(x):
+    """An element of q, k, v or grad_out as a number to compute with: float16 widened to float32,
+    bfloat16 bits (a ``uint16`` array's element: :class:`racecpu.cuda.Bfloat16`) widened exactly
+    to float32, floats as they are.  So the tile kernels read 16-bit inputs in their own dtype and
+    no widened copy of a whole array is made.  (This body runs under the simulator; on a GPU the
+    overload below is compiled.)"""
+    if isinstance(x, np.uint16):
+        return np.asarray(np.uint32(x) << np.uint32(16)).view(np.float32)[()]
+    if isinstance(x, np.float16):
+        return np.float32(x)
+    return x
+
+
+def store(a, i, x, zero):
+    """``a[i] = x`` rounded to the compute dtype (that of the scalar ``zero``), then to ``a``'s
+    dtype, ties to even: a result written in its caller's dtype with the rounding a cast of the
+    compute dtype's result would give; a ``uint16`` ``a`` holds bfloat16 bits (NaN kept NaN, as
+    :class:`racecpu.chunkwise.Bfloat16Bits`)."""
+    if np.dtype(a.dtype) == np.uint16:
+        a[i] = _bfloat16_bits(int(np.asarray(np.float32(x)).view(np.uint32)))
+    else:
+        a[i] = type(zero)(x)
+
+
+@cuda.jit(device=True)
+def _bfloat16_bits(u):
+    """The bfloat16 pattern nearest the float32 pattern ``u`` (an int in 0 .. 2**32), ties to even;
+    NaN stays NaN (its sum could carry into the sign)."""
+    if (u & 0x7FFFFFFF) > 0x7F800000:
+        return (u >> 16) | 0x40
+    return (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+
+
+if not _numba_config.ENABLE_CUDASIM:  # the simulator runs the Python bodies above
+    from numba.cuda import libdevice as _libdevice
+    from numba.cuda import types as _types
+    from numba.cuda.extending import overload as _overload
+
+    @_overload(load, target="cuda")
+    def _load_cuda(x):
+        if x == _types.uint16:
+            return lambda x: _libdevice.int_as_float(np.int32(x) << 16)
+        if x == _types.float16:
+            return lambda x: np.float32(x)
+        return lambda x: x
+
+    @_overload(store, target="cuda")
+    def _store_cuda(a, i, x, zero):
+        if a.dtype == _types.uint16:
+            def store_bits(a, i, x, zero):
+                a[i] = np.uint16(_bfloat16_bits(np.int64(_libdevice.float_as_int(np.float32(x))) & 0xFFFFFFFF))
+            return store_bits
+        compute = zero  # a numba scalar type, callable as a cast
+
+        def store_float(a, i, x, zero):
+            a[i] = compute(x)
+        return store_float
 
 # ---------------------------------------------------------------------------
 # soft hash of one token: forward and backward (as racecpu._kernels)
@@ -77,7 +141,7 @@ def hash_row(x, W, beta, t, phi, keep):
         for p in range(P):
             u = zero
             for i in range(d):
-                u += x[i] * W[l, p, i]
+                u += load(x[i]) * W[l, p, i]
             th = math.tanh(u)
             t[l * P + p] = th
             a = _sigmoid(2.0 * beta * th)
@@ -101,6 +165,7 @@ def hash_row_bwd(dphi, phi, t, W, beta, du, dx):
     """
     L, P, d = W.shape
     R = 1 << P
+    zero = W[0, 0, 0] - W[0, 0, 0]
     dbeta = 0.0
     for l in range(L):
         base = l * R
@@ -124,7 +189,7 @@ def hash_row_bwd(dphi, phi, t, W, beta, du, dx):
         for l in range(L):
             for p in range(P):
                 acc += du[l * P + p] * W[l, p, i]
-        dx[i] = acc
+        store(dx, i, acc, zero)
     return dbeta
 
 
@@ -148,14 +213,14 @@ def readout_row(phiq, S, L, out):
     den /= L
     if den <= DEN_FLOOR:
         for c in range(dv):
-            out[c] = 0.0
+            store(out, c, 0.0, zero)
         return den
     inv = 1.0 / (L * den)
     for c in range(dv):
         acc = zero
         for f in range(F):
             acc += phiq[f] * S[f, c]
-        out[c] = acc * inv
+        store(out, c, acc * inv, zero)
     return den
 
 
@@ -178,7 +243,7 @@ def readout_row_bwd(phiq, S, g, den, L, dphi):
     for f in range(F):
         y = zero
         for c in range(dv):
-            y += S[f, c] * g[c]
+            y += S[f, c] * load(g[c])
         dphi[f] = y
         phiy += phiq[f] * y
     dden = -phiy * inv / den
@@ -200,13 +265,13 @@ def key_row_bwd(phik, tk, vrow, dS, W, beta, dphi, du, dk, dvrow):
     for f in range(F):
         y = zero
         for c in range(dv):
-            y += dS[f, c] * vrow[c]
+            y += dS[f, c] * load(vrow[c])
         dphi[f] = y + dS[f, dv]
     for c in range(dv):
         s = zero
         for f in range(F):
             s += phik[f] * dS[f, c]
-        dvrow[c] = s
+        store(dvrow, c, s, zero)
     return hash_row_bwd(dphi, phik, tk, W, beta, du, dk)
 
 
@@ -224,7 +289,7 @@ def tile_sketch(phi, v, t0, t1, col, S):
         for f in range(F):
             s = phi[t0, f] - phi[t0, f]
             for j in range(t0, t1):
-                s += phi[j, f] * v[j, col]
+                s += phi[j, f] * load(v[j, col])
             S[f, col] += s
     else:
         for f in range(F):
@@ -243,7 +308,7 @@ def tile_dsketch(phiq, winv, dden, g, t0, t1, L, col, dS):
         for f in range(F):
             s = 0.0
             for i in range(t0, t1):
-                s += phiq[i, f] * winv[i] * g[i, col]
+                s += phiq[i, f] * winv[i] * load(g[i, col])
             dS[f, col] += s
     else:
         for f in range(F):
@@ -314,7 +379,7 @@ def plane_sums(du, x, rows, part):
         i = o - r * d
         s = 0.0
         for m in range(lo, hi):
-            s += du[m, r] * x[m, i]
+            s += du[m, r] * load(x[m, i])
         part[cuda.blockIdx.x, o] = s
 
 
@@ -368,7 +433,7 @@ def cast_copy(src, dst):
 def flag_nonfinite(x, flag):
     """flag[0] = 1 if any entry of the 1-d array x is NaN or +-Inf."""
     for i in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
-        if not math.isfinite(x[i]):
+        if not math.isfinite(load(x[i])):
             flag[0] = 1
 
 
@@ -386,6 +451,7 @@ def make_kernels(L, P, T, dtype):
     """
     DT = np.dtype(dtype).type
     F = int(L) * 2 ** int(P)
+    DV_BLOCK = 128  # columns of a key's dv summed in registers/local memory at a time
     LP = int(L) * int(P)
     T = int(T)
 
@@ -536,7 +602,7 @@ def make_kernels(L, P, T, dtype):
         den /= L
         if den <= DEN_FLOOR:
             for c in range(dv):
-                out[c] = 0.0
+                store(out, c, 0.0, zero)
             return den
         inv = 1.0 / (L * den)
         for c in range(dv):
@@ -544,8 +610,8 @@ def make_kernels(L, P, T, dtype):
             for f in range(F_):
                 acc += phiq[f] * S[f, c]
             for j in range(t0, i + 1):
-                acc += kap[j - t0] * v[j, c]
-            out[c] = acc * inv
+                acc += kap[j - t0] * load(v[j, c])
+            store(out, c, acc * inv, zero)
         return den
 
     @cuda.jit
@@ -595,14 +661,14 @@ def make_kernels(L, P, T, dtype):
         for j in range(t0, i + 1):
             s = zero
             for c in range(dv):
-                s += v[j, c] * g[c]
+                s += load(v[j, c]) * load(g[c])
             gv[j - t0] = s
         inv = 1.0 / (L * den)
         phiy = 0.0
         for f in range(F_):
             y = zero
             for c in range(dv):
-                y += S[f, c] * g[c]
+                y += S[f, c] * load(g[c])
             for j in range(t0, i + 1):
                 y += phik[j, f] * gv[j - t0]
             dphi[f] = y
@@ -673,37 +739,45 @@ def make_kernels(L, P, T, dtype):
         zero = phik[0] - phik[0]
         gv = cuda.local.array(T, DT)
         pw = cuda.local.array(T, DT)
+        dvacc = cuda.local.array(DV_BLOCK, DT)  # dvrow's sums, stored once (rounded once if 16-bit)
         for f in range(F_):
             y = zero
             for c in range(dv):
-                y += dS[f, c] * vrow[c]
+                y += dS[f, c] * load(vrow[c])
             dphi[f] = y + dS[f, dv]
-        for c in range(dv):
-            s = zero
-            for f in range(F_):
-                s += phik[f] * dS[f, c]
-            dvrow[c] = s
         for hl in range(group):
             h = h0 + hl
             for i in range(j, t1):
                 s = zero
                 for c in range(dv):
-                    s += g[h, i, c] * vrow[c]
+                    s += load(g[h, i, c]) * load(vrow[c])
                 gv[i - j] = s
-                p = zero
-                for f in range(F_):
-                    p += phik[f] * phiq[h, i, f]
-                pw[i - j] = p * winv[h, i]
             for f in range(F_):
                 e = 0.0
                 for i in range(j, t1):
                     e += phiq[h, i, f] * (winv[h, i] * gv[i - j] + dden[h, i] / L)
                 dphi[f] += e
-            for c in range(dv):
+        for c0 in range(0, dv, DV_BLOCK):
+            nb = min(DV_BLOCK, dv - c0)
+            for c in range(nb):
                 s = zero
-                for i in range(j, t1):
-                    s += pw[i - j] * g[h, i, c]
-                dvrow[c] += s
+                for f in range(F_):
+                    s += phik[f] * dS[f, c0 + c]
+                dvacc[c] = s
+            for hl in range(group):
+                h = h0 + hl
+                for i in range(j, t1):  # (again for each block of DV_BLOCK columns past the first)
+                    p = zero
+                    for f in range(F_):
+                        p += phik[f] * phiq[h, i, f]
+                    pw[i - j] = p * winv[h, i]
+                for c in range(nb):
+                    s = zero
+                    for i in range(j, t1):
+                        s += pw[i - j] * load(g[h, i, c0 + c])
+                    dvacc[c] += s
+            for c in range(nb):
+                store(dvrow, c0 + c, dvacc[c], zero)
         return hash_row_bwd(dphi, phik, tk, W, beta, du, dk)
 
     @cuda.jit
