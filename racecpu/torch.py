@@ -60,9 +60,9 @@ __all__ = ["race_attention", "RaceAttention"]
 
 #: How bfloat16 CUDA tensors cross to racecpu.cuda: "float32" (a float32 copy of each, whole: the
 #: form timed on an H200) or "bits" (``racecpu.cuda.Bfloat16`` of their int16 view: widened a
-#: segment at a time by the chunkwise form, results returned in bfloat16, no whole copies; for
-#: calls the chunkwise form takes, else float32).  "float32" until a GPU has run "bits" through
-#: torch: racecpu.cuda's side is tested on Numba's simulator, this crossing is not.
+#: segment at a time by the chunkwise form, an element at a time by the tile kernels, results
+#: returned in bfloat16, no whole copies).  "float32" until a GPU has run "bits" through torch:
+#: racecpu.cuda's side is tested on Numba's simulator, this crossing is not.
 CUDA_BFLOAT16 = "float32"
 
 _RESIDUALS = {}          # handle -> the residuals of the forward's backend (CPU or racecpu.cuda)
@@ -122,14 +122,11 @@ def _to_device_array(t, bits=False):
     return t.to(torch.float32)
 
 
-def _bits_crossing(cu_seqlens):
-    """Whether this call's bfloat16 CUDA tensors cross as bits (:data:`CUDA_BFLOAT16`)."""
+def _bits_crossing():
+    """Whether bfloat16 CUDA tensors cross as bits (:data:`CUDA_BFLOAT16`)."""
     if CUDA_BFLOAT16 not in ("float32", "bits"):
         raise ValueError(f"racecpu.torch.CUDA_BFLOAT16 must be 'float32' or 'bits', got {CUDA_BFLOAT16!r}")
-    if CUDA_BFLOAT16 != "bits":
-        return False
-    from . import cuda
-    return cuda._use_chunkwise(cu_seqlens)
+    return CUDA_BFLOAT16 == "bits"
 
 
 def _backend(t):
@@ -173,7 +170,7 @@ def _forward_impl(q, k, v, planes, beta, causal, key_mask, keep_residuals, cu_se
     """The forward on the tensors' backend: ``(out tensor, residuals or None)``; what both the
     custom op and the eager path (:class:`_EagerRace`) run."""
     backend, to_array = _backend(q)
-    if to_array is _to_device_array and _bits_crossing(cu_seqlens):
+    if to_array is _to_device_array and _bits_crossing():
         to_array = functools.partial(_to_device_array, bits=True)
     args = (to_array(q), to_array(k), to_array(v), to_array(planes), float(beta))
     kw = {"causal": causal, "key_mask": None if key_mask is None else to_array(key_mask), "estimator": estimator}
@@ -225,9 +222,8 @@ def _backward_impl(res, grad_out, q, k, v, planes, dplanes):
     """The backward from the forward's residuals: ``(dq, dk, dv, dbeta, dW)`` tensors (``dW`` a
     placeholder without ``dplanes``); what both the custom op and the eager path run."""
     _, to_array = _backend(grad_out)
-    if to_array is _to_device_array and getattr(res, "backend", "") == "cuda" and hasattr(res, "state"):
-        # a chunkwise forward's cotangent crosses as its inputs did
-        to_array = functools.partial(_to_device_array, bits=_bits_crossing(None))
+    if to_array is _to_device_array and getattr(res, "backend", "") == "cuda":
+        to_array = functools.partial(_to_device_array, bits=_bits_crossing())
     dev = grad_out.device
     with _torch_threads_kept():
         if dplanes:

@@ -298,17 +298,12 @@ def test_torch_thread_count_survives_the_op():
 
 
 def test_cuda_bfloat16_crossing_is_chosen_and_checked(monkeypatch):
-    """racecpu.torch.CUDA_BFLOAT16: "float32" (the default) never sends bits; "bits" sends them where
-    racecpu.cuda's chunkwise form takes the call (not for packed sequences); anything else is a
-    ValueError naming it.  (The crossing itself needs CUDA tensors: the GPU's tests.)"""
-    pytest.importorskip("numba.cuda")
-    import racecpu.cuda as rc
-    assert rt.CUDA_BFLOAT16 == "float32" and not rt._bits_crossing(None)
+    """racecpu.torch.CUDA_BFLOAT16: "float32" (the default) never sends bits; "bits" sends them to
+    every racecpu.cuda call (both of its forms take them); anything else is a ValueError naming it.
+    (The crossing itself needs CUDA tensors: the GPU's tests.)"""
+    assert rt.CUDA_BFLOAT16 == "float32" and not rt._bits_crossing()
     monkeypatch.setattr(rt, "CUDA_BFLOAT16", "bits")
-    monkeypatch.setattr(rc, "PATH", "chunkwise")
-    assert rt._bits_crossing(None) and not rt._bits_crossing(np.array([0, 4]))
-    monkeypatch.setattr(rc, "PATH", "tiles")
-    assert not rt._bits_crossing(None)
+    assert rt._bits_crossing()
     monkeypatch.setattr(rt, "CUDA_BFLOAT16", "bfloat16")
     with pytest.raises(ValueError, match="CUDA_BFLOAT16 must be 'float32' or 'bits', got 'bfloat16'"):
-        rt._bits_crossing(None)
+        rt._bits_crossing()
