@@ -196,6 +196,12 @@ class Args:
                      for given, x in zip(self.given, (self.q, self.k, self.v)))
 
 
+def kv_lead(lead, group):
+    """The leading dims of k and v: q's with the head axis (the last) ``group`` times smaller
+    (grouped-query attention, :func:`check_args`)."""
+    return lead[:-1] + (lead[-1] // group,) if group > 1 else lead
+
+
 def check_args(q, k, v, planes, beta, causal, key_mask, grouped=False):
     """Cross-argument checks on already-checked q, k, v (anything with shape and dtype).
 

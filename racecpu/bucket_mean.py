@@ -42,7 +42,8 @@ from typing import ClassVar
 import numpy as np
 
 from ._arrays import namespace_of, to_namespace
-from ._checks import check_array, check_grad_buffers, check_out, deliver, planes_grad_dtype, prepare, widened
+from ._checks import (check_array, check_grad_buffers, check_out, deliver, kv_lead, planes_grad_dtype, prepare,
+                      widened)
 from ._memory import POOL
 from .engine import group_sum
 from .packing import check_cu_seqlens, check_packed_lengths
@@ -153,7 +154,7 @@ def race_attention_bucket_mean_bwd(residuals, grad_out, dplanes=False):
     not modified.
     """
     parts, shapes = residuals
-    return backward_sequences(np, parts, np.asarray(grad_out, dtype=parts[0][1][5].dtype), shapes, dplanes)
+    return backward_sequences(np, parts, np.asarray(grad_out, dtype=buckets_of(parts).dtype), shapes, dplanes)
 
 
 def backward_sums(xp, residuals, g, dplanes=False):
@@ -302,6 +303,12 @@ def forward_sequences(xp, q, k, v, planes, beta, *, causal, key_mask, eps, bound
     return out, parts
 
 
+def buckets_of(parts):
+    """The forward's soft buckets of q in the residuals ``parts`` of :func:`forward_sequences`
+    (their first sequence's): an array in the compute dtype with q's groups first."""
+    return parts[0][1][5]
+
+
 def backward_sequences(xp, parts, g, shapes, dplanes=False):
     """The backward of :func:`forward_sequences`: ``(dq, dk, dv, dbeta[, dplanes])`` with ``dq``,
     ``dk``, ``dv`` of ``shapes`` (the forward's inputs', leading axes broadcast), ``g`` the
@@ -346,9 +353,8 @@ def forward(q, k, v, planes, beta, *, causal=False, key_mask=None, check_finite=
         y = to_namespace(xp, y)
     if not residuals:
         return y, None
-    klead = a.lead[:-1] + (a.lead[-1] // a.group,) if a.group > 1 else a.lead
-    return y, Residuals(inner=inner, lead=a.lead, kv_lead=klead, group=a.group, nq=nq, nk=nk, d=d, dv=dv,
-                        in_dtypes=a.in_dtypes, check_finite=a.check_finite, namespace=xp,
+    return y, Residuals(inner=inner, lead=a.lead, kv_lead=kv_lead(a.lead, a.group), group=a.group, nq=nq, nk=nk,
+                        d=d, dv=dv, in_dtypes=a.in_dtypes, check_finite=a.check_finite, namespace=xp,
                         planes_dtype=planes_grad_dtype(np.asarray(planes).dtype, a.q.dtype))
 
 
@@ -363,7 +369,7 @@ def backward(residuals, grad_out, *, out=None, dplanes=False):
     shapes = (r.lead + (r.nq, r.d), r.kv_lead + (r.nk, r.d), r.kv_lead + (r.nk, r.dv))
     out = check_grad_buffers(g, out, r.out_shape, shapes, r.in_dtypes, [], r.check_finite)
     check_array("grad_out", g, r.check_finite)
-    cdt = r.inner[0][1][5].dtype  # the forward's soft buckets: the compute dtype
+    cdt = buckets_of(r.inner).dtype
     G = int(np.prod(r.lead, dtype=np.int64))
     dq, dk, dv, dbeta, *dW = backward_sequences(np, r.inner, widened(g.reshape(G, r.nq, r.dv), cdt),
                                                 ((G, r.nq, r.d), (G, r.nk, r.d), (G, r.nk, r.dv)), dplanes)

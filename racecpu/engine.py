@@ -48,7 +48,7 @@ from . import _fork
 from . import _kernels as K
 from ._arrays import namespace_of, to_namespace
 from ._checks import (OVERFLOW_MARGIN, all_finite, check_array, check_derived, check_grad_buffers, check_narrowed,
-                      check_out, check_results, deliver, max_abs, planes_grad_dtype, prepare, sums_overflow,
+                      check_out, check_results, deliver, kv_lead, max_abs, planes_grad_dtype, prepare, sums_overflow,
                       widened)
 from ._kernels import set_threads, threads  # noqa: F401  (racecpu's: the kernels' thread count)
 from ._memory import POOL
@@ -644,7 +644,7 @@ class Residuals:
     @property
     def kv_lead(self):
         """The leading dims of k and v (fewer heads than q's under grouped-query attention)."""
-        return self.lead[:-1] + (self.lead[-1] // self.group,) if self.group > 1 else self.lead
+        return kv_lead(self.lead, self.group)
 
 
 def target(out, shape, cdt):

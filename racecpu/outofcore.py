@@ -63,7 +63,7 @@ import numpy as np
 
 from . import _blocks as blocks
 from . import engine
-from ._checks import check_beta, check_planes
+from ._checks import check_beta, check_planes, kv_lead
 from ._memory import Buffers
 from .config import CHUNK
 from .hashing import DEFAULT_BETA, soft_buckets
@@ -108,11 +108,6 @@ class OocResiduals:
     @property
     def kv_lead(self):
         return kv_lead(self.lead, self.group)
-
-
-def kv_lead(lead, group):
-    """The leading dims of k and v: q's with the head axis (the last) ``group`` times smaller."""
-    return lead[:-1] + (lead[-1] // group,) if group > 1 else lead
 
 
 def _group_of(q, k, v):

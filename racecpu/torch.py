@@ -222,8 +222,8 @@ def _backward_impl(res, grad_out, q, k, v, planes, dplanes):
     """The backward from the forward's residuals: ``(dq, dk, dv, dbeta, dW)`` tensors (``dW`` a
     placeholder without ``dplanes``); what both the custom op and the eager path run."""
     _, to_array = _backend(grad_out)
-    if to_array is _to_device_array and getattr(res, "backend", "") == "cuda":
-        to_array = functools.partial(_to_device_array, bits=_bits_crossing())
+    if to_array is _to_device_array and _bits_crossing():   # the cotangent crosses as the forward's inputs
+        to_array = functools.partial(_to_device_array, bits=True)
     dev = grad_out.device
     with _torch_threads_kept():
         if dplanes:

@@ -380,8 +380,8 @@ def _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, dev, widen=T
     Runs the CPU checks (the per-array ones directly, on zero-stride stand-ins
     of device arrays) and the same cross-shape checks in the same order, then
     moves q, k, v, the mask and the planes to the device in the kernel layout:
-    q, k, v in the compute dtype, or (``widen=False``) in their own dtype, and
-    no mask array where ``key_mask`` is None and nothing is widened.
+    q, k, v in the compute dtype, or (``widen=False``) in their own dtype; no
+    mask array where ``key_mask`` is None.
     """
     q, qdt, _ = _check_array("q", q, check_finite, dev)
     k, kdt, _ = _check_array("k", k, check_finite, dev)
@@ -394,10 +394,7 @@ def _prepare(q, k, v, planes, beta, causal, key_mask, check_finite, dev, widen=T
     nq, d = pq.shape[-2:]
     nk = pk.shape[-2]
     # --- to the device, kernel layout ---
-    if key_mask is None:
-        mask = dev.full((Gk, nk), np.bool_, True) if widen else None
-    else:
-        mask = _to_device(key_mask, np.bool_, (Gk, nk), dev)
+    mask = None if key_mask is None else _to_device(key_mask, np.bool_, (Gk, nk), dev)
     dv = pv.shape[-1]
     wdt = cdt if widen else None
     return _Args(_to_device(q, wdt, (G, nq, d), dev), _to_device(k, wdt, (Gk, nk, d), dev),
@@ -575,7 +572,7 @@ class Residuals:
 
     @property
     def kv_lead(self):
-        return self.lead[:-1] + (self.lead[-1] // self.group,) if self.group > 1 else self.lead
+        return cpu_checks.kv_lead(self.lead, self.group)
 
 
 def _grad_out(r, grad_out):
@@ -1250,7 +1247,7 @@ def _chunkwise_fwd(q, k, v, planes, beta, causal, key_mask, check_finite, dev, p
     out = _from_xp(xp, out.reshape(a.lead + (n, v_.shape[2])), dev)
     if not residuals:
         return out, None
-    kv_lead = a.lead[:-1] + (a.lead[-1] // a.group,) if a.group > 1 else a.lead
+    kv_lead = cpu_checks.kv_lead(a.lead, a.group)
     # the caller's q and k by reference (as v), read again only for the planes' gradient
     state.update(q_in=q if planes_grad else None, k_in=k if planes_grad else None,
                  planes_dtype=_planes_dtype(planes, a.cdt))
@@ -1330,7 +1327,7 @@ def _bucket_mean_fwd(q, k, v, planes, beta, *, causal, key_mask, check_finite, c
     out = _from_xp(xp, chunkwise._cast(xp, y, a.out_dtype).reshape(a.lead + (n, dv)), dev)
     if not residuals:
         return out, None
-    kv_lead = a.lead[:-1] + (a.lead[-1] // a.group,) if a.group > 1 else a.lead
+    kv_lead = cpu_checks.kv_lead(a.lead, a.group)
     return out, BucketMeanResiduals(inner=inner, lead=a.lead, kv_lead=kv_lead, group=a.group, nq=n, nk=a.k.shape[1],
                                     d=a.q.shape[2], dv=dv, in_dtypes=a.in_dtypes, check_finite=bool(check_finite),
                                     planes_dtype=_planes_dtype(planes, a.cdt), cupy_out=dev.cupy)
@@ -1341,7 +1338,7 @@ def _bucket_mean_bwd(r, grad_out, dplanes=False):
     dtypes (the planes' gradient in the planes' dtype), device arrays of the forward's kind."""
     dev, g = _grad_out(r, grad_out)
     xp = _xp()
-    pq = r.inner[0][1][5]  # the forward's soft buckets: the compute dtype, q's groups
+    pq = bucket_mean.buckets_of(r.inner)  # the compute dtype, q's groups
     G = pq.shape[0]
     g = _as_xp(xp, _to_device(g, pq.dtype, (G, r.nq, r.dv), dev))
     shapes = ((G, r.nq, r.d), (G, r.nk, r.d), (G, r.nk, r.dv))
